@@ -1,0 +1,26 @@
+"""One-call conveniences over the plan/run functions."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from .checkpoint import open_checkpoint
+from .convert import ConvertResult, plan_to_fp32, run_to_fp32
+from .writers.safetensors import TensorSpec
+
+__all__ = ["to_fp32"]
+
+
+def to_fp32(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *, tag: str | None = None,
+            dtype: torch.dtype = torch.float32, exclude_frozen: bool = False,
+            max_shard_size: str | int | None = None, force: bool = False, strict: bool = False,
+            on_tensor: Callable[[TensorSpec], None] | None = None) -> ConvertResult:
+    """Consolidate the checkpoint at ``checkpoint`` into ``output`` (``.safetensors`` file, folder of
+    shards, or ``.bin``/``.pt``). Returns what was written and which tensors held inf/NaN."""
+    ckpt = open_checkpoint(checkpoint, tag=tag)
+    plan = plan_to_fp32(ckpt.logical, output, dtype=dtype, exclude_frozen=exclude_frozen,
+                        max_shard_size=max_shard_size)
+    return run_to_fp32(plan, ckpt.cache, force=force, strict=strict, on_tensor=on_tensor)

@@ -1,0 +1,62 @@
+"""Fragments -> one full tensor at a time. Only the bytes of the tensor asked for are read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .errors import CorruptCheckpointError
+from .model import LogicalCheckpoint, Piece, Role, TensorEntry
+from .readers.common import FileCache
+
+__all__ = ["read_piece", "read_entry", "iter_tensors"]
+
+
+def read_piece(piece: Piece, shape: tuple[int, ...], cache: FileCache, *, name: str = "?") -> torch.Tensor:
+    """Assemble ``piece`` into a new tensor of ``shape`` in its stored dtype."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if piece.numel != numel:
+        raise CorruptCheckpointError(
+            f"tensor '{name}': its {piece.role.value} copy has {piece.numel} elements in the files, "
+            f"the recorded shape {list(shape)} needs {numel}; the checkpoint metadata is inconsistent"
+        )
+    out: torch.Tensor | None = None
+    for frag in piece.fragments:
+        ref = cache.tensor(frag.file, frag.key)
+        if out is None:
+            out = torch.empty(numel, dtype=ref.dtype)
+        if ref.dtype != out.dtype:
+            raise CorruptCheckpointError(f"{frag.file}: tensor '{name}' fragments mix {ref.dtype} and {out.dtype}")
+        ref.read(frag.src_offset, frag.numel, out=out[frag.dst_offset : frag.dst_offset + frag.numel])
+    if out is None:
+        out = torch.empty(0, dtype=getattr(torch, piece.dtype))
+    return out.view(shape)
+
+
+def read_entry(entry: TensorEntry, cache: FileCache, role: Role | None = None) -> torch.Tensor:
+    """The tensor of ``entry``: the copy with ``role``, by default the most precise one."""
+    piece = entry.source_for_fp32() if role is None else entry.piece(role)
+    if piece is None:
+        raise KeyError(f"'{entry.name}' has no {role.value if role else ''} copy")
+    return read_piece(piece, entry.shape, cache, name=entry.name)
+
+
+def iter_tensors(ckpt: LogicalCheckpoint, cache: FileCache | None = None, *,
+                 dtype: torch.dtype | None = torch.float32,
+                 exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every param and buffer, one at a time.
+
+    Floating tensors come from the fp32 master where there is one and are cast to ``dtype``
+    (``None`` keeps the stored dtype); integer buffers keep their dtype.
+    """
+    cache = cache or FileCache()
+    for entry in ckpt.entries:
+        if exclude_frozen and not entry.trainable and entry.kind.value == "param":
+            continue
+        t = read_entry(entry, cache)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        yield entry.name, t

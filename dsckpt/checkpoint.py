@@ -1,0 +1,52 @@
+"""The library's front door: open a checkpoint, look at it, stream its tensors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from .assemble import iter_tensors, read_entry
+from .model import LogicalCheckpoint, Role, TensorEntry
+from .readers import FileCache, read_checkpoint
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+
+class Checkpoint:
+    """A DeepSpeed checkpoint opened for reading. Tensors are read lazily, one at a time."""
+
+    def __init__(self, logical: LogicalCheckpoint, cache: FileCache) -> None:
+        self.logical = logical
+        self._cache = cache
+
+    @property
+    def entries(self) -> tuple[TensorEntry, ...]:
+        return self.logical.entries
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.logical.entries]
+
+    def tensor(self, name: str, *, role: Role | None = None) -> torch.Tensor:
+        """One tensor in its stored dtype: the fp32 master by default (else the module copy)."""
+        return read_entry(self.logical.entry(name), self._cache, role)
+
+    def iter_tensors(self, *, dtype: torch.dtype | None = torch.float32,
+                     exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every param and buffer, floating ones cast to ``dtype``."""
+        return iter_tensors(self.logical, self._cache, dtype=dtype, exclude_frozen=exclude_frozen)
+
+    def state_dict(self, *, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """The whole consolidated state dict in memory (prefer :meth:`iter_tensors` for big models)."""
+        return dict(self.iter_tensors(dtype=dtype))
+
+    @property
+    def cache(self) -> FileCache:
+        return self._cache
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None) -> Checkpoint:
+    """Open the DeepSpeed checkpoint at ``path`` (a save dir with ``latest``, or a tag folder)."""
+    cache = FileCache()
+    return Checkpoint(read_checkpoint(path, tag=tag, cache=cache), cache)

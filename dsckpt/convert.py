@@ -1,0 +1,211 @@
+"""``to-fp32``: consolidate a checkpoint into one state dict file (or shards), one tensor at a time.
+
+:func:`plan_to_fp32` decides everything (names, dtypes, shapes, files) without reading tensor data;
+:func:`run_to_fp32` does the I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .assemble import read_entry
+from .atomic import atomic_dir, check_can_write
+from .errors import UsageError
+from .model import Kind, LogicalCheckpoint, TensorEntry
+from .readers import FileCache
+from .writers.safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors, write_sharded
+from .writers.torchfile import write_torch
+
+__all__ = [
+    "OutputFormat",
+    "ConvertPlan",
+    "NonFinite",
+    "ConvertResult",
+    "parse_size",
+    "parse_dtype",
+    "plan_to_fp32",
+    "run_to_fp32",
+    "NonFiniteValuesError",
+]
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+class OutputFormat(enum.Enum):
+    SAFETENSORS = "safetensors"
+    SAFETENSORS_SHARDED = "safetensors-sharded"
+    TORCH = "torch"
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise UsageError(f"unknown dtype '{name}'; use fp32, bf16 or fp16") from None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30, plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"cannot read size '{text}'; write it like 5GB, 500MB or 2GiB")
+    number, unit = float(m[1]), m[2].upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"": 0, "B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[:1] if unit[:1] in "KMGT" else ""]
+    size = int(number * base**power)
+    if size <= 0:
+        raise UsageError(f"shard size must be positive, got '{text}'")
+    return size
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    output: Path
+    format: OutputFormat
+    specs: tuple[TensorSpec, ...]
+    name_to_entry: dict[str, TensorEntry]
+    shards: ShardPlan | None
+    metadata: dict[str, str]
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    name: str
+    nan: int
+    posinf: int
+    neginf: int
+    numel: int
+
+    def describe(self) -> str:
+        parts = [f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n]
+        return f"{self.name}: {', '.join(parts)} of {self.numel} values"
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    plan: ConvertPlan
+    files: tuple[Path, ...]
+    nonfinite: tuple[NonFinite, ...] = field(default_factory=tuple)
+
+
+class NonFiniteValuesError(UsageError):
+    """``--strict``: the checkpoint holds inf/NaN values; nothing was written."""
+
+    exit_code = 1
+
+
+def output_format(output: Path, *, sharded: bool) -> OutputFormat:
+    suffix = output.suffix.lower()
+    if suffix == ".safetensors":
+        if sharded:
+            raise UsageError(
+                f"--max-shard-size needs a directory output, not the file '{output}'; "
+                "give a folder name to get model-0000X-of-0000N.safetensors shards and an index"
+            )
+        return OutputFormat.SAFETENSORS
+    if suffix in (".bin", ".pt", ".pth"):
+        if sharded:
+            raise UsageError("--max-shard-size is for safetensors output; give a directory")
+        return OutputFormat.TORCH
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"'{output}' exists and is not a directory; name a .safetensors, .bin or .pt file or a folder")
+    return OutputFormat.SAFETENSORS_SHARDED
+
+
+def _output_dtype(entry: TensorEntry, dtype: torch.dtype) -> torch.dtype:
+    stored = getattr(torch, entry.source_for_fp32().dtype)
+    return dtype if stored.is_floating_point else stored
+
+
+def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+                 exclude_frozen: bool = False, max_shard_size: str | int | None = None) -> ConvertPlan:
+    """Decide what ``to-fp32`` writes where. Pure: reads no tensor data, writes nothing."""
+    out = Path(output)
+    fmt = output_format(out, sharded=max_shard_size is not None)
+    chosen = [e for e in ckpt.entries if not (exclude_frozen and e.kind is Kind.PARAM and not e.trainable)]
+    specs = tuple(TensorSpec(e.name, _output_dtype(e, dtype), e.shape) for e in chosen)
+    shards = None
+    if fmt is OutputFormat.SAFETENSORS_SHARDED:
+        shards = plan_shards(specs, parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
+    metadata = {
+        "format": "pt",
+        "dsckpt_version": __version__,
+        "source_tag": ckpt.tag,
+        "deepspeed_version": ckpt.ds_version or "unknown",
+        "zero_stage": str(ckpt.zero_stage),
+        "training_precision": ckpt.precision.value,
+    }
+    return ConvertPlan(out, fmt, specs, {e.name: e for e in chosen}, shards, metadata)
+
+
+def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, strict: bool = False,
+                on_tensor: Callable[[TensorSpec], None] | None = None) -> ConvertResult:
+    """Write the plan's output atomically and report non-finite tensors.
+
+    With ``strict``, the first non-finite tensor aborts the write (nothing is left behind) and
+    :class:`NonFiniteValuesError` lists every non-finite tensor found so far.
+    """
+    check_can_write(plan.output, force=force)
+    found: list[NonFinite] = []
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        t = read_entry(plan.name_to_entry[spec.name], cache)
+        if t.is_floating_point():
+            bad = _nonfinite(spec.name, t)
+            if bad is not None:
+                found.append(bad)
+                if strict:
+                    raise NonFiniteValuesError(
+                        f"non-finite values in {bad.describe()}; nothing was written. "
+                        "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them"
+                    )
+        return t.to(spec.dtype) if t.dtype != spec.dtype else t
+
+    if plan.format is OutputFormat.SAFETENSORS:
+        files: tuple[Path, ...] = (write_safetensors(plan.output, plan.specs, produce, metadata=plan.metadata,
+                                                     on_tensor=on_tensor),)
+    elif plan.format is OutputFormat.TORCH:
+        def tensors():  # type: ignore[no-untyped-def]
+            for spec in plan.specs:
+                yield spec.name, produce(spec)
+                if on_tensor is not None:
+                    on_tensor(spec)
+
+        files = (write_torch(plan.output, tensors()),)
+    else:
+        assert plan.shards is not None
+        with atomic_dir(plan.output) as tmp:
+            written = write_sharded(tmp, plan.shards, produce, metadata=plan.metadata, on_tensor=on_tensor)
+        files = tuple(plan.output / p.name for p in written)
+    return ConvertResult(plan, files, tuple(found))
+
+
+def _nonfinite(name: str, t: torch.Tensor) -> NonFinite | None:
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return None
+    nan = int(torch.isnan(t).sum())
+    posinf = int(torch.isposinf(t).sum())
+    neginf = int(torch.isneginf(t).sum())
+    return NonFinite(name, nan, posinf, neginf, t.numel())

@@ -1,0 +1,65 @@
+"""The exception hierarchy. Every error dsckpt raises on purpose is a :class:`DsckptError`.
+
+Messages say what failed, where (file, rank, tensor), why, and what to do. The CLI maps each class to
+one exit code (see :data:`EXIT_CODES`) and prints the message on one line, with no traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DsckptError",
+    "UsageError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "UnsupportedCheckpointError",
+    "UnsafeCheckpointError",
+    "RepairError",
+    "EXIT_OK",
+    "EXIT_FINDINGS",
+    "EXIT_USAGE",
+    "EXIT_BAD_CHECKPOINT",
+    "EXIT_INTERNAL",
+]
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_USAGE = 2
+EXIT_BAD_CHECKPOINT = 3
+EXIT_INTERNAL = 70
+
+
+class DsckptError(Exception):
+    """Root of every error dsckpt raises deliberately."""
+
+    exit_code: int = EXIT_BAD_CHECKPOINT
+
+
+class UsageError(DsckptError):
+    """The request cannot be carried out as asked (bad option, output exists, ...)."""
+
+    exit_code = EXIT_USAGE
+
+
+class CheckpointNotFoundError(DsckptError):
+    """The path is not a DeepSpeed checkpoint, or the requested tag does not exist."""
+
+
+class IncompleteCheckpointError(DsckptError):
+    """Rank files are missing (typically an interrupted save)."""
+
+
+class CorruptCheckpointError(DsckptError):
+    """A file is truncated, unreadable, or its metadata contradicts the rest of the checkpoint."""
+
+
+class UnsupportedCheckpointError(DsckptError):
+    """A layout dsckpt recognises but does not handle yet (tensor parallel, MoE, ...)."""
+
+
+class UnsafeCheckpointError(DsckptError):
+    """A pickle asked for a global that is not on the allow-list; nothing was executed."""
+
+
+class RepairError(DsckptError):
+    """A repair cannot be planned (e.g. non-finite tensors without a source value)."""

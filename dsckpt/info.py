@@ -1,0 +1,82 @@
+"""``info``: what a checkpoint is, and a cheap health check (metadata only, no tensor data read)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import DsckptError
+from .layout import list_tags
+from .model import Kind, LogicalCheckpoint
+from .readers import FileCache
+
+__all__ = ["summarize", "health_problems"]
+
+
+def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
+    """Every inconsistency between the logical model and the stored tensors (empty when healthy)."""
+    problems = []
+    for e in ckpt.entries:
+        if e.tied_to is not None:
+            continue
+        for piece in e.pieces:
+            if piece.numel != e.numel:
+                problems.append(f"{e.name}: {piece.role.value} copy has {piece.numel} elements, shape "
+                                f"{list(e.shape)} needs {e.numel}")
+                continue
+            for frag in piece.fragments:
+                try:
+                    ref = cache.tensor(frag.file, frag.key)
+                except DsckptError as err:
+                    problems.append(str(err))
+                    continue
+                if frag.src_offset + frag.numel > ref.numel:
+                    problems.append(f"{e.name}: {piece.role.value} fragment in {frag.file.name} ends at "
+                                    f"{frag.src_offset + frag.numel}, the stored tensor has {ref.numel}")
+    return problems
+
+
+def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
+    """A JSON-ready description of ``ckpt``."""
+    params = [e for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
+    trainable = sum(e.numel for e in params if e.trainable)
+    frozen = sum(e.numel for e in params if not e.trainable)
+    groups: dict[str, list[str]] = {}
+    for alias, source in ckpt.tied.items():
+        groups.setdefault(source, [source]).append(alias)
+    files = []
+    for path in ckpt.files:
+        files.append({"name": str(path.relative_to(ckpt.tag_dir)), "nbytes": path.stat().st_size})
+    problems = health_problems(ckpt, cache)
+    return {
+        "path": str(ckpt.root),
+        "tag": ckpt.tag,
+        "tags": list_tags(ckpt.root),
+        "layout": ckpt.layout,
+        "zero_stage": ckpt.zero_stage,
+        "precision": ckpt.precision.value,
+        "optimizer_wrapper": ckpt.optimizer_wrapper,
+        "dp_world_size": ckpt.dp_world_size,
+        "pp_world_size": ckpt.pp_world_size,
+        "tp_world_size": ckpt.tp_world_size,
+        "deepspeed_version": ckpt.ds_version,
+        "global_steps": ckpt.global_steps,
+        "global_samples": ckpt.global_samples,
+        "optimizer_step": ckpt.optimizer_step,
+        "params": {
+            "count": len(params),
+            "numel_trainable": trainable,
+            "numel_frozen": frozen,
+            "numel_total": trainable + frozen,
+        },
+        "tied": [sorted(g) for g in groups.values()],
+        "buffers": [{"name": e.name, "dtype": e.stored_dtype, "shape": list(e.shape)} for e in ckpt.buffers],
+        "tensors": [
+            {"name": e.name, "kind": e.kind.value, "trainable": e.trainable, "shape": list(e.shape),
+             "dtype": e.stored_dtype, "tied_to": e.tied_to,
+             "copies": sorted({p.role.value for p in e.pieces})}
+            for e in ckpt.entries
+        ],
+        "files": files,
+        "total_nbytes": sum(f["nbytes"] for f in files),
+        "health": {"ok": not problems, "problems": problems},
+    }

@@ -1,0 +1,195 @@
+"""Find the tag folder of a DeepSpeed checkpoint and name its files. No torch, no unpickling.
+
+A user may point at the save dir (``<save_dir>/latest`` names the tag), at a tag folder, or at a
+Hugging Face Trainer ``checkpoint-N/`` folder (which is a save dir). Tags are free-form: Accelerate
+saves under ``pytorch_model``, not ``global_stepN`` (DEEPSPEED-NOTES 1.1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointNotFoundError, IncompleteCheckpointError, UnsupportedCheckpointError
+
+__all__ = ["CheckpointFiles", "find_tag_dir", "list_tags", "classify_files"]
+
+# DeepSpeed 0.19.8 engine.py:4319-4381, pipe/module.py:588-605.
+_MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+# Very old releases wrote "...mp_rank_00optim_states.pt" (no underscore); the loader still accepts it.
+_OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
+_EXPP_OPTIM = re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of one tag folder, by role. Paths are absolute; ranks index the mappings."""
+
+    root: Path
+    tag: str
+    tag_dir: Path
+    mp_to_model_states: dict[int, Path]
+    dp_mp_to_zero3_model_states: dict[tuple[int, int], Path]
+    dp_mp_to_optim_states: dict[tuple[int, int], Path]
+    bf16_prefixed_optim: bool
+    layer_files: dict[tuple[int, int | None], Path]
+    other_files: tuple[Path, ...]
+
+    @property
+    def mp_world_size(self) -> int:
+        mps = set(self.mp_to_model_states) | {mp for _, mp in self.dp_mp_to_zero3_model_states}
+        mps |= {mp for _, mp in self.dp_mp_to_optim_states}
+        return max(mps) + 1 if mps else 1
+
+    @property
+    def optim_dp_world_size(self) -> int:
+        return max((dp for dp, _ in self.dp_mp_to_optim_states), default=-1) + 1
+
+    def all_files(self) -> list[Path]:
+        files = [*self.mp_to_model_states.values(), *self.dp_mp_to_zero3_model_states.values(),
+                 *self.dp_mp_to_optim_states.values(), *self.layer_files.values()]
+        return sorted(files)
+
+
+def _is_tag_dir(path: Path) -> bool:
+    try:
+        return any(
+            _MODEL_STATES.match(n) or _ZERO3_MODEL_STATES.match(n) or _LAYER.match(n)
+            for n in os.listdir(path)
+        )
+    except (NotADirectoryError, FileNotFoundError, PermissionError):
+        return False
+
+
+def list_tags(root: str | os.PathLike[str]) -> list[str]:
+    """Sub-folders of ``root`` that hold DeepSpeed model-states files, sorted naturally."""
+    root = Path(root)
+    try:
+        names = [n for n in os.listdir(root) if (root / n).is_dir() and _is_tag_dir(root / n)]
+    except (NotADirectoryError, FileNotFoundError):
+        return []
+    return sorted(names, key=_natural_key)
+
+
+def _natural_key(s: str) -> list[object]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path]:
+    """Resolve ``path`` (save dir or tag folder) and ``tag`` to ``(root, tag, tag_dir)``."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"'{p}' does not exist")
+    if p.is_file():
+        raise CheckpointNotFoundError(
+            f"'{p}' is a file; point dsckpt at the checkpoint folder (the one holding 'latest') "
+            "or at a tag folder such as 'global_step100'"
+        )
+    if tag is None and _is_tag_dir(p):
+        return p.parent, p.name, p
+    if tag is not None:
+        candidate = p / tag
+        if _is_tag_dir(candidate):
+            return p, tag, candidate
+        if p.name == tag and _is_tag_dir(p):
+            return p.parent, tag, p
+        raise CheckpointNotFoundError(
+            f"tag '{tag}' not found in '{p}'; available tags: {', '.join(list_tags(p)) or 'none'}"
+        )
+    latest = p / "latest"
+    tags = list_tags(p)
+    if latest.is_file():
+        name = latest.read_text(encoding="utf-8").strip()
+        if _is_tag_dir(p / name):
+            return p, name, p / name
+        raise CheckpointNotFoundError(
+            f"'{latest}' names tag '{name}', but '{p / name}' holds no DeepSpeed model-states files; "
+            f"available tags: {', '.join(tags) or 'none'}. Pick one with --tag"
+        )
+    if len(tags) == 1:
+        return p, tags[0], p / tags[0]
+    if tags:
+        raise CheckpointNotFoundError(
+            f"'{p}' has no 'latest' file and several tags ({', '.join(tags)}); pick one with --tag"
+        )
+    raise CheckpointNotFoundError(
+        f"'{p}' is not a DeepSpeed checkpoint: no 'latest' file, no tag folder and no "
+        "*model_states.pt files found"
+    )
+
+
+def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
+    """Name every file of the tag folder; refuse layouts that are recognised but unsupported."""
+    model_states: dict[int, Path] = {}
+    zero3: dict[tuple[int, int], Path] = {}
+    optim: dict[tuple[int, int], Path] = {}
+    layers: dict[tuple[int, int | None], Path] = {}
+    others: list[Path] = []
+    prefixes: set[bool] = set()
+    moe: list[str] = []
+    for name in sorted(os.listdir(tag_dir)):
+        full = tag_dir / name
+        if m := _MODEL_STATES.match(name):
+            model_states[int(m[1])] = full
+        elif m := _ZERO3_MODEL_STATES.match(name):
+            zero3[(int(m[1]), int(m[2]))] = full
+        elif m := _OPTIM_STATES.match(name):
+            optim[(int(m[2]), int(m[3]))] = full
+            prefixes.add(bool(m[1]))
+        elif m := _LAYER.match(name):
+            layers[(int(m[1]), int(m[2]) if m[2] is not None else None)] = full
+        elif _EXPERT.match(name) or _EXPP_OPTIM.match(name):
+            moe.append(name)
+        else:
+            others.append(full)
+    if moe:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' is a Mixture-of-Experts checkpoint (found {moe[0]}); MoE expert files are "
+            "not supported yet"
+        )
+    if len(prefixes) > 1:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' mixes 'bf16_zero_pp_rank_*' and 'zero_pp_rank_*' optimizer files; "
+            "remove the stale set (they come from two different runs)"
+        )
+    _check_rank_sets(tag_dir, "optimizer-state", optim)
+    _check_rank_sets(tag_dir, "ZeRO-3 model-state", zero3)
+    return CheckpointFiles(
+        root=root, tag=tag, tag_dir=tag_dir, mp_to_model_states=model_states,
+        dp_mp_to_zero3_model_states=zero3, dp_mp_to_optim_states=optim,
+        bf16_prefixed_optim=bool(prefixes and prefixes.pop()), layer_files=layers,
+        other_files=tuple(others),
+    )
+
+
+def _check_rank_sets(tag_dir: Path, what: str, files: dict[tuple[int, int], Path]) -> None:
+    """Every (dp, mp) rank from 0 to the highest seen must have a file; list all that are missing."""
+    if not files:
+        return
+    dps = max(dp for dp, _ in files) + 1
+    mps = max(mp for _, mp in files) + 1
+    missing = [(dp, mp) for mp in range(mps) for dp in range(dps) if (dp, mp) not in files]
+    if missing:
+        shown = ", ".join(f"dp rank {dp}" + (f" / mp rank {mp}" if mps > 1 else "") for dp, mp in missing)
+        raise IncompleteCheckpointError(
+            f"{what} files missing in '{tag_dir}': {shown} (found {len(files)} of {dps * mps}). "
+            "The save was probably interrupted; pick another tag with --tag"
+        )
+
+
+def expect_dp_ranks(files: CheckpointFiles, what: str, present: dict[tuple[int, int], Path], dp_world_size: int) -> None:
+    """Raise if ``present`` lacks any dp rank below the recorded ``dp_world_size`` (all listed)."""
+    mps = files.mp_world_size
+    missing = [(dp, mp) for mp in range(mps) for dp in range(dp_world_size) if (dp, mp) not in present]
+    if missing:
+        shown = ", ".join(f"rank {dp}" + (f" (mp {mp})" if mps > 1 else "") for dp, mp in missing)
+        raise IncompleteCheckpointError(
+            f"Expected {dp_world_size * mps} {what} files in '{files.tag_dir}' (dp_world_size="
+            f"{dp_world_size}), missing {shown}. The save was probably interrupted; pick another tag "
+            "with --tag"
+        )

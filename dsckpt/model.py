@@ -1,0 +1,157 @@
+"""The one logical checkpoint that every reader produces and every command consumes.
+
+A :class:`LogicalCheckpoint` says what the model is (names, shapes, dtypes, trainable / frozen /
+tied, buffers) and where each stored copy of each tensor lives, as :class:`Fragment` s: element
+ranges of flat tensors inside named files. No tensor data is held here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Fragment",
+    "Kind",
+    "Role",
+    "Piece",
+    "TensorEntry",
+    "LogicalCheckpoint",
+    "Precision",
+]
+
+
+class Kind(enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+
+
+class Role(enum.Enum):
+    """What a stored copy of a tensor is."""
+
+    MASTER = "master"  # fp32 master weights (optimizer side)
+    MODULE = "module"  # the module's copy (16-bit under fp16/bf16, fp32 otherwise); buffers too
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """``numel`` elements of the flat tensor at ``key`` in ``file``, starting at ``src_offset``,
+    which land at ``dst_offset`` of the flattened logical tensor."""
+
+    file: Path
+    key: tuple[Any, ...]
+    src_offset: int
+    numel: int
+    dst_offset: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored copy of a logical tensor: its role, stored dtype, and where its elements are.
+
+    ``replica`` numbers copies that hold the same data (e.g. stage-3 buffers on every rank).
+    """
+
+    role: Role
+    dtype: str
+    fragments: tuple[Fragment, ...]
+    replica: int = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel for f in self.fragments)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]
+    kind: Kind
+    trainable: bool
+    pieces: tuple[Piece, ...]
+    tied_to: str | None = None
+    group: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def piece(self, role: Role) -> Piece | None:
+        """The primary copy with ``role`` (replica 0), or None."""
+        for p in self.pieces:
+            if p.role is role and p.replica == 0:
+                return p
+        return None
+
+    @property
+    def stored_dtype(self) -> str:
+        """dtype of the module copy (what the model was trained in), else of any copy."""
+        p = self.piece(Role.MODULE) or self.pieces[0]
+        return p.dtype
+
+    def source_for_fp32(self) -> Piece:
+        """The most precise copy: the fp32 master if there is one, else the module copy."""
+        p = self.piece(Role.MASTER) or self.piece(Role.MODULE)
+        assert p is not None, f"{self.name} has no readable copy"
+        return p
+
+
+@dataclass(frozen=True)
+class LogicalCheckpoint:
+    root: Path
+    tag: str
+    tag_dir: Path
+    layout: str  # human-readable reader name, e.g. "zero2", "zero3", "stage0-fused", "pipeline"
+    zero_stage: int
+    precision: Precision
+    dp_world_size: int
+    pp_world_size: int
+    tp_world_size: int
+    ds_version: str | None
+    global_steps: int | None
+    global_samples: int | None
+    optimizer_step: int | None
+    optimizer_wrapper: str
+    entries: tuple[TensorEntry, ...]
+    files: tuple[Path, ...]
+    ds_config: dict[str, Any] | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    @property
+    def params(self) -> list[TensorEntry]:
+        return [e for e in self.entries if e.kind is Kind.PARAM]
+
+    @property
+    def buffers(self) -> list[TensorEntry]:
+        return [e for e in self.entries if e.kind is Kind.BUFFER]
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return {e.name: e.tied_to for e in self.entries if e.tied_to is not None}

@@ -1,0 +1,52 @@
+"""Readers: one per DeepSpeed layout, each producing a :class:`~dsckpt.model.LogicalCheckpoint`.
+
+Raw DeepSpeed dicts never leave this package.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..layout import classify_files, find_tag_dir
+from ..model import LogicalCheckpoint
+from .common import FileCache, metadata_from_model_states
+
+__all__ = ["read_checkpoint", "FileCache"]
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
+                    cache: FileCache | None = None) -> LogicalCheckpoint:
+    """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model."""
+    from .pipeline import read_pipeline
+    from .stage0 import read_stage0
+    from .zero3 import read_zero3
+    from .zero12 import read_zero12
+
+    root, tag_name, tag_dir = find_tag_dir(path, tag)
+    files = classify_files(root, tag_name, tag_dir)
+    cache = cache if cache is not None else FileCache()
+    if files.layer_files:
+        return read_pipeline(files, cache)
+    if files.dp_mp_to_zero3_model_states:
+        _refuse_tensor_parallel(files.mp_world_size, files)
+        return read_zero3(files, cache)
+    if 0 not in files.mp_to_model_states:
+        raise CorruptCheckpointError(f"'{tag_dir}' has no mp_rank_00_model_states.pt; the save is incomplete")
+    meta = metadata_from_model_states(cache.tree(files.mp_to_model_states[0]))
+    _refuse_tensor_parallel(max(files.mp_world_size, meta.mp_world_size or 1), files)
+    if files.dp_mp_to_optim_states:
+        return read_zero12(files, cache)
+    ms = cache.tree(files.mp_to_model_states[0])
+    if not isinstance(ms.get("module"), Mapping):
+        raise CorruptCheckpointError(f"{files.mp_to_model_states[0]}: no 'module' state dict")
+    return read_stage0(files, cache)
+
+
+def _refuse_tensor_parallel(mp_world_size: int, files: object) -> None:
+    if mp_world_size > 1:
+        raise UnsupportedCheckpointError(
+            f"'{getattr(files, 'tag_dir', '?')}' was saved with model parallel size {mp_world_size} "
+            "(tensor parallelism); only data- and pipeline-parallel checkpoints are supported yet"
+        )

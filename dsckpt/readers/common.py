@@ -1,0 +1,168 @@
+"""What the readers share: the parsed-file cache, key-path lookup, metadata helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import safe_load
+from ..errors import CorruptCheckpointError
+from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
+from ..safe_load import DeepSpeedObject, TensorRef
+
+__all__ = ["FileCache", "lookup", "dtype_name", "whole", "metadata_from_model_states"]
+
+
+class FileCache:
+    """Parses each checkpoint file once (pickle metadata only; tensor bytes stay on disk)."""
+
+    def __init__(self) -> None:
+        self._trees: dict[Path, Any] = {}
+
+    def tree(self, path: Path) -> Any:
+        if path not in self._trees:
+            obj = safe_load.load(path)
+            if not isinstance(obj, dict):
+                raise CorruptCheckpointError(
+                    f"{path}: expected a dict at the top level, found {type(obj).__name__}; "
+                    "this is not a DeepSpeed checkpoint file"
+                )
+            self._trees[path] = obj
+        return self._trees[path]
+
+    def tensor(self, path: Path, key: tuple[Any, ...]) -> TensorRef:
+        obj = lookup(self.tree(path), key, path)
+        if not isinstance(obj, TensorRef):
+            raise CorruptCheckpointError(
+                f"{path}: expected a tensor at {format_key(key)}, found {type(obj).__name__}"
+            )
+        return obj
+
+    def forget(self, path: Path) -> None:
+        self._trees.pop(path, None)
+
+
+def format_key(key: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in key)
+
+
+def lookup(tree: Any, key: tuple[Any, ...], path: Path) -> Any:
+    """Follow ``key`` (dict keys, list indices, stand-in attributes) into a parsed file."""
+    obj = tree
+    for i, k in enumerate(key):
+        try:
+            if isinstance(obj, DeepSpeedObject):
+                obj = obj.__dict__[k]
+            else:
+                obj = obj[k]
+        except (KeyError, IndexError, TypeError):
+            raise CorruptCheckpointError(
+                f"{path}: missing entry {format_key(key[: i + 1])}; the file does not have the layout "
+                "its metadata announces"
+            ) from None
+    return obj
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def whole(path: Path, key: tuple[Any, ...], ref: TensorRef, rank: int | None = None) -> tuple[Fragment, ...]:
+    """A piece made of one whole stored tensor."""
+    return (Fragment(path, key, 0, ref.numel, 0, rank),)
+
+
+def module_piece(path: Path, name: str, ref: TensorRef, replica: int = 0, rank: int | None = None) -> Piece:
+    return Piece(Role.MODULE, dtype_name(ref.dtype), whole(path, ("module", name), ref, rank), replica)
+
+
+@dataclass(frozen=True)
+class CommonMeta:
+    ds_version: str | None
+    global_steps: int | None
+    global_samples: int | None
+    dp_world_size: int | None
+    mp_world_size: int | None
+    ds_config: dict[str, Any] | None
+    buffer_names: tuple[str, ...]
+    tp_degree: int
+    pp_degree: int
+
+
+def _int_or_none(x: Any) -> int | None:
+    if isinstance(x, TensorRef):
+        return int(x.load().item())
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def metadata_from_model_states(tree: Mapping[str, Any]) -> CommonMeta:
+    dims = tree.get("checkpoint_parallel_dimensions") or {}
+    cfg = tree.get("ds_config")
+    return CommonMeta(
+        ds_version=str(tree["ds_version"]) if tree.get("ds_version") is not None else None,
+        global_steps=_int_or_none(tree.get("global_steps")),
+        global_samples=_int_or_none(tree.get("global_samples")),
+        dp_world_size=_int_or_none(tree.get("dp_world_size")),
+        mp_world_size=_int_or_none(tree.get("mp_world_size")),
+        ds_config=cfg if isinstance(cfg, dict) else None,
+        buffer_names=tuple(tree.get("buffer_names") or ()),
+        tp_degree=int(dims.get("tp_degree", 1) or 1) if isinstance(dims, dict) else 1,
+        pp_degree=int(dims.get("pp_degree", 1) or 1) if isinstance(dims, dict) else 1,
+    )
+
+
+def precision_of(config: Mapping[str, Any] | None, sample_dtype: torch.dtype | None) -> Precision:
+    """The training precision: from the config, else from the dtype of the module weights."""
+    if config:
+        for key, prec in (("bf16", Precision.BF16), ("bfloat16", Precision.BF16), ("fp16", Precision.FP16)):
+            section = config.get(key)
+            if isinstance(section, dict) and section.get("enabled") is True:
+                return prec
+    if sample_dtype == torch.bfloat16:
+        return Precision.BF16
+    if sample_dtype == torch.float16:
+        return Precision.FP16
+    return Precision.FP32
+
+
+def step_of(state: Any) -> int | None:
+    """Adam's step count from a torch optimizer ``state`` mapping (first entry that has one)."""
+    if isinstance(state, Mapping):
+        for v in state.values():
+            if isinstance(v, Mapping) and "step" in v:
+                return _int_or_none(v["step"])
+    return None
+
+
+def buffer_entries(path: Path, module: Mapping[str, Any], buffer_names: tuple[str, ...],
+                   replicas: list[tuple[Path, Mapping[str, Any], int]] | None = None) -> list[TensorEntry]:
+    """Entries for the persistent buffers in a module state dict (extra replicas: stage-3 ranks)."""
+    out = []
+    for name in buffer_names:
+        ref = module.get(name)
+        if not isinstance(ref, TensorRef):
+            continue
+        pieces = [module_piece(path, name, ref)]
+        for i, (rpath, rmodule, rank) in enumerate(replicas or (), start=1):
+            rref = rmodule.get(name)
+            if isinstance(rref, TensorRef) and rref.numel == ref.numel:
+                pieces.append(module_piece(rpath, name, rref, replica=i, rank=rank))
+        out.append(TensorEntry(name, ref.shape, Kind.BUFFER, False, tuple(pieces)))
+    return out
+
+
+def alias_entry(name: str, source: TensorEntry) -> TensorEntry:
+    return TensorEntry(name, source.shape, source.kind, source.trainable, source.pieces,
+                       tied_to=source.name, group=source.group)
+
+
+def order_like_module(entries: dict[str, TensorEntry], module_names: list[str]) -> list[TensorEntry]:
+    """Entries in the module's state-dict order; names the module lacks go last, in given order."""
+    ordered = [entries[n] for n in module_names if n in entries]
+    seen = set(module_names)
+    ordered += [e for n, e in entries.items() if n not in seen]
+    return ordered

@@ -1,0 +1,220 @@
+"""ZeRO stage 1/2 and ``BF16_Optimizer`` checkpoints: flat fp32 partitions per param group.
+
+Files: ``mp_rank_00_model_states.pt`` (module copy, names, shapes, frozen, tied) and one
+``[bf16_]zero_pp_rank_{d}_mp_rank_00_optim_states.pt`` per data-parallel rank
+(DEEPSPEED-NOTES 1.4, 1.6). Concatenating the ranks' ``single_partition_of_fp32_groups[g]`` gives
+group ``g``'s flat buffer: params in ``param_shapes[g]`` order, each followed by its
+``param_alignment_paddings`` entry, padding at the tail. ZeRO's optimizer strips each rank's tail
+padding on save (``group_paddings`` says how much); ``BF16_Optimizer`` keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from ..layout import CheckpointFiles, expect_dp_ranks
+from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..partition import split_by_partitions
+from ..safe_load import DeepSpeedObject, TensorRef
+from .common import (
+    FileCache,
+    alias_entry,
+    buffer_entries,
+    dtype_name,
+    metadata_from_model_states,
+    module_piece,
+    order_like_module,
+    precision_of,
+    step_of,
+)
+
+__all__ = ["read_zero12", "GroupPartitions", "group_partitions", "zero12_param_entries"]
+
+OSD = "optimizer_state_dict"
+
+
+class GroupPartitions:
+    """Per group: every rank's partition length (padding included) and where moments live."""
+
+    def __init__(self, partition_numel: list[int], stored_numels: list[list[int]], moment_keys: list[Any]):
+        self.partition_numel = partition_numel  # per group
+        self.stored_numels = stored_numels  # per group, per rank: saved fp32 partition length
+        self.moment_keys = moment_keys  # per group: key path prefix of the Adam state for that group
+
+
+def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: bool) -> GroupPartitions:
+    trees = [cache.tree(p)[OSD] for p in optim_files]
+    n_groups = len(trees[0]["single_partition_of_fp32_groups"])
+    partition_numel: list[int] = []
+    stored: list[list[int]] = []
+    for g in range(n_groups):
+        lengths = []
+        candidates = set()
+        for rank, t in enumerate(trees):
+            groups = t["single_partition_of_fp32_groups"]
+            if len(groups) != n_groups:
+                raise CorruptCheckpointError(
+                    f"{optim_files[rank]}: {len(groups)} fp32 param groups, rank 0 has {n_groups}"
+                )
+            ref = groups[g]
+            lengths.append(ref.numel)
+            pad = 0 if keeps_padding else int((t.get("group_paddings") or [0] * n_groups)[g])
+            candidates.add(ref.numel + pad)
+        if len(candidates) != 1:
+            raise CorruptCheckpointError(
+                f"'{optim_files[0].parent}': group {g} partitions disagree in size across ranks "
+                f"({sorted(candidates)}); the optimizer files come from different runs"
+            )
+        partition_numel.append(candidates.pop())
+        stored.append(lengths)
+    base = trees[0]["base_optimizer_state"]
+    if isinstance(base, list):  # elastic_checkpoint: per-group state, padding stripped
+        moment_keys = [(OSD, "base_optimizer_state", g) for g in range(n_groups)]
+    else:
+        state_keys = sorted((base.get("state") or {}).keys())
+        moment_keys = [(OSD, "base_optimizer_state", "state", state_keys[g]) if g < len(state_keys) else None
+                       for g in range(n_groups)]
+    return GroupPartitions(partition_numel, stored, moment_keys)
+
+
+def zero12_param_entries(
+    *,
+    model_states: Path,
+    optim_files: list[Path],
+    cache: FileCache,
+    keeps_padding: bool,
+    name_prefix: str = "",
+    module_names_to_refs: Mapping[str, tuple[Path, tuple[Any, ...], TensorRef]] | None = None,
+) -> dict[str, TensorEntry]:
+    """Entries for every trainable param of a stage-1/2 (or BF16_Optimizer) rank set.
+
+    ``module_names_to_refs`` gives each param's module copy (file, key, ref); by default the
+    ``module`` of ``model_states``.
+    """
+    ms = cache.tree(model_states)
+    param_shapes = ms.get("param_shapes")
+    if not isinstance(param_shapes, list):
+        raise CorruptCheckpointError(f"{model_states}: no 'param_shapes'; not a ZeRO-1/2 model-states file")
+    parts = group_partitions(optim_files, cache, keeps_padding)
+    osd0 = cache.tree(optim_files[0])[OSD]
+    align_pads = osd0.get("param_alignment_paddings")
+    if len(param_shapes) != len(parts.partition_numel):
+        raise CorruptCheckpointError(
+            f"{model_states}: {len(param_shapes)} param groups in 'param_shapes' but "
+            f"{len(parts.partition_numel)} fp32 groups in {optim_files[0].name}"
+        )
+    module = ms.get("module") if module_names_to_refs is None else None
+    entries: dict[str, TensorEntry] = {}
+    for g, shapes in enumerate(param_shapes):
+        p_numel = parts.partition_numel[g]
+        world = len(optim_files)
+        starts = [r * p_numel for r in range(world)]
+        # Moments keep the padding on every rank; masters only where keeps_padding.
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            shape = tuple(int(s) for s in shape)
+            numel = 1
+            for s in shape:
+                numel *= s
+            spans = split_by_partitions(offset, numel, starts, [p_numel] * world)
+            for sp in spans:
+                if sp.src_offset + sp.numel > parts.stored_numels[g][sp.rank]:
+                    raise CorruptCheckpointError(
+                        f"{optim_files[sp.rank]}: param '{name}' needs elements up to "
+                        f"{sp.src_offset + sp.numel} of fp32 group {g}, the rank stores "
+                        f"{parts.stored_numels[g][sp.rank]}"
+                    )
+            master = Piece(Role.MASTER, "float32", tuple(
+                Fragment(optim_files[sp.rank], (OSD, "single_partition_of_fp32_groups", g),
+                         sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans))
+            pieces = [master]
+            mk = parts.moment_keys[g]
+            if mk is not None:
+                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
+                    pieces.append(Piece(role, "float32", tuple(
+                        Fragment(optim_files[sp.rank], (*mk, role.value), sp.src_offset, sp.numel,
+                                 sp.dst_offset, sp.rank) for sp in spans)))
+            full_name = name_prefix + name
+            if module_names_to_refs is not None and full_name in module_names_to_refs:
+                path, key, ref = module_names_to_refs[full_name]
+                pieces.append(Piece(Role.MODULE, dtype_name(ref.dtype), ((Fragment(path, key, 0, ref.numel, 0)),)))
+            elif isinstance(module, Mapping) and isinstance(module.get(name), TensorRef):
+                pieces.append(module_piece(model_states, name, module[name]))
+            entries[full_name] = TensorEntry(full_name, shape, Kind.PARAM, True, tuple(pieces), group=g)
+            offset += numel
+            if align_pads is not None:
+                offset += int(align_pads[g][i])
+        if offset > p_numel * world:
+            raise CorruptCheckpointError(
+                f"{model_states}: group {g} params need {offset} elements, the fp32 partitions hold "
+                f"{p_numel * world}; 'param_shapes' does not match the optimizer files"
+            )
+    return entries
+
+
+def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+    ms_path = files.mp_to_model_states[0]
+    ms = cache.tree(ms_path)
+    meta = metadata_from_model_states(ms)
+    optim = files.dp_mp_to_optim_states
+    world = meta.dp_world_size or files.optim_dp_world_size
+    expect_dp_ranks(files, "optimizer-state", optim, world)
+    if files.optim_dp_world_size != world:
+        raise CorruptCheckpointError(
+            f"'{files.tag_dir}': {files.optim_dp_world_size} optimizer files but dp_world_size={world} "
+            f"in {ms_path.name}; remove the stray files or pick another tag"
+        )
+    optim_files = [optim[(d, 0)] for d in range(world)]
+    osd0 = cache.tree(optim_files[0]).get(OSD)
+    if not isinstance(osd0, Mapping) or "single_partition_of_fp32_groups" not in osd0:
+        raise CorruptCheckpointError(f"{optim_files[0]}: no 'single_partition_of_fp32_groups'; not a ZeRO-1/2 file")
+    zs = osd0.get("zero_stage")
+    is_bf16_optimizer = zs is None
+    stage = int(zs.value) if isinstance(zs, DeepSpeedObject) else int(
+        ((meta.ds_config or {}).get("zero_optimization") or {}).get("stage", 1))
+    module = ms.get("module") or {}
+    trainable = zero12_param_entries(model_states=ms_path, optim_files=optim_files, cache=cache,
+                                     keeps_padding=is_bf16_optimizer)
+    entries = dict(trainable)
+    shared = ms.get("shared_params") or {}
+    buffers = set(meta.buffer_names)
+    frozen_shapes = ms.get("frozen_param_shapes") or {}
+    frozen_frags = ms.get("frozen_param_fragments") or {}
+    for name, ref in module.items():
+        if name in entries or name in buffers or name in shared or not isinstance(ref, TensorRef):
+            continue
+        # Frozen: stage 2 also saves 'frozen_param_fragments' (full 16-bit); stage 1 only 'module'.
+        pieces = [module_piece(ms_path, name, ref)]
+        frag = frozen_frags.get(name)
+        if isinstance(frag, TensorRef) and frag.numel == ref.numel:
+            pieces.append(Piece(Role.MODULE, dtype_name(frag.dtype),
+                                ((Fragment(ms_path, ("frozen_param_fragments", name), 0, frag.numel, 0)),),
+                                replica=1))
+        entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, False, tuple(pieces))
+    for name in frozen_shapes:
+        if name not in entries and name not in shared:
+            raise CorruptCheckpointError(f"{ms_path}: frozen param '{name}' has no saved value")
+    for alias, source in shared.items():
+        if source in entries:
+            entries[alias] = alias_entry(alias, entries[source])
+        else:
+            raise CorruptCheckpointError(f"{ms_path}: tied param '{alias}' points to unknown '{source}'")
+    for e in buffer_entries(ms_path, module, meta.buffer_names):
+        entries[e.name] = e
+    sample = next((r.dtype for r in module.values() if isinstance(r, TensorRef) and r.dtype.is_floating_point), None)
+    wrapper = "BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer"
+    base = osd0.get("base_optimizer_state")
+    return LogicalCheckpoint(
+        root=files.root, tag=files.tag, tag_dir=files.tag_dir,
+        layout="zero1" if stage == 1 else "zero2",
+        zero_stage=stage, precision=precision_of(meta.ds_config, sample),
+        dp_world_size=world, pp_world_size=1, tp_world_size=1,
+        ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
+        optimizer_step=step_of(base.get("state") if isinstance(base, Mapping) else None),
+        optimizer_wrapper=wrapper,
+        entries=tuple(order_like_module(entries, list(module))),
+        files=tuple(files.all_files()), ds_config=meta.ds_config,
+    )

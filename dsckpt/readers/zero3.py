@@ -1,0 +1,146 @@
+"""ZeRO stage 3: per-rank model-states and optimizer files, per-parameter partitions.
+
+``zero_pp_rank_{d}_mp_rank_00_model_states.pt`` on every rank holds 0-element placeholders for params,
+full buffers, ``param_shapes`` (one OrderedDict per fp32 sub-group) and this rank's
+``frozen_param_fragments``. ``fp32_flat_groups[s]`` in the optimizer file of rank ``d`` is the
+concatenation of rank ``d``'s ``ceil(numel / ws)``-element piece of every param of sub-group ``s``
+(DEEPSPEED-NOTES 1.3, 1.5; partition_parameters.py:1690-1696).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..errors import CorruptCheckpointError
+from ..layout import CheckpointFiles, expect_dp_ranks
+from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..partition import zero3_partition_numel, zero3_spans
+from ..safe_load import TensorRef
+from .common import (
+    FileCache,
+    alias_entry,
+    buffer_entries,
+    dtype_name,
+    metadata_from_model_states,
+    order_like_module,
+    precision_of,
+    step_of,
+)
+
+__all__ = ["read_zero3"]
+
+OSD = "optimizer_state_dict"
+
+
+def _shape(shape: object) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape)  # type: ignore[union-attr]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+    ms_files = files.dp_mp_to_zero3_model_states
+    ms0_path = ms_files[(0, 0)]
+    ms0 = cache.tree(ms0_path)
+    meta = metadata_from_model_states(ms0)
+    world = meta.dp_world_size or (max(d for d, _ in ms_files) + 1)
+    expect_dp_ranks(files, "ZeRO-3 model-state", ms_files, world)
+    expect_dp_ranks(files, "optimizer-state", files.dp_mp_to_optim_states, world)
+    model_paths = [ms_files[(d, 0)] for d in range(world)]
+    optim_paths = [files.dp_mp_to_optim_states[(d, 0)] for d in range(world)]
+    param_shapes = ms0.get("param_shapes")
+    if not isinstance(param_shapes, list):
+        raise CorruptCheckpointError(f"{ms0_path}: no 'param_shapes'; not a ZeRO-3 model-states file")
+
+    osds = [cache.tree(p).get(OSD) for p in optim_paths]
+    for p, osd in zip(optim_paths, osds):
+        if not isinstance(osd, Mapping) or "fp32_flat_groups" not in osd:
+            raise CorruptCheckpointError(f"{p}: no 'fp32_flat_groups'; not a ZeRO-3 optimizer file")
+        if len(osd["fp32_flat_groups"]) != len(param_shapes):
+            raise CorruptCheckpointError(
+                f"{p}: {len(osd['fp32_flat_groups'])} fp32 sub-groups, 'param_shapes' in {ms0_path.name} "
+                f"has {len(param_shapes)}"
+            )
+    inner = osds[0].get(OSD) or {}
+    state_keys = sorted((inner.get("state") or {}).keys())
+
+    entries: dict[str, TensorEntry] = {}
+    for s, shapes in enumerate(param_shapes):
+        offset = 0
+        for name, shape in shapes.items():
+            shape = _shape(shape)
+            numel = _numel(shape)
+            spans = zero3_spans(numel, world, offset)
+            pieces = [Piece(Role.MASTER, "float32", tuple(
+                Fragment(optim_paths[sp.rank], (OSD, "fp32_flat_groups", s), sp.src_offset, sp.numel,
+                         sp.dst_offset, sp.rank) for sp in spans))]
+            if s < len(state_keys):
+                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
+                    pieces.append(Piece(role, "float32", tuple(
+                        Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], role.value),
+                                 sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans)))
+            entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=s)
+            offset += zero3_partition_numel(numel, world)
+        for rank, osd in enumerate(osds):
+            stored = osd["fp32_flat_groups"][s]
+            if isinstance(stored, TensorRef) and stored.numel == 0 and offset:
+                raise CorruptCheckpointError(
+                    f"{optim_paths[rank]}: fp32 sub-group {s} is empty; it was swapped to NVMe "
+                    "(offloaded_tensors/), which dsckpt does not read yet"
+                )
+            if not isinstance(stored, TensorRef) or stored.numel < offset:
+                raise CorruptCheckpointError(
+                    f"{optim_paths[rank]}: fp32 sub-group {s} holds "
+                    f"{stored.numel if isinstance(stored, TensorRef) else 0} elements, 'param_shapes' "
+                    f"needs {offset}"
+                )
+
+    frozen_shapes = ms0.get("frozen_param_shapes") or {}
+    for name, shape in frozen_shapes.items():
+        shape = _shape(shape)
+        numel = _numel(shape)
+        per_rank = zero3_partition_numel(numel, world)
+        frags = []
+        dtype = None
+        for rank, mp in enumerate(model_paths):
+            ref = (cache.tree(mp).get("frozen_param_fragments") or {}).get(name)
+            if not isinstance(ref, TensorRef):
+                raise CorruptCheckpointError(f"{mp}: frozen param '{name}' has no fragment on rank {rank}")
+            dtype = ref.dtype
+            valid = max(0, min(per_rank, numel - rank * per_rank))
+            if valid:
+                frags.append(Fragment(mp, ("frozen_param_fragments", name), 0, valid, rank * per_rank, rank))
+        entries[name] = TensorEntry(name, shape, Kind.PARAM, False,
+                                    (Piece(Role.MODULE, dtype_name(dtype) if dtype else "float32", tuple(frags)),))
+
+    shared = ms0.get("shared_params") or {}
+    for alias, source in shared.items():
+        if source not in entries:
+            raise CorruptCheckpointError(f"{ms0_path}: tied param '{alias}' points to unknown '{source}'")
+        entries[alias] = alias_entry(alias, entries[source])
+
+    module0 = ms0.get("module") or {}
+    replicas = [(mp, cache.tree(mp).get("module") or {}, rank) for rank, mp in enumerate(model_paths) if rank]
+    for e in buffer_entries(ms0_path, module0, meta.buffer_names, replicas):
+        entries[e.name] = e
+
+    sample = next((ref.dtype for ref in (ms0.get("frozen_param_fragments") or {}).values()
+                   if isinstance(ref, TensorRef)), None)
+    if sample is None:
+        sample = next((ref.dtype for n, ref in module0.items()
+                       if isinstance(ref, TensorRef) and n not in meta.buffer_names), None)
+    return LogicalCheckpoint(
+        root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="zero3", zero_stage=3,
+        precision=precision_of(meta.ds_config, sample), dp_world_size=world, pp_world_size=1,
+        tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
+        global_samples=meta.global_samples, optimizer_step=step_of(inner.get("state")),
+        optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
+        entries=tuple(order_like_module(entries, list(module0))),
+        files=tuple(files.all_files()), ds_config=meta.ds_config,
+    )

@@ -1,0 +1,621 @@
+"""The only place in dsckpt that unpickles.
+
+``load(path)`` parses a ``torch.save`` file (zip format, or the legacy non-zip format that DeepSpeed
+writes with ``"checkpoint_serialization": false``) with a restricted unpickler:
+
+* globals are resolved from an allow-list; anything else raises :class:`UnsafeCheckpointError`
+  naming the class and the file, before any of it runs;
+* DeepSpeed's own classes (``LossScaler``, ``ZeroStageEnum``, ``fragment_address`` ...) become inert
+  stand-ins (:class:`DeepSpeedObject`), so deepspeed is never imported;
+* tensors are not read: each becomes a :class:`TensorRef` that knows where its bytes are in the file.
+  ``TensorRef.read()`` reads exactly the elements asked for with ``pread``; storages saved on a GPU
+  are read to CPU like any other.
+
+Nothing else in dsckpt calls ``torch.load`` or ``pickle.load``.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = [
+    "DeepSpeedObject",
+    "DeepSpeedEnum",
+    "StorageRef",
+    "TensorRef",
+    "load",
+    "walk_tensors",
+    "materialize",
+]
+
+# --------------------------------------------------------------------------------------------
+# Stand-ins for DeepSpeed's pickled classes
+
+
+class DeepSpeedObject:
+    """Inert stand-in for an instance of a pickled DeepSpeed (or other allow-listed) class.
+
+    It keeps the pickled state as attributes and pickles back under the original class path
+    (see :mod:`dsckpt.safe_save`), so DeepSpeed can load a file dsckpt rewrote.
+    """
+
+    ds_module: str = ""
+    ds_name: str = ""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (copyreg.__newobj__, (type(self),), dict(self.__dict__))  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"<{self.ds_module}.{self.ds_name} {fields}>"
+
+
+class DeepSpeedEnum(DeepSpeedObject):
+    """Stand-in for a pickled ``enum.Enum`` member (pickled as ``Cls(value)``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (type(self), (self.value,))
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __hash__(self) -> int:
+        return hash((self.ds_module, self.ds_name, self.value))
+
+
+def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepSpeedObject]:
+    cls = type(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
+    return cls
+
+
+_STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
+    key: _stand_in(*key, base)
+    for key, base in [
+        (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), DeepSpeedObject),
+        (("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"), DeepSpeedObject),
+        (("deepspeed.runtime.zero.config", "ZeroStageEnum"), DeepSpeedEnum),
+        (("deepspeed.utils.tensor_fragment", "fragment_address"), DeepSpeedObject),
+        (("deepspeed.checkpoint.constants", "ZeroStageEnum"), DeepSpeedEnum),
+        # Megatron-DeepSpeed stores its argparse namespace as client state.
+        (("argparse", "Namespace"), DeepSpeedObject),
+    ]
+}
+
+
+def stand_in_class(module: str, name: str) -> type[DeepSpeedObject] | None:
+    """The stand-in used for ``module.name``, if that class is on the allow-list."""
+    return _STAND_INS.get((module, name))
+
+
+# --------------------------------------------------------------------------------------------
+# Lazy tensors
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """Where one pickled storage's bytes are: ``nbytes`` bytes at ``file_offset`` in ``path``."""
+
+    path: Path
+    key: str
+    dtype: torch.dtype
+    numel: int
+    file_offset: int
+    location: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _element_size(self.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRef:
+    """A tensor in a checkpoint file, not yet read. ``read`` returns CPU tensors."""
+
+    storage: StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool = False
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _element_size(self.dtype)
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``numel`` elements starting at flat element ``start`` (row-major order).
+
+        With ``out`` (a contiguous 1-D tensor of this dtype and ``numel`` elements) the bytes are read
+        straight into it.
+        """
+        total = self.numel
+        if numel is None:
+            numel = total - start
+        if start < 0 or numel < 0 or start + numel > total:
+            raise CorruptCheckpointError(
+                f"{self.storage.path}: asked for elements [{start}, {start + numel}) of a tensor "
+                f"with {total} elements; the checkpoint metadata does not match its tensors"
+            )
+        if not self.is_contiguous():
+            full = self._read_strided()
+            flat = full.reshape(-1)[start : start + numel]
+            if out is None:
+                return flat.clone()
+            out.copy_(flat)
+            return out
+        return _read_elements(self.storage, self.storage_offset + start, numel, out)
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor, shaped, as a CPU tensor that owns its memory."""
+        if self.is_contiguous():
+            return self.read().view(self.shape)
+        return self._read_strided().contiguous()
+
+    def _read_strided(self) -> torch.Tensor:
+        if self.numel == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        flat = _read_elements(self.storage, self.storage_offset, span, None)
+        return flat.as_strided(self.shape, self.stride)
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.dtype}, {list(self.shape)}, {self.storage.path.name}:{self.storage.key})"
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read_elements(storage: StorageRef, first: int, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+    itemsize = _element_size(storage.dtype)
+    if first + numel > storage.numel:
+        raise CorruptCheckpointError(
+            f"{storage.path}: tensor runs past the end of its storage {storage.key!r} "
+            f"({first + numel} > {storage.numel} elements); the file is corrupt"
+        )
+    if out is None:
+        out = torch.empty(numel, dtype=storage.dtype)
+    if numel == 0:
+        return out
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    nbytes = numel * itemsize
+    offset = storage.file_offset + first * itemsize
+    with open(storage.path, "rb", buffering=0) as f:
+        got = 0
+        while got < nbytes:
+            n = os.preadv(f.fileno(), [view[got:nbytes]], offset + got)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
+                    "the file is truncated — the save was probably interrupted"
+                )
+            got += n
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Allow-listed globals
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+    "UntypedStorage": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
+
+
+class _TensorType:
+    """Marker for ``torch.Tensor`` / ``torch.nn.Parameter`` used as ``new_type`` in rebuild calls."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _rebuild_tensor_v2(
+    storage: Any, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
+    backward_hooks: Any = None, metadata: Any = None,
+) -> TensorRef:
+    if not isinstance(storage, (StorageRef, _LegacyStorage)):
+        raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
+    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size),
+                     tuple(int(s) for s in stride), bool(requires_grad))
+
+
+def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any) -> TensorRef:
+    return _rebuild_tensor_v2(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any, *state: Any) -> Any:
+    if isinstance(data, TensorRef):
+        return TensorRef(data.storage, data.storage_offset, data.shape, data.stride, bool(requires_grad),
+                         data.attrs)
+    return data
+
+
+def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, state: Any) -> Any:
+    ret = func(*args)
+    if isinstance(ret, TensorRef) and isinstance(state, dict) and state:
+        # Stage-3 fp32 flat groups carry a ``ds_id`` attribute (DeepSpeed 0.19.8, stage3.py).
+        ret = TensorRef(ret.storage, ret.storage_offset, ret.shape, ret.stride, ret.requires_grad,
+                        {**ret.attrs, **state})
+    return ret
+
+
+def _safe_reconstructor(cls: Any, base: Any, state: Any) -> Any:
+    if not (isinstance(cls, type) and issubclass(cls, DeepSpeedObject)) or base is not object:
+        raise pickle.UnpicklingError(f"copyreg._reconstructor called with {cls!r}")
+    obj = cls.__new__(cls)
+    return obj
+
+
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    import numpy as np
+
+    out: dict[tuple[str, str], Any] = {}
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar  # type: ignore[attr-defined]
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out[(mod, "_reconstruct")] = _safe_np_reconstruct(_reconstruct)
+        out[(mod, "scalar")] = scalar
+    out[("numpy", "ndarray")] = np.ndarray
+    out[("numpy", "dtype")] = np.dtype
+    return out
+
+
+def _safe_np_reconstruct(real: Callable[..., Any]) -> Callable[..., Any]:
+    import numpy as np
+
+    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
+        if subtype is not np.ndarray:
+            raise pickle.UnpicklingError(f"numpy reconstruct of {subtype!r} refused")
+        return real(subtype, shape, dtype)
+
+    return reconstruct
+
+
+def _build_allowed() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): OrderedDict,
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+        ("torch", "Tensor"): _TensorType("Tensor"),
+        ("torch.nn.parameter", "Parameter"): _TensorType("Parameter"),
+        ("torch", "Size"): torch.Size,
+        ("torch", "device"): torch.device,
+        ("copyreg", "_reconstructor"): _safe_reconstructor,
+        ("builtins", "object"): object,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "slice"): slice,
+        ("builtins", "complex"): complex,
+        ("builtins", "bytearray"): bytearray,
+        ("__builtin__", "set"): set,
+    }
+    for name, dtype in _STORAGE_DTYPES.items():
+        allowed[("torch", name)] = _StorageType(dtype)
+    allowed[("torch.storage", "UntypedStorage")] = _StorageType(torch.uint8)
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    allowed.update(_STAND_INS)
+    try:
+        allowed.update(_numpy_globals())
+    except ImportError:  # numpy is a dependency, but reading must not break without it
+        pass
+    return allowed
+
+
+_ALLOWED = _build_allowed()
+
+
+# --------------------------------------------------------------------------------------------
+# The unpickler
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, *, path: Path, resolve_storage: Callable[[tuple], StorageRef]) -> None:
+        super().__init__(file, encoding="utf-8")
+        self._path = path
+        self._resolve_storage = resolve_storage
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise UnsafeCheckpointError(
+                f"{self._path}: refusing to unpickle global '{module}.{name}': it is not on dsckpt's "
+                "allow-list of classes found in DeepSpeed checkpoints, and loading it could run code. "
+                "Nothing was executed. If you trust this file, report the class so it can be added."
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or not pid:
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        typename = pid[0].decode("ascii") if isinstance(pid[0], bytes) else pid[0]
+        if typename != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id type {typename!r}")
+        return self._resolve_storage(pid[1:])
+
+
+def load(path: str | os.PathLike[str]) -> Any:
+    """Parse a ``torch.save`` file safely; tensors come back as :class:`TensorRef`.
+
+    Raises :class:`UnsafeCheckpointError` for a global outside the allow-list and
+    :class:`CorruptCheckpointError` for a truncated or malformed file.
+    """
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+            if head[:2] == b"PK":
+                return _load_zip(p)
+            return _load_legacy(p)
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{p}: file not found") from e
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
+            TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {e}); "
+            "it is truncated or corrupt — the save was probably interrupted"
+        ) from e
+
+
+def _load_zip(path: Path) -> Any:
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise CorruptCheckpointError(f"{path}: zip archive without a single data.pkl; not a torch checkpoint")
+        prefix = pkl[0][: -len("data.pkl")]
+        byteorder = prefix + "byteorder"
+        if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+            raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
+        infos = {i.filename: i for i in zf.infolist()}
+        data = zf.read(pkl[0])
+
+    with open(path, "rb") as raw:
+
+        def resolve(args: tuple) -> StorageRef:
+            storage_type, key, location, numel = args[:4]
+            if not isinstance(storage_type, _StorageType):
+                raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
+            info = infos.get(f"{prefix}data/{key}")
+            if info is None:
+                raise CorruptCheckpointError(f"{path}: storage data/{key} is missing from the archive")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpointError(f"{path}: storage data/{key} is compressed; not a torch file")
+            raw.seek(info.header_offset)
+            header = raw.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise CorruptCheckpointError(f"{path}: bad zip entry header for data/{key}")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            offset = info.header_offset + 30 + name_len + extra_len
+            dtype = storage_type.dtype
+            count = int(numel) if numel is not None else info.file_size // _element_size(dtype)
+            ref = StorageRef(path, str(key), dtype, count, offset, str(location))
+            if ref.nbytes > info.file_size:
+                raise CorruptCheckpointError(f"{path}: storage data/{key} is shorter than its tensors")
+            return ref
+
+        cache: dict[str, StorageRef] = {}
+
+        def resolve_cached(args: tuple) -> StorageRef:
+            key = str(args[1])
+            if key not in cache:
+                cache[key] = resolve(args)
+            return cache[key]
+
+        return _Unpickler(io.BytesIO(data), path=path, resolve_storage=resolve_cached).load()
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+
+
+def _load_legacy(path: Path) -> Any:
+    """The pre-zip format: magic, protocol, sys_info, main pickle, storage keys, raw storages."""
+    with open(path, "rb") as f:
+        plain = _PlainUnpickler(f, path)
+        if plain.load() != _LEGACY_MAGIC:
+            raise CorruptCheckpointError(f"{path}: not a torch checkpoint (bad magic number)")
+        if _PlainUnpickler(f, path).load() != _LEGACY_PROTOCOL:
+            raise CorruptCheckpointError(f"{path}: unsupported legacy torch protocol version")
+        sys_info = _PlainUnpickler(f, path).load()
+        if isinstance(sys_info, dict) and not sys_info.get("little_endian", True):
+            raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
+
+        placeholders: dict[str, _LegacyStorage] = {}
+
+        def resolve(args: tuple) -> Any:
+            storage_type, key, location, numel, view_metadata = args
+            if not isinstance(storage_type, _StorageType):
+                raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
+            key = str(key)
+            if key not in placeholders:
+                placeholders[key] = _LegacyStorage(key, storage_type.dtype, int(numel), str(location))
+            if view_metadata is not None:
+                raise CorruptCheckpointError(f"{path}: legacy storage views are not supported")
+            return placeholders[key]
+
+        obj = _Unpickler(f, path=path, resolve_storage=resolve).load()
+        keys = _PlainUnpickler(f, path).load()
+        offset = f.tell()
+        resolved: dict[str, StorageRef] = {}
+        size = path.stat().st_size
+        for key in keys:
+            ph = placeholders[str(key)]
+            f.seek(offset)
+            (count,) = struct.unpack("<q", f.read(8))
+            data_offset = offset + 8
+            ref = StorageRef(path, ph.key, ph.dtype, int(count), data_offset, ph.location)
+            if data_offset + ref.nbytes > size:
+                raise CorruptCheckpointError(f"{path}: file ends inside storage {ph.key!r}; it is truncated")
+            resolved[ph.key] = ref
+            offset = data_offset + ref.nbytes
+    return _replace_legacy(obj, resolved)
+
+
+@dataclass(frozen=True)
+class _LegacyStorage:
+    key: str
+    dtype: torch.dtype
+    numel: int
+    location: str
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """For the legacy header pickles, which hold only plain Python values."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file, encoding="utf-8")
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafeCheckpointError(f"{self._path}: refusing global '{module}.{name}' in a legacy header")
+
+
+def _replace_legacy(obj: Any, resolved: dict[str, StorageRef]) -> Any:
+    """Swap the placeholder storages that legacy tensors were built on for located ones."""
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, TensorRef) and isinstance(x.storage, _LegacyStorage):  # type: ignore[unreachable]
+            return TensorRef(resolved[x.storage.key], x.storage_offset, x.shape, x.stride,  # type: ignore[unreachable]
+                             x.requires_grad, x.attrs)
+        return x
+
+    return map_structure(fix, obj)
+
+
+# --------------------------------------------------------------------------------------------
+# Walking loaded trees
+
+
+def map_structure(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every leaf of nested dicts/lists/tuples and stand-in attributes."""
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, map_structure(fn, v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: map_structure(fn, v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [map_structure(fn, v) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        mapped = [map_structure(fn, v) for v in obj]
+        return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
+    if isinstance(obj, DeepSpeedObject):
+        for k, v in list(obj.__dict__.items()):
+            obj.__dict__[k] = map_structure(fn, v)
+        return obj
+    return fn(obj)
+
+
+def walk_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], TensorRef]]:
+    """Every :class:`TensorRef` in a loaded tree with its key path, in a stable order."""
+    out: list[tuple[tuple[Any, ...], TensorRef]] = []
+
+    def visit(x: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(x, TensorRef):
+            out.append((path, x))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(v, (*path, k))
+        elif isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+            for i, v in enumerate(x):
+                visit(v, (*path, i))
+        elif isinstance(x, DeepSpeedObject):
+            for k, v in x.__dict__.items():
+                visit(v, (*path, k))
+
+    visit(obj, prefix)
+    return out
+
+
+def materialize(obj: Any) -> Any:
+    """Replace every :class:`TensorRef` in a loaded tree with a real CPU tensor (reads them all)."""
+    cache: dict[tuple[Path, str], torch.Tensor] = {}
+
+    def read(x: Any) -> Any:
+        if not isinstance(x, TensorRef):
+            return x
+        skey = (x.storage.path, x.storage.key)
+        if skey not in cache:
+            cache[skey] = _read_elements(x.storage, 0, x.storage.numel, None)
+        storage = cache[skey]
+        # Views of one storage stay views of one storage (tied weights, flat buffers).
+        t = storage.as_strided(x.shape, x.stride, x.storage_offset) if x.numel else torch.empty(
+            x.shape, dtype=x.dtype)
+        if x.attrs:
+            for k, v in x.attrs.items():
+                setattr(t, k, v)
+        return t
+
+    return map_structure(read, obj)
+

@@ -1,0 +1,150 @@
+"""Streaming safetensors writer: the header is computed from the plan and written first, then each
+tensor's bytes are written as it is produced, so only one tensor is in memory at a time.
+
+Format (https://huggingface.co/docs/safetensors): 8-byte little-endian header length, a JSON header
+padded with spaces to a multiple of 8, then the tensor bytes back to back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..atomic import atomic_file
+from ..errors import CorruptCheckpointError
+
+__all__ = ["TensorSpec", "ShardPlan", "plan_shards", "write_safetensors", "write_sharded", "verify_safetensors"]
+
+_DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which tensors go to which file; ``filenames[i]`` holds ``shards[i]``."""
+
+    filenames: tuple[str, ...]
+    shards: tuple[tuple[TensorSpec, ...], ...]
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(s.nbytes for shard in self.shards for s in shard)
+
+    @property
+    def name_to_file(self) -> dict[str, str]:
+        return {s.name: f for f, shard in zip(self.filenames, self.shards) for s in shard}
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_nbytes: int | None,
+                *, prefix: str = "model") -> ShardPlan:
+    """Cut ``specs`` (in order) into shards of at most ``max_shard_nbytes`` (a larger tensor gets a
+    shard of its own), named like Hugging Face: one shard -> ``model.safetensors``, else
+    ``model-00001-of-0000N.safetensors``."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if max_shard_nbytes is not None and shards[-1] and size + spec.nbytes > max_shard_nbytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    n = len(shards)
+    if n == 1:
+        names = (f"{prefix}.safetensors",)
+    else:
+        names = tuple(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n))
+    return ShardPlan(names, tuple(tuple(s) for s in shards))
+
+
+def _header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in _DTYPE_CODES:
+            raise ValueError(f"safetensors cannot store dtype {spec.dtype} (tensor '{spec.name}')")
+        header[spec.name] = {"dtype": _DTYPE_CODES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
+                      produce: Callable[[TensorSpec], torch.Tensor], *,
+                      metadata: dict[str, str] | None = None,
+                      on_tensor: Callable[[TensorSpec], None] | None = None) -> Path:
+    """Write ``specs`` to ``path`` atomically, asking ``produce`` for each tensor in turn."""
+    path = Path(path)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names")
+    with atomic_file(path) as f:
+        f.write(_header(specs, metadata))
+        for spec in specs:
+            t = produce(spec)
+            if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                raise AssertionError(f"{spec.name}: produced {t.dtype} {list(t.shape)}, planned {spec}")
+            if spec.nbytes:
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if on_tensor is not None:
+                on_tensor(spec)
+    verify_safetensors(path, specs)
+    return path
+
+
+def write_sharded(directory: Path, plan: ShardPlan, produce: Callable[[TensorSpec], torch.Tensor], *,
+                  metadata: dict[str, str] | None = None,
+                  on_tensor: Callable[[TensorSpec], None] | None = None) -> list[Path]:
+    """Write every shard of ``plan`` into ``directory``, plus ``model.safetensors.index.json`` when
+    there is more than one shard."""
+    written = []
+    for filename, shard in zip(plan.filenames, plan.shards):
+        written.append(write_safetensors(directory / filename, shard, produce, metadata=metadata,
+                                         on_tensor=on_tensor))
+    if len(plan.filenames) > 1:
+        index = {"metadata": {"total_size": plan.total_nbytes, **(metadata or {})},
+                 "weight_map": plan.name_to_file}
+        index_path = directory / "model.safetensors.index.json"
+        with atomic_file(index_path) as f:
+            f.write(json.dumps(index, indent=2, sort_keys=False).encode("utf-8") + b"\n")
+        written.append(index_path)
+    return written
+
+
+def verify_safetensors(path: Path, specs: Sequence[TensorSpec]) -> None:
+    """Reopen ``path`` with the safetensors library and check names, shapes and dtypes."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        if keys != {s.name for s in specs}:
+            raise CorruptCheckpointError(f"{path}: written file lists other tensors than planned")
+        for spec in specs:
+            sl = f.get_slice(spec.name)
+            if tuple(sl.get_shape()) != spec.shape or sl.get_dtype() != _DTYPE_CODES[spec.dtype]:
+                raise CorruptCheckpointError(f"{path}: '{spec.name}' was not written as planned")
