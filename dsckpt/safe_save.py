@@ -1,0 +1,60 @@
+"""Writing DeepSpeed checkpoint files back (``repair``, ``reshard``) without importing deepspeed.
+
+Files dsckpt rewrites contain the stand-ins of :mod:`dsckpt.safe_load` (``LossScaler``,
+``ZeroStageEnum``, ``fragment_address`` ...). They must pickle under DeepSpeed's own class paths so
+that ``engine.load_checkpoint()`` reads them as if DeepSpeed had written them. The standard pickler
+would import ``deepspeed`` to check each class path; this one writes the recorded path as is.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .atomic import atomic_file
+from .safe_load import DeepSpeedObject
+
+__all__ = ["save", "pickle_module"]
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, type) and issubclass(obj, DeepSpeedObject) and obj.ds_module:
+            module, qualname = obj.ds_module, obj.ds_name
+            if self.proto >= 4:
+                self.save(module)
+                self.save(qualname)
+                self.write(pickle.STACK_GLOBAL)
+            else:
+                self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+
+def _dump(obj: Any, file: Any, protocol: int | None = None, **_: Any) -> None:
+    _Pickler(file, protocol).dump(obj)
+
+
+#: A ``pickle_module`` for ``torch.save`` that writes stand-ins under DeepSpeed's class paths.
+pickle_module = ModuleType("dsckpt_pickle")
+pickle_module.Pickler = _Pickler  # type: ignore[attr-defined]
+pickle_module.dump = _dump  # type: ignore[attr-defined]
+pickle_module.Unpickler = pickle.Unpickler  # type: ignore[attr-defined]
+pickle_module.load = pickle.load  # type: ignore[attr-defined]
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, legacy_format: bool = False) -> Path:
+    """``torch.save`` ``obj`` to ``path`` atomically (zip format unless ``legacy_format``)."""
+    path = Path(path)
+    with atomic_file(path) as f:
+        torch.save(obj, f, pickle_module=pickle_module,  # type: ignore[arg-type]
+                   _use_new_zipfile_serialization=not legacy_format)
+    return path
