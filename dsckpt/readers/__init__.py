@@ -48,5 +48,6 @@ def _refuse_tensor_parallel(mp_world_size: int, files: object) -> None:
     if mp_world_size > 1:
         raise UnsupportedCheckpointError(
             f"'{getattr(files, 'tag_dir', '?')}' was saved with model parallel size {mp_world_size} "
-            "(tensor parallelism); only data- and pipeline-parallel checkpoints are supported yet"
+            "(tensor parallelism), which is not supported yet; only data- and pipeline-parallel "
+            "checkpoints can be read"
         )

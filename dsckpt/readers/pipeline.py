@@ -39,6 +39,8 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
         )
     buffer_names = {b for m in metas.values() for b in m.buffer_names}
 
+    known = _param_names(files, cache, stages)
+    tied_names = [n for n in known if n.startswith("tied_modules.")]
     # name -> (file, key, ref) for every tensor of every layer file
     layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]] = {}
     order: list[str] = []
@@ -47,6 +49,8 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
         for key, ref in tree.items():
             if isinstance(ref, TensorRef):
                 name = f"{layer}.{key}"
+                if name not in known and name not in buffer_names:
+                    name = _tied_name(key, ref, tied_names, layer_tensors) or name
                 layer_tensors[name] = (path, (key,), ref)
                 order.append(name)
 
@@ -65,9 +69,13 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
             keeps_padding = zs is None
             wrapper = "BF16_Optimizer" if keeps_padding else "DeepSpeedZeroOptimizer"
             stage_number = int(zs.value) if isinstance(zs, DeepSpeedObject) else 0
-            entries.update(zero12_param_entries(
+            stage_entries = zero12_param_entries(
                 model_states=files.mp_to_model_states[s], optim_files=optim_files, cache=cache,
-                keeps_padding=keeps_padding, module_names_to_refs=layer_tensors))
+                keeps_padding=keeps_padding, module_names_to_refs=layer_tensors)
+            # Tied modules are trained on every stage that uses them (kept equal by an all-reduce);
+            # the first stage's copy stands for all.
+            for name, entry in stage_entries.items():
+                entries.setdefault(name, entry)
             base = osd0.get("base_optimizer_state")
             step = step if step is not None else step_of(base.get("state") if isinstance(base, dict) else None)
     for name in order:
@@ -90,3 +98,21 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
         optimizer_wrapper=wrapper, entries=tuple(ordered), files=tuple(files.all_files()),
         ds_config=meta0.ds_config,
     )
+
+
+def _param_names(files: CheckpointFiles, cache: FileCache, stages: list[int]) -> set[str]:
+    names: set[str] = set()
+    for s in stages:
+        ms = cache.tree(files.mp_to_model_states[s])
+        for group in ms.get("param_shapes") or []:
+            names.update(group)
+        names.update(ms.get("frozen_param_shapes") or {})
+    return names
+
+
+def _tied_name(key: str, ref: TensorRef, tied_names: list[str],
+               taken: dict[str, tuple[Path, tuple[Any, ...], TensorRef]]) -> str | None:
+    """A tied module is saved in the layer file of its first use (``layer.state_dict()`` keys), but
+    ``PipelineModule.state_dict()`` names it ``tied_modules.<key>.<param>``: match by param name."""
+    matches = [n for n in tied_names if n.endswith("." + key) and n not in taken]
+    return matches[0] if len(matches) == 1 else None

@@ -184,7 +184,11 @@ def _plain(path: Path, module: Mapping[str, Any], unique: list[str], optimizer: 
             st = state.get(idx)
             exp_avg = st.get("exp_avg") if isinstance(st, Mapping) else None
             if not isinstance(exp_avg, TensorRef) or exp_avg.shape == ref.shape:
-                trainable, group = True, g
+                # A param handed to the optimizer that has no state after steps were taken never
+                # received a gradient: it is frozen (requires_grad=False params passed via
+                # model.parameters()).
+                trainable = st is not None or not state
+                group = g if trainable else None
                 moments = _moment_pieces(path, ("optimizer", "state", idx), st, 0, ref.numel)
                 k += 1
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, trainable,

@@ -106,6 +106,12 @@ def zero12_param_entries(
             f"{model_states}: {len(param_shapes)} param groups in 'param_shapes' but "
             f"{len(parts.partition_numel)} fp32 groups in {optim_files[0].name}"
         )
+    if align_pads is not None and [len(p) for p in align_pads] != [len(g) for g in param_shapes]:
+        raise CorruptCheckpointError(
+            f"{optim_files[0]}: 'param_alignment_paddings' lists {[len(p) for p in align_pads]} params per "
+            f"group, 'param_shapes' in {model_states.name} lists {[len(g) for g in param_shapes]}; the "
+            "files come from different runs"
+        )
     module = ms.get("module") if module_names_to_refs is None else None
     entries: dict[str, TensorEntry] = {}
     for g, shapes in enumerate(param_shapes):

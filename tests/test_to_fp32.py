@@ -1,0 +1,225 @@
+"""to-fp32 and the readers, against real DeepSpeed checkpoints and the truth recorded when they were made."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import all_fixtures, fixtures_where, ids, tree_digest
+from dsckpt import open_checkpoint, to_fp32
+from dsckpt.cli import main
+from dsckpt.model import Kind, Role
+
+FIXTURES = all_fixtures()
+LOWP = fixtures_where(dtype=lambda d: d in ("bf16", "fp16"))
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert got[name].shape == t.shape, name
+        # Exact: bit-for-bit, NaN in the same places (torch.equal treats NaN != NaN).
+        assert torch.equal(got[name].view(-1).view(torch.uint8) if t.dtype == torch.bool else
+                           torch.nan_to_num(got[name], nan=1234.5), torch.nan_to_num(t, nan=1234.5)), name
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=ids(FIXTURES))
+def test_to_fp32_matches_ground_truth_exactly(fx, tmp_path):
+    before = tree_digest(fx.ckpt)
+    out = tmp_path / "model.safetensors"
+    result = to_fp32(fx.ckpt, out)
+    assert result.files == (out,)
+    _assert_same(load_file(str(out)), fx.expected_fp32())
+    assert tree_digest(fx.ckpt) == before, "the input checkpoint was modified"
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=ids(FIXTURES))
+def test_logical_model_matches_recorded_metadata(fx):
+    c = open_checkpoint(fx.ckpt).logical
+    meta = fx.meta
+    assert c.zero_stage == meta["stage"]
+    assert c.precision.value == meta["dtype"]
+    assert c.dp_world_size == meta["dp_world_size"]
+    assert c.pp_world_size == meta.get("pp_size", 1)
+    assert c.global_steps == meta["global_steps"]
+    assert c.global_samples == meta["global_samples"]
+    assert c.ds_version == meta["ds_version"]
+    assert c.tag == meta["tag"]
+    trainable = {e.name for e in c.entries if e.kind is Kind.PARAM and e.trainable}
+    frozen = {e.name for e in c.entries if e.kind is Kind.PARAM and not e.trainable}
+    assert trainable == set(meta["trainable"])
+    assert frozen == set(meta["frozen"])
+    assert {e.name for e in c.buffers} == set(meta["buffers"])
+    assert c.tied == meta.get("tied", {})
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=ids(FIXTURES))
+def test_adam_moments_match_ground_truth(fx):
+    c = open_checkpoint(fx.ckpt)
+    truth = fx.truth()
+    checked = 0
+    for e in c.entries:
+        for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
+            key = f"{role.value}/{e.name}"
+            if key in truth:
+                assert e.piece(role) is not None, f"{key} not found by the reader"
+                assert torch.equal(c.tensor(e.name, role=role), truth[key]), key
+                checked += 1
+    assert checked == sum(1 for k in truth if k.startswith(("exp_avg/", "exp_avg_sq/")))
+
+
+@pytest.mark.parametrize("fx", LOWP, ids=ids(LOWP))
+def test_fp32_master_rounds_to_saved_16bit_copy(fx):
+    """Cross-check of the ground truth and of the reader: each fp32 master value, cast to the training
+    dtype, is exactly the 16-bit weight DeepSpeed saved in the module (stage 3 saves none: use the
+    gathered copy recorded at generation time)."""
+    c = open_checkpoint(fx.ckpt)
+    truth = fx.truth()
+    checked = 0
+    for e in c.logical.params:
+        if not e.trainable:
+            continue
+        master = c.tensor(e.name, role=Role.MASTER)
+        if e.piece(Role.MODULE) is not None:
+            saved = c.tensor(e.name, role=Role.MODULE)
+        else:
+            saved = truth[f"lowp/{e.name}"]
+        assert saved.dtype in (torch.bfloat16, torch.float16)
+        assert torch.equal(master.to(saved.dtype), saved), e.name
+        assert torch.equal(master, truth[f"param/{e.name}"]), e.name
+        checked += 1
+    assert checked == len(fx.meta["trainable"])
+
+
+def _zero_to_fp32_works(fx) -> bool:
+    """zero_to_fp32 (0.19.8) fails on stage 0, BF16_Optimizer files, pipeline, and legacy non-zip
+    files (it mmaps them)."""
+    legacy = (fx.meta["config"].get("checkpoint") or {}).get("checkpoint_serialization") is False
+    return fx.meta["stage"] in (1, 2, 3) and fx.meta.get("optimizer_wrapper") != "BF16_Optimizer" \
+        and fx.meta.get("pp_size", 1) == 1 and not legacy
+
+
+ZERO = [fx for fx in FIXTURES if _zero_to_fp32_works(fx)]
+
+
+@pytest.mark.parametrize("fx", ZERO, ids=ids(ZERO))
+def test_agrees_with_deepspeed_zero_to_fp32(fx, tmp_path):
+    """Where DeepSpeed's own tool works, dsckpt gives the same fp32 values for trainable params.
+    (It leaves frozen params in 16 bit and drops them at stage 1; dsckpt upcasts and keeps them.)"""
+    zero_to_fp32 = pytest.importorskip("deepspeed.utils.zero_to_fp32")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(fx.ckpt, copy)
+    theirs = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(copy))
+    ours = open_checkpoint(fx.ckpt)
+    for name in fx.meta["trainable"]:
+        assert torch.equal(ours.tensor(name), theirs[name].float()), name
+    for name in fx.meta["frozen"]:
+        if name in theirs:
+            assert torch.equal(ours.tensor(name).float(), theirs[name].float()), name
+
+
+def test_sharded_output_with_index(tmp_path):
+    fx = fixtures_where(stage=3, dtype="bf16")[0]
+    out = tmp_path / "hf"
+    res = CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out), "--max-shard-size", "300B"])
+    assert res.exit_code == 0, res.output
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    n = len(shards)
+    assert n > 1
+    assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert set(index["weight_map"].values()) == set(shards)
+    merged = {}
+    for shard in shards:
+        part = load_file(str(out / shard))
+        assert all(index["weight_map"][k] == shard for k in part)
+        merged.update(part)
+    _assert_same(merged, fx.expected_fp32())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
+
+
+def test_directory_output_single_shard_is_model_safetensors(tmp_path):
+    fx = FIXTURES[0]
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out)]).exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    _assert_same(load_file(str(out / "model.safetensors")), fx.expected_fp32())
+
+
+def test_torch_output_loads_with_weights_only(tmp_path):
+    fx = fixtures_where(stage=2, dtype="bf16")[0]
+    out = tmp_path / "pytorch_model.bin"
+    assert CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out)]).exit_code == 0
+    _assert_same(torch.load(out, weights_only=True), fx.expected_fp32())
+
+
+def test_dtype_option_casts_floats_and_keeps_integer_buffers(tmp_path):
+    fx = fixtures_where(stage=1, dtype="fp32", pp_size=1)[0]
+    out = tmp_path / "m.safetensors"
+    assert CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out), "--dtype", "bf16"]).exit_code == 0
+    got = load_file(str(out))
+    for name, t in fx.expected_fp32().items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    assert got["bn.num_batches_tracked"].dtype == torch.int64
+
+
+def test_exclude_frozen(tmp_path):
+    fx = fixtures_where(stage=2, dtype="bf16")[0]
+    out = tmp_path / "m.safetensors"
+    assert CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out), "--exclude-frozen"]).exit_code == 0
+    got = load_file(str(out))
+    assert set(fx.meta["frozen"]).isdisjoint(got)
+    assert set(fx.meta["trainable"]) <= set(got)
+
+
+def test_safetensors_metadata(tmp_path):
+    fx = fixtures_where(stage=3, dtype="fp32")[0]
+    out = tmp_path / "m.safetensors"
+    to_fp32(fx.ckpt, out)
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt"
+    assert meta["source_tag"] == fx.meta["tag"]
+    assert meta["deepspeed_version"] == "0.19.8"
+    assert meta["dsckpt_version"]
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    fx = FIXTURES[0]
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"precious")
+    res = CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out)])
+    assert res.exit_code == 2
+    assert "already exists; pass --force" in res.stderr
+    assert out.read_bytes() == b"precious"
+    assert CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out), "--force"]).exit_code == 0
+    _assert_same(load_file(str(out)), fx.expected_fp32())
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    fx = FIXTURES[0]
+    out = tmp_path / "m.safetensors"
+    res = CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out), "--dry-run"])
+    assert res.exit_code == 1
+    assert f"would write {len(fx.expected_fp32())} tensors" in res.stdout
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_library_iterates_lazily_in_module_order():
+    fx = fixtures_where(stage=3, dtype="bf16")[0]
+    c = open_checkpoint(fx.ckpt)
+    it = c.iter_tensors()
+    name, t = next(it)
+    assert name == fx.meta["state_dict_names"][0]
+    assert t.dtype == torch.float32
+    assert [n for n, _ in c.iter_tensors()] == fx.meta["state_dict_names"]
