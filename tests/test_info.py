@@ -1,0 +1,76 @@
+"""dsckpt info: what is in a checkpoint, checked against what was recorded when it was made."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import all_fixtures, ids
+from dsckpt.cli import main
+
+FIXTURES = all_fixtures()
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=ids(FIXTURES))
+def test_info_json_matches_recorded_facts(fx):
+    res = CliRunner().invoke(main, ["info", "--json", str(fx.ckpt)])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == ""
+    s = json.loads(res.stdout)
+    m = fx.meta
+    assert s["zero_stage"] == m["stage"]
+    assert s["precision"] == m["dtype"]
+    assert s["dp_world_size"] == m["dp_world_size"]
+    assert s["pp_world_size"] == m.get("pp_size", 1)
+    assert s["tp_world_size"] == 1
+    assert s["deepspeed_version"] == m["ds_version"]
+    assert s["global_steps"] == m["global_steps"]
+    assert s["global_samples"] == m["global_samples"]
+    assert s["tag"] == m["tag"]
+    truth = fx.truth()
+    unique = [n for n in m["params"] if n not in m.get("tied", {})]
+    assert s["params"]["count"] == len(unique)
+    assert s["params"]["numel_trainable"] == sum(truth[f"param/{n}"].numel() for n in unique if n in m["trainable"])
+    assert s["params"]["numel_frozen"] == sum(truth[f"param/{n}"].numel() for n in unique if n in m["frozen"])
+    assert sorted(b["name"] for b in s["buffers"]) == sorted(m["buffers"])
+    assert s["health"] == {"ok": True, "problems": []}
+    expected_files = sorted(f.split("/", 1)[1] for f in m["files"] if f.startswith(m["tag"] + "/"))
+    assert sorted(f["name"] for f in s["files"]) == expected_files
+    for f in s["files"]:
+        assert f["nbytes"] == (fx.ckpt / m["tag"] / f["name"]).stat().st_size
+
+
+def test_info_text_names_layout_and_health():
+    fx = next(f for f in FIXTURES if f.name == "s3_bf16_w3_subgroups")
+    res = CliRunner().invoke(main, ["info", str(fx.ckpt), "--tensors"])
+    assert res.exit_code == 0
+    out = res.stdout
+    assert "ZeRO stage 3 (zero3), bf16" in out
+    assert "parallelism  data 3, pipeline 1, tensor 1" in out
+    assert "tied         embed.weight = head.weight" in out
+    assert "health       ok" in out
+    assert "frozen.weight" in out and "frozen" in out
+
+
+def test_info_reports_inconsistent_partition_as_unhealthy(tmp_path):
+    """A stage-3 rank file whose fp32 sub-group is shorter than 'param_shapes' needs is caught."""
+    import torch
+
+    from dsckpt import safe_load, safe_save
+
+    fx = next(f for f in FIXTURES if f.name == "s3_fp32_w2")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx.ckpt, ckpt)
+    victim = ckpt / fx.meta["tag"] / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    tree = safe_load.materialize(safe_load.load(victim))
+    groups = tree["optimizer_state_dict"]["fp32_flat_groups"]
+    groups[0] = groups[0][:-5].clone()
+    safe_save.save(tree, victim)
+    res = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert res.exit_code == 3
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in res.stderr
+    assert "fp32 sub-group 0" in res.stderr
+    assert torch.is_tensor(groups[0])
