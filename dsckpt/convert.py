@@ -21,6 +21,7 @@ from .atomic import atomic_dir, check_can_write
 from .errors import UsageError
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .readers import FileCache
+from .scan import NonFinite, count_nonfinite
 from .writers.safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors, write_sharded
 from .writers.torchfile import write_torch
 
@@ -87,19 +88,6 @@ class ConvertPlan:
     @property
     def total_nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
-
-
-@dataclass(frozen=True)
-class NonFinite:
-    name: str
-    nan: int
-    posinf: int
-    neginf: int
-    numel: int
-
-    def describe(self) -> str:
-        parts = [f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n]
-        return f"{self.name}: {', '.join(parts)} of {self.numel} values"
 
 
 @dataclass(frozen=True)
@@ -202,10 +190,7 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
 
 
 def _nonfinite(name: str, t: torch.Tensor) -> NonFinite | None:
-    finite = torch.isfinite(t)
-    if bool(finite.all()):
+    nan, posinf, neginf = count_nonfinite(t)
+    if not (nan or posinf or neginf):
         return None
-    nan = int(torch.isnan(t).sum())
-    posinf = int(torch.isposinf(t).sum())
-    neginf = int(torch.isneginf(t).sum())
     return NonFinite(name, nan, posinf, neginf, t.numel())

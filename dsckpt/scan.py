@@ -1,0 +1,565 @@
+"""``scan``: find inf/NaN (and other suspicious) values in every stored tensor of a checkpoint.
+
+:func:`plan_scan` decides what to read (pure: parsed file metadata in, frozen plan out);
+:func:`run_scan` reads it, vectorised and in bounded chunks, each stored byte once.
+
+What is read:
+
+* every stored copy of every logical tensor, through the :class:`~dsckpt.model.LogicalCheckpoint`
+  fragments (module weights and buffers in every model-states file, stage-3 buffer replicas,
+  fp32 master partitions, ``exp_avg`` / ``exp_avg_sq``, frozen fragments, stage-0 ``optimizer``
+  contents). Findings come back under the logical name with logical flat indices;
+* then every other floating-point tensor region of the same files that no fragment covers
+  (partition padding, optimizer ``step`` values, anything unrecognised) — reported as kind
+  ``other`` with the stored key path and indices into that stored tensor.
+
+Checks:
+
+* ``nonfinite``: NaN, +inf, -inf counts in every floating tensor;
+* ``fp16_overflow``: finite fp32 master values with ``|x| > 65504`` (fp16's largest finite value) in
+  a checkpoint trained in fp16 — the next step would turn them into inf in the fp16 weights;
+* ``mismatch``: a 16-bit module copy of a param that is not ``master.to(lowp_dtype)``. Only compared
+  where the master, its rounding to the 16-bit dtype and the stored 16-bit value are all finite: a
+  non-finite 16-bit value is already a ``nonfinite`` finding and a master that overflows the 16-bit
+  dtype an ``fp16_overflow`` one. DeepSpeed 0.19.8 copies the master into the 16-bit weights with
+  ``.to()`` (round to nearest even) after every step, so any difference is real damage or a stale copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import safe_load
+from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+from .errors import CorruptCheckpointError
+from .readers.common import FileCache, format_key, lookup
+from .safe_load import TensorRef
+from .state_dict_files import TargetKind, detect_target, open_state_dict
+
+__all__ = [
+    "FP16_MAX",
+    "DEFAULT_CHUNK_NUMEL",
+    "Check",
+    "StoredKind",
+    "NonFinite",
+    "Finding",
+    "EntryScan",
+    "RawScan",
+    "ScanPlan",
+    "ScanReport",
+    "count_nonfinite",
+    "stored_kind",
+    "plan_scan",
+    "run_scan",
+    "open_target",
+    "prepare_scan",
+    "scan",
+]
+
+FP16_MAX = 65504.0
+DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MB per fp32 buffer
+MAX_INDICES = 8
+
+
+class Check(enum.Enum):
+    NONFINITE = "nonfinite"
+    FP16_OVERFLOW = "fp16_overflow"
+    MISMATCH = "mismatch"
+
+
+class StoredKind(enum.Enum):
+    """What a stored copy is, as reported to users."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    FROZEN = "frozen"
+    MASTER = "fp32 master"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """NaN / +inf / -inf counts of one tensor (``to-fp32`` warnings)."""
+
+    name: str
+    nan: int
+    posinf: int
+    neginf: int
+    numel: int
+
+    def describe(self) -> str:
+        parts = [f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n]
+        return f"{self.name}: {', '.join(parts)} of {self.numel} values"
+
+
+def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(nan, +inf, -inf)`` counts of a floating tensor (vectorised)."""
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return 0, 0, 0
+    return int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
+
+
+def stored_kind(entry: TensorEntry | None, role: Role | None) -> StoredKind:
+    if entry is None or role is None:
+        return StoredKind.OTHER
+    if role is Role.MASTER:
+        return StoredKind.MASTER
+    if role is Role.EXP_AVG:
+        return StoredKind.EXP_AVG
+    if role is Role.EXP_AVG_SQ:
+        return StoredKind.EXP_AVG_SQ
+    if entry.kind is Kind.BUFFER:
+        return StoredKind.BUFFER
+    return StoredKind.PARAM if entry.trainable else StoredKind.FROZEN
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Suspicious values in one stored copy of one tensor, in one file.
+
+    ``first_indices`` are flat indices into the logical tensor ``name`` (into the stored tensor at
+    ``key`` when ``name`` is None). For ``nonfinite``, ``count == nan + posinf + neginf``.
+    """
+
+    check: Check
+    name: str | None
+    file: Path
+    key: tuple[Any, ...]
+    kind: StoredKind
+    dtype: str
+    count: int
+    numel: int
+    first_indices: tuple[int, ...]
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    rank: int | None = None
+    replica: int = 0
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def key_str(self) -> str:
+        return format_key(self.key)
+
+    def describe(self) -> str:
+        what = self.name if self.name is not None else f"(no tensor) {self.key_str}"
+        if self.check is Check.NONFINITE:
+            parts = [f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"),
+                                                     (self.neginf, "-inf")) if n]
+            detail = ", ".join(parts)
+        elif self.check is Check.FP16_OVERFLOW:
+            detail = f"{self.count} values with |x| > {FP16_MAX:g} (overflow fp16)"
+        else:
+            detail = f"{self.count} values differ from the fp32 master rounded to {self.dtype}"
+        alias = f" (tied: {', '.join(self.aliases)})" if self.aliases else ""
+        return (f"{what}{alias}: {self.kind.value}, {self.dtype}, {detail} of {self.numel} values; "
+                f"in {self.file.name} {self.key_str}; first indices {list(self.first_indices)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check.value, "name": self.name, "file": str(self.file), "key": self.key_str,
+            "kind": self.kind.value, "dtype": self.dtype, "count": self.count, "numel": self.numel,
+            "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf,
+            "first_indices": list(self.first_indices), "rank": self.rank, "replica": self.replica,
+            "aliases": list(self.aliases),
+        }
+
+
+@dataclass(frozen=True)
+class EntryScan:
+    """Read every stored copy of one logical tensor, chunk by chunk in logical order."""
+
+    name: str
+    numel: int
+    pieces: tuple[Piece, ...]
+    kinds: tuple[StoredKind, ...]
+    overflow_pieces: tuple[int, ...]  # indices into pieces: fp32 masters of an fp16 run
+    compare: tuple[int, int] | None  # (master piece, 16-bit module piece) to compare
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RawScan:
+    """``numel`` elements from ``start`` of the stored tensor at ``key`` that no fragment covers."""
+
+    file: Path
+    key: tuple[Any, ...]
+    start: int
+    numel: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    target: Path
+    target_kind: TargetKind
+    checks: tuple[Check, ...]
+    entries: tuple[EntryScan, ...]
+    raw: tuple[RawScan, ...]
+    nbytes: int
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    target: Path
+    target_kind: TargetKind
+    checks: tuple[Check, ...]
+    findings: tuple[Finding, ...]
+    stored_tensors: int
+    numel_scanned: int
+    nbytes_read: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    def of(self, check: Check) -> list[Finding]:
+        return [f for f in self.findings if f.check is check]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": str(self.target), "target_kind": self.target_kind.value,
+            "checks": [c.value for c in self.checks], "clean": self.clean,
+            "stored_tensors": self.stored_tensors, "numel_scanned": self.numel_scanned,
+            "nbytes_read": self.nbytes_read, "findings": [f.to_dict() for f in self.findings],
+            "notes": list(self.notes),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+
+
+def _element_size(dtype_name: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+def _is_floating(dtype_name: str) -> bool:
+    dt = getattr(torch, dtype_name, None)
+    return isinstance(dt, torch.dtype) and dt.is_floating_point
+
+
+def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Callable[[Path, tuple[Any, ...]], Any], *,
+              target: Path, target_kind: TargetKind, nonfinite_only: bool = False,
+              chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> ScanPlan:
+    """Decide what to read. Pure: ``trees`` are the parsed files (tensors as TensorRef, no data) and
+    ``refs(file, key)`` returns the stored-tensor reference a fragment points at."""
+    checks = (Check.NONFINITE,) if nonfinite_only else (Check.NONFINITE, Check.FP16_OVERFLOW, Check.MISMATCH)
+    aliases: dict[str, list[str]] = {}
+    for e in logical.entries:
+        if e.tied_to is not None:
+            aliases.setdefault(e.tied_to, []).append(e.name)
+    entries = []
+    nbytes = 0
+    for e in logical.entries:
+        if e.tied_to is not None:
+            continue
+        pieces = _distinct_pieces(tuple(p for p in e.pieces if _is_floating(p.dtype)), refs)
+        if not pieces:
+            continue
+        kinds = tuple(stored_kind(e, p.role) for p in pieces)
+        overflow = tuple(i for i, p in enumerate(pieces)
+                         if Check.FP16_OVERFLOW in checks and logical.precision is Precision.FP16
+                         and p.role is Role.MASTER and p.dtype == "float32")
+        compare = None
+        if Check.MISMATCH in checks:
+            m = next((i for i, p in enumerate(pieces) if p.role is Role.MASTER and p.dtype == "float32"), None)
+            lp = next((i for i, p in enumerate(pieces)
+                       if p.role is Role.MODULE and p.replica == 0 and p.dtype in ("float16", "bfloat16")), None)
+            if m is not None and lp is not None:
+                compare = (m, lp)
+        entries.append(EntryScan(e.name, e.numel, pieces, kinds, overflow, compare, tuple(aliases.get(e.name, ()))))
+        nbytes += sum(p.numel * _element_size(p.dtype) for p in pieces)
+    raw = _uncovered(logical, trees, refs)
+    nbytes += sum(r.numel * _element_size(r.dtype) for r in raw)
+    return ScanPlan(target, target_kind, checks, tuple(entries), tuple(raw), nbytes, chunk_numel)
+
+
+def _distinct_pieces(pieces: tuple[Piece, ...], refs: Callable[[Path, tuple[Any, ...]], Any]) -> tuple[Piece, ...]:
+    """Drop pieces stored in the very same bytes as an earlier one (stage-2 ``frozen_param_fragments``
+    entries are the module tensors themselves, pickled twice into one storage)."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for p in pieces:
+        sig = []
+        for f in p.fragments:
+            ref = refs(f.file, f.key)
+            if isinstance(ref, TensorRef) and ref.is_contiguous():
+                sig.append((f.file, ref.storage.key, ref.storage_offset + f.src_offset, f.numel, f.dst_offset))
+            else:
+                sig.append((f.file, f.key, f.src_offset, f.numel, f.dst_offset))
+        if tuple(sig) not in seen:
+            seen.add(tuple(sig))
+            out.append(p)
+    return tuple(out)
+
+
+def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
+               refs: Callable[[Path, tuple[Any, ...]], Any]) -> list[RawScan]:
+    """Floating-point regions of the parsed files that no fragment of ``logical`` covers.
+
+    Works in storage coordinates, so views sharing bytes (tied weights, the 16-bit flat buffer)
+    are read once; each uncovered region is attributed to the first view (in file order) over it.
+    """
+    covered: dict[tuple[Path, str], list[tuple[int, int]]] = {}
+    covered_views: set[tuple[Path, tuple[Any, ...]]] = set()
+    for e in logical.entries:
+        if e.tied_to is not None:
+            continue
+        for p in e.pieces:
+            for f in p.fragments:
+                ref = refs(f.file, f.key)
+                if not isinstance(ref, TensorRef):
+                    continue
+                if ref.is_contiguous():
+                    start = ref.storage_offset + f.src_offset
+                    covered.setdefault((f.file, ref.storage.key), []).append((start, start + f.numel))
+                else:
+                    covered_views.add((f.file, f.key))
+    out: list[RawScan] = []
+    for path, tree in trees.items():
+        views: dict[str, list[tuple[int, int, int, tuple[Any, ...], TensorRef]]] = {}
+        for order, (key, ref) in enumerate(safe_load.walk_tensors(tree)):
+            if not ref.dtype.is_floating_point or ref.numel == 0 or (path, key) in covered_views:
+                continue
+            if not ref.is_contiguous():
+                out.append(RawScan(path, key, 0, ref.numel, str(ref.dtype).removeprefix("torch.")))
+                continue
+            views.setdefault(ref.storage.key, []).append(
+                (ref.storage_offset, ref.storage_offset + ref.numel, order, key, ref))
+        for skey, vs in views.items():
+            out += _uncovered_in_storage(path, vs, sorted(covered.get((path, skey), [])))
+    return out
+
+
+def _uncovered_in_storage(path: Path, views: list[tuple[int, int, int, tuple[Any, ...], TensorRef]],
+                          covered: list[tuple[int, int]]) -> list[RawScan]:
+    merged: list[list[int]] = []
+    for a, b in covered:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    bounds = sorted({x for v in views for x in v[:2]} | {x for m in merged for x in m})
+    starts = sorted(views, key=lambda v: v[0])
+    active: list[tuple[int, int]] = []  # heap of (order, index into starts)
+    out: list[RawScan] = []
+    vi = mi = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        while vi < len(starts) and starts[vi][0] <= lo:
+            heapq.heappush(active, (starts[vi][2], vi))
+            vi += 1
+        while active and starts[active[0][1]][1] <= lo:
+            heapq.heappop(active)
+        while mi < len(merged) and merged[mi][1] <= lo:
+            mi += 1
+        if not active or (mi < len(merged) and merged[mi][0] <= lo):
+            continue
+        _, i = active[0]
+        vstart, _, _, key, ref = starts[i]
+        dtype = str(ref.dtype).removeprefix("torch.")
+        if out and out[-1].key == key and out[-1].start + out[-1].numel == lo - vstart:
+            last = out.pop()
+            out.append(RawScan(path, key, last.start, last.numel + hi - lo, dtype))
+        else:
+            out.append(RawScan(path, key, lo - vstart, hi - lo, dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+
+
+class _Tally:
+    __slots__ = ("count", "nan", "posinf", "neginf", "first", "numel")
+
+    def __init__(self) -> None:
+        self.count = self.nan = self.posinf = self.neginf = self.numel = 0
+        self.first: list[int] = []
+
+    def add_positions(self, mask: torch.Tensor, base: int) -> int:
+        n = int(mask.sum())
+        if n:
+            self.count += n
+            if len(self.first) < MAX_INDICES:
+                idx = mask.nonzero().flatten()[: MAX_INDICES - len(self.first)]
+                self.first += (idx + base).tolist()
+        return n
+
+    def add_nonfinite(self, t: torch.Tensor, base: int) -> None:
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            return
+        vals = t[bad]
+        self.nan += int(torch.isnan(vals).sum())
+        self.posinf += int(torch.isposinf(vals).sum())
+        self.neginf += int(torch.isneginf(vals).sum())
+        self.add_positions(bad, base)
+
+
+@dataclass
+class _Where:
+    name: str | None
+    file: Path
+    key: tuple[Any, ...]
+    kind: StoredKind
+    dtype: str
+    rank: int | None
+    replica: int
+    aliases: tuple[str, ...]
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.tallies: dict[tuple[Check, str | None, Path, tuple[Any, ...], int], tuple[_Where, _Tally]] = {}
+
+    def get(self, check: Check, where: _Where) -> _Tally:
+        k = (check, where.name, where.file, where.key, where.replica)
+        if k not in self.tallies:
+            self.tallies[k] = (where, _Tally())
+        return self.tallies[k][1]
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for (check, *_), (w, t) in self.tallies.items():
+            if t.count:
+                out.append(Finding(check, w.name, w.file, w.key, w.kind, w.dtype, t.count, t.numel,
+                                   tuple(t.first), t.nan, t.posinf, t.neginf, w.rank, w.replica, w.aliases))
+        return out
+
+
+def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None = None) -> ScanReport:
+    """Read what ``plan`` names and report findings. Memory is bounded by a few chunk buffers."""
+    col = _Collector()
+    stored: set[tuple[Path, tuple[Any, ...]]] = set()
+    numel_scanned = nbytes_read = 0
+    chunk = max(1, plan.chunk_numel)
+
+    def tick(n: int) -> None:
+        nonlocal nbytes_read
+        nbytes_read += n
+        if on_progress is not None:
+            on_progress(n)
+
+    for es in plan.entries:
+        wheres = []
+        for piece, kind in zip(es.pieces, es.kinds):
+            per_frag = [_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases)
+                        for f in piece.fragments]
+            wheres.append(per_frag)
+            for f in piece.fragments:
+                stored.add((f.file, f.key))
+            if piece.numel != es.numel:
+                raise CorruptCheckpointError(
+                    f"tensor '{es.name}': its {piece.role.value} copy has {piece.numel} elements in the files, "
+                    f"its shape needs {es.numel}; the checkpoint metadata is inconsistent")
+        for a in range(0, es.numel, chunk):
+            b = min(es.numel, a + chunk)
+            bufs: list[torch.Tensor] = []
+            for pi, piece in enumerate(es.pieces):
+                buf = torch.empty(b - a, dtype=getattr(torch, piece.dtype))
+                for fi, f in enumerate(piece.fragments):
+                    lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
+                    if lo >= hi:
+                        continue
+                    part = buf[lo - a: hi - a]
+                    cache.tensor(f.file, f.key).read(f.src_offset + lo - f.dst_offset, hi - lo, out=part)
+                    tick(part.numel() * part.element_size())
+                    w = wheres[pi][fi]
+                    col.get(Check.NONFINITE, w).add_nonfinite(part, lo)
+                    col.get(Check.NONFINITE, w).numel += hi - lo
+                    if pi in es.overflow_pieces:
+                        t = col.get(Check.FP16_OVERFLOW, w)
+                        t.numel += hi - lo
+                        t.add_positions(torch.isfinite(part) & (part.abs() > FP16_MAX), lo)
+                bufs.append(buf)
+                numel_scanned += b - a
+            if es.compare is not None:
+                _compare(es, bufs, a, col, wheres)
+    for r in plan.raw:
+        stored.add((r.file, r.key))
+        ref = _tree_ref(cache, r)
+        w = _Where(None, r.file, r.key, StoredKind.OTHER, r.dtype, None, 0, ())
+        for a in range(0, r.numel, chunk):
+            n = min(chunk, r.numel - a)
+            part = ref.read(r.start + a, n)
+            tick(part.numel() * part.element_size())
+            t = col.get(Check.NONFINITE, w)
+            t.numel += n
+            t.add_nonfinite(part, r.start + a)
+            numel_scanned += n
+    return ScanReport(plan.target, plan.target_kind, plan.checks, tuple(col.findings()), len(stored),
+                      numel_scanned, nbytes_read)
+
+
+def _tree_ref(cache: FileCache, r: RawScan) -> TensorRef:
+    obj = lookup(cache.tree(r.file), r.key, r.file)
+    assert isinstance(obj, TensorRef), "plan_scan only plans raw scans of tensors"
+    return obj
+
+
+def _compare(es: EntryScan, bufs: list[torch.Tensor], base: int, col: _Collector,
+             wheres: list[list[_Where]]) -> None:
+    assert es.compare is not None
+    mi, li = es.compare
+    master, lowp = bufs[mi], bufs[li]
+    rounded = master.to(lowp.dtype)
+    ok = torch.isfinite(master) & torch.isfinite(rounded) & torch.isfinite(lowp)
+    differ = ok & (rounded != lowp)
+    piece = es.pieces[li]
+    for fi, f in enumerate(piece.fragments):
+        lo, hi = max(base, f.dst_offset), min(base + len(lowp), f.dst_offset + f.numel)
+        if lo >= hi:
+            continue
+        t = col.get(Check.MISMATCH, wheres[li][fi])
+        t.numel += hi - lo
+        t.add_positions(differ[lo - base: hi - base], lo)
+
+
+# --------------------------------------------------------------------------------------------
+# Front door
+
+
+def open_target(target: str | os.PathLike[str], *, tag: str | None = None
+                ) -> tuple[LogicalCheckpoint, FileCache, TargetKind]:
+    """Open anything ``scan`` accepts: a DeepSpeed checkpoint, a ``.safetensors`` file, a sharded
+    safetensors folder, or a torch state-dict file."""
+    kind = detect_target(target)
+    if kind is TargetKind.DEEPSPEED:
+        from .checkpoint import open_checkpoint
+
+        c = open_checkpoint(target, tag=tag)
+        return c.logical, c.cache, kind
+    logical, cache = open_state_dict(target)
+    return logical, cache, kind
+
+
+def prepare_scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> tuple[ScanPlan, FileCache]:
+    """Open ``target`` (see :func:`open_target`), parse its files' metadata and plan the scan."""
+    logical, cache, kind = open_target(target, tag=tag)
+    is_st = getattr(cache, "is_safetensors", lambda _f: False)
+    trees = {f: cache.tree(f) for f in logical.files if not is_st(f)}
+    plan = plan_scan(logical, trees, cache.tensor, target=Path(target), target_kind=kind,
+                     nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)
+    return plan, cache
+
+
+def scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
+         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+         on_progress: Callable[[int], None] | None = None) -> ScanReport:
+    """Scan ``target`` (see :func:`open_target`) and return every finding."""
+    plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)
+    return run_scan(plan, cache, on_progress=on_progress)

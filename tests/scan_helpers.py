@@ -1,0 +1,38 @@
+"""Helpers for scan/repair tests: copy a fixture and plant non-finite values into the copy."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from dsckpt import safe_load, safe_save
+from dsckpt.checkpoint import open_checkpoint
+from dsckpt.model import Role
+from dsckpt.readers.common import lookup
+
+
+def copy_fixture(fx, dest: Path) -> Path:
+    ckpt = dest / "ckpt"
+    shutil.copytree(fx.ckpt, ckpt)
+    return ckpt
+
+
+def plant(ckpt: Path, name: str, role: Role, index: int, value: float, *, replica: int | None = 0) -> list[Path]:
+    """Set logical element ``index`` of the ``role`` copy of ``name`` to ``value`` in the files (every
+    replica when ``replica`` is None). Returns the files changed; legacy files stay legacy."""
+    logical = open_checkpoint(ckpt).logical
+    entry = logical.entry(name)
+    changed = []
+    for piece in entry.pieces:
+        if piece.role is not role or (replica is not None and piece.replica != replica):
+            continue
+        for f in piece.fragments:
+            if f.dst_offset <= index < f.dst_offset + f.numel:
+                legacy = f.file.read_bytes()[:2] != b"PK"
+                tree = safe_load.materialize(safe_load.load(f.file))
+                t = lookup(tree, f.key, f.file)
+                t.view(-1)[f.src_offset + index - f.dst_offset] = value
+                safe_save.save(tree, f.file, legacy_format=legacy)
+                changed.append(f.file)
+    assert changed, f"{name} has no {role} copy holding element {index}"
+    return changed

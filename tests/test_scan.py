@@ -1,0 +1,215 @@
+"""dsckpt scan: finds exactly the planted / real non-finite values, nothing in clean fixtures, reads
+each stored byte once. Planted values go into COPIES of real DeepSpeed fixtures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from conftest import all_fixtures, fixtures_where, ids
+from dsckpt import safe_load
+from dsckpt.cli import main
+from dsckpt.model import Precision, Role
+from dsckpt.scan import Check, StoredKind, open_target, plan_scan, prepare_scan, run_scan, scan
+from scan_helpers import copy_fixture, plant
+
+FIXTURES = all_fixtures()
+BNOVERFLOW = [f for f in FIXTURES if f.name.endswith("_bnoverflow")]
+CLEAN = [f for f in FIXTURES if f.meta.get("dtype") != "fp16"]
+
+
+def _union_nbytes(logical, cache) -> int:
+    """Bytes covered by floating tensor views of every file (shared views counted once)."""
+    total = 0
+    for f in logical.files:
+        spans: dict[str, list[tuple[int, int, int]]] = {}
+        for _, r in safe_load.walk_tensors(cache.tree(f)):
+            if r.dtype.is_floating_point and r.numel:
+                spans.setdefault(r.storage.key, []).append((r.storage_offset, r.storage_offset + r.numel,
+                                                            r.nbytes // r.numel))
+        for v in spans.values():
+            end = -1
+            for a, b, size in sorted(v):
+                a = max(a, end)
+                if b > a:
+                    total += (b - a) * size
+                    end = b
+    return total
+
+
+@pytest.mark.parametrize("fx", CLEAN, ids=ids(CLEAN))
+def test_clean_fixture_scans_clean_reading_each_byte_once(fx):
+    report = scan(fx.ckpt)
+    assert report.findings == ()
+    logical, cache, _ = open_target(fx.ckpt)
+    assert report.nbytes_read == _union_nbytes(logical, cache)
+    assert report.stored_tensors > 0
+
+
+@pytest.mark.parametrize("fx", BNOVERFLOW, ids=ids(BNOVERFLOW))
+def test_real_fp16_bn_overflow_found_exactly(fx):
+    truth = fx.truth()["buffer/bn.running_var"]
+    bad = (~torch.isfinite(truth)).nonzero().flatten().tolist()
+    assert bad, "fixture should hold an overflowed running_var"
+    report = scan(fx.ckpt, nonfinite_only=True)
+    found = report.findings
+    assert {f.name for f in found} == {"bn.running_var"}
+    n_files = len({f.file for f in found})
+    assert n_files == (fx.meta["dp_world_size"] if fx.meta["stage"] == 3 else 1)
+    for f in found:
+        assert (f.kind, f.dtype, f.numel) == (StoredKind.BUFFER, "float16", 7)
+        assert list(f.first_indices) == bad
+        assert f.posinf == int(torch.isposinf(truth).sum()) and f.nan == int(torch.isnan(truth).sum())
+
+
+PLANTS = [
+    # fixture, name, role, logical index, expected kind
+    ("s0_fp32_w1", "fc1.weight", Role.MODULE, 5, StoredKind.PARAM),
+    ("s0_bf16_w2", "fc2.weight", Role.MASTER, 7, StoredKind.MASTER),
+    ("s1_bf16_w3", "fc1.weight", Role.MASTER, 41, StoredKind.MASTER),
+    ("s2_fp32_w4", "embed.weight", Role.EXP_AVG, 65, StoredKind.EXP_AVG),
+    ("s2_bf16_w2_2groups", "bn.bias", Role.EXP_AVG_SQ, 6, StoredKind.EXP_AVG_SQ),
+    ("s2_fp32_w2_legacy", "frozen.weight", Role.MODULE, 3, StoredKind.FROZEN),
+    ("s3_bf16_w3_subgroups", "fc2.weight", Role.MASTER, 29, StoredKind.MASTER),
+    ("s3_fp32_w2", "bn.running_var", Role.MODULE, 6, StoredKind.BUFFER),
+]
+PLANT_IDS = [f"{p[0]}-{p[1]}-{p[2].value}" for p in PLANTS]
+
+
+@pytest.mark.parametrize("fx_name,name,role,index,kind", PLANTS, ids=PLANT_IDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["posinf", "neginf", "nan"])
+def test_planted_value_found_by_logical_name_and_index(tmp_path, fx_name, name, role, index, kind, value):
+    fx = next((f for f in FIXTURES if f.name == fx_name), None)
+    if fx is None:
+        pytest.skip(f"fixture {fx_name} not generated yet")
+    ckpt = copy_fixture(fx, tmp_path)
+    files = plant(ckpt, name, role, index, value)
+    report = scan(ckpt, nonfinite_only=True)
+    assert len(report.findings) == 1
+    f = report.findings[0]
+    assert (f.check, f.name, f.kind, f.file, f.count, f.first_indices) == (
+        Check.NONFINITE, name, kind, files[0], 1, (index,))
+    assert (f.nan, f.posinf, f.neginf) == (int(math.isnan(value)), int(value == math.inf), int(value == -math.inf))
+
+
+def test_tied_weight_reported_once_with_alias(tmp_path):
+    fx = next(f for f in FIXTURES if f.name == "s1_fp32_w2")
+    ckpt = copy_fixture(fx, tmp_path)
+    plant(ckpt, "embed.weight", Role.MASTER, 0, math.nan)
+    (f,) = scan(ckpt).findings
+    assert (f.name, f.aliases, f.rank) == ("embed.weight", ("head.weight",), 0)
+
+
+def test_bf16_module_copy_disagreeing_with_master_is_a_mismatch(tmp_path):
+    fx = next(f for f in FIXTURES if f.name == "s2_bf16_w2_2groups")
+    ckpt = copy_fixture(fx, tmp_path)
+    master = fx.truth()["param/fc1.weight"].reshape(-1)
+    plant(ckpt, "fc1.weight", Role.MASTER, 3, float(master[3]) * 2 + 1)
+    assert scan(ckpt, nonfinite_only=True).clean
+    (f,) = scan(ckpt).findings
+    assert (f.check, f.name, f.kind, f.dtype, f.count, f.first_indices) == (
+        Check.MISMATCH, "fc1.weight", StoredKind.PARAM, "bfloat16", 1, (3,))
+
+
+def test_fp32_master_beyond_fp16_range_flagged_when_trained_in_fp16(tmp_path):
+    """The CPU fixture is fp32-trained; the plan is made as if fp16 (precision is all that differs)."""
+    fx = next(f for f in FIXTURES if f.name == "s2_fp32_w4")
+    ckpt = copy_fixture(fx, tmp_path)
+    plant(ckpt, "fc2.weight", Role.MASTER, 0, 70000.0)
+    plant(ckpt, "fc2.weight", Role.MASTER, 1, 65504.0)  # the largest fp16 value itself is fine
+    assert scan(ckpt).clean
+    logical, cache, kind = open_target(ckpt)
+    logical = dataclasses.replace(logical, precision=Precision.FP16)
+    plan = plan_scan(logical, {f: cache.tree(f) for f in logical.files}, cache.tensor, target=ckpt,
+                     target_kind=kind)
+    (f,) = run_scan(plan, cache).findings
+    assert (f.check, f.name, f.kind, f.count, f.first_indices) == (
+        Check.FP16_OVERFLOW, "fc2.weight", StoredKind.MASTER, 1, (0,))
+
+
+def test_chunked_reading_gives_the_same_findings(tmp_path):
+    fx = next(f for f in FIXTURES if f.name == "s2_fp32_w4")
+    ckpt = copy_fixture(fx, tmp_path)
+    for i in (2, 30, 64):
+        plant(ckpt, "embed.weight", Role.MASTER, i, math.inf)
+    whole = scan(ckpt)
+    plan, cache = prepare_scan(ckpt)
+    chunked = run_scan(dataclasses.replace(plan, chunk_numel=7), cache)
+    assert chunked.findings == whole.findings
+    # 165 trainable elements padded to 168 over 4 ranks: 42 per rank, embed.weight first
+    assert [(f.rank, f.first_indices) for f in whole.findings] == [(0, (2, 30)), (1, (64,))]
+
+
+def _state_dict_with_inf() -> dict[str, torch.Tensor]:
+    sd = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "bn.running_var": torch.ones(5),
+          "bn.num_batches_tracked": torch.tensor(3)}
+    sd["a.weight"][1, 2] = math.nan
+    sd["bn.running_var"][4] = -math.inf
+    return sd
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded", "torch"])
+def test_consolidated_state_dicts(tmp_path, layout):
+    sd = _state_dict_with_inf()
+    if layout == "safetensors":
+        target = tmp_path / "m.safetensors"
+        save_file(sd, str(target))
+    elif layout == "sharded":
+        target = tmp_path / "shards"
+        target.mkdir()
+        save_file({"a.weight": sd["a.weight"]}, str(target / "model-00001-of-00002.safetensors"))
+        save_file({k: v for k, v in sd.items() if k != "a.weight"}, str(target / "model-00002-of-00002.safetensors"))
+        (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+            "a.weight": "model-00001-of-00002.safetensors", "bn.running_var": "model-00002-of-00002.safetensors",
+            "bn.num_batches_tracked": "model-00002-of-00002.safetensors"}}))
+    else:
+        target = tmp_path / "m.pt"
+        sd["tied"] = sd["a.weight"]  # shared storage: scanned once, reported once
+        torch.save(sd, target)
+    report = scan(target)
+    got = sorted((f.name, f.kind, f.nan, f.posinf, f.neginf, f.first_indices) for f in report.findings)
+    assert got == [("a.weight", StoredKind.PARAM, 1, 0, 0, (6,)), ("bn.running_var", StoredKind.BUFFER, 0, 0, 1, (4,))]
+
+
+def test_cli_scan_clean_exit_0():
+    fx = CLEAN[0]
+    r = CliRunner().invoke(main, ["scan", str(fx.ckpt), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "clean: nothing found" in r.stdout
+    assert r.stderr == ""
+
+
+def test_cli_scan_findings_exit_1_json(tmp_path):
+    fx = next(f for f in FIXTURES if f.name == "s3_fp32_w2")
+    ckpt = copy_fixture(fx, tmp_path)
+    plant(ckpt, "bn.running_var", Role.MODULE, 2, math.inf, replica=None)
+    r = CliRunner().invoke(main, ["scan", str(ckpt), "--nonfinite", "--json"])
+    assert r.exit_code == 1
+    assert r.stderr == ""
+    doc = json.loads(r.stdout)
+    assert doc["clean"] is False
+    assert [(f["name"], f["kind"], f["posinf"], f["first_indices"], Path(f["file"]).name) for f in doc["findings"]] == [
+        ("bn.running_var", "buffer", 1, [2], "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+        ("bn.running_var", "buffer", 1, [2], "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+    ]
+    text = CliRunner().invoke(main, ["scan", str(ckpt), "-q"])
+    assert text.exit_code == 1 and "bn.running_var: buffer, float32, 1 +inf of 7 values" in text.stdout
+
+
+def test_cli_scan_missing_target_is_usage_error(tmp_path):
+    r = CliRunner().invoke(main, ["scan", str(tmp_path / "nope")])
+    assert r.exit_code == 2
+    assert "does not exist" in r.stderr
+
+
+def test_cli_scan_not_a_checkpoint_exit_3(tmp_path):
+    r = CliRunner().invoke(main, ["scan", str(tmp_path)])
+    assert r.exit_code == 3
+    assert r.stdout == "" and "is not a DeepSpeed checkpoint" in r.stderr
