@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,8 @@ import torch
 from ..atomic import atomic_file
 from ..errors import CorruptCheckpointError
 
-__all__ = ["TensorSpec", "ShardPlan", "plan_shards", "write_safetensors", "write_sharded", "verify_safetensors"]
+__all__ = ["TensorSpec", "ShardPlan", "plan_shards", "write_safetensors", "write_sharded", "verify_safetensors",
+           "write_safetensors_chunks", "write_sharded_chunks"]
 
 _DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -99,22 +100,55 @@ def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
                       metadata: dict[str, str] | None = None,
                       on_tensor: Callable[[TensorSpec], None] | None = None) -> Path:
     """Write ``specs`` to ``path`` atomically, asking ``produce`` for each tensor in turn."""
+    return write_safetensors_chunks(path, specs, _whole(produce), metadata=metadata, on_tensor=on_tensor)
+
+
+def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
+                             produce_chunks: Callable[[TensorSpec], Iterable[torch.Tensor]], *,
+                             metadata: dict[str, str] | None = None,
+                             on_tensor: Callable[[TensorSpec], None] | None = None) -> Path:
+    """Like :func:`write_safetensors`, but each tensor comes as consecutive pieces: ``produce_chunks``
+    yields tensors of the spec's dtype whose bytes, concatenated, are the tensor (row-major). Each
+    piece is written before the next is asked for, so it may be a view into a reused buffer."""
     path = Path(path)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names")
     with atomic_file(path) as f:
         f.write(_header(specs, metadata))
+        f.flush()
+        fd = f.fileno()
         for spec in specs:
-            t = produce(spec)
-            if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-                raise AssertionError(f"{spec.name}: produced {t.dtype} {list(t.shape)}, planned {spec}")
-            if spec.nbytes:
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            written = 0
+            for t in produce_chunks(spec):
+                if t.dtype != spec.dtype:
+                    raise AssertionError(f"{spec.name}: produced {t.dtype}, planned {spec}")
+                if t.numel():
+                    written += _write_all(fd, memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if written != spec.nbytes:
+                raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec} ({spec.nbytes} bytes)")
             if on_tensor is not None:
                 on_tensor(spec)
     verify_safetensors(path, specs)
     return path
+
+
+def _whole(produce: Callable[[TensorSpec], torch.Tensor]) -> Callable[[TensorSpec], Iterable[torch.Tensor]]:
+    def chunks(spec: TensorSpec) -> Iterable[torch.Tensor]:
+        t = produce(spec)
+        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+            raise AssertionError(f"{spec.name}: produced {t.dtype} {list(t.shape)}, planned {spec}")
+        return (t,)
+
+    return chunks
+
+
+def _write_all(fd: int, data: memoryview) -> int:
+    # os.write, not the buffered file: the bytes go straight from the tensor to the kernel.
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+    return done
 
 
 def write_sharded(directory: Path, plan: ShardPlan, produce: Callable[[TensorSpec], torch.Tensor], *,
@@ -122,10 +156,19 @@ def write_sharded(directory: Path, plan: ShardPlan, produce: Callable[[TensorSpe
                   on_tensor: Callable[[TensorSpec], None] | None = None) -> list[Path]:
     """Write every shard of ``plan`` into ``directory``, plus ``model.safetensors.index.json`` when
     there is more than one shard."""
+    return write_sharded_chunks(directory, plan, _whole(produce), metadata=metadata, on_tensor=on_tensor)
+
+
+def write_sharded_chunks(directory: Path, plan: ShardPlan,
+                         produce_chunks: Callable[[TensorSpec], Iterable[torch.Tensor]], *,
+                         metadata: dict[str, str] | None = None,
+                         on_tensor: Callable[[TensorSpec], None] | None = None) -> list[Path]:
+    """:func:`write_sharded` with tensors produced in pieces, as in :func:`write_safetensors_chunks`.
+    Shards are written in order, tensors in plan order."""
     written = []
     for filename, shard in zip(plan.filenames, plan.shards):
-        written.append(write_safetensors(directory / filename, shard, produce, metadata=metadata,
-                                         on_tensor=on_tensor))
+        written.append(write_safetensors_chunks(directory / filename, shard, produce_chunks, metadata=metadata,
+                                                on_tensor=on_tensor))
     if len(plan.filenames) > 1:
         index = {"metadata": {"total_size": plan.total_nbytes, **(metadata or {})},
                  "weight_map": plan.name_to_file}
