@@ -104,7 +104,13 @@ class NonFinite:
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     """``(nan, +inf, -inf)`` counts of a floating tensor (vectorised)."""
-    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+    if not t.is_floating_point():
+        return 0, 0, 0
+    # Any NaN/inf makes the sum NaN/inf, so a finite sum proves every value finite; one reduction
+    # pass is ~10x cheaper than materialising isfinite(t). A finite tensor whose sum overflows only
+    # falls through to the exact count below.
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(torch.sum(t, dtype=acc))) or bool(torch.isfinite(t).all()):
         return 0, 0, 0
     return int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
 
