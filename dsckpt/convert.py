@@ -9,20 +9,20 @@ from __future__ import annotations
 import enum
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import __version__
-from .assemble import read_entry
+from .assemble import plan_piece_chunks, read_chunks, read_entry
 from .atomic import atomic_dir, check_can_write
 from .errors import UsageError
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .readers import FileCache
 from .scan import NonFinite, count_nonfinite
-from .writers.safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors, write_sharded
+from .writers.safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors_chunks, write_sharded_chunks
 from .writers.torchfile import write_torch
 
 __all__ = [
@@ -148,44 +148,79 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
 
 
 def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, strict: bool = False,
-                on_tensor: Callable[[TensorSpec], None] | None = None) -> ConvertResult:
+                on_tensor: Callable[[TensorSpec], None] | None = None, workers: int = 1) -> ConvertResult:
     """Write the plan's output atomically and report non-finite tensors.
 
     With ``strict``, the first non-finite tensor aborts the write (nothing is left behind) and
     :class:`NonFiniteValuesError` lists every non-finite tensor found so far.
+
+    Safetensors outputs are streamed: each tensor is read in bounded chunks straight from its
+    fragments, checked and written, so memory stays at ``workers + 1`` chunk buffers whatever the
+    model or tensor size; ``workers`` reader threads run ahead of the writer (0: read in this
+    thread). Torch (.bin/.pt) outputs hold one whole tensor at a time.
     """
     check_can_write(plan.output, force=force)
     found: list[NonFinite] = []
 
+    def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
+        if not any(counts):
+            return
+        bad = NonFinite(name, *counts, numel)
+        found.append(bad)
+        if strict:
+            raise NonFiniteValuesError(
+                f"non-finite values in {bad.describe()}; nothing was written. "
+                "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them"
+            )
+
     def produce(spec: TensorSpec) -> torch.Tensor:
         t = read_entry(plan.name_to_entry[spec.name], cache)
-        if t.is_floating_point():
-            bad = _nonfinite(spec.name, t)
-            if bad is not None:
-                found.append(bad)
-                if strict:
-                    raise NonFiniteValuesError(
-                        f"non-finite values in {bad.describe()}; nothing was written. "
-                        "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them"
-                    )
+        record(spec.name, count_nonfinite(t), t.numel())
         return t.to(spec.dtype) if t.dtype != spec.dtype else t
 
-    if plan.format is OutputFormat.SAFETENSORS:
-        files: tuple[Path, ...] = (write_safetensors(plan.output, plan.specs, produce, metadata=plan.metadata,
-                                                     on_tensor=on_tensor),)
-    elif plan.format is OutputFormat.TORCH:
+    if plan.format is OutputFormat.TORCH:
         def tensors():  # type: ignore[no-untyped-def]
             for spec in plan.specs:
                 yield spec.name, produce(spec)
                 if on_tensor is not None:
                     on_tensor(spec)
 
-        files = (write_torch(plan.output, tensors()),)
-    else:
-        assert plan.shards is not None
-        with atomic_dir(plan.output) as tmp:
-            written = write_sharded(tmp, plan.shards, produce, metadata=plan.metadata, on_tensor=on_tensor)
-        files = tuple(plan.output / p.name for p in written)
+        return ConvertResult(plan, (write_torch(plan.output, tensors()),), tuple(found))
+
+    order = plan.specs if plan.shards is None else tuple(s for shard in plan.shards.shards for s in shard)
+    name_to_reads = {
+        spec.name: plan_piece_chunks(plan.name_to_entry[spec.name].source_for_fp32(), spec.shape, cache,
+                                     name=spec.name)
+        for spec in order
+    }
+    stream = read_chunks([r for spec in order for r in name_to_reads[spec.name] or ()], workers=workers)
+
+    def produce_chunks(spec: TensorSpec) -> Iterator[torch.Tensor]:
+        reads = name_to_reads[spec.name]
+        if reads is None:  # strided or out-of-order fragments: whole tensor
+            yield produce(spec).reshape(-1)
+            return
+        counts = [0, 0, 0]
+        for expected in reads:
+            item, chunk = next(stream)
+            assert item is expected, f"streamed {item.name} while writing {spec.name}"
+            for i, n in enumerate(count_nonfinite(chunk)):
+                counts[i] += n
+            yield chunk.to(spec.dtype) if chunk.dtype != spec.dtype else chunk
+        record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
+
+    try:
+        if plan.format is OutputFormat.SAFETENSORS:
+            files: tuple[Path, ...] = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks,
+                                                                metadata=plan.metadata, on_tensor=on_tensor),)
+        else:
+            assert plan.shards is not None
+            with atomic_dir(plan.output) as tmp:
+                written = write_sharded_chunks(tmp, plan.shards, produce_chunks, metadata=plan.metadata,
+                                               on_tensor=on_tensor)
+            files = tuple(plan.output / p.name for p in written)
+    finally:
+        stream.close()
     return ConvertResult(plan, files, tuple(found))
 
 
