@@ -182,5 +182,99 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
                + ", ".join(str(f) for f in result.files))
 
 
+@main.command()
+@click.argument("target", type=click.Path(exists=True, path_type=str))
+@tag_option
+@click.option("--nonfinite", "nonfinite_only", is_flag=True, help="Only look for inf/NaN values.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@handle_errors
+def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool) -> None:
+    """Find inf/NaN values in every stored tensor of TARGET.
+
+    TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
+    state-dict file. Also flags fp32 masters beyond fp16's range in fp16-trained checkpoints and
+    16-bit weights that disagree with their fp32 master (not with --nonfinite). Exit 1 on findings.
+    """
+    from types import SimpleNamespace
+
+    from .scan import prepare_scan, run_scan
+
+    plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
+    with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
+        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        checks = "inf/NaN" if nonfinite_only else "inf/NaN, fp16 overflow, master/16-bit mismatch"
+        head = (f"scanned {report.target} ({report.target_kind.value}): {report.stored_tensors} stored tensors, "
+                f"{report.numel_scanned:,} values, {_human(report.nbytes_read)}; checks: {checks}")
+        click.echo(head)
+        if report.clean:
+            click.echo("clean: nothing found")
+        for f in report.findings:
+            click.echo(f"  {f.check.value:13s} {f.describe()}")
+        if not report.clean:
+            click.echo(f"{len(report.findings)} finding(s); see 'dsckpt repair' to patch inf/NaN values")
+    sys.exit(0 if report.clean else 1)
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--from", "source", default=None,
+              help="fp32 source: a .safetensors file, a sharded folder, a torch state-dict file, or 'master' "
+                   "(the checkpoint's own fp32 master weights, for 16-bit param copies).")
+@tag_option
+@click.option("--policy", type=click.Choice(["refuse", "reset-bn-stats"]), default="refuse", show_default=True,
+              help="Tensors with no source value: refuse, or reset BatchNorm running stats (mean 0, var 1).")
+@click.option("--whole-tensor", is_flag=True, help="Replace whole tensors, not only the non-finite values.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and exit (1 if there is work).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@handle_errors
+def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, whole_tensor: bool,
+           dry_run: bool, force: bool, as_json: bool, quiet: bool) -> None:
+    """Write a copy of CKPT to OUT with every inf/NaN value patched from an fp32 source.
+
+    CKPT: a DeepSpeed checkpoint folder (OUT: the same layout, untouched files copied byte for byte)
+    or a .safetensors file (OUT: a .safetensors file). CKPT is never modified.
+    """
+    from .errors import UsageError
+    from .repair import Policy, prepare_repair, run_repair
+
+    if source is None and policy != "reset-bn-stats":
+        raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
+    lines = [p.describe() for p in plan.patches]
+    if not plan.has_work:
+        if as_json:
+            click.echo(json.dumps({"plan": plan.to_dict(), "written": None}, indent=2))
+        else:
+            click.echo(f"nothing to repair: {ckpt} holds no inf/NaN values; nothing written")
+        sys.exit(0)
+    if dry_run:
+        if as_json:
+            click.echo(json.dumps({"plan": plan.to_dict(), "written": None}, indent=2))
+        else:
+            click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
+            click.echo("\n".join(lines))
+        sys.exit(1)
+    result = run_repair(plan, out, force=force)
+    if as_json:
+        click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output),
+                               "rewritten": [str(f) for f in result.rewritten],
+                               "rescan": result.rescan.to_dict()}, indent=2))
+        return
+    click.echo(f"patched {len(plan.patches)} tensor(s):")
+    click.echo("\n".join(lines))
+    for p in plan.promotions:
+        click.echo(f"dsckpt: warning: '{p.name}' is now stored as {p.promote_to}; DeepSpeed loads it, but an engine "
+                   "with data_types.buffer_dtype fp16 casts it back to inf: resume without buffer_dtype", err=True)
+    click.echo(f"wrote {result.output} (rewrote {len(result.rewritten)} file(s), copied the rest unchanged); "
+               f"re-scan: clean ({result.rescan.stored_tensors} stored tensors)")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

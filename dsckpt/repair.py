@@ -1,0 +1,567 @@
+"""``repair``: replace inf/NaN values with values from a trusted source, in every place a tensor is stored.
+
+Three steps, like every dsckpt command:
+
+1. :func:`assess_damage` and :func:`read_source_values` (I/O): which elements of which stored copies
+   are non-finite (from a scan), and the source's values for those tensors;
+2. :func:`plan_repair` (pure): a frozen :class:`RepairPlan` — which tensors, which elements, which
+   stored copies (every rank's module copy, stage-3 buffer replicas, frozen fragments, fp32 master
+   partitions), the new values, dtype promotions — or a :class:`~dsckpt.errors.RepairError` listing
+   every tensor that has no source value;
+3. :func:`run_repair` (I/O): copy the checkpoint folder to OUT (atomically), rewrite only the files
+   that hold patched tensors, re-scan and re-read the output, and only then return.
+
+Sources: a consolidated fp32 state dict (``.safetensors``, sharded folder, torch file) or
+``master``, the checkpoint's own fp32 master weights (for 16-bit module copies of trainable params).
+Optimizer moments (``exp_avg``/``exp_avg_sq``) have no source anywhere and are refused.
+
+Dtype promotion: an fp16 *buffer* whose true value exceeds 65504 cannot be stored in fp16, so its
+stored copies are rewritten as fp32. DeepSpeed 0.19.8 loads buffers with ``module.load_state_dict``
+(engine.py ``load_module_state_dict``), which ``copy_``-casts into the engine's existing buffer: the
+load succeeds, but an engine configured with ``data_types.buffer_dtype: fp16`` casts the value back to
+inf. Resume such a run without ``buffer_dtype`` (buffers stay fp32). A *param* whose value does not
+fit its 16-bit dtype is refused: its module copy is a view into DeepSpeed's flat 16-bit buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import safe_load, safe_save
+from .assemble import read_piece
+from .atomic import atomic_dir, check_can_write
+from .errors import RepairError, UsageError
+from .model import Kind, LogicalCheckpoint, Role, TensorEntry
+from .readers.common import FileCache, format_key, lookup
+from .safe_load import DeepSpeedObject
+from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
+from .state_dict_files import TargetKind, detect_target, open_state_dict, read_safetensors_header
+
+__all__ = [
+    "MASTER",
+    "Policy",
+    "Damage",
+    "SourceValues",
+    "PatchTarget",
+    "Patch",
+    "RepairPlan",
+    "RepairResult",
+    "assess_damage",
+    "read_source_values",
+    "plan_repair",
+    "prepare_repair",
+    "run_repair",
+]
+
+MASTER = "master"
+_BN_INITIAL = {"running_mean": 0.0, "running_var": 1.0}
+
+
+class Policy(enum.Enum):
+    REFUSE = "refuse"
+    RESET_BN_STATS = "reset-bn-stats"
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Non-finite elements of one logical tensor: per stored copy (index into ``entry.pieces``), a
+    boolean mask over the flattened logical tensor."""
+
+    name: str
+    piece_masks: Mapping[int, torch.Tensor] = field(compare=False)
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+
+
+@dataclass(frozen=True)
+class SourceValues:
+    """What the source holds for the damaged tensors: name -> flat fp32 values (missing = no value)."""
+
+    label: str
+    is_master: bool
+    values: Mapping[str, torch.Tensor] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class PatchTarget:
+    """A stored fragment to edit: elements ``[src_offset, src_offset + numel)`` of the tensor at
+    ``key`` in ``file`` hold logical elements from ``dst_offset``."""
+
+    file: Path
+    key: tuple[Any, ...]
+    role: Role
+    replica: int
+    rank: int | None
+    dtype: str
+    src_offset: int
+    numel: int
+    dst_offset: int
+
+    def describe(self) -> str:
+        rank = f" rank {self.rank}" if self.rank is not None else ""
+        return f"{self.file.name}{format_key(self.key)} ({self.role.value}{rank})"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    kind: StoredKind
+    source: str
+    numel: int
+    indices: torch.Tensor = field(compare=False)  # int64 logical flat indices
+    values: torch.Tensor = field(compare=False)  # float32, one per index
+    targets: tuple[PatchTarget, ...] = ()
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    promote_to: str | None = None
+    note: str = ""
+
+    @property
+    def numel_patched(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def whole(self) -> bool:
+        return self.numel_patched == self.numel
+
+    def describe(self) -> str:
+        before = ", ".join(f"{n} {lbl}" for n, lbl in ((self.nan, "NaN"), (self.posinf, "+inf"),
+                                                          (self.neginf, "-inf")) if n) or "finite"
+        shown = self.indices[:8].tolist()
+        where = "all" if self.whole else f"{self.numel_patched} of {self.numel}"
+        lo, hi = (float(self.values.min()), float(self.values.max())) if self.values.numel() else (0.0, 0.0)
+        lines = [f"{self.name} ({self.kind.value}): {where} values at {shown}"
+                 + ("..." if self.numel_patched > 8 else "")
+                 + f"; before: {before}; after: min {lo:.6g}, max {hi:.6g}; from {self.source}"]
+        for t in self.targets:
+            lines.append(f"    in {t.describe()}, {t.dtype}"
+                         + (f" -> stored as {self.promote_to}" if self.promote_to else ""))
+        if self.promote_to:
+            lines.append(f"    stored as {self.promote_to}: the source values do not fit "
+                         f"{self.targets[0].dtype} (|x| > 65504)")
+        if self.note:
+            lines.append(f"    note: {self.note}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind.value, "source": self.source, "numel": self.numel,
+            "numel_patched": self.numel_patched, "indices": self.indices[:64].tolist(),
+            "before": {"nan": self.nan, "posinf": self.posinf, "neginf": self.neginf},
+            "after": {"min": float(self.values.min()) if self.values.numel() else None,
+                      "max": float(self.values.max()) if self.values.numel() else None},
+            "targets": [{"file": str(t.file), "key": format_key(t.key), "role": t.role.value, "rank": t.rank,
+                         "replica": t.replica, "dtype": t.dtype} for t in self.targets],
+            "promote_to": self.promote_to, "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    input: Path
+    input_kind: TargetKind
+    tag: str
+    tag_dir: Path
+    source: str
+    policy: Policy
+    whole_tensor: bool
+    patches: tuple[Patch, ...]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.patches)
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(sorted({t.file for p in self.patches for t in p.targets}))
+
+    @property
+    def promotions(self) -> list[Patch]:
+        return [p for p in self.patches if p.promote_to]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"input": str(self.input), "input_kind": self.input_kind.value, "tag": self.tag,
+                "source": self.source, "policy": self.policy.value, "whole_tensor": self.whole_tensor,
+                "files_rewritten": [str(f) for f in self.files], "patches": [p.to_dict() for p in self.patches]}
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    plan: RepairPlan
+    output: Path
+    rewritten: tuple[Path, ...]
+    rescan: ScanReport
+
+
+# --------------------------------------------------------------------------------------------
+# Gathering (I/O)
+
+
+def assess_damage(logical: LogicalCheckpoint, cache: FileCache, report: ScanReport) -> tuple[dict[str, Damage], list[str]]:
+    """Full non-finite masks of every tensor the scan flagged, and descriptions of findings that no
+    logical tensor owns (they cannot be repaired)."""
+    names: list[str] = []
+    orphans: list[str] = []
+    for f in report.of(Check.NONFINITE):
+        if f.name is None:
+            orphans.append(f"{f.file.name} {f.key_str}: {f.count} non-finite values outside any tensor "
+                           "(padding or unrecognised data)")
+        elif f.name not in names:
+            names.append(f.name)
+    damage = {}
+    for name in names:
+        e = logical.entry(name)
+        masks: dict[int, torch.Tensor] = {}
+        nan = posinf = neginf = 0
+        for i, p in enumerate(e.pieces):
+            t = read_piece(p, e.shape, cache, name=name).reshape(-1)
+            if not t.is_floating_point():
+                continue
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                masks[i] = bad
+                nan += int(torch.isnan(t).sum())
+                posinf += int(torch.isposinf(t).sum())
+                neginf += int(torch.isneginf(t).sum())
+        damage[name] = Damage(name, masks, nan, posinf, neginf)
+    return damage, orphans
+
+
+def _bn_partner(name: str) -> str | None:
+    prefix, _, leaf = name.rpartition(".")
+    if leaf == "running_var":
+        return f"{prefix}.running_mean" if prefix else "running_mean"
+    if leaf == "running_mean":
+        return f"{prefix}.running_var" if prefix else "running_var"
+    return None
+
+
+def read_source_values(source: str | os.PathLike[str], logical: LogicalCheckpoint, cache: FileCache,
+                       names: list[str]) -> SourceValues:
+    """The source's values for ``names`` (flat fp32). ``source`` is ``"master"`` or a state-dict path.
+
+    Tied aliases are looked up under every name of the group."""
+    values: dict[str, torch.Tensor] = {}
+    if str(source) == MASTER:
+        for name in names:
+            e = logical.entry(name)
+            p = e.piece(Role.MASTER)
+            if p is not None:
+                values[name] = read_piece(p, e.shape, cache, name=name).reshape(-1).float()
+        return SourceValues("the checkpoint's fp32 master weights", True, values)
+    src_logical, src_cache = open_state_dict(source)
+    by_name = {e.name: e for e in src_logical.entries}
+    aliases: dict[str, list[str]] = {}
+    for e in logical.entries:
+        if e.tied_to is not None:
+            aliases.setdefault(e.tied_to, []).append(e.name)
+    for name in names:
+        for candidate in (name, *aliases.get(name, ())):
+            se = by_name.get(candidate)
+            if se is not None:
+                values[name] = read_piece(se.source_for_fp32(), se.shape, src_cache, name=candidate).reshape(-1).float()
+                break
+    return SourceValues(f"fp32 source {source}", False, values)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning (pure)
+
+
+def _targets(entry: TensorEntry, roles: tuple[Role, ...], indices: torch.Tensor) -> tuple[PatchTarget, ...]:
+    out = []
+    lo, hi = (int(indices.min()), int(indices.max()) + 1) if indices.numel() else (0, 0)
+    seen = set()
+    for p in entry.pieces:
+        if p.role not in roles:
+            continue
+        for f in p.fragments:
+            if f.dst_offset >= hi or f.dst_offset + f.numel <= lo:
+                continue
+            inside = ((indices >= f.dst_offset) & (indices < f.dst_offset + f.numel)).any()
+            sig = (f.file, f.key, f.src_offset, f.dst_offset)
+            if bool(inside) and sig not in seen:
+                seen.add(sig)
+                out.append(PatchTarget(f.file, f.key, p.role, p.replica, f.rank, p.dtype, f.src_offset, f.numel,
+                                       f.dst_offset))
+    return tuple(out)
+
+
+def _fits(values: torch.Tensor, dtype: str) -> bool:
+    return bool(torch.isfinite(values.to(getattr(torch, dtype))).all())
+
+
+def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source: SourceValues, *,
+                input: Path, input_kind: TargetKind, whole_tensor: bool = False,
+                policy: Policy = Policy.REFUSE, orphans: tuple[str, ...] = ()) -> RepairPlan:
+    """Decide every patch, or raise :class:`RepairError` naming every tensor that cannot be repaired.
+
+    Pure: works from the damage masks and source values gathered beforehand."""
+    problems: list[str] = list(orphans)
+    patches: list[Patch] = []
+    resets: dict[str, torch.Tensor] = {}  # BN prefix -> mask of elements to reset
+    for name, d in damage.items():
+        e = logical.entry(name)
+        kind = stored_kind(e, Role.MODULE)
+        moment_bad = [e.pieces[i].role.value for i in d.piece_masks if e.pieces[i].role in (Role.EXP_AVG, Role.EXP_AVG_SQ)]
+        if moment_bad:
+            problems.append(f"{name}: non-finite values in its {' and '.join(sorted(set(moment_bad)))}; no source "
+                            "holds optimizer moments")
+        value_masks = [m for i, m in d.piece_masks.items() if e.pieces[i].role in (Role.MASTER, Role.MODULE)]
+        if not value_masks:
+            continue
+        mask = torch.stack(value_masks).any(dim=0)
+        indices = torch.arange(e.numel) if whole_tensor else mask.nonzero().flatten()
+        counts = dict(nan=d.nan, posinf=d.posinf, neginf=d.neginf)
+        if source.is_master:
+            master_idx = next((i for i, p in enumerate(e.pieces) if p.role is Role.MASTER), None)
+            if master_idx is None or name not in source.values:
+                problems.append(f"{name} ({kind.value}): has no fp32 master to repair from"
+                                + (" (buffers and frozen params never have one)" if kind is not StoredKind.PARAM else ""))
+                continue
+            if master_idx in d.piece_masks and bool(d.piece_masks[master_idx][indices].any()):
+                problems.append(f"{name} ({kind.value}): its fp32 master is non-finite too; give an fp32 source "
+                                "file with --from")
+                continue
+            roles: tuple[Role, ...] = (Role.MODULE,)
+        else:
+            roles = (Role.MODULE, Role.MASTER) if kind is StoredKind.PARAM else (Role.MODULE,)
+        values = source.values.get(name)
+        if values is None:
+            partner = _bn_partner(name)
+            if policy is Policy.RESET_BN_STATS and partner is not None and e.kind is Kind.BUFFER:
+                prefix = name.rpartition(".")[0]
+                full = torch.zeros(e.numel, dtype=torch.bool)
+                full[indices] = True
+                resets[prefix] = resets[prefix] | full if prefix in resets else full
+                continue
+            hint = " (or --policy reset-bn-stats)" if partner is not None and e.kind is Kind.BUFFER else ""
+            problems.append(f"{name} ({kind.value}, {d.nan + d.posinf + d.neginf} non-finite): no value in "
+                            f"{source.label}{hint}")
+            continue
+        if values.numel() != e.numel:
+            problems.append(f"{name}: {source.label} holds {values.numel()} values, the checkpoint's tensor "
+                            f"has shape {list(e.shape)}")
+            continue
+        new = values[indices]
+        if not bool(torch.isfinite(new).all()):
+            problems.append(f"{name}: {source.label} is non-finite at the same places")
+            continue
+        targets = _targets(e, roles, indices)
+        promote = None
+        misfit = sorted({t.dtype for t in targets if not _fits(new, t.dtype)})
+        if misfit:
+            if e.kind is Kind.BUFFER:
+                promote = "float32"
+            else:
+                problems.append(f"{name} ({kind.value}): source values up to {float(new.abs().max()):.6g} do not "
+                                f"fit its stored {', '.join(misfit)} copy; a param cannot change dtype")
+                continue
+        patches.append(Patch(name, kind, source.label, e.numel, indices, new.float(), targets, **counts,
+                             promote_to=promote))
+    for prefix, mask in resets.items():
+        for leaf, initial in _BN_INITIAL.items():
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            try:
+                e = logical.entry(name)
+            except KeyError:
+                continue
+            indices = torch.arange(e.numel) if whole_tensor else mask.nonzero().flatten()
+            d = damage.get(name)
+            note = ("reset with --policy reset-bn-stats: BatchNorm running statistics set to their initial "
+                    "values (running_mean 0, running_var 1) at the damaged channels; recalibrate them")
+            if d is None:
+                note += f"; this tensor was finite but is reset with its partner for consistency"
+            patches.append(Patch(name, StoredKind.BUFFER, "reset-bn-stats (initial value)", e.numel, indices,
+                                 torch.full((indices.numel(),), initial), _targets(e, (Role.MODULE,), indices),
+                                 d.nan if d else 0, d.posinf if d else 0, d.neginf if d else 0, note=note))
+    if problems:
+        raise RepairError(
+            f"cannot repair {len(problems)} tensor(s) of '{input}', nothing was written: " + "; ".join(problems)
+            + ". Give an fp32 source that holds them with --from"
+        )
+    return RepairPlan(input, input_kind, logical.tag, logical.tag_dir, source.label, policy, whole_tensor,
+                      tuple(sorted(patches, key=lambda p: p.name)))
+
+
+def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike[str] | None, *, tag: str | None = None,
+                   whole_tensor: bool = False, policy: Policy = Policy.REFUSE,
+                   on_progress: Callable[[int], None] | None = None) -> tuple[RepairPlan, FileCache]:
+    """Scan ``checkpoint``, read the damaged tensors and their source values, and plan the repair.
+
+    ``source`` None: only ``--policy reset-bn-stats`` can supply values."""
+    inp = Path(checkpoint)
+    kind = detect_target(inp)
+    if kind not in (TargetKind.DEEPSPEED, TargetKind.SAFETENSORS):
+        raise UsageError(f"'{inp}': repair works on DeepSpeed checkpoint folders and single .safetensors files; "
+                         "convert with 'dsckpt to-fp32' first")
+    if source is not None and str(source) != MASTER and not Path(source).exists():
+        raise UsageError(f"source '{source}' does not exist; give a .safetensors file, a sharded folder, a torch "
+                         "state-dict file, or 'master'")
+    logical, cache, kind = open_target(inp, tag=tag)
+    report = scan(inp, tag=tag, nonfinite_only=True, on_progress=on_progress)
+    damage, orphans = assess_damage(logical, cache, report)
+    if source is None:
+        values = SourceValues("no source (none given)", False, {})
+    else:
+        values = read_source_values(source, logical, cache, list(damage))
+    plan = plan_repair(logical, damage, values, input=inp, input_kind=kind, whole_tensor=whole_tensor,
+                       policy=policy, orphans=tuple(orphans))
+    return plan, cache
+
+
+# --------------------------------------------------------------------------------------------
+# Doing (I/O)
+
+
+def _set(tree: Any, key: tuple[Any, ...], value: Any, path: Path) -> None:
+    parent = lookup(tree, key[:-1], path)
+    if isinstance(parent, DeepSpeedObject):
+        parent.__dict__[key[-1]] = value
+    else:
+        parent[key[-1]] = value
+
+
+def _apply(tensor_at: Callable[[tuple[Any, ...], PatchTarget], torch.Tensor], patches: tuple[Patch, ...],
+           file: Path) -> None:
+    for p in patches:
+        for t in p.targets:
+            if t.file.resolve() != file.resolve():
+                continue
+            stored = tensor_at(t.key, t)
+            flat = stored.view(-1)
+            sel = (p.indices >= t.dst_offset) & (p.indices < t.dst_offset + t.numel)
+            flat[p.indices[sel] - t.dst_offset + t.src_offset] = p.values[sel].to(flat.dtype)
+
+
+def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> None:
+    with open(src, "rb") as f:
+        legacy = f.read(2) != b"PK"
+    tree = safe_load.materialize(safe_load.load(src))
+    promoted: set[tuple[Any, ...]] = set()
+
+    def tensor_at(key: tuple[Any, ...], target: PatchTarget) -> torch.Tensor:
+        t = lookup(tree, key, src)
+        promote = next((p.promote_to for p in patches if target in p.targets), None)
+        if promote and key not in promoted:
+            t = t.detach().to(getattr(torch, promote)).clone()
+            _set(tree, key, t, src)
+            promoted.add(key)
+        if not t.is_contiguous():
+            raise RepairError(f"{src}: tensor {format_key(key)} is not contiguous; cannot patch it in place")
+        return t
+
+    _apply(tensor_at, patches, src)
+    safe_save.save(tree, dst, legacy_format=legacy)
+
+
+def run_repair(plan: RepairPlan, output: str | os.PathLike[str], *, force: bool = False,
+               on_progress: Callable[[int], None] | None = None) -> RepairResult:
+    """Write the repaired copy to ``output`` atomically; the input is only read.
+
+    DeepSpeed input: ``output`` becomes a copy of the input folder where only the files holding
+    patched tensors are rewritten (legacy non-zip files stay legacy). ``.safetensors`` input: a new
+    ``.safetensors`` file. The output is re-scanned and the patched values re-read before returning;
+    on any failure nothing is left at ``output``."""
+    out = Path(output)
+    inp = plan.input.resolve()
+    if out.resolve() == inp or inp in out.resolve().parents or out.resolve() in inp.parents:
+        raise UsageError(f"output '{out}' overlaps the input '{plan.input}'; choose a folder outside it")
+    check_can_write(out, force=force)
+    if plan.input_kind is TargetKind.SAFETENSORS:
+        return _run_safetensors(plan, out, on_progress)
+    rewritten = []
+    to_rewrite = {f.resolve() for f in plan.files}
+    with atomic_dir(out) as tmp:
+        for src in sorted(inp.rglob("*")):
+            rel = src.relative_to(inp)
+            dst = tmp / rel
+            if src.is_dir() and not src.is_symlink():
+                dst.mkdir(parents=True, exist_ok=True)
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.resolve() in to_rewrite:
+                _rewrite_torch_file(src, dst, _retarget(plan.patches, src))
+                rewritten.append(out / rel)
+            else:
+                shutil.copy2(src, dst)
+        tag = None if inp == plan.tag_dir.resolve() else plan.tag
+        report = _verify(plan, tmp, tag, inp, on_progress)
+    return RepairResult(plan, out, tuple(rewritten), report)
+
+
+def _retarget(patches: tuple[Patch, ...], src: Path) -> tuple[Patch, ...]:
+    return tuple(p for p in patches if any(t.file.resolve() == src.resolve() for t in p.targets))
+
+
+def _verify(plan: RepairPlan, written: Path, tag: str | None, inp: Path,
+            on_progress: Callable[[int], None] | None) -> ScanReport:
+    """Re-scan the written copy (must be clean) and re-read every patched element."""
+    report = scan(written, tag=tag, nonfinite_only=True, on_progress=on_progress)
+    if not report.clean:
+        raise RepairError(f"the repaired copy of '{plan.input}' still holds non-finite values "
+                          f"({'; '.join(f.describe() for f in report.findings)}); nothing was written. "
+                          "This is a dsckpt bug: please report it")
+    logical, cache, _ = open_target(written, tag=tag)
+    for p in plan.patches:
+        e = logical.entry(p.name)
+        for t in p.targets:
+            piece = next((q for q in e.pieces if q.role is t.role and q.replica == t.replica), None)
+            if piece is None:
+                raise RepairError(f"repaired copy lost the {t.role.value} copy of '{p.name}'; nothing was written")
+            got = read_piece(piece, e.shape, cache, name=p.name).reshape(-1)[p.indices]
+            want = p.values.to(got.dtype)
+            if p.promote_to and got.dtype != getattr(torch, p.promote_to):
+                raise RepairError(f"'{p.name}' in {t.file.name} was not stored as {p.promote_to}")
+            if not torch.equal(got, want):
+                raise RepairError(f"'{p.name}' in {t.file.name} does not hold the planned values after "
+                                  "writing; nothing was written")
+    return report
+
+
+def _run_safetensors(plan: RepairPlan, out: Path, on_progress: Callable[[int], None] | None) -> RepairResult:
+    from .writers.safetensors import TensorSpec, write_safetensors
+
+    refs, metadata = read_safetensors_header(plan.input)
+    by_name = {p.name: p for p in plan.patches}
+    specs = []
+    for name, ref in refs.items():
+        p = by_name.get(name)
+        dtype = getattr(torch, p.promote_to) if p is not None and p.promote_to else ref.dtype
+        specs.append(TensorSpec(name, dtype, tuple(ref.shape)))
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        t = refs[spec.name].load().to(spec.dtype).clone()
+        p = by_name.get(spec.name)
+        if p is not None:
+            t.view(-1)[p.indices] = p.values.to(spec.dtype)
+        return t
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.repair-{os.getpid()}.safetensors")
+    try:
+        write_safetensors(tmp, specs, produce, metadata=metadata or None)
+        report = scan(tmp, nonfinite_only=True, on_progress=on_progress)
+        if not report.clean:
+            raise RepairError(f"the repaired copy of '{plan.input}' still holds non-finite values; nothing was "
+                              "written. This is a dsckpt bug: please report it")
+        new_refs, _ = read_safetensors_header(tmp)
+        for p in plan.patches:
+            got = new_refs[p.name].read().reshape(-1)[p.indices]
+            if not torch.equal(got, p.values.to(got.dtype)):
+                raise RepairError(f"'{p.name}' does not hold the planned values after writing; nothing was written")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return RepairResult(plan, out, (out,), report)
