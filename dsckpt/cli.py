@@ -151,9 +151,11 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
 @click.option("--strict", is_flag=True, help="Fail (exit 1, nothing written) if any tensor holds inf/NaN.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or warnings.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(0, 64),
+              help="Reader threads running ahead of the writer (0: read and write in one thread).")
 @handle_errors
 def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
-            exclude_frozen: bool, force: bool, strict: bool, dry_run: bool, quiet: bool) -> None:
+            exclude_frozen: bool, force: bool, strict: bool, dry_run: bool, quiet: bool, workers: int) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
@@ -173,7 +175,7 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
                 click.echo(f"  {name}: {len(shard)} tensors, {_human(sum(s.nbytes for s in shard))}")
         sys.exit(1 if plan.specs else 0)
     with _progress(plan.total_nbytes, "to-fp32", not quiet) as tick:
-        result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick)
+        result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
     for bad in result.nonfinite:
         if not quiet:
             click.echo(f"dsckpt: warning: non-finite values in {bad.describe()}; see 'dsckpt scan' and "
