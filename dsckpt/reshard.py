@@ -1,0 +1,772 @@
+"""Re-partition a ZeRO checkpoint for a new data-parallel world size (``dsckpt reshard``).
+
+:func:`plan_reshard` is pure: from the logical checkpoint (and the few layout facts
+:func:`read_source_facts` reads from the files) it decides, for every target rank and every param
+group (stage 1/2) or sub-group (stage 3), which element ranges of which source tensors land where
+in the new flat partitions, with DeepSpeed 0.19.8's exact partitioning and padding for the new size.
+:func:`run_reshard` then writes a complete new save dir (``latest`` + the same tag) one flat
+partition at a time, verifies it, and moves it into place atomically. The input is only read.
+
+What DeepSpeed's loader reads and checks, and therefore what is rewritten (engine.py:4568-4850,
+stage_1_and_2.py:3651-3787, stage3.py:3540-3620, bf16_optimizer.py:655-690):
+
+* every model-states file: ``dp_world_size`` (the resume guard, engine.py:4744-4753);
+  ``param_shapes`` (flat order; changes with the size under ``round_robin_gradients`` and, at
+  stage 3, with the sub-groups);
+* stage 1/2 / ``BF16_Optimizer``, per rank: ``single_partition_of_fp32_groups`` (ZeRO strips the
+  rank's padding, BF16_Optimizer keeps it), the inner Adam state (``exp_avg``/``exp_avg_sq`` the
+  full padded partition, ``step``, ``param_groups``), ``group_paddings``, ``partition_count``,
+  ``param_slice_mappings``, ``param_alignment_paddings``; scalars (``loss_scaler``, ``clip_grad``,
+  ``zero_stage`` ...) copied;
+* stage 3, per rank: ``fp32_flat_groups`` and the inner Adam state per *sub-group* (sub-groups are
+  re-formed for the new size), ``partition_count``; model-states ``frozen_param_fragments``
+  re-partitioned, placeholders and buffers copied;
+* stage 0: only ``dp_world_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+from .partition import (
+    DEFAULT_SUB_GROUP_SIZE,
+    bf16_optimizer_group_padding,
+    param_alignment_paddings,
+    round_robin_order,
+    zero3_partition_numel,
+    zero3_sub_groups,
+    zero12_group_layout,
+    zero12_param_slice_mappings,
+)
+
+__all__ = [
+    "RangeCopy",
+    "FlatSpec",
+    "GroupPartition",
+    "RankPlan",
+    "SourceFacts",
+    "ReshardPlan",
+    "ReshardResult",
+    "read_source_facts",
+    "plan_reshard",
+    "run_reshard",
+    "describe_plan",
+]
+
+logger = logging.getLogger(__name__)
+
+OSD = "optimizer_state_dict"
+ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+SUPPORTED_OPTIMIZERS = frozenset({"adam", "adamw"})
+ZERO_TO_FP32_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class RangeCopy:
+    """``numel`` elements at ``src_offset`` of the flat tensor ``key`` in ``file`` go to
+    ``dst_offset`` of the target tensor."""
+
+    file: Path
+    key: tuple[Any, ...]
+    src_offset: int
+    numel: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class FlatSpec:
+    """One 1-D target tensor: ``numel`` elements of ``dtype``, zero except where ``copies`` write."""
+
+    numel: int
+    dtype: str
+    copies: tuple[RangeCopy, ...]
+
+    @property
+    def copied_numel(self) -> int:
+        return sum(c.numel for c in self.copies)
+
+
+@dataclass(frozen=True)
+class GroupPartition:
+    """One target rank's share of one param group (stage 1/2) or fp32 sub-group (stage 3)."""
+
+    group: int
+    partition_numel: int  # padded partition length: the Adam moments' length
+    padding_numel: int  # the ``group_paddings`` entry written for this rank (stage 1/2)
+    master: FlatSpec  # fp32 master as stored (ZeRO-1/2 strips the padding)
+    exp_avg: FlatSpec
+    exp_avg_sq: FlatSpec
+    slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
+    ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    optim_file: str | None
+    model_file: str | None  # stage 3: this rank's model-states file
+    groups: tuple[GroupPartition, ...]
+    frozen_fragments: tuple[tuple[str, FlatSpec], ...] = ()  # stage 3
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    """Layout facts a plan needs beyond the logical model (see :func:`read_source_facts`).
+
+    ``group_flat_order``: per source group (stage 1/2) or sub-group (stage 3), the trainable param
+    names in flat-buffer order (``param_shapes``). ``subgroup_to_group``: the optimizer param group
+    of each stage-3 sub-group. ``param_ds_ids``: stage 3, each param's ``ds_id``.
+    """
+
+    group_flat_order: tuple[tuple[str, ...], ...]
+    subgroup_to_group: tuple[int, ...]
+    round_robin: bool = False
+    parameter_alignment: bool = False
+    sub_group_size: int | None = DEFAULT_SUB_GROUP_SIZE
+    param_ds_ids: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    source_root: Path
+    source_tag_dir: Path
+    tag: str
+    layout: str
+    zero_stage: int
+    optimizer_wrapper: str
+    precision: Precision
+    source_world_size: int
+    world_size: int
+    source_model_files: tuple[Path, ...]  # mp_rank_00 (stage 0-2) or one per source rank (stage 3)
+    source_optim_files: tuple[Path, ...]
+    bf16_prefixed_optim: bool
+    param_shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # target, flat order
+    subgroup_to_group: tuple[int, ...]
+    alignment_paddings: tuple[tuple[int, ...], ...]
+    ranks: tuple[RankPlan, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def has_work(self) -> bool:
+        return self.world_size != self.source_world_size
+
+    @property
+    def copied_nbytes(self) -> int:
+        total = 0
+        for r in self.ranks:
+            for g in r.groups:
+                total += 4 * (g.master.numel + g.exp_avg.numel + g.exp_avg_sq.numel)
+            for _, spec in r.frozen_fragments:
+                total += 2 * spec.numel
+        return total
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    output: Path
+    tag: str
+    files: tuple[Path, ...]
+    verified_tensors: int
+
+
+# --------------------------------------------------------------------------------------------
+# Source facts (I/O) and up-front refusals
+
+
+def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
+    """Read the layout facts :func:`plan_reshard` needs and refuse what cannot be resharded.
+
+    Every problem found is reported in one :class:`UnsupportedCheckpointError`.
+    """
+    from .layout import classify_files
+
+    problems = _refusals_from_logical(ckpt)
+    if problems:
+        raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
+    files = classify_files(ckpt.root, ckpt.tag, ckpt.tag_dir)
+    cfg = ckpt.ds_config or {}
+    zcfg = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), Mapping) else {}
+    opt_cfg = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), Mapping) else None
+    if opt_cfg is not None and str(opt_cfg.get("type", "")).lower() not in SUPPORTED_OPTIMIZERS:
+        problems.append(f"optimizer type '{opt_cfg.get('type')}' in ds_config (only Adam/AdamW are supported)")
+    offload = (zcfg or {}).get("offload_optimizer") or {}
+    if isinstance(offload, Mapping) and str(offload.get("device", "")).lower() == "nvme":
+        problems.append("ZeRO-3 optimizer state offloaded to NVMe (offload_optimizer.device = nvme)")
+    if (ckpt.tag_dir / "offloaded_tensors").exists():
+        problems.append("an 'offloaded_tensors/' folder (NVMe-swapped optimizer state)")
+
+    if ckpt.zero_stage == 0:
+        if problems:
+            raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
+        return SourceFacts((), ())
+
+    optim_files = [files.dp_mp_to_optim_states[(d, 0)] for d in range(ckpt.dp_world_size)]
+    osd0 = cache.tree(optim_files[0]).get(OSD) or {}
+    if ckpt.zero_stage == 3:
+        ms0 = cache.tree(files.dp_mp_to_zero3_model_states[(0, 0)])
+        inner = osd0.get(OSD) or {}
+        state = inner.get("state") or {}
+        param_groups = inner.get("param_groups") or []
+        if osd0.get("ds_zero_partition_groups") is not None:
+            problems.append("AutoEP expert partition groups ('ds_zero_partition_groups')")
+    else:
+        ms0 = cache.tree(files.mp_to_model_states[0])
+        base = osd0.get("base_optimizer_state")
+        if isinstance(base, list):
+            problems.append("an elastic-checkpoint optimizer state (zero_optimization.elastic_checkpoint); "
+                            "save without elastic_checkpoint")
+            base = {}
+        state = (base or {}).get("state") or {}
+        param_groups = (base or {}).get("param_groups") or []
+        counts = osd0.get("partition_count")
+        if isinstance(counts, list) and any(int(c) != ckpt.dp_world_size for c in counts):
+            problems.append(f"partition_count {counts} (MoE expert groups partitioned over fewer ranks)")
+    if ms0.get("num_experts") is not None:
+        problems.append("Mixture-of-Experts layers ('num_experts' in the model states)")
+    extra_keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s} - ADAM_STATE_KEYS)
+    if extra_keys:
+        problems.append(f"optimizer state keys {extra_keys} (only Adam/AdamW's step, exp_avg, exp_avg_sq "
+                        "are supported; amsgrad and other optimizers are not)")
+    if any(isinstance(g, Mapping) and g.get("amsgrad") for g in param_groups):
+        problems.append("amsgrad=True in the optimizer param groups")
+    if any(isinstance(g, Mapping) and "momentum" in g and "betas" not in g for g in param_groups):
+        problems.append("an SGD-style optimizer (param groups have 'momentum', no 'betas')")
+    steps = set()
+    from .safe_load import TensorRef
+
+    for s in state.values():
+        if isinstance(s, Mapping) and "step" in s:
+            v = s["step"]
+            steps.add(float(v.load().item()) if isinstance(v, TensorRef) else float(v))
+    if len(steps) > 1:
+        problems.append(f"different Adam step counts across groups {sorted(steps)}")
+    if problems:
+        raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
+
+    param_shapes = ms0.get("param_shapes") or []
+    flat_order = tuple(tuple(str(n) for n in shapes) for shapes in param_shapes)
+    if ckpt.zero_stage == 3:
+        sub_to_group = [-1] * len(flat_order)
+        for g, pg in enumerate(param_groups):
+            for s in pg.get("params", []):
+                if isinstance(s, int) and 0 <= s < len(sub_to_group):
+                    sub_to_group[s] = g
+        if -1 in sub_to_group:
+            raise CorruptCheckpointError(
+                f"{optim_files[0]}: sub-group {sub_to_group.index(-1)} belongs to no optimizer param group")
+        sub_group_size = (zcfg or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+        module = ms0.get("module") or {}
+        buffers = set(ms0.get("buffer_names") or ())
+        tied = set((ms0.get("shared_params") or {}).keys())
+        ds_names = [n for n in module if n not in buffers and n not in tied]
+        ds_ids = tuple((n, i) for i, n in enumerate(ds_names))
+    else:
+        sub_to_group = list(range(len(flat_order)))
+        sub_group_size = None
+        ds_ids = ()
+    return SourceFacts(
+        group_flat_order=flat_order,
+        subgroup_to_group=tuple(sub_to_group),
+        round_robin=bool((zcfg or {}).get("round_robin_gradients", False)),
+        parameter_alignment=bool((zcfg or {}).get("parameter_alignment", False)),
+        sub_group_size=int(sub_group_size) if sub_group_size is not None else None,
+        param_ds_ids=ds_ids,
+    )
+
+
+def _refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
+    problems = []
+    if ckpt.tp_world_size > 1:
+        problems.append(f"tensor parallel size {ckpt.tp_world_size}")
+    if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
+        problems.append(f"pipeline parallel size {ckpt.pp_world_size}")
+    if ckpt.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage {ckpt.zero_stage}")
+    return problems
+
+
+def _refusal_message(ckpt: LogicalCheckpoint, problems: list[str]) -> str:
+    return (f"cannot reshard '{ckpt.tag_dir}': found " + "; ".join(problems)
+            + ". dsckpt reshard supports data-parallel ZeRO 0-3 checkpoints trained with Adam/AdamW")
+
+
+# --------------------------------------------------------------------------------------------
+# Planning (pure)
+
+
+def _element_nbytes(precision: Precision) -> int:
+    return 4 if precision is Precision.FP32 else 2
+
+
+def _copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: int, name: str) -> tuple[RangeCopy, ...]:
+    """Where elements ``[elem_start, elem_start + numel)`` of a logical tensor are stored."""
+    if piece is None or numel <= 0:
+        return ()
+    out = []
+    end = elem_start + numel
+    covered = 0
+    for f in piece.fragments:
+        lo = max(elem_start, f.dst_offset)
+        hi = min(end, f.dst_offset + f.numel)
+        if lo < hi:
+            out.append(RangeCopy(f.file, f.key, f.src_offset + (lo - f.dst_offset), hi - lo,
+                                 dst_offset + (lo - elem_start)))
+            covered += hi - lo
+    if covered != numel:
+        raise CorruptCheckpointError(
+            f"tensor '{name}': its {piece.role.value} copy covers {covered} of elements "
+            f"[{elem_start}, {end}); the checkpoint's fragments are incomplete")
+    return tuple(out)
+
+
+def _entries_by_name(ckpt: LogicalCheckpoint) -> dict[str, TensorEntry]:
+    return {e.name: e for e in ckpt.entries}
+
+
+def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
+    """Facts recoverable from the logical model alone (flat order from the fragment positions)."""
+    groups: dict[int, list[tuple[int, int, str]]] = {}
+    for e in ckpt.entries:
+        if e.kind is Kind.PARAM and e.trainable and e.tied_to is None and e.group is not None:
+            m = e.piece(Role.MASTER)
+            first = m.fragments[0] if m and m.fragments else None
+            pos = (first.rank or 0, first.src_offset) if first else (0, 0)
+            groups.setdefault(e.group, []).append((*pos, e.name))
+    order = tuple(tuple(n for _, _, n in sorted(groups[g])) for g in sorted(groups))
+    cfg = (ckpt.ds_config or {}).get("zero_optimization") or {}
+    names = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
+    return SourceFacts(
+        group_flat_order=order,
+        subgroup_to_group=tuple(range(len(order))),
+        round_robin=bool(cfg.get("round_robin_gradients", False)),
+        parameter_alignment=bool(cfg.get("parameter_alignment", False)),
+        sub_group_size=int(cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)) if ckpt.zero_stage == 3 else None,
+        param_ds_ids=tuple((n, i) for i, n in enumerate(names)) if ckpt.zero_stage == 3 else (),
+    )
+
+
+def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None) -> ReshardPlan:
+    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks. No I/O.
+
+    ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt`` and its
+    ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param group).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
+    problems = _refusals_from_logical(ckpt)
+    if problems:
+        raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
+    facts = facts if facts is not None else _derive_facts(ckpt)
+    optim = tuple(p for p in ckpt.files if "optim_states" in p.name)
+    bf16_prefix = any(p.name.startswith("bf16_") for p in optim)
+    optim_sorted = tuple(sorted(optim, key=_rank_of))
+    common = dict(
+        source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
+        zero_stage=ckpt.zero_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
+        source_world_size=ckpt.dp_world_size, world_size=world_size, source_optim_files=optim_sorted,
+        bf16_prefixed_optim=bf16_prefix,
+    )
+    if ckpt.zero_stage == 0:
+        models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
+        return ReshardPlan(**common, source_model_files=models, param_shapes=(), subgroup_to_group=(),
+                           alignment_paddings=(), ranks=(),
+                           notes=("stage 0: nothing is partitioned; only the recorded dp_world_size changes",))
+    if ckpt.zero_stage == 3:
+        return _plan_zero3(ckpt, world_size, facts, common)
+    return _plan_zero12(ckpt, world_size, facts, common)
+
+
+def _rank_of(path: Path) -> int:
+    import re
+
+    m = re.search(r"zero_pp_rank_(\d+)_", path.name)
+    return int(m[1]) if m else -1
+
+
+def _optim_name(rank: int, bf16_prefix: bool) -> str:
+    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common: dict[str, Any]) -> ReshardPlan:
+    by_name = _entries_by_name(ckpt)
+    bf16_opt = ckpt.optimizer_wrapper == "BF16_Optimizer"
+    elem = _element_nbytes(ckpt.precision)
+    src_world = ckpt.dp_world_size
+    param_shapes = []
+    all_paddings = []
+    # per group: (names in target flat order, offsets, layout, names in bit16 order)
+    group_layouts = []
+    for g, src_flat in enumerate(facts.group_flat_order):
+        n = len(src_flat)
+        if facts.round_robin and not bf16_opt:
+            original: list[str] = [""] * n
+            for pos, idx in enumerate(round_robin_order(n, src_world)):
+                original[idx] = src_flat[pos]
+            flat = [original[i] for i in round_robin_order(n, world)]
+        else:
+            original = list(src_flat)
+            flat = list(src_flat)
+        for name in flat:
+            if name not in by_name:
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
+        numels = [by_name[nm].numel for nm in flat]
+        pads = param_alignment_paddings(numels, elem, enabled=facts.parameter_alignment and not bf16_opt)
+        layout = zero12_group_layout(numels, world, alignment_paddings=pads)
+        param_shapes.append(tuple((nm, by_name[nm].shape) for nm in flat))
+        all_paddings.append(tuple(pads))
+        group_layouts.append((flat, layout, original, pads))
+
+    ranks = []
+    for r in range(world):
+        groups = []
+        for g, (flat, layout, original, pads) in enumerate(group_layouts):
+            p_numel = layout.partition_numel
+            p_start = r * p_numel
+            padding = (bf16_optimizer_group_padding(layout, r) if bf16_opt else layout.rank_padding(r))
+            stored = p_numel if bf16_opt else p_numel - layout.rank_padding(r)
+            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
+            for nm, off, numel in zip(flat, layout.param_offsets, layout.param_numels):
+                lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
+                if lo >= hi:
+                    continue
+                entry = by_name[nm]
+                for role, lst in role_copies.items():
+                    piece = entry.piece(role)
+                    if piece is None:
+                        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
+                    lst.extend(_copies(piece, lo - off, hi - lo, lo - p_start, nm))
+            offsets_by_name = dict(zip(flat, layout.param_offsets))
+            orig_numels = [by_name[nm].numel for nm in original]
+            use_offsets = any(pads)
+            maps = zero12_param_slice_mappings(
+                orig_numels, p_start, p_numel,
+                [offsets_by_name[nm] for nm in original] if use_offsets else None)
+            groups.append(GroupPartition(
+                group=g, partition_numel=p_numel, padding_numel=padding,
+                master=FlatSpec(stored, "float32", tuple(c for c in role_copies[Role.MASTER])),
+                exp_avg=FlatSpec(p_numel, "float32", tuple(role_copies[Role.EXP_AVG])),
+                exp_avg_sq=FlatSpec(p_numel, "float32", tuple(role_copies[Role.EXP_AVG_SQ])),
+                slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
+            ))
+        ranks.append(RankPlan(r, _optim_name(r, common["bf16_prefixed_optim"]), None, tuple(groups)))
+    models = tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
+    notes = []
+    if facts.round_robin and not bf16_opt:
+        notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
+                     "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
+    return ReshardPlan(**common, source_model_files=models, param_shapes=tuple(param_shapes),
+                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
+                       ranks=tuple(ranks), notes=tuple(notes))
+
+
+def _plan_zero3(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common: dict[str, Any]) -> ReshardPlan:
+    by_name = _entries_by_name(ckpt)
+    n_groups = max(facts.subgroup_to_group, default=-1) + 1
+    group_params: list[list[str]] = [[] for _ in range(n_groups)]
+    for s, names in enumerate(facts.group_flat_order):
+        group_params[facts.subgroup_to_group[s]].extend(names)
+    target_subgroups: list[list[str]] = []
+    sub_to_group: list[int] = []
+    for g, names in enumerate(group_params):
+        for idx in zero3_sub_groups([by_name[n].numel for n in names], world, facts.sub_group_size):
+            target_subgroups.append([names[i] for i in idx])
+            sub_to_group.append(g)
+    ds_ids = dict(facts.param_ds_ids)
+    ranks = []
+    for r in range(world):
+        groups = []
+        for t, names in enumerate(target_subgroups):
+            offset = 0
+            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
+            for nm in names:
+                e = by_name[nm]
+                per = zero3_partition_numel(e.numel, world)
+                lo, hi = r * per, min((r + 1) * per, e.numel)
+                if lo < hi:
+                    for role, lst in role_copies.items():
+                        piece = e.piece(role)
+                        if piece is None:
+                            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
+                        lst.extend(_copies(piece, lo, hi - lo, offset, nm))
+                offset += per
+            ds_id = (f"{ds_ids[names[0]]}_{ds_ids[names[-1]]}"
+                     if names and names[0] in ds_ids and names[-1] in ds_ids else None)
+            groups.append(GroupPartition(
+                group=t, partition_numel=offset, padding_numel=0,
+                master=FlatSpec(offset, "float32", tuple(role_copies[Role.MASTER])),
+                exp_avg=FlatSpec(offset, "float32", tuple(role_copies[Role.EXP_AVG])),
+                exp_avg_sq=FlatSpec(offset, "float32", tuple(role_copies[Role.EXP_AVG_SQ])),
+                ds_id=ds_id,
+            ))
+        frozen = []
+        for e in ckpt.entries:
+            if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None:
+                per = zero3_partition_numel(e.numel, world)
+                lo, hi = r * per, min((r + 1) * per, e.numel)
+                piece = e.piece(Role.MODULE)
+                dtype = piece.dtype if piece else "float32"
+                frozen.append((e.name, FlatSpec(per, dtype, _copies(piece, lo, max(0, hi - lo), 0, e.name))))
+        ranks.append(RankPlan(r, _optim_name(r, common["bf16_prefixed_optim"]),
+                              f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", tuple(groups), tuple(frozen)))
+    models = tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
+                           and p.name.endswith("_model_states.pt")), key=_rank_of))
+    shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in target_subgroups)
+    notes = []
+    if len(target_subgroups) != len(facts.group_flat_order):
+        notes.append(f"ZeRO-3 sub-groups re-formed for {world} ranks: {len(facts.group_flat_order)} -> "
+                     f"{len(target_subgroups)} (sub_group_size counts per-rank partition sizes)")
+    return ReshardPlan(**common, source_model_files=models, param_shapes=shapes,
+                       subgroup_to_group=tuple(sub_to_group), alignment_paddings=(), ranks=tuple(ranks),
+                       notes=tuple(notes))
+
+
+def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
+    """Human-readable lines: per target rank and group, sizes, padding and source ranges."""
+    lines = [
+        f"reshard {plan.source_tag_dir} (ZeRO stage {plan.zero_stage}, {plan.precision.value}, "
+        f"{plan.optimizer_wrapper}) from {plan.source_world_size} to {plan.world_size} ranks, tag '{plan.tag}'",
+    ]
+    lines += [f"note: {n}" for n in plan.notes]
+    for r in plan.ranks:
+        files = ", ".join(f for f in (r.optim_file, r.model_file) if f)
+        lines.append(f"rank {r.rank}: {files}")
+        for g in r.groups:
+            label = "sub-group" if plan.zero_stage == 3 else "group"
+            lines.append(f"  {label} {g.group}: partition {g.partition_numel} elements, padding "
+                         f"{g.partition_numel - g.master.copied_numel}, fp32 master stored {g.master.numel}")
+            for c in g.master.copies[:max_copies]:
+                lines.append(f"    [{c.dst_offset}:{c.dst_offset + c.numel}) <- {c.file.name} "
+                             f"{_fmt_key(c.key)}[{c.src_offset}:{c.src_offset + c.numel})")
+            if len(g.master.copies) > max_copies:
+                lines.append(f"    ... {len(g.master.copies) - max_copies} more ranges")
+        for name, spec in r.frozen_fragments:
+            lines.append(f"  frozen {name}: {spec.numel} elements ({spec.copied_numel} copied)")
+    if plan.zero_stage == 0:
+        lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
+                     + f" with dp_world_size={plan.world_size}")
+    return lines
+
+
+def _fmt_key(key: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in key[1:]) if key and key[0] == OSD else "".join(f"[{k!r}]" for k in key)
+
+
+# --------------------------------------------------------------------------------------------
+# Doing it
+
+
+def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
+                verify: bool = True, on_file: Callable[[Path], None] | None = None) -> ReshardResult:
+    """Write the resharded checkpoint as a new save dir ``out`` (``latest`` + ``<tag>/``).
+
+    Builds one flat partition at a time from source ranges; the input is only read. With ``verify``
+    the output is re-read and every tensor compared with the source before it is moved into place.
+    """
+    from .atomic import atomic_dir, check_can_write
+    from .readers import FileCache
+
+    out = Path(out)
+    src_root = plan.source_root.resolve()
+    if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
+        raise UsageError(f"output '{out}' overlaps the input '{plan.source_root}'; choose a new folder")
+    check_can_write(out, force=force)
+    cache = cache if cache is not None else FileCache()
+    written: list[Path] = []
+    with atomic_dir(out) as tmp:
+        tag_dir = tmp / plan.tag
+        tag_dir.mkdir(parents=True)
+        for f in _write_files(plan, tag_dir, cache):
+            written.append(f)
+            if on_file is not None:
+                on_file(f)
+        (tmp / "latest").write_text(plan.tag, encoding="utf-8")
+        for script in ZERO_TO_FP32_SCRIPTS:
+            if (plan.source_root / script).is_file():
+                shutil.copy2(plan.source_root / script, tmp / script)
+        checked = _verify(plan, tmp, cache) if verify else 0
+    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked)
+
+
+def _build(spec: FlatSpec, cache: Any) -> Any:
+    import torch
+
+    t = torch.zeros(spec.numel, dtype=getattr(torch, spec.dtype))
+    for c in spec.copies:
+        ref = cache.tensor(c.file, c.key)
+        if ref.dtype != t.dtype:
+            raise CorruptCheckpointError(f"{c.file}: {_fmt_key(c.key)} is {ref.dtype}, expected {t.dtype}")
+        ref.read(c.src_offset, c.numel, out=t[c.dst_offset: c.dst_offset + c.numel])
+    return t
+
+
+def _lazy(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
+    import torch
+
+    from .writers.torch_stream import LazyTensor
+
+    return LazyTensor(spec.numel, getattr(torch, spec.dtype), lambda: _build(spec, cache), dict(attrs or {}))
+
+
+def _own_copy(value: Any) -> Any:
+    """A fresh tensor for a small per-group state value such as Adam's ``step``: torch's
+    ``Optimizer.load_state_dict`` keeps ``step`` tensors as loaded, so one pickled object shared by
+    several groups would be incremented once per group and step."""
+    from .safe_load import TensorRef
+
+    return value.load().clone() if isinstance(value, TensorRef) else value
+
+
+def _fragment_address(numel: int, start: int) -> Any:
+    from .safe_load import stand_in_class
+
+    cls = stand_in_class("deepspeed.utils.tensor_fragment", "fragment_address")
+    assert cls is not None
+    obj = cls.__new__(cls)
+    obj.__dict__.update(numel=numel, start=start)
+    return obj
+
+
+def _shapes_tree(plan: ReshardPlan) -> list[OrderedDict[str, Any]]:
+    import torch
+
+    return [OrderedDict((n, torch.Size(s)) for n, s in group) for group in plan.param_shapes]
+
+
+def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any) -> list[Path]:
+    from .writers.torch_stream import write_torch_tree
+
+    files = []
+    if plan.zero_stage in (0, 1, 2):
+        for src in plan.source_model_files:
+            tree = dict(cache.tree(src))
+            tree["dp_world_size"] = plan.world_size
+            if plan.zero_stage:
+                tree["param_shapes"] = _shapes_tree(plan)
+            files.append(write_torch_tree(tag_dir / src.name, tree))
+    if plan.zero_stage in (1, 2):
+        src0 = cache.tree(plan.source_optim_files[0])
+        for r in plan.ranks:
+            files.append(write_torch_tree(tag_dir / r.optim_file, _zero12_optim_tree(plan, r, src0, cache)))
+    if plan.zero_stage == 3:
+        src_models = [cache.tree(p) for p in plan.source_model_files]
+        src0 = cache.tree(plan.source_optim_files[0])
+        for r in plan.ranks:
+            assert r.model_file is not None and r.optim_file is not None
+            files.append(write_torch_tree(tag_dir / r.model_file, _zero3_model_tree(plan, r, src_models, cache)))
+            files.append(write_torch_tree(tag_dir / r.optim_file, _zero3_optim_tree(plan, r, src0, cache)))
+    return files
+
+
+def _zero12_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], cache: Any) -> dict[str, Any]:
+    osd0 = src0[OSD]
+    base0 = osd0["base_optimizer_state"]
+    state_keys = sorted(base0["state"].keys())
+    state: dict[Any, Any] = {}
+    for g in r.groups:
+        src_state = base0["state"][state_keys[g.group]]
+        new = {}
+        for k, v in src_state.items():
+            new[k] = (_lazy(g.exp_avg, cache) if k == "exp_avg" else
+                      _lazy(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
+        state[state_keys[g.group]] = new
+    osd = dict(osd0)
+    osd["base_optimizer_state"] = {**base0, "state": state}
+    osd["single_partition_of_fp32_groups"] = [_lazy(g.master, cache) for g in r.groups]
+    osd["group_paddings"] = [g.padding_numel for g in r.groups]
+    osd["partition_count"] = [plan.world_size] * len(r.groups)
+    if "param_alignment_paddings" in osd0:
+        osd["param_alignment_paddings"] = [list(p) for p in plan.alignment_paddings]
+    osd["param_slice_mappings"] = [OrderedDict((n, _fragment_address(numel, start))
+                                               for n, start, numel in g.slice_mappings) for g in r.groups]
+    return {**src0, OSD: osd}
+
+
+def _zero3_model_tree(plan: ReshardPlan, r: RankPlan, src_models: Sequence[Mapping[str, Any]],
+                      cache: Any) -> dict[str, Any]:
+    # Stage-3 ranks keep their own buffers (BatchNorm statistics are not synchronised): a rank that
+    # existed before keeps its file's, a new rank starts from rank 0's.
+    source_rank = r.rank if r.rank < len(src_models) else 0
+    tree = dict(src_models[source_rank])
+    if r.rank > 0 and source_rank == 0:
+        tree["shared_params"] = {}  # DeepSpeed computes shared_params on rank 0 only (engine.py:5490-5528)
+    tree["dp_world_size"] = plan.world_size
+    tree["param_shapes"] = _shapes_tree(plan)
+    if tree.get("frozen_param_fragments") is not None or r.frozen_fragments:
+        tree["frozen_param_fragments"] = OrderedDict((n, _lazy(spec, cache)) for n, spec in r.frozen_fragments)
+    return tree
+
+
+def _zero3_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], cache: Any) -> dict[str, Any]:
+    osd0 = src0[OSD]
+    inner0 = osd0[OSD]
+    src_state = inner0["state"]
+    first_state = src_state[sorted(src_state.keys())[0]] if src_state else {}
+    state: dict[Any, Any] = {}
+    for g in r.groups:
+        new = {}
+        for k, v in first_state.items():
+            new[k] = (_lazy(g.exp_avg, cache) if k == "exp_avg" else
+                      _lazy(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
+        state[g.group] = new
+    param_groups = []
+    for gi, pg in enumerate(inner0["param_groups"]):
+        param_groups.append({**pg, "params": [t for t, owner in enumerate(plan.subgroup_to_group) if owner == gi]})
+    osd = dict(osd0)
+    osd["partition_count"] = plan.world_size
+    osd[OSD] = {**inner0, "state": state, "param_groups": param_groups}
+    osd["fp32_flat_groups"] = [_lazy(g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
+                               for g in r.groups]
+    return {**src0, OSD: osd}
+
+
+def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any) -> int:
+    """Re-read the output and compare every stored copy of every tensor with the source."""
+    import torch
+
+    from .assemble import read_piece
+    from .readers import FileCache, read_checkpoint
+
+    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache)
+    new_cache = FileCache()
+    new = read_checkpoint(new_root, tag=plan.tag, cache=new_cache)
+    if new.dp_world_size != plan.world_size:
+        raise CorruptCheckpointError(
+            f"verification failed: the written checkpoint records dp_world_size={new.dp_world_size}, "
+            f"expected {plan.world_size}; nothing was written")
+    src_entries = _entries_by_name(src)
+    new_entries = _entries_by_name(new)
+    if set(src_entries) != set(new_entries):
+        diff = sorted(set(src_entries) ^ set(new_entries))
+        raise CorruptCheckpointError(f"verification failed: tensors differ between input and output: {diff[:5]}")
+    checked = 0
+    for name, e in src_entries.items():
+        if e.tied_to is not None:
+            continue
+        n = new_entries[name]
+        for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
+            a, b = e.piece(role), n.piece(role)
+            if a is None or b is None:
+                if (a is None) != (b is None) and role is not Role.MODULE:
+                    raise CorruptCheckpointError(f"verification failed: '{name}' lost its {role.value} copy")
+                continue
+            ta = read_piece(a, e.shape, src_cache, name=name)
+            tb = read_piece(b, n.shape, new_cache, name=name)
+            if not torch.equal(ta, tb):
+                raise CorruptCheckpointError(
+                    f"verification failed: '{name}' ({role.value}) differs after resharding; nothing was "
+                    "written. This is a dsckpt bug: please report it")
+            checked += 1
+    return checked
