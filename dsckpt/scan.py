@@ -405,6 +405,10 @@ class _Tally:
         return n
 
     def add_nonfinite(self, t: torch.Tensor, base: int) -> None:
+        # A finite sum proves every value finite (NaN/inf propagate): one cheap reduction per chunk.
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        if bool(torch.isfinite(torch.sum(t, dtype=acc))):
+            return
         bad = ~torch.isfinite(t)
         if not bool(bad.any()):
             return

@@ -26,7 +26,14 @@ p.add_argument("--expect", required=True)
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--no-buffer-dtype", action="store_true", help="drop data_types.buffer_dtype from the config")
 p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+p.add_argument("--force-cpu-fp16", action="store_true", help="let DeepSpeed's CPU accelerator run fp16 (as "
+               "tests/fixtures/generate.py does for the *_cpuforced fixtures)")
 args = p.parse_args()
+if args.force_cpu_fp16:
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+    CPU_Accelerator.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
 
 import deepspeed  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402

@@ -28,7 +28,7 @@ from scan_helpers import copy_fixture, plant
 
 FIXTURES = all_fixtures()
 CPU_BN = [f for f in FIXTURES if f.meta.get("dtype") != "fp16" and "bn.running_var" in f.meta.get("buffers", [])]
-REAL_FP16_BN = [f for f in FIXTURES if f.name.endswith("_bnoverflow") and (f.dir / "source_fp32.safetensors").exists()]
+REAL_FP16_BN = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()]
 BAD = [1, 4]
 
 
@@ -218,14 +218,19 @@ def test_real_fp16_bn_overflow_repaired_from_recorded_fp32_stats(tmp_path, fx):
     before = tree_digest(fx.ckpt)
     original = _fp32(fx.ckpt, tmp_path)
     plan, _ = prepare_repair(fx.ckpt, source)
-    assert [p.name for p in plan.patches] == ["bn.running_var"]
+    (patch,) = plan.patches
+    src = load_file(str(source))["bn.running_var"]
+    n_copies = fx.meta["dp_world_size"] if fx.meta["stage"] == 3 else 1
+    assert (patch.name, len(patch.targets)) == ("bn.running_var", n_copies)
+    assert patch.indices.tolist() == (~torch.isfinite(fx.truth()["buffer/bn.running_var"])).nonzero().flatten().tolist()
+    # the recorded fp32 running_var exceeds fp16's range there, so the buffer is stored as fp32
+    assert patch.promote_to == ("float32" if bool((src[patch.indices].abs() > 65504).any()) else None)
     out = tmp_path / "fixed"
     run_repair(plan, out)
     assert scan(out, nonfinite_only=True).clean
     assert tree_digest(fx.ckpt) == before
     got = _fp32(out, tmp_path)
-    src = load_file(str(source))["bn.running_var"]
-    bad = plan.patches[0].indices
+    bad = patch.indices
     assert torch.equal(got["bn.running_var"][bad], src[bad])
     keep = torch.ones(src.numel(), dtype=torch.bool)
     keep[bad] = False

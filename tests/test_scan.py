@@ -21,7 +21,9 @@ from dsckpt.scan import Check, StoredKind, open_target, plan_scan, prepare_scan,
 from scan_helpers import copy_fixture, plant
 
 FIXTURES = all_fixtures()
-BNOVERFLOW = [f for f in FIXTURES if f.name.endswith("_bnoverflow")]
+# fp16 fixtures whose BatchNorm running_var (buffer_dtype fp16) overflowed in DeepSpeed training: GPU-made
+# (*_bnoverflow) and DeepSpeed-on-CPU with fp16 forced (*_cpuforced); both carry source_fp32.safetensors.
+BNOVERFLOW = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()]
 CLEAN = [f for f in FIXTURES if f.meta.get("dtype") != "fp16"]
 
 
