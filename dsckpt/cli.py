@@ -278,5 +278,46 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                f"re-scan: clean ({result.rescan.stored_tensors} stored tensors)")
 
 
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--world-size", "-n", "world_size", type=click.IntRange(min=1), required=True,
+              help="Data-parallel size the checkpoint will be resumed on.")
+@tag_option
+@click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
+                                             "(1 if there is work).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--no-verify", is_flag=True, help="Skip re-reading the output and comparing every tensor.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@handle_errors
+def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, no_verify: bool,
+            quiet: bool) -> None:
+    """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
+
+    Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
+    counts, loss scaler, scheduler and client state carried over exactly. CKPT is never modified.
+    """
+    from .readers import FileCache, read_checkpoint
+    from .reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
+
+    cache = FileCache()
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache)
+    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache))
+    if dry_run:
+        click.echo("\n".join(describe_plan(plan)))
+        sys.exit(1 if plan.has_work else 0)
+    if not plan.has_work and not quiet:
+        click.echo(f"dsckpt: note: '{ckpt}' already has data-parallel size {world_size}; writing a copy", err=True)
+
+    def tick(path: Any) -> None:
+        if not quiet:
+            click.echo(f"  wrote {path.name}", err=True)
+
+    result = run_reshard(plan, out, cache=cache, force=force, verify=not no_verify, on_file=tick)
+    verified = "" if no_verify else f", verified {result.verified_tensors} tensors against the input"
+    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
+               f"{len(result.files)} files to {result.output}/{result.tag}{verified}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -332,6 +332,19 @@ def _copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: int, n
     return tuple(out)
 
 
+def _coalesce(copies: Sequence[RangeCopy]) -> tuple[RangeCopy, ...]:
+    """Merge ranges that continue each other in both source and target (fewer, larger reads)."""
+    out: list[RangeCopy] = []
+    for c in copies:
+        last = out[-1] if out else None
+        if (last is not None and last.file == c.file and last.key == c.key
+                and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
+            out[-1] = RangeCopy(c.file, c.key, last.src_offset, last.numel + c.numel, last.dst_offset)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
 def _entries_by_name(ckpt: LogicalCheckpoint) -> dict[str, TensorEntry]:
     return {e.name: e for e in ckpt.entries}
 
@@ -456,9 +469,9 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
                 [offsets_by_name[nm] for nm in original] if use_offsets else None)
             groups.append(GroupPartition(
                 group=g, partition_numel=p_numel, padding_numel=padding,
-                master=FlatSpec(stored, "float32", tuple(c for c in role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(p_numel, "float32", tuple(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(p_numel, "float32", tuple(role_copies[Role.EXP_AVG_SQ])),
+                master=FlatSpec(stored, "float32", _coalesce(role_copies[Role.MASTER])),
+                exp_avg=FlatSpec(p_numel, "float32", _coalesce(role_copies[Role.EXP_AVG])),
+                exp_avg_sq=FlatSpec(p_numel, "float32", _coalesce(role_copies[Role.EXP_AVG_SQ])),
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
             ))
         ranks.append(RankPlan(r, _optim_name(r, common["bf16_prefixed_optim"]), None, tuple(groups)))
@@ -506,9 +519,9 @@ def _plan_zero3(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common:
                      if names and names[0] in ds_ids and names[-1] in ds_ids else None)
             groups.append(GroupPartition(
                 group=t, partition_numel=offset, padding_numel=0,
-                master=FlatSpec(offset, "float32", tuple(role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(offset, "float32", tuple(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(offset, "float32", tuple(role_copies[Role.EXP_AVG_SQ])),
+                master=FlatSpec(offset, "float32", _coalesce(role_copies[Role.MASTER])),
+                exp_avg=FlatSpec(offset, "float32", _coalesce(role_copies[Role.EXP_AVG])),
+                exp_avg_sq=FlatSpec(offset, "float32", _coalesce(role_copies[Role.EXP_AVG_SQ])),
                 ds_id=ds_id,
             ))
         frozen = []

@@ -178,6 +178,10 @@ def check_one(name, ckpt_dir):
     steps = sorted({float(s["step"]) for s in base.state.values() if "step" in s})
     if want_step is not None and steps != [want_step]:
         problems.append(f"Adam step {steps} != {want_step}")
+    if meta.get("loss_scale") is not None:
+        scale = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
+        if scale != float(meta["loss_scale"]):
+            problems.append(f"loss scale {scale} != {meta['loss_scale']}")
     if engine.lr_scheduler is not None or client.get("lr_scheduler") is not None:
         problems.append("unexpected lr scheduler state")
     lrs = sorted({g["lr"] for g in base.param_groups})

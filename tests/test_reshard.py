@@ -1,0 +1,232 @@
+"""dsckpt reshard: library round trips on every fixture, CLI, refusals, and real DeepSpeed resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import all_fixtures, fixtures_where, ids, tree_digest
+from dsckpt import safe_load
+from dsckpt.cli import main
+from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+REPO = Path(__file__).resolve().parent.parent
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+
+RESHARDABLE = [f for f in all_fixtures() if f.meta.get("pp_size", 1) == 1 and f.meta.get("device", "cpu") != "cuda"
+               and (f.ckpt / f.meta["tag"]).is_dir()]
+PIPELINE = [f for f in all_fixtures() if f.meta.get("pp_size", 1) > 1]
+
+
+def pick(**conditions):
+    chosen = [f for f in fixtures_where(**conditions) if f in RESHARDABLE]
+    if not chosen:
+        pytest.skip(f"no fixture with {conditions}")
+    return chosen[0]
+
+
+def reshard(src: Path, out: Path, world_size: int):
+    cache = FileCache()
+    ckpt = read_checkpoint(src, cache=cache)
+    plan = plan_reshard(ckpt, world_size, facts=read_source_facts(ckpt, cache))
+    return plan, run_reshard(plan, out, cache=cache)
+
+
+@pytest.mark.parametrize("fx", RESHARDABLE, ids=ids(RESHARDABLE))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reshard_round_trip_verifies_and_leaves_input_untouched(fx, world_size, tmp_path):
+    before = tree_digest(fx.ckpt)
+    plan, result = reshard(fx.ckpt, tmp_path / "out", world_size)
+    assert tree_digest(fx.ckpt) == before
+    assert (tmp_path / "out" / "latest").read_text() == fx.meta["tag"]
+    assert result.verified_tensors > 0
+    back = read_checkpoint(tmp_path / "out")
+    assert back.dp_world_size == world_size
+    assert back.global_steps == fx.meta["global_steps"]
+    expected = fx.expected_fp32()
+    from dsckpt.assemble import iter_tensors
+
+    for name, t in iter_tensors(back):
+        assert torch.equal(t, expected[name]), name
+    if plan.zero_stage in (1, 2, 3):
+        n_optim = len(list((tmp_path / "out" / fx.meta["tag"]).glob("*optim_states.pt")))
+        assert n_optim == world_size
+
+
+def _materialized(path: Path):
+    return safe_load.materialize(safe_load.load(path))
+
+
+def _same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+        assert getattr(a, "__dict__", {}) == getattr(b, "__dict__", {}), where
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}/{i}")
+    else:
+        assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize("fx", RESHARDABLE, ids=ids(RESHARDABLE))
+def test_same_size_reshard_reproduces_deepspeed_files(fx, tmp_path):
+    """Resharding to the saved size rewrites every file as DeepSpeed wrote it: scalars, mappings,
+    paddings, param groups, stand-in objects. Only stage-3 last-rank padding differs (DeepSpeed
+    leaves uninitialised memory there, dsckpt writes zeros), so those tensors are compared unpadded."""
+    reshard(fx.ckpt, tmp_path / "out", fx.meta["dp_world_size"])
+    tag = fx.meta["tag"]
+    for f in sorted((fx.ckpt / tag).glob("*.pt")):
+        a, b = _materialized(f), _materialized(tmp_path / "out" / tag / f.name)
+        if fx.meta["stage"] == 3:
+            for tree in (a, b):
+                osd = tree.get("optimizer_state_dict")
+                if osd is not None:
+                    osd["fp32_flat_groups"] = ["compared unpadded by the round-trip test"] * len(
+                        osd["fp32_flat_groups"])
+                if tree.get("frozen_param_fragments"):
+                    tree["frozen_param_fragments"] = {k: v.numel() for k, v in tree["frozen_param_fragments"].items()}
+        _same(a, b, f.name)
+
+
+def test_reshard_refuses_pipeline_parallel(tmp_path):
+    if not PIPELINE:
+        pytest.skip("no pipeline fixture")
+    cache = FileCache()
+    ckpt = read_checkpoint(PIPELINE[0].ckpt, cache=cache)
+    with pytest.raises(UnsupportedCheckpointError, match="pipeline parallel size 2"):
+        read_source_facts(ckpt, cache)
+    with pytest.raises(UnsupportedCheckpointError, match="pipeline parallel size 2"):
+        plan_reshard(ckpt, 2)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Lamb"])
+def test_reshard_refuses_other_optimizers(optimizer):
+    fx = pick(stage=2)
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    cfg = dict(ckpt.ds_config)
+    cfg["optimizer"] = {"type": optimizer, "params": {"lr": 0.1}}
+    with pytest.raises(UnsupportedCheckpointError, match=f"optimizer type '{optimizer}'"):
+        read_source_facts(replace(ckpt, ds_config=cfg), cache)
+
+
+def test_reshard_refuses_nvme_offload():
+    fx = pick(stage=3)
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    cfg = json.loads(json.dumps(ckpt.ds_config))
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/nvme"}
+    with pytest.raises(UnsupportedCheckpointError, match="NVMe"):
+        read_source_facts(replace(ckpt, ds_config=cfg), cache)
+
+
+def test_reshard_refuses_to_write_into_input(tmp_path):
+    fx = pick(stage=1)
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    plan = plan_reshard(ckpt, 3, facts=read_source_facts(ckpt, cache))
+    with pytest.raises(UsageError, match="overlaps the input"):
+        run_reshard(plan, fx.ckpt / "resharded", cache=cache)
+
+
+def test_cli_reshard_dry_run_and_run(tmp_path):
+    fx = pick(stage=2, dtype="bf16")
+    runner = CliRunner()
+    out = tmp_path / "out"
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(out), "--world-size", "3", "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert "to 3 ranks" in r.stdout and "rank 2:" in r.stdout and "<- " in r.stdout
+    assert not out.exists()
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(out), "-n", "3", "-q"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("resharded ") and "verified" in r.stdout
+    assert r.stderr == ""
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(out), "-n", "3"])
+    assert r.exit_code == 2 and "already exists" in r.stderr
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(out), "-n", "0"])
+    assert r.exit_code == 2
+
+
+def test_cli_reshard_unsupported_exits_3(tmp_path):
+    if not PIPELINE:
+        pytest.skip("no pipeline fixture")
+    r = CliRunner().invoke(main, ["reshard", str(PIPELINE[0].ckpt), str(tmp_path / "o"), "-n", "2"])
+    assert r.exit_code == 3
+    assert "pipeline parallel size" in r.stderr and "\n" not in r.stderr.strip()
+
+
+# --- real DeepSpeed --------------------------------------------------------------------------------
+
+# target world size -> (fixture, chain of world sizes before it). One launch per target size.
+DS_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
+    1: [("s2_fp32_w4", ()), ("s3_bf16_w3_subgroups", ()), ("s1_bf16_w2_bf16opt", ())],
+    2: [("s1_bf16_w3", ()), ("s3_bf16_w3_subgroups", ()), ("s2_fp32_w3_align", ()), ("s0_fp32_w1", ())],
+    3: [("s1_fp32_w2", ()), ("s2_bf16_w2_2groups", ()), ("s2_bf16_w2_roundrobin", ()), ("s3_fp32_w2", ())],
+    4: [("s3_fp32_w1", ()), ("s2_fp32_w4", (1,)), ("s1_bf16_w3", (1,))],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_reshard")
+    known = {f.name for f in all_fixtures()}
+    runs = {}
+    for world, cases in DS_CASES.items():
+        pairs = []
+        for name, chain in cases:
+            if name not in known:
+                continue
+            src = REPO / "tests" / "fixtures" / name / "ckpt"
+            for i, step in enumerate((*chain, world)):
+                out = base / f"for{world}_{name}_{i}_to{step}"
+                reshard(src, out, step)
+                src = out
+            pairs.append(f"{name}={src}")
+        result = base / f"result_{world}.json"
+        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+        proc = subprocess.run(
+            [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(_free_port()),
+             str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result), *pairs],
+            cwd=base, env=env, capture_output=True, text=True, timeout=900)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+        runs[world] = (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
+                       "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:])
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("world", sorted(DS_CASES), ids=lambda w: f"to{w}")
+def test_deepspeed_resumes_resharded_checkpoints(ds_runs, world):
+    rc, results, log = ds_runs[world]
+    assert results, log
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    assert rc == 0, log
+    expected = {n for n, _ in DS_CASES[world] if n in {f.name for f in all_fixtures()}}
+    assert {r["fixture"] for r in results} == expected
