@@ -37,7 +37,16 @@ p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK"
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--result", default=None)
 p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
+p.add_argument("--force-cpu-fp16", action="store_true",
+               help="let DeepSpeed's CPU accelerator run fp16 (as tests/fixtures/generate.py does for *_cpuforced)")
 args = p.parse_args()
+
+if args.force_cpu_fp16:
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+    CPU_Accelerator.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
 
 import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402

@@ -25,7 +25,7 @@ from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
-RESHARDABLE = [f for f in all_fixtures() if f.meta.get("pp_size", 1) == 1 and f.meta.get("device", "cpu") != "cuda"
+RESHARDABLE = [f for f in all_fixtures() if f.meta.get("pp_size", 1) == 1
                and (f.ckpt / f.meta["tag"]).is_dir()]
 PIPELINE = [f for f in all_fixtures() if f.meta.get("pp_size", 1) > 1]
 
@@ -176,10 +176,14 @@ def test_cli_reshard_unsupported_exits_3(tmp_path):
 # --- real DeepSpeed --------------------------------------------------------------------------------
 
 # target world size -> (fixture, chain of world sizes before it). One launch per target size.
+# *_cpuforced: fp16 fixtures saved by DeepSpeed on CPU with fp16 forced on (generate.py --force-cpu-fp16);
+# the check script forces the same so that fp16 engines (dynamic loss scaler) load them on CPU.
 DS_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
-    1: [("s2_fp32_w4", ()), ("s3_bf16_w3_subgroups", ()), ("s1_bf16_w2_bf16opt", ())],
-    2: [("s1_bf16_w3", ()), ("s3_bf16_w3_subgroups", ()), ("s2_fp32_w3_align", ()), ("s0_fp32_w1", ())],
-    3: [("s1_fp32_w2", ()), ("s2_bf16_w2_2groups", ()), ("s2_bf16_w2_roundrobin", ()), ("s3_fp32_w2", ())],
+    1: [("s2_fp32_w4", ()), ("s3_bf16_w3_subgroups", ()), ("s1_bf16_w2_bf16opt", ()), ("s3_fp16_w2_cpuforced", ())],
+    2: [("s1_bf16_w3", ()), ("s3_bf16_w3_subgroups", ()), ("s2_fp32_w3_align", ()), ("s0_fp32_w1", ()),
+        ("s1_fp16_w3_cpuforced", ())],
+    3: [("s1_fp32_w2", ()), ("s2_bf16_w2_2groups", ()), ("s2_bf16_w2_roundrobin", ()), ("s3_fp32_w2", ()),
+        ("s2_fp16_w2_cpuforced", ())],
     4: [("s3_fp32_w1", ()), ("s2_fp32_w4", (1,)), ("s1_bf16_w3", (1,))],
 }
 
@@ -212,7 +216,8 @@ def ds_runs(tmp_path_factory):
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
         proc = subprocess.run(
             [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(_free_port()),
-             str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result), *pairs],
+             str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result),
+             *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else []), *pairs],
             cwd=base, env=env, capture_output=True, text=True, timeout=900)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
         runs[world] = (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
