@@ -28,7 +28,8 @@ from scan_helpers import copy_fixture, plant
 
 FIXTURES = all_fixtures()
 CPU_BN = [f for f in FIXTURES if f.meta.get("dtype") != "fp16" and "bn.running_var" in f.meta.get("buffers", [])]
-REAL_FP16_BN = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()]
+REAL_FP16_BN = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()
+                and ("bnoverflow" in f.name or "cpuforced" in f.name)]
 BAD = [1, 4]
 
 
@@ -238,10 +239,14 @@ def test_real_fp16_bn_overflow_repaired_from_recorded_fp32_stats(tmp_path, fx):
     assert all(torch.equal(got[n], original[n]) for n in original)
 
 
-def test_real_fp16_master_overflow_cannot_be_repaired_from_master():
+@pytest.mark.parametrize("source", ["master", "file"])
+def test_real_fp16_param_overflow_is_refused_not_squeezed(source):
+    """fp16 copy of fc2.weight[0,0] is +inf because its fp32 master (70000) exceeds fp16's range: no
+    fp16 value is right, so repair refuses (to-fp32 of this checkpoint is already correct)."""
     fx = _fx("s2_fp16_w1_masterinf")
-    with pytest.raises(RepairError, match="fc2.weight .*its fp32 master is non-finite too|do not fit"):
-        prepare_repair(fx.ckpt, "master")
+    src = "master" if source == "master" else fx.dir / "source_fp32.safetensors"
+    with pytest.raises(RepairError, match=r"fc2.weight \(param\): source values up to 70000 do not fit its stored float16"):
+        prepare_repair(fx.ckpt, src)
 
 
 # ------------------------------------------------------------------ DeepSpeed loads the result

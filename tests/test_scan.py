@@ -23,7 +23,8 @@ from scan_helpers import copy_fixture, plant
 FIXTURES = all_fixtures()
 # fp16 fixtures whose BatchNorm running_var (buffer_dtype fp16) overflowed in DeepSpeed training: GPU-made
 # (*_bnoverflow) and DeepSpeed-on-CPU with fp16 forced (*_cpuforced); both carry source_fp32.safetensors.
-BNOVERFLOW = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()]
+BNOVERFLOW = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()
+              and ("bnoverflow" in f.name or "cpuforced" in f.name)]
 CLEAN = [f for f in FIXTURES if f.meta.get("dtype") != "fp16"]
 
 
@@ -215,3 +216,18 @@ def test_cli_scan_not_a_checkpoint_exit_3(tmp_path):
     r = CliRunner().invoke(main, ["scan", str(tmp_path)])
     assert r.exit_code == 3
     assert r.stdout == "" and "is not a DeepSpeed checkpoint" in r.stderr
+
+
+def test_real_fp16_param_overflow_found_in_copy_and_master():
+    """s2_fp16_w1_masterinf (GPU): fc2.weight[0, 0] is 70000 in the fp32 master, +inf in the fp16 copy."""
+    fx = next(f for f in FIXTURES if f.name == "s2_fp16_w1_masterinf")
+    report = scan(fx.ckpt)
+    got = sorted((f.check.value, f.name, f.kind.value, f.dtype, f.count, f.posinf, f.first_indices)
+                 for f in report.findings)
+    assert got == [
+        ("fp16_overflow", "fc2.weight", "fp32 master", "float32", 1, 0, (0,)),
+        ("nonfinite", "fc2.weight", "param", "float16", 1, 1, (0,)),
+    ]
+    assert fx.truth()["param/fc2.weight"].view(-1)[0].item() > 65504  # 69999.99 after Adam steps
+    only = scan(fx.ckpt, nonfinite_only=True)
+    assert [(f.check.value, f.name) for f in only.findings] == [("nonfinite", "fc2.weight")]
