@@ -456,6 +456,7 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
     stored: set[tuple[Path, tuple[Any, ...]]] = set()
     numel_scanned = nbytes_read = 0
     chunk = max(1, plan.chunk_numel)
+    buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # reused: fresh big buffers page-fault every chunk
 
     def tick(n: int) -> None:
         nonlocal nbytes_read
@@ -479,7 +480,7 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
             b = min(es.numel, a + chunk)
             bufs: list[torch.Tensor] = []
             for pi, piece in enumerate(es.pieces):
-                buf = torch.empty(b - a, dtype=getattr(torch, piece.dtype))
+                buf = _buffer(buffers, pi, getattr(torch, piece.dtype), chunk)[: b - a]
                 for fi, f in enumerate(piece.fragments):
                     lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
                     if lo >= hi:
@@ -504,7 +505,7 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
         w = _Where(None, r.file, r.key, StoredKind.OTHER, r.dtype, None, 0, ())
         for a in range(0, r.numel, chunk):
             n = min(chunk, r.numel - a)
-            part = ref.read(r.start + a, n)
+            part = ref.read(r.start + a, n, out=_buffer(buffers, -1, ref.dtype, chunk)[:n])
             tick(part.numel() * part.element_size())
             t = col.get(Check.NONFINITE, w)
             t.numel += n
@@ -512,6 +513,14 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
             numel_scanned += n
     return ScanReport(plan.target, plan.target_kind, plan.checks, tuple(col.findings()), len(stored),
                       numel_scanned, nbytes_read)
+
+
+def _buffer(pool: dict[tuple[int, torch.dtype], torch.Tensor], slot: int, dtype: torch.dtype,
+            numel: int) -> torch.Tensor:
+    buf = pool.get((slot, dtype))
+    if buf is None:
+        buf = pool[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+    return buf
 
 
 def _tree_ref(cache: FileCache, r: RawScan) -> TensorRef:
@@ -526,8 +535,10 @@ def _compare(es: EntryScan, bufs: list[torch.Tensor], base: int, col: _Collector
     mi, li = es.compare
     master, lowp = bufs[mi], bufs[li]
     rounded = master.to(lowp.dtype)
-    ok = torch.isfinite(master) & torch.isfinite(rounded) & torch.isfinite(lowp)
-    differ = ok & (rounded != lowp)
+    differ = None
+    if not torch.equal(rounded, lowp):  # equal (hence no NaN either): nothing to report, skip the masks
+        ok = torch.isfinite(master) & torch.isfinite(rounded) & torch.isfinite(lowp)
+        differ = ok & (rounded != lowp)
     piece = es.pieces[li]
     for fi, f in enumerate(piece.fragments):
         lo, hi = max(base, f.dst_offset), min(base + len(lowp), f.dst_offset + f.numel)
@@ -535,7 +546,8 @@ def _compare(es: EntryScan, bufs: list[torch.Tensor], base: int, col: _Collector
             continue
         t = col.get(Check.MISMATCH, wheres[li][fi])
         t.numel += hi - lo
-        t.add_positions(differ[lo - base: hi - base], lo)
+        if differ is not None:
+            t.add_positions(differ[lo - base: hi - base], lo)
 
 
 # --------------------------------------------------------------------------------------------
