@@ -386,7 +386,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
     optim = tuple(p for p in ckpt.files if "optim_states" in p.name)
     bf16_prefix = any(p.name.startswith("bf16_") for p in optim)
     optim_sorted = tuple(sorted(optim, key=_rank_of))
-    common = dict(
+    common: dict[str, Any] = dict(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         zero_stage=ckpt.zero_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, world_size=world_size, source_optim_files=optim_sorted,
@@ -424,8 +424,10 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
     group_layouts = []
     for g, src_flat in enumerate(facts.group_flat_order):
         n = len(src_flat)
+        original: list[str]
+        flat: list[str]
         if facts.round_robin and not bf16_opt:
-            original: list[str] = [""] * n
+            original = [""] * n
             for pos, idx in enumerate(round_robin_order(n, src_world)):
                 original[idx] = src_flat[pos]
             flat = [original[i] for i in round_robin_order(n, world)]
@@ -489,13 +491,13 @@ def _plan_zero3(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common:
     by_name = _entries_by_name(ckpt)
     n_groups = max(facts.subgroup_to_group, default=-1) + 1
     group_params: list[list[str]] = [[] for _ in range(n_groups)]
-    for s, names in enumerate(facts.group_flat_order):
-        group_params[facts.subgroup_to_group[s]].extend(names)
+    for s, sub_names in enumerate(facts.group_flat_order):
+        group_params[facts.subgroup_to_group[s]].extend(sub_names)
     target_subgroups: list[list[str]] = []
     sub_to_group: list[int] = []
-    for g, names in enumerate(group_params):
-        for idx in zero3_sub_groups([by_name[n].numel for n in names], world, facts.sub_group_size):
-            target_subgroups.append([names[i] for i in idx])
+    for g, group_names in enumerate(group_params):
+        for idx in zero3_sub_groups([by_name[n].numel for n in group_names], world, facts.sub_group_size):
+            target_subgroups.append([group_names[i] for i in idx])
             sub_to_group.append(g)
     ds_ids = dict(facts.param_ds_ids)
     ranks = []
@@ -672,6 +674,7 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any) -> list[Path]:
     if plan.zero_stage in (1, 2):
         src0 = cache.tree(plan.source_optim_files[0])
         for r in plan.ranks:
+            assert r.optim_file is not None
             files.append(write_torch_tree(tag_dir / r.optim_file, _zero12_optim_tree(plan, r, src0, cache)))
     if plan.zero_stage == 3:
         src_models = [cache.tree(p) for p in plan.source_model_files]

@@ -100,7 +100,7 @@ class _TreePickler(_Pickler):  # type: ignore[misc]
 
 def _rebuild(st: _Storage, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
              requires_grad: bool, attrs: Any) -> tuple[Any, tuple[Any, ...]]:
-    args = (st, offset, torch.Size(shape), tuple(stride), requires_grad, OrderedDict())
+    args: tuple[Any, ...] = (st, offset, torch.Size(shape), tuple(stride), requires_grad, OrderedDict())
     if attrs:
         return (torch._tensor._rebuild_from_type_v2,
                 (torch._utils._rebuild_tensor_v2, torch.Tensor, args, dict(attrs)))
@@ -108,7 +108,7 @@ def _rebuild(st: _Storage, offset: int, shape: tuple[int, ...], stride: tuple[in
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _copy_storage(ref: StorageRef, dst: Any) -> None:
