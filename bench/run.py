@@ -3,7 +3,7 @@
     /work/venv/bin/python bench/run.py [--rounds 3] [--results bench/results.md]
 
 Every measurement is one subprocess; its wall time comes from ``time.perf_counter`` around it and its
-peak RSS from ``os.wait4`` (``ru_maxrss`` of that process and its children). Rounds are interleaved
+peak RSS from GNU ``/usr/bin/time -f %M`` (``ru_maxrss`` of that process). Rounds are interleaved
 (round 1 runs the cases in order, round 2 in reverse, ...) so that noise from other work on the
 machine spreads over every case; the table reports medians and ratios of medians measured in the
 same run. Before each measurement the input checkpoint is read once (page cache warm) and the output
@@ -35,6 +35,7 @@ WORK = OUT / "tmp"
 BIN = Path(sys.executable).parent
 DSCKPT = str(BIN / "dsckpt")
 PY = sys.executable
+TIME = "/usr/bin/time"  # GNU time, for peak RSS
 PYDEPS = OUT / "pydeps"  # huggingface_hub for zero_to_fp32's sharding path, see bench/README.md
 
 CKPTS = {
@@ -59,6 +60,7 @@ class Case:
     warm: Path | None = None  # checkpoint to pull into the page cache first
     output: Path | None = None  # removed before and after each run
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
     samples: list[Sample] = field(default_factory=list)
     skip: str | None = None
 
@@ -90,18 +92,21 @@ def remove(path: Path | None) -> None:
         path.unlink()
 
 
-def measure(argv: list[str], env: dict[str, str]) -> Sample:
-    with tempfile.TemporaryFile() as err:
+def measure(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Sample:
+    # Peak RSS comes from GNU time, not from os.wait4 here: Linux carries a process's RSS
+    # high-water mark across fork+exec, so a child forked from this (large) Python process would
+    # report at least this process's RSS. GNU time is small, so its child's figure is the command's.
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rss:
         full_env = {**os.environ, **env}
         t0 = time.perf_counter()
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=full_env)
-        _, status, usage = os.wait4(p.pid, 0)
+        p = subprocess.run([TIME, "-f", "%M", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, stderr=err,
+                           env=full_env, cwd=cwd)
         wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
         if p.returncode != 0:
             err.seek(0)
             raise RuntimeError(f"{' '.join(argv)} exited {p.returncode}:\n{err.read().decode()[-3000:]}")
-    return Sample(wall, usage.ru_maxrss * 1024)  # ru_maxrss is in KiB on Linux
+        maxrss_kib = int(rss.read().split()[-1])
+    return Sample(wall, maxrss_kib * 1024)
 
 
 def run_case(case: Case) -> None:
@@ -109,7 +114,7 @@ def run_case(case: Case) -> None:
     subprocess.run(["sync"], check=True)
     if case.warm is not None:
         warm_cache(case.warm)
-    case.samples.append(measure(case.argv(), case.env))
+    case.samples.append(measure(case.argv(), case.env, case.cwd))
     remove(case.output)
     subprocess.run(["sync"], check=True)
 
@@ -181,7 +186,7 @@ def build_cases(commands: set[str], workers: int | None, baseline: Path | None) 
             ckpt, out = CKPTS[key], WORK / f"{key}-before.safetensors"
             cases.append(Case(f"to-fp32 {key} [before]", lambda c=ckpt, o=out: [
                 PY, "-m", "dsckpt.cli", "to-fp32", str(c), str(o), "-q"], warm=ckpt, output=out,
-                env={"PYTHONPATH": str(baseline)}))
+                env={"PYTHONPATH": str(baseline)}, cwd=baseline))
     wflag = ["--workers", str(workers)] if workers is not None else []
     ds_env = {"PYTHONPATH": str(PYDEPS)} if PYDEPS.exists() else {}
     for key in ("zero2-200m", "zero3-200m", "zero2-50m", "zero3-50m"):
@@ -247,6 +252,8 @@ def main() -> None:
                     help="folder holding an older dsckpt package (e.g. from `git archive`), timed as [before]")
     args = ap.parse_args()
 
+    if not os.access(TIME, os.X_OK):
+        sys.exit(f"{TIME} (GNU time) is needed to measure peak RSS; install the 'time' package")
     missing = [k for k in ("zero2-200m", "zero3-200m") if not CKPTS[k].exists()]
     if missing:
         sys.exit(f"missing checkpoints {missing}; generate them first (see bench/README.md)")
@@ -267,7 +274,7 @@ def main() -> None:
         if len(pair) == 2:
             for c in pair:
                 remove(c.output)
-                measure(c.argv(), c.env)
+                measure(c.argv(), c.env, c.cwd)
             checks[key] = compare_outputs(ours, theirs / "model.safetensors")
             remove(ours)
             remove(theirs)
@@ -328,7 +335,7 @@ def main() -> None:
             rows.append((f"to-fp32 peak RSS 50M → 200M params ({stage})", f"{fmt_mb(s)} → {fmt_mb(b)}",
                          f"output {fmt_mb(facts[f'{stage}-50m']['output_bytes'])} → "
                          f"{fmt_mb(facts[f'{stage}-200m']['output_bytes'])}",
-                         f"+{(b - s) / 1e6:,.0f} MB for +{grow / 1e6:,.0f} MB of output",
+                         f"{(b - s) / 1e6:+,.0f} MB for +{grow / 1e6:,.0f} MB of output",
                          f"growth ≤ ¼ largest tensor ({fmt_mb(largest / 4)})", verdict(ok)))
             ds_s, ds_b = f"zero_to_fp32 {stage}-50m", f"zero_to_fp32 {stage}-200m"
             if have(ds_s, ds_b):
