@@ -5,17 +5,20 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import torch
+from typing import TYPE_CHECKING
 
 from .checkpoint import open_checkpoint
 from .convert import ConvertResult, plan_to_fp32, run_to_fp32
 from .writers.safetensors import TensorSpec
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["to_fp32"]
 
 
 def to_fp32(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *, tag: str | None = None,
-            dtype: torch.dtype = torch.float32, exclude_frozen: bool = False,
+            dtype: str | torch.dtype = "float32", exclude_frozen: bool = False,
             max_shard_size: str | int | None = None, force: bool = False, strict: bool = False,
             on_tensor: Callable[[TensorSpec], None] | None = None) -> ConvertResult:
     """Consolidate the checkpoint at ``checkpoint`` into ``output`` (``.safetensors`` file, folder of

@@ -1,15 +1,19 @@
-"""The library's front door: open a checkpoint, look at it, stream its tensors."""
+"""The library's front door: open a checkpoint, look at it, stream its tensors.
+
+Opening and planning do not import torch; reading tensors as torch tensors does.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-
-from .assemble import iter_tensors, read_entry
 from .model import LogicalCheckpoint, Role, TensorEntry
 from .readers import FileCache, read_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -30,14 +34,22 @@ class Checkpoint:
 
     def tensor(self, name: str, *, role: Role | None = None) -> torch.Tensor:
         """One tensor in its stored dtype: the fp32 master by default (else the module copy)."""
+        from .assemble import read_entry
+
         return read_entry(self.logical.entry(name), self._cache, role)
 
-    def iter_tensors(self, *, dtype: torch.dtype | None = torch.float32,
+    def iter_tensors(self, *, dtype: torch.dtype | str | None = "float32",
                      exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for every param and buffer, floating ones cast to ``dtype``."""
-        return iter_tensors(self.logical, self._cache, dtype=dtype, exclude_frozen=exclude_frozen)
+        """``(name, tensor)`` for every param and buffer, floating ones cast to ``dtype``
+        (``None`` keeps the stored dtype)."""
+        import torch
 
-    def state_dict(self, *, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        from .assemble import iter_tensors
+
+        want = getattr(torch, str(dtype).removeprefix("torch.")) if dtype is not None else None
+        return iter_tensors(self.logical, self._cache, dtype=want, exclude_frozen=exclude_frozen)
+
+    def state_dict(self, *, dtype: torch.dtype | str | None = "float32") -> dict[str, torch.Tensor]:
         """The whole consolidated state dict in memory (prefer :meth:`iter_tensors` for big models)."""
         return dict(self.iter_tensors(dtype=dtype))
 

@@ -1,7 +1,9 @@
 """``to-fp32``: consolidate a checkpoint into one state dict file (or shards), one tensor at a time.
 
 :func:`plan_to_fp32` decides everything (names, dtypes, shapes, files) without reading tensor data;
-:func:`run_to_fp32` does the I/O.
+:func:`run_to_fp32` does the I/O. Safetensors output is produced with numpy alone (torch is not
+imported: that import costs more than converting a 200M-parameter checkpoint); torch files
+(``.bin``/``.pt``) need torch.
 """
 
 from __future__ import annotations
@@ -12,18 +14,22 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from . import __version__
-from .assemble import plan_piece_chunks, read_chunks, read_entry
 from .atomic import atomic_dir, check_can_write
+from .chunks import plan_piece_chunks, read_chunks
+from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
 from .model import Kind, LogicalCheckpoint, TensorEntry
+from .nonfinite import NonFinite, count_nonfinite_np
 from .readers import FileCache
-from .scan import NonFinite, count_nonfinite
 from .writers.safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors_chunks, write_sharded_chunks
-from .writers.torchfile import write_torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OutputFormat",
@@ -46,13 +52,14 @@ class OutputFormat(enum.Enum):
     TORCH = "torch"
 
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: object) -> str:
+    """``"fp32"``/``"bf16"``/``"fp16"`` (or a floating ``torch.dtype``) -> the dtype name."""
     try:
-        return _DTYPES[name.lower()]
+        return _DTYPES[str(name).removeprefix("torch.").lower()]
     except KeyError:
         raise UsageError(f"unknown dtype '{name}'; use fp32, bf16 or fp16") from None
 
@@ -121,15 +128,19 @@ def output_format(output: Path, *, sharded: bool) -> OutputFormat:
     return OutputFormat.SAFETENSORS_SHARDED
 
 
-def _output_dtype(entry: TensorEntry, dtype: torch.dtype) -> torch.dtype:
-    stored = getattr(torch, entry.source_for_fp32().dtype)
-    return dtype if stored.is_floating_point else stored
+def _output_dtype(entry: TensorEntry, dtype: str) -> str:
+    stored = entry.source_for_fp32().dtype
+    return dtype if dtype_info(stored).is_floating else stored
 
 
-def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
                  exclude_frozen: bool = False, max_shard_size: str | int | None = None) -> ConvertPlan:
-    """Decide what ``to-fp32`` writes where. Pure: reads no tensor data, writes nothing."""
+    """Decide what ``to-fp32`` writes where. Pure: reads no tensor data, writes nothing.
+
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) applies to floating
+    tensors; integer buffers keep theirs."""
     out = Path(output)
+    dtype = parse_dtype(dtype)
     fmt = output_format(out, sharded=max_shard_size is not None)
     chosen = [e for e in ckpt.entries if not (exclude_frozen and e.kind is Kind.PARAM and not e.trainable)]
     specs = tuple(TensorSpec(e.name, _output_dtype(e, dtype), e.shape) for e in chosen)
@@ -174,11 +185,19 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
             )
 
     def produce(spec: TensorSpec) -> torch.Tensor:
+        import torch
+
+        from .assemble import read_entry
+        from .scan import count_nonfinite
+
         t = read_entry(plan.name_to_entry[spec.name], cache)
         record(spec.name, count_nonfinite(t), t.numel())
-        return t.to(spec.dtype) if t.dtype != spec.dtype else t
+        want = getattr(torch, spec.dtype)
+        return t.to(want) if t.dtype != want else t
 
     if plan.format is OutputFormat.TORCH:
+        from .writers.torchfile import write_torch
+
         def tensors():  # type: ignore[no-untyped-def]
             for spec in plan.specs:
                 yield spec.name, produce(spec)
@@ -195,18 +214,19 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     }
     stream = read_chunks([r for spec in order for r in name_to_reads[spec.name] or ()], workers=workers)
 
-    def produce_chunks(spec: TensorSpec) -> Iterator[torch.Tensor]:
+    def produce_chunks(spec: TensorSpec) -> Iterator[Any]:
         reads = name_to_reads[spec.name]
-        if reads is None:  # strided or out-of-order fragments: whole tensor
+        if reads is None:  # strided or out-of-order fragments: whole tensor, through torch
             yield produce(spec).reshape(-1)
             return
         counts = [0, 0, 0]
         for expected in reads:
-            item, chunk = next(stream)
+            item, raw = next(stream)
             assert item is expected, f"streamed {item.name} while writing {spec.name}"
-            for i, n in enumerate(count_nonfinite(chunk)):
+            chunk, bad = convert_chunk(raw, item.ref.dtype_name, spec.dtype)
+            for i, n in enumerate(bad):
                 counts[i] += n
-            yield chunk.to(spec.dtype) if chunk.dtype != spec.dtype else chunk
+            yield chunk
         record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
 
     try:
@@ -224,8 +244,16 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     return ConvertResult(plan, files, tuple(found))
 
 
-def _nonfinite(name: str, t: torch.Tensor) -> NonFinite | None:
-    nan, posinf, neginf = count_nonfinite(t)
-    if not (nan or posinf or neginf):
-        return None
-    return NonFinite(name, nan, posinf, neginf, t.numel())
+def convert_chunk(raw: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Cast a chunk of ``src`` bytes (see :mod:`dsckpt.dtypes`) to ``dst``, counting NaN/+inf/-inf.
+
+    Widening bf16/fp16 to fp32 is exact; narrowing rounds to nearest even, as torch does."""
+    if not dtype_info(src).is_floating:
+        return raw, (0, 0, 0)
+    x = to_float32(raw, src) if src in ("bfloat16", "float16", "float32") else raw
+    bad = count_nonfinite_np(x)
+    if src == dst:
+        return raw, bad
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    return from_float32(x, dst), bad

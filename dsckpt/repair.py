@@ -541,10 +541,11 @@ def _run_safetensors(plan: RepairPlan, out: Path, on_progress: Callable[[int], N
         specs.append(TensorSpec(name, dtype, tuple(ref.shape)))
 
     def produce(spec: TensorSpec) -> torch.Tensor:
-        t = refs[spec.name].load().to(spec.dtype).clone()
+        dtype = getattr(torch, spec.dtype)
+        t = refs[spec.name].load().to(dtype).clone()
         p = by_name.get(spec.name)
         if p is not None:
-            t.view(-1)[p.indices] = p.values.to(spec.dtype)
+            t.view(-1)[p.indices] = p.values.to(dtype)
         return t
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,11 @@ writes with ``"checkpoint_serialization": false``) with a restricted unpickler:
   stand-ins (:class:`DeepSpeedObject`), so deepspeed is never imported;
 * tensors are not read: each becomes a :class:`TensorRef` that knows where its bytes are in the file.
   ``TensorRef.read()`` reads exactly the elements asked for with ``pread``; storages saved on a GPU
-  are read to CPU like any other.
+  are read to CPU like any other;
+* parsing does not import torch: dtypes are names (:mod:`dsckpt.dtypes`), and ``torch.Size``,
+  torch dtypes and devices in the pickle become :class:`TorchSize`, :class:`TorchDtype` and
+  :class:`TorchDevice`. :func:`materialize` turns them into the real torch objects, and
+  :mod:`dsckpt.safe_save` writes them back as torch's own.
 
 Nothing else in dsckpt calls ``torch.load`` or ``pickle.load``.
 """
@@ -26,15 +30,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
+from .dtypes import DTYPES, dtype_info
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DeepSpeedObject",
     "DeepSpeedEnum",
+    "TorchSize",
+    "TorchDtype",
+    "TorchDevice",
     "StorageRef",
     "TensorRef",
     "load",
@@ -116,6 +127,64 @@ def stand_in_class(module: str, name: str) -> type[DeepSpeedObject] | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Torch values in pickles, without torch
+
+
+class TorchSize(tuple):  # type: ignore[type-arg]
+    """A pickled ``torch.Size``: a tuple of ints."""
+
+    def numel(self) -> int:
+        n = 1
+        for s in self:
+            n *= int(s)
+        return n
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+
+@dataclass(frozen=True)
+class TorchDtype:
+    """A pickled ``torch.<name>`` dtype (e.g. ``DynamicLossScaler.dtype``)."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+@dataclass(frozen=True)
+class TorchDevice:
+    """A pickled ``torch.device(*args)``."""
+
+    args: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        return f"torch.device{self.args!r}"
+
+
+def _torch_size(dims: Any = ()) -> TorchSize:
+    return TorchSize(int(d) for d in dims)
+
+
+def _torch_device(*args: Any) -> TorchDevice:
+    return TorchDevice(tuple(args))
+
+
+def to_torch_value(x: Any) -> Any:
+    """The real torch object for a torch stand-in (imports torch); other values unchanged."""
+    if isinstance(x, (TorchSize, TorchDtype, TorchDevice)):
+        import torch
+
+        if isinstance(x, TorchSize):
+            return torch.Size(x)
+        if isinstance(x, TorchDtype):
+            return getattr(torch, x.name)
+        return torch.device(*x.args)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
 # Lazy tensors
 
 
@@ -125,14 +194,25 @@ class StorageRef:
 
     path: Path
     key: str
-    dtype: torch.dtype
+    dtype_name: str
     numel: int
     file_offset: int
     location: str
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype (imports torch; use :attr:`dtype_name` on torch-free paths)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype_name].itemsize
+
+    @property
     def nbytes(self) -> int:
-        return self.numel * _element_size(self.dtype)
+        return self.numel * self.itemsize
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,7 +228,12 @@ class TensorRef:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The torch dtype (imports torch; use :attr:`dtype_name` on torch-free paths)."""
         return self.storage.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return self.storage.dtype_name
 
     @property
     def numel(self) -> int:
@@ -159,7 +244,7 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _element_size(self.dtype)
+        return self.numel * self.storage.itemsize
 
     def is_contiguous(self) -> bool:
         expected = 1
@@ -169,12 +254,7 @@ class TensorRef:
             expected *= size
         return True
 
-    def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``numel`` elements starting at flat element ``start`` (row-major order).
-
-        With ``out`` (a contiguous 1-D tensor of this dtype and ``numel`` elements) the bytes are read
-        straight into it.
-        """
+    def _check_range(self, start: int, numel: int | None) -> int:
         total = self.numel
         if numel is None:
             numel = total - start
@@ -183,6 +263,18 @@ class TensorRef:
                 f"{self.storage.path}: asked for elements [{start}, {start + numel}) of a tensor "
                 f"with {total} elements; the checkpoint metadata does not match its tensors"
             )
+        return numel
+
+    def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``numel`` elements starting at flat element ``start`` (row-major order) as a torch
+        tensor.
+
+        With ``out`` (a contiguous 1-D tensor of this dtype and ``numel`` elements) the bytes are read
+        straight into it.
+        """
+        import torch
+
+        numel = self._check_range(start, numel)
         if not self.is_contiguous():
             full = self._read_strided()
             flat = full.reshape(-1)[start : start + numel]
@@ -190,7 +282,21 @@ class TensorRef:
                 return flat.clone()
             out.copy_(flat)
             return out
-        return _read_elements(self.storage, self.storage_offset + start, numel, out)
+        if out is None:
+            out = torch.empty(numel, dtype=self.dtype)
+        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out.view(torch.uint8).numpy()))
+        return out
+
+    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
+        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). Contiguous tensors only."""
+        numel = self._check_range(start, numel)
+        if not self.is_contiguous():
+            raise ValueError(f"{self!r} is strided; read it with read()")
+        if out is None:
+            out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
+        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out))
+        return out
 
     def load(self) -> torch.Tensor:
         """The whole tensor, shaped, as a CPU tensor that owns its memory."""
@@ -199,32 +305,33 @@ class TensorRef:
         return self._read_strided().contiguous()
 
     def _read_strided(self) -> torch.Tensor:
+        import torch
+
         if self.numel == 0:
             return torch.empty(self.shape, dtype=self.dtype)
         span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
-        flat = _read_elements(self.storage, self.storage_offset, span, None)
+        flat = torch.empty(span, dtype=self.dtype)
+        _read_bytes(self.storage, self.storage_offset, span, _byte_view(flat.view(torch.uint8).numpy()))
         return flat.as_strided(self.shape, self.stride)
 
     def __repr__(self) -> str:
         return f"TensorRef({self.dtype}, {list(self.shape)}, {self.storage.path.name}:{self.storage.key})"
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _byte_view(array: np.ndarray) -> memoryview:
+    return memoryview(array.reshape(-1).view(np.uint8)).cast("B")
 
 
-def _read_elements(storage: StorageRef, first: int, numel: int, out: torch.Tensor | None) -> torch.Tensor:
-    itemsize = _element_size(storage.dtype)
+def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -> None:
+    """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes)."""
+    itemsize = storage.itemsize
     if first + numel > storage.numel:
         raise CorruptCheckpointError(
             f"{storage.path}: tensor runs past the end of its storage {storage.key!r} "
             f"({first + numel} > {storage.numel} elements); the file is corrupt"
         )
-    if out is None:
-        out = torch.empty(numel, dtype=storage.dtype)
     if numel == 0:
-        return out
-    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        return
     nbytes = numel * itemsize
     offset = storage.file_offset + first * itemsize
     with open(storage.path, "rb", buffering=0) as f:
@@ -237,32 +344,31 @@ def _read_elements(storage: StorageRef, first: int, numel: int, out: torch.Tenso
                     "the file is truncated — the save was probably interrupted"
                 )
             got += n
-    return out
 
 
 # --------------------------------------------------------------------------------------------
 # Allow-listed globals
 
-_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-    "UntypedStorage": torch.uint8,
+_STORAGE_DTYPES: dict[str, str] = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "UntypedStorage": "uint8",
 }
 
 
 @dataclass(frozen=True)
 class _StorageType:
-    dtype: torch.dtype
+    dtype: str
 
 
 class _TensorType:
@@ -346,8 +452,8 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
         ("torch", "Tensor"): _TensorType("Tensor"),
         ("torch.nn.parameter", "Parameter"): _TensorType("Parameter"),
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
+        ("torch", "Size"): _torch_size,
+        ("torch", "device"): _torch_device,
         ("copyreg", "_reconstructor"): _safe_reconstructor,
         ("builtins", "object"): object,
         ("builtins", "set"): set,
@@ -359,11 +465,9 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
     }
     for name, dtype in _STORAGE_DTYPES.items():
         allowed[("torch", name)] = _StorageType(dtype)
-    allowed[("torch.storage", "UntypedStorage")] = _StorageType(torch.uint8)
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allowed[("torch", name)] = value
+    allowed[("torch.storage", "UntypedStorage")] = _StorageType("uint8")
+    for name in [*DTYPES, "float", "double", "half", "long", "int", "short", "cfloat", "cdouble"]:
+        allowed[("torch", name)] = TorchDtype(dtype_info(name).name)
     allowed.update(_STAND_INS)
     try:
         allowed.update(_numpy_globals())
@@ -460,7 +564,7 @@ def _load_zip(path: Path) -> Any:
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             offset = info.header_offset + 30 + name_len + extra_len
             dtype = storage_type.dtype
-            count = int(numel) if numel is not None else info.file_size // _element_size(dtype)
+            count = int(numel) if numel is not None else info.file_size // DTYPES[dtype].itemsize
             ref = StorageRef(path, str(key), dtype, count, offset, str(location))
             if ref.nbytes > info.file_size:
                 raise CorruptCheckpointError(f"{path}: storage data/{key} is shorter than its tensors")
@@ -527,7 +631,7 @@ def _load_legacy(path: Path) -> Any:
 @dataclass(frozen=True)
 class _LegacyStorage:
     key: str
-    dtype: torch.dtype
+    dtype: str
     numel: int
     location: str
 
@@ -567,7 +671,7 @@ def map_structure(fn: Callable[[Any], Any], obj: Any) -> Any:
         return {k: map_structure(fn, v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [map_structure(fn, v) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+    if isinstance(obj, tuple) and not isinstance(obj, TorchSize):
         mapped = [map_structure(fn, v) for v in obj]
         return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
     if isinstance(obj, DeepSpeedObject):
@@ -587,7 +691,7 @@ def walk_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any
         elif isinstance(x, dict):
             for k, v in x.items():
                 visit(v, (*path, k))
-        elif isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        elif isinstance(x, (list, tuple)) and not isinstance(x, TorchSize):
             for i, v in enumerate(x):
                 visit(v, (*path, i))
         elif isinstance(x, DeepSpeedObject):
@@ -599,15 +703,20 @@ def walk_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any
 
 
 def materialize(obj: Any) -> Any:
-    """Replace every :class:`TensorRef` in a loaded tree with a real CPU tensor (reads them all)."""
+    """What ``torch.load`` would return: every :class:`TensorRef` read into a real CPU tensor and every
+    torch stand-in (:class:`TorchSize` ...) turned into the torch object. Imports torch."""
+    import torch
+
     cache: dict[tuple[Path, str], torch.Tensor] = {}
 
     def read(x: Any) -> Any:
         if not isinstance(x, TensorRef):
-            return x
+            return to_torch_value(x)
         skey = (x.storage.path, x.storage.key)
         if skey not in cache:
-            cache[skey] = _read_elements(x.storage, 0, x.storage.numel, None)
+            whole = torch.empty(x.storage.numel, dtype=x.dtype)
+            _read_bytes(x.storage, 0, x.storage.numel, _byte_view(whole.view(torch.uint8).numpy()))
+            cache[skey] = whole
         storage = cache[skey]
         # Views of one storage stay views of one storage (tied weights, flat buffers).
         t = storage.as_strided(x.shape, x.stride, x.storage_offset) if x.numel else torch.empty(
@@ -618,4 +727,3 @@ def materialize(obj: Any) -> Any:
         return t
 
     return map_structure(read, obj)
-

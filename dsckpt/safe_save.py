@@ -17,12 +17,18 @@ from typing import Any
 import torch
 
 from .atomic import atomic_file
-from .safe_load import DeepSpeedObject
+from .safe_load import DeepSpeedObject, TorchDevice, TorchDtype, TorchSize, to_torch_value
 
 __all__ = ["save", "pickle_module"]
 
 
 class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        # Lazy trees hold torch.Size / dtypes / devices as stand-ins: write torch's own objects.
+        if isinstance(obj, (TorchSize, TorchDtype, TorchDevice)):
+            obj = to_torch_value(obj)
+        super().save(obj, save_persistent_id)
+
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if isinstance(obj, type) and issubclass(obj, DeepSpeedObject) and obj.ds_module:
             module, qualname = obj.ds_module, obj.ds_name

@@ -41,6 +41,7 @@ from . import safe_load
 from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .errors import CorruptCheckpointError
 from .readers.common import FileCache, format_key, lookup
+from .nonfinite import NonFinite
 from .safe_load import TensorRef
 from .state_dict_files import TargetKind, detect_target, open_state_dict
 
@@ -85,21 +86,6 @@ class StoredKind(enum.Enum):
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
     OTHER = "other"
-
-
-@dataclass(frozen=True)
-class NonFinite:
-    """NaN / +inf / -inf counts of one tensor (``to-fp32`` warnings)."""
-
-    name: str
-    nan: int
-    posinf: int
-    neginf: int
-    numel: int
-
-    def describe(self) -> str:
-        parts = [f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n]
-        return f"{self.name}: {', '.join(parts)} of {self.numel} values"
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:

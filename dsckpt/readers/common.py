@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import safe_load
+from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
 from ..safe_load import DeepSpeedObject, TensorRef
@@ -67,8 +66,13 @@ def lookup(tree: Any, key: tuple[Any, ...], path: Path) -> Any:
     return obj
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: object) -> str:
+    """``"bfloat16"`` for a dtype name, ``"torch.bfloat16"`` or a ``torch.dtype``."""
     return str(dtype).removeprefix("torch.")
+
+
+def is_floating(dtype: object) -> bool:
+    return dtype_info(dtype).is_floating
 
 
 def whole(path: Path, key: tuple[Any, ...], ref: TensorRef, rank: int | None = None) -> tuple[Fragment, ...]:
@@ -77,7 +81,7 @@ def whole(path: Path, key: tuple[Any, ...], ref: TensorRef, rank: int | None = N
 
 
 def module_piece(path: Path, name: str, ref: TensorRef, replica: int = 0, rank: int | None = None) -> Piece:
-    return Piece(Role.MODULE, dtype_name(ref.dtype), whole(path, ("module", name), ref, rank), replica)
+    return Piece(Role.MODULE, dtype_name(ref.dtype_name), whole(path, ("module", name), ref, rank), replica)
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class CommonMeta:
 
 def _int_or_none(x: Any) -> int | None:
     if isinstance(x, TensorRef):
-        return int(x.load().item())
+        return int(x.read_numpy(0, 1)[0]) if x.numel == 1 and x.is_contiguous() else None
     return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -115,16 +119,16 @@ def metadata_from_model_states(tree: Mapping[str, Any]) -> CommonMeta:
     )
 
 
-def precision_of(config: Mapping[str, Any] | None, sample_dtype: torch.dtype | None) -> Precision:
+def precision_of(config: Mapping[str, Any] | None, sample_dtype: str | None) -> Precision:
     """The training precision: from the config, else from the dtype of the module weights."""
     if config:
         for key, prec in (("bf16", Precision.BF16), ("bfloat16", Precision.BF16), ("fp16", Precision.FP16)):
             section = config.get(key)
             if isinstance(section, dict) and section.get("enabled") is True:
                 return prec
-    if sample_dtype == torch.bfloat16:
+    if sample_dtype == "bfloat16":
         return Precision.BF16
-    if sample_dtype == torch.float16:
+    if sample_dtype == "float16":
         return Precision.FP16
     return Precision.FP32
 

@@ -16,7 +16,7 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..safe_load import DeepSpeedObject, TensorRef
-from .common import FileCache, dtype_name, metadata_from_model_states, precision_of, step_of, whole
+from .common import FileCache, is_floating, metadata_from_model_states, precision_of, step_of, whole
 from .zero12 import OSD, zero12_param_entries
 
 __all__ = ["read_pipeline"]
@@ -82,13 +82,13 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
         if name in entries:
             continue
         path, key, ref = layer_tensors[name]
-        piece = Piece(Role.MODULE, dtype_name(ref.dtype), whole(path, key, ref))
+        piece = Piece(Role.MODULE, ref.dtype_name, whole(path, key, ref))
         if name in buffer_names:
             entries[name] = TensorEntry(name, ref.shape, Kind.BUFFER, False, (piece,))
         else:
             # Without optimizer files (fp32, stage 0) the module weights are the master.
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, not optim, (piece,))
-    sample = next((r.dtype for _, _, r in layer_tensors.values() if r.dtype.is_floating_point), None)
+    sample = next((r.dtype_name for _, _, r in layer_tensors.values() if is_floating(r.dtype_name)), None)
     ordered = [entries[n] for n in order if n in entries] + [e for n, e in entries.items() if n not in layer_tensors]
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="pipeline",

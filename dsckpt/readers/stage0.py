@@ -25,6 +25,7 @@ from .common import (
     FileCache,
     alias_entry,
     buffer_entries,
+    is_floating,
     metadata_from_model_states,
     module_piece,
     order_like_module,
@@ -88,7 +89,7 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         entries[alias] = alias_entry(alias, entries[source])
     for e in buffer_entries(ms_path, module, meta.buffer_names):
         entries[e.name] = e
-    sample = next((module[n].dtype for n in unique if module[n].dtype.is_floating_point), None)
+    sample = next((module[n].dtype_name for n in unique if is_floating(module[n].dtype_name)), None)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="stage0", zero_stage=0,
         precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,

@@ -23,7 +23,7 @@ from .common import (
     FileCache,
     alias_entry,
     buffer_entries,
-    dtype_name,
+    is_floating,
     metadata_from_model_states,
     module_piece,
     order_like_module,
@@ -146,7 +146,7 @@ def zero12_param_entries(
             full_name = name_prefix + name
             if module_names_to_refs is not None and full_name in module_names_to_refs:
                 path, key, ref = module_names_to_refs[full_name]
-                pieces.append(Piece(Role.MODULE, dtype_name(ref.dtype), ((Fragment(path, key, 0, ref.numel, 0)),)))
+                pieces.append(Piece(Role.MODULE, ref.dtype_name, ((Fragment(path, key, 0, ref.numel, 0)),)))
             elif isinstance(module, Mapping) and isinstance(module.get(name), TensorRef):
                 pieces.append(module_piece(model_states, name, module[name]))
             entries[full_name] = TensorEntry(full_name, shape, Kind.PARAM, True, tuple(pieces), group=g)
@@ -196,7 +196,7 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         pieces = [module_piece(ms_path, name, ref)]
         frag = frozen_frags.get(name)
         if isinstance(frag, TensorRef) and frag.numel == ref.numel:
-            pieces.append(Piece(Role.MODULE, dtype_name(frag.dtype),
+            pieces.append(Piece(Role.MODULE, frag.dtype_name,
                                 ((Fragment(ms_path, ("frozen_param_fragments", name), 0, frag.numel, 0)),),
                                 replica=1))
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, False, tuple(pieces))
@@ -210,7 +210,7 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             raise CorruptCheckpointError(f"{ms_path}: tied param '{alias}' points to unknown '{source}'")
     for e in buffer_entries(ms_path, module, meta.buffer_names):
         entries[e.name] = e
-    sample = next((r.dtype for r in module.values() if isinstance(r, TensorRef) and r.dtype.is_floating_point), None)
+    sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)), None)
     wrapper = "BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer"
     base = osd0.get("base_optimizer_state")
     return LogicalCheckpoint(

@@ -10,7 +10,6 @@ concatenation of rank ``d``'s ``ceil(numel / ws)``-element piece of every param 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 from ..errors import CorruptCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
@@ -21,7 +20,6 @@ from .common import (
     FileCache,
     alias_entry,
     buffer_entries,
-    dtype_name,
     metadata_from_model_states,
     order_like_module,
     precision_of,
@@ -112,12 +110,12 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             ref = (cache.tree(mp).get("frozen_param_fragments") or {}).get(name)
             if not isinstance(ref, TensorRef):
                 raise CorruptCheckpointError(f"{mp}: frozen param '{name}' has no fragment on rank {rank}")
-            dtype = ref.dtype
+            dtype = ref.dtype_name
             valid = max(0, min(per_rank, numel - rank * per_rank))
             if valid:
                 frags.append(Fragment(mp, ("frozen_param_fragments", name), 0, valid, rank * per_rank, rank))
         entries[name] = TensorEntry(name, shape, Kind.PARAM, False,
-                                    (Piece(Role.MODULE, dtype_name(dtype) if dtype else "float32", tuple(frags)),))
+                                    (Piece(Role.MODULE, dtype or "float32", tuple(frags)),))
 
     shared = ms0.get("shared_params") or {}
     for alias, source in shared.items():
@@ -130,10 +128,10 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     for e in buffer_entries(ms0_path, module0, meta.buffer_names, replicas):
         entries[e.name] = e
 
-    sample = next((ref.dtype for ref in (ms0.get("frozen_param_fragments") or {}).values()
+    sample = next((ref.dtype_name for ref in (ms0.get("frozen_param_fragments") or {}).values()
                    if isinstance(ref, TensorRef)), None)
     if sample is None:
-        sample = next((ref.dtype for n, ref in module0.items()
+        sample = next((ref.dtype_name for n, ref in module0.items()
                        if isinstance(ref, TensorRef) and n not in meta.buffer_names), None)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="zero3", zero_stage=3,

@@ -12,31 +12,47 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
 
-import torch
+import numpy as np
 
 from ..atomic import atomic_file
+from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+#: A piece of tensor data: a numpy array holding the spec's dtype bytes (uint16 for bfloat16; see
+#: dsckpt.dtypes) or a torch tensor of the spec's dtype.
+Chunk = Union[np.ndarray, "torch.Tensor"]
 
 __all__ = ["TensorSpec", "ShardPlan", "plan_shards", "write_safetensors", "write_sharded", "verify_safetensors",
            "write_safetensors_chunks", "write_sharded_chunks"]
 
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One output tensor. ``dtype`` is a name (``"float32"``); a ``torch.dtype`` is accepted and
+    stored as its name."""
+
     name: str
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_info(self.dtype).name)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def code(self) -> str:
+        return dtype_info(self.dtype).safetensors
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
+        n = dtype_info(self.dtype).itemsize
         for s in self.shape:
             n *= s
         return n
@@ -85,9 +101,9 @@ def _header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> byt
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for spec in specs:
-        if spec.dtype not in _DTYPE_CODES:
+        if spec.code not in _SAFETENSORS_DTYPES:
             raise ValueError(f"safetensors cannot store dtype {spec.dtype} (tensor '{spec.name}')")
-        header[spec.name] = {"dtype": _DTYPE_CODES[spec.dtype], "shape": list(spec.shape),
+        header[spec.name] = {"dtype": spec.code, "shape": list(spec.shape),
                              "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -96,7 +112,7 @@ def _header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> byt
 
 
 def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
-                      produce: Callable[[TensorSpec], torch.Tensor], *,
+                      produce: Callable[[TensorSpec], Chunk], *,
                       metadata: dict[str, str] | None = None,
                       on_tensor: Callable[[TensorSpec], None] | None = None) -> Path:
     """Write ``specs`` to ``path`` atomically, asking ``produce`` for each tensor in turn."""
@@ -104,11 +120,11 @@ def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
 
 
 def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
-                             produce_chunks: Callable[[TensorSpec], Iterable[torch.Tensor]], *,
+                             produce_chunks: Callable[[TensorSpec], Iterable[Chunk]], *,
                              metadata: dict[str, str] | None = None,
                              on_tensor: Callable[[TensorSpec], None] | None = None) -> Path:
     """Like :func:`write_safetensors`, but each tensor comes as consecutive pieces: ``produce_chunks``
-    yields tensors of the spec's dtype whose bytes, concatenated, are the tensor (row-major). Each
+    yields chunks of the spec's dtype whose bytes, concatenated, are the tensor (row-major). Each
     piece is written before the next is asked for, so it may be a view into a reused buffer."""
     path = Path(path)
     names = [s.name for s in specs]
@@ -121,10 +137,9 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
         for spec in specs:
             written = 0
             for t in produce_chunks(spec):
-                if t.dtype != spec.dtype:
-                    raise AssertionError(f"{spec.name}: produced {t.dtype}, planned {spec}")
-                if t.numel():
-                    written += _write_all(fd, memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                data = _chunk_bytes(t, spec)
+                if len(data):
+                    written += _write_all(fd, data)
             if written != spec.nbytes:
                 raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec} ({spec.nbytes} bytes)")
             if on_tensor is not None:
@@ -133,11 +148,24 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
     return path
 
 
-def _whole(produce: Callable[[TensorSpec], torch.Tensor]) -> Callable[[TensorSpec], Iterable[torch.Tensor]]:
-    def chunks(spec: TensorSpec) -> Iterable[torch.Tensor]:
+def _chunk_bytes(t: Any, spec: TensorSpec) -> memoryview:
+    """The raw bytes of a numpy or torch chunk, checked against the spec's dtype."""
+    if isinstance(t, np.ndarray):
+        if t.dtype != np.dtype(dtype_info(spec.dtype).numpy):
+            raise AssertionError(f"{spec.name}: produced numpy {t.dtype}, planned {spec}")
+        return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+    import torch
+
+    if str(t.dtype).removeprefix("torch.") != spec.dtype:
+        raise AssertionError(f"{spec.name}: produced {t.dtype}, planned {spec}")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _whole(produce: Callable[[TensorSpec], Chunk]) -> Callable[[TensorSpec], Iterable[Chunk]]:
+    def chunks(spec: TensorSpec) -> Iterable[Chunk]:
         t = produce(spec)
-        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-            raise AssertionError(f"{spec.name}: produced {t.dtype} {list(t.shape)}, planned {spec}")
+        if tuple(t.shape) != spec.shape:
+            raise AssertionError(f"{spec.name}: produced shape {list(t.shape)}, planned {spec}")
         return (t,)
 
     return chunks
@@ -151,7 +179,7 @@ def _write_all(fd: int, data: memoryview) -> int:
     return done
 
 
-def write_sharded(directory: Path, plan: ShardPlan, produce: Callable[[TensorSpec], torch.Tensor], *,
+def write_sharded(directory: Path, plan: ShardPlan, produce: Callable[[TensorSpec], Chunk], *,
                   metadata: dict[str, str] | None = None,
                   on_tensor: Callable[[TensorSpec], None] | None = None) -> list[Path]:
     """Write every shard of ``plan`` into ``directory``, plus ``model.safetensors.index.json`` when
@@ -160,7 +188,7 @@ def write_sharded(directory: Path, plan: ShardPlan, produce: Callable[[TensorSpe
 
 
 def write_sharded_chunks(directory: Path, plan: ShardPlan,
-                         produce_chunks: Callable[[TensorSpec], Iterable[torch.Tensor]], *,
+                         produce_chunks: Callable[[TensorSpec], Iterable[Chunk]], *,
                          metadata: dict[str, str] | None = None,
                          on_tensor: Callable[[TensorSpec], None] | None = None) -> list[Path]:
     """:func:`write_sharded` with tensors produced in pieces, as in :func:`write_safetensors_chunks`.
@@ -183,11 +211,11 @@ def verify_safetensors(path: Path, specs: Sequence[TensorSpec]) -> None:
     """Reopen ``path`` with the safetensors library and check names, shapes and dtypes."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="numpy") as f:
         keys = set(f.keys())
         if keys != {s.name for s in specs}:
             raise CorruptCheckpointError(f"{path}: written file lists other tensors than planned")
         for spec in specs:
             sl = f.get_slice(spec.name)
-            if tuple(sl.get_shape()) != spec.shape or sl.get_dtype() != _DTYPE_CODES[spec.dtype]:
+            if tuple(sl.get_shape()) != spec.shape or sl.get_dtype() != spec.code:
                 raise CorruptCheckpointError(f"{path}: '{spec.name}' was not written as planned")

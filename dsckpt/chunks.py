@@ -1,0 +1,136 @@
+"""Bounded-memory streaming of tensors without torch (``to-fp32`` into safetensors).
+
+:func:`plan_piece_chunks` cuts a tensor into bounded reads in output order and :func:`read_chunks`
+performs them into a few reused numpy buffers, optionally with reader threads running ahead of the
+consumer, so memory stays at a few chunks whatever the size of the tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import DTYPES
+from .errors import CorruptCheckpointError
+from .model import Piece
+from .readers.common import FileCache
+from .safe_load import TensorRef
+
+__all__ = ["ChunkRead", "plan_piece_chunks", "read_chunks", "check_numel", "DEFAULT_CHUNK_NBYTES"]
+
+# Big enough that per-call overhead vanishes (~100 reads per GB), small enough to stay in cache
+# between the read and the checks that follow it.
+DEFAULT_CHUNK_NBYTES = 8 * 1024 * 1024
+
+
+def check_numel(piece: Piece, shape: tuple[int, ...], name: str) -> int:
+    """The element count of ``shape``; raises if ``piece``'s fragments do not add up to it."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if piece.numel != numel:
+        raise CorruptCheckpointError(
+            f"tensor '{name}': its {piece.role.value} copy has {piece.numel} elements in the files, "
+            f"the recorded shape {list(shape)} needs {numel}; the checkpoint metadata is inconsistent"
+        )
+    return numel
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkRead:
+    """``numel`` elements of ``ref`` from its flat element ``start``: one bounded read of a streamed
+    tensor. ``name`` is the logical tensor it belongs to."""
+
+    name: str
+    ref: TensorRef
+    start: int
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.ref.storage.itemsize
+
+
+def plan_piece_chunks(piece: Piece, shape: tuple[int, ...], cache: FileCache, *, name: str = "?",
+                      chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> tuple[ChunkRead, ...] | None:
+    """The reads that yield ``piece`` front to back (flat, row-major) in chunks of at most
+    ``chunk_nbytes``; their concatenation equals :func:`read_piece`.
+
+    Returns None when the piece cannot be streamed that way (a strided stored tensor, or fragments
+    that do not tile the tensor in order); use :func:`read_piece` for it. Reads no tensor data.
+    """
+    check_numel(piece, shape, name)
+    frags = sorted(piece.fragments, key=lambda f: f.dst_offset)
+    reads: list[ChunkRead] = []
+    expected = 0
+    dtype = None
+    for frag in frags:
+        ref = cache.tensor(frag.file, frag.key)
+        if dtype is not None and ref.dtype_name != dtype:
+            raise CorruptCheckpointError(f"{frag.file}: tensor '{name}' fragments mix {ref.dtype_name} and {dtype}")
+        dtype = ref.dtype_name
+        if frag.dst_offset != expected or not ref.is_contiguous():
+            return None
+        if frag.src_offset < 0 or frag.numel < 0 or frag.src_offset + frag.numel > ref.numel:
+            raise CorruptCheckpointError(
+                f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_offset + frag.numel}) "
+                f"of a stored tensor with {ref.numel}; the checkpoint metadata does not match its tensors"
+            )
+        step = max(1, chunk_nbytes // ref.storage.itemsize)
+        for start in range(frag.src_offset, frag.src_offset + frag.numel, step):
+            reads.append(ChunkRead(name, ref, start, min(step, frag.src_offset + frag.numel - start)))
+        expected += frag.numel
+    return tuple(reads)
+
+
+def _fill(buf: np.ndarray, item: ChunkRead) -> np.ndarray:
+    nbytes = item.nbytes
+    if nbytes > buf.size:
+        raise ValueError(f"a read of {nbytes} bytes does not fit in chunks of {buf.size} bytes")
+    out = buf[:nbytes].view(DTYPES[item.ref.dtype_name].numpy)
+    return item.ref.read_numpy(item.start, item.numel, out=out)
+
+
+def read_chunks(reads: Iterable[ChunkRead], *, workers: int = 1,
+                chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> Iterator[tuple[ChunkRead, np.ndarray]]:
+    """Perform ``reads`` in order, yielding ``(read, 1-D numpy array)`` of the stored bytes' numpy
+    dtype (``uint16`` for bfloat16, see :mod:`dsckpt.dtypes`).
+
+    The array is a view into a reused buffer: it is valid until the next item is requested (copy it
+    to keep it). With ``workers`` > 0 that many threads read ahead of the consumer (``os.preadv``
+    releases the GIL), so reading overlaps whatever the consumer does; memory is ``workers + 1``
+    buffers of ``chunk_nbytes``. With 0, reads happen in the caller's thread into one buffer.
+    """
+    if workers <= 0:
+        buf = np.empty(chunk_nbytes, dtype=np.uint8)
+        for item in reads:
+            yield item, _fill(buf, item)
+        return
+    it = iter(reads)
+    free = deque(np.empty(chunk_nbytes, dtype=np.uint8) for _ in range(workers + 1))
+    pending: deque[tuple[ChunkRead, np.ndarray, Future[np.ndarray]]] = deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="dsckpt-read") as pool:
+
+        def submit() -> bool:
+            item = next(it, None)
+            if item is None:
+                return False
+            buf = free.popleft()
+            pending.append((item, buf, pool.submit(_fill, buf, item)))
+            return True
+
+        try:
+            while free and submit():
+                pass
+            while pending:
+                item, buf, fut = pending.popleft()
+                yield item, fut.result()
+                free.append(buf)
+                submit()
+        finally:
+            for _, _, fut in pending:
+                fut.cancel()
