@@ -44,6 +44,9 @@ def prepare(out: Path) -> int:
     n = 0
     for fx in sorted(FIXTURES.glob("*fp16*")):
         src = fx / "source_fp32.safetensors"
+        if not ("bnoverflow" in fx.name or "cpuforced" in fx.name):
+            print(f"SKIP {fx.name}: not a BatchNorm-overflow fixture")
+            continue
         if not src.exists():
             print(f"SKIP {fx.name}: no source_fp32.safetensors")
             continue
@@ -71,8 +74,14 @@ def check(folder: Path) -> int:
     ok = True
     port = 29700
     launcher = os.environ.get("DEEPSPEED", "deepspeed")
+    import torch
+
+    gpus = torch.cuda.device_count()
     for d in sorted(p for p in folder.iterdir() if (p / "ckpt").is_dir()):
         meta = json.loads((FIXTURES / d.name / "truth.json").read_text())
+        if meta["world_size"] > gpus:
+            print(f"SKIP {d.name}: needs {meta['world_size']} GPUs, {gpus} visible", flush=True)
+            continue
         for extra, label in (([], "buffer_dtype=fp16"), (["--no-buffer-dtype"], "no buffer_dtype")):
             port += 1
             cmd = [launcher, "--num_gpus", str(meta["world_size"]), "--master_port", str(port),
