@@ -8,7 +8,7 @@ consumer, so memory stays at a few chunks whatever the size of the tensor.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -96,7 +96,7 @@ def _fill(buf: np.ndarray, item: ChunkRead) -> np.ndarray:
 
 
 def read_chunks(reads: Iterable[ChunkRead], *, workers: int = 1,
-                chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> Iterator[tuple[ChunkRead, np.ndarray]]:
+                chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> Generator[tuple[ChunkRead, np.ndarray], None, None]:
     """Perform ``reads`` in order, yielding ``(read, 1-D numpy array)`` of the stored bytes' numpy
     dtype (``uint16`` for bfloat16, see :mod:`dsckpt.dtypes`).
 

@@ -8,6 +8,7 @@ ranges of flat tensors inside named files. No tensor data is held here.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,10 +87,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def piece(self, role: Role) -> Piece | None:
         """The primary copy with ``role`` (replica 0), or None."""

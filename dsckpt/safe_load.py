@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import math
 import os
 import pickle
 import struct
@@ -237,10 +238,7 @@ class TensorRef:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -319,7 +317,7 @@ class TensorRef:
 
 
 def _byte_view(array: np.ndarray) -> memoryview:
-    return memoryview(array.reshape(-1).view(np.uint8)).cast("B")
+    return array.reshape(-1).view(np.uint8).data.cast("B")
 
 
 def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -> None:
@@ -384,7 +382,8 @@ def _rebuild_tensor_v2(
 ) -> TensorRef:
     if not isinstance(storage, (StorageRef, _LegacyStorage)):
         raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
-    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size),
+    # A legacy-format placeholder is swapped for its located StorageRef by _replace_legacy.
+    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size),  # type: ignore[arg-type]
                      tuple(int(s) for s in stride), bool(requires_grad))
 
 

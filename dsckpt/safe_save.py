@@ -12,7 +12,7 @@ import os
 import pickle
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,7 +22,14 @@ from .safe_load import DeepSpeedObject, TorchDevice, TorchDtype, TorchSize, to_t
 __all__ = ["save", "pickle_module"]
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+if TYPE_CHECKING:
+    _PurePythonPickler = Any
+else:
+    # The pure-Python pickler: its save_global can be overridden (the C one's cannot).
+    _PurePythonPickler = pickle._Pickler
+
+
+class _Pickler(_PurePythonPickler):
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         # Lazy trees hold torch.Size / dtypes / devices as stand-ins: write torch's own objects.
         if isinstance(obj, (TorchSize, TorchDtype, TorchDevice)):
@@ -42,7 +49,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
             return
         super().save_global(obj, name)
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]  # private in typeshed
 
 
 def _dump(obj: Any, file: Any, protocol: int | None = None, **_: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..safe_load import DeepSpeedObject, TensorRef
+from ..safe_load import DeepSpeedEnum, TensorRef
 from .common import FileCache, is_floating, metadata_from_model_states, precision_of, step_of, whole
 from .zero12 import OSD, zero12_param_entries
 
@@ -68,7 +68,7 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
             zs = osd0.get("zero_stage")
             keeps_padding = zs is None
             wrapper = "BF16_Optimizer" if keeps_padding else "DeepSpeedZeroOptimizer"
-            stage_number = int(zs.value) if isinstance(zs, DeepSpeedObject) else 0
+            stage_number = int(zs.value) if isinstance(zs, DeepSpeedEnum) else 0
             stage_entries = zero12_param_entries(
                 model_states=files.mp_to_model_states[s], optim_files=optim_files, cache=cache,
                 keeps_padding=keeps_padding, module_names_to_refs=layer_tensors)

@@ -72,7 +72,7 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     unique, aliases = module_params_and_aliases(module, buffers)
     optimizer = ms.get("optimizer")
     entries: dict[str, TensorEntry] = {}
-    step = None
+    step: int | None = None
     if isinstance(optimizer, Mapping) and "fp32_groups_flat" in optimizer:
         wrapper = "FP16_Optimizer"
         entries = _fused(ms_path, module, unique, optimizer)
@@ -126,13 +126,14 @@ def _fused(path: Path, module: Mapping[str, Any], unique: list[str], optimizer: 
             )
     entries = {}
     for skey, names in by_storage.items():
-        g = assigned.get(skey)
+        group = assigned.get(skey)
         for name in names:
             ref = module[name]
             pieces = [module_piece(path, name, ref)]
-            if g is None:
+            if group is None:
                 entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, False, tuple(pieces))
                 continue
+            g = group
             off = ref.storage_offset
             master = Piece(Role.MASTER, "float32",
                            (Fragment(path, ("optimizer", "fp32_groups_flat", g), off, ref.numel, 0),))

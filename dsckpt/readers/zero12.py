@@ -18,7 +18,7 @@ from ..errors import CorruptCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import split_by_partitions
-from ..safe_load import DeepSpeedObject, TensorRef
+from ..safe_load import DeepSpeedEnum, TensorRef
 from .common import (
     FileCache,
     alias_entry,
@@ -39,7 +39,8 @@ OSD = "optimizer_state_dict"
 class GroupPartitions:
     """Per group: every rank's partition length (padding included) and where moments live."""
 
-    def __init__(self, partition_numel: list[int], stored_numels: list[list[int]], moment_keys: list[Any]):
+    def __init__(self, partition_numel: list[int], stored_numels: list[list[int]],
+                 moment_keys: list[tuple[Any, ...] | None]):
         self.partition_numel = partition_numel  # per group
         self.stored_numels = stored_numels  # per group, per rank: saved fp32 partition length
         self.moment_keys = moment_keys  # per group: key path prefix of the Adam state for that group
@@ -72,7 +73,7 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
         stored.append(lengths)
     base = trees[0]["base_optimizer_state"]
     if isinstance(base, list):  # elastic_checkpoint: per-group state, padding stripped
-        moment_keys = [(OSD, "base_optimizer_state", g) for g in range(n_groups)]
+        moment_keys: list[tuple[Any, ...] | None] = [(OSD, "base_optimizer_state", g) for g in range(n_groups)]
     else:
         state_keys = sorted((base.get("state") or {}).keys())
         moment_keys = [(OSD, "base_optimizer_state", "state", state_keys[g]) if g < len(state_keys) else None
@@ -179,7 +180,7 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         raise CorruptCheckpointError(f"{optim_files[0]}: no 'single_partition_of_fp32_groups'; not a ZeRO-1/2 file")
     zs = osd0.get("zero_stage")
     is_bf16_optimizer = zs is None
-    stage = int(zs.value) if isinstance(zs, DeepSpeedObject) else int(
+    stage = int(zs.value) if isinstance(zs, DeepSpeedEnum) else int(
         ((meta.ds_config or {}).get("zero_optimization") or {}).get("stage", 1))
     module = ms.get("module") or {}
     trainable = zero12_param_entries(model_states=ms_path, optim_files=optim_files, cache=cache,

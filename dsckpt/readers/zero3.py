@@ -10,6 +10,7 @@ concatenation of rank ``d``'s ``ceil(numel / ws)``-element piece of every param 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
@@ -31,8 +32,8 @@ __all__ = ["read_zero3"]
 OSD = "optimizer_state_dict"
 
 
-def _shape(shape: object) -> tuple[int, ...]:
-    return tuple(int(s) for s in shape)  # type: ignore[union-attr]
+def _shape(shape: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -88,6 +88,7 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_nbytes: int | None,
         shards[-1].append(spec)
         size += spec.nbytes
     n = len(shards)
+    names: tuple[str, ...]
     if n == 1:
         names = (f"{prefix}.safetensors",)
     else:
@@ -153,7 +154,7 @@ def _chunk_bytes(t: Any, spec: TensorSpec) -> memoryview:
     if isinstance(t, np.ndarray):
         if t.dtype != np.dtype(dtype_info(spec.dtype).numpy):
             raise AssertionError(f"{spec.name}: produced numpy {t.dtype}, planned {spec}")
-        return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8).data
     import torch
 
     if str(t.dtype).removeprefix("torch.") != spec.dtype:
