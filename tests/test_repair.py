@@ -253,8 +253,11 @@ def test_real_fp16_param_overflow_is_refused_not_squeezed(source):
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_loads_planted_then_repaired_stage3_checkpoint(tmp_path):
-    fx = _fx("s3_fp32_w2")
+@pytest.mark.parametrize("name", ["s3_fp32_w2", "s2_bf16_w2_2groups"])
+def test_deepspeed_loads_planted_then_repaired_checkpoint(tmp_path, name):
+    """fp32 ZeRO-3 (buffer replicated on both ranks) and bf16 ZeRO-2 (two param groups): the repaired
+    running_var is what DeepSpeed's engine holds after a plain load_checkpoint()."""
+    fx = _fx(name)
     ckpt = copy_fixture(fx, tmp_path)
     plant(ckpt, "bn.running_var", Role.MODULE, 3, math.inf, replica=None)
     want = fx.expected_fp32()
