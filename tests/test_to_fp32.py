@@ -223,3 +223,27 @@ def test_library_iterates_lazily_in_module_order():
     assert name == fx.meta["state_dict_names"][0]
     assert t.dtype == torch.float32
     assert [n for n, _ in c.iter_tensors()] == fx.meta["state_dict_names"]
+
+
+def test_nonfinite_values_are_warned_by_name(tmp_path):
+    """A GPU-made fp16 checkpoint whose BatchNorm running_var overflowed: converted as stored (inf),
+    with a warning on stderr naming the tensor and pointing to scan/repair."""
+    fx = next(f for f in FIXTURES if f.name == "s2_fp16_w1_bnoverflow")
+    out = tmp_path / "m.safetensors"
+    res = CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out)])
+    assert res.exit_code == 0
+    assert res.stderr.splitlines() == [
+        "dsckpt: warning: non-finite values in bn.running_var: 2 +inf of 7 values; see 'dsckpt scan' and "
+        "'dsckpt repair'"
+    ]
+    assert res.stdout.startswith("wrote 13 tensors")
+    _assert_same(load_file(str(out)), fx.expected_fp32())
+
+
+def test_strict_fails_and_writes_nothing(tmp_path):
+    fx = next(f for f in FIXTURES if f.name == "s3_fp16_w1_bnoverflow")
+    out = tmp_path / "m.safetensors"
+    res = CliRunner().invoke(main, ["to-fp32", str(fx.ckpt), str(out), "--strict"])
+    assert res.exit_code == 1
+    assert "non-finite values in bn.running_var: 2 +inf of 7 values; nothing was written" in res.stderr
+    assert list(tmp_path.iterdir()) == []
