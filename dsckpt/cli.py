@@ -287,11 +287,15 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
                                              "(1 if there is work).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--no-verify", is_flag=True, help="Skip re-reading the output and comparing every tensor.")
+@click.option("--verify", "verify", type=click.Choice(["quick", "full", "none"]), default="quick", show_default=True,
+              help="Before moving OUT into place, re-open it and compare every stored tensor with the input: "
+                   "names, shapes, dtypes and values around every fragment boundary plus samples (quick), "
+                   "every value (full: reads input and output once more), or nothing (none).")
+@click.option("--no-verify", is_flag=True, help="Same as --verify none.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @handle_errors
-def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, no_verify: bool,
-            quiet: bool) -> None:
+def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
+            no_verify: bool, quiet: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
@@ -313,8 +317,10 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
         if not quiet:
             click.echo(f"  wrote {path.name}", err=True)
 
-    result = run_reshard(plan, out, cache=cache, force=force, verify=not no_verify, on_file=tick)
-    verified = "" if no_verify else f", verified {result.verified_tensors} tensors against the input"
+    mode = "none" if no_verify else verify
+    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick)
+    verified = ("" if mode == "none" else
+                f", verified {result.verified_tensors} tensors against the input ({mode})")
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}")
 

@@ -26,6 +26,7 @@ stage_1_and_2.py:3651-3787, stage3.py:3540-3620, bf16_optimizer.py:655-690):
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import shutil
@@ -56,6 +57,7 @@ __all__ = [
     "SourceFacts",
     "ReshardPlan",
     "ReshardResult",
+    "Verify",
     "read_source_facts",
     "plan_reshard",
     "run_reshard",
@@ -179,7 +181,8 @@ class ReshardResult:
     output: Path
     tag: str
     files: tuple[Path, ...]
-    verified_tensors: int
+    verified_tensors: int  # stored copies (tensor, role) compared with the input
+    verification: str = "quick"  # a :class:`Verify` value
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +253,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     for s in state.values():
         if isinstance(s, Mapping) and "step" in s:
             v = s["step"]
-            steps.add(float(v.load().item()) if isinstance(v, TensorRef) else float(v))
+            steps.add(_scalar(v) if isinstance(v, TensorRef) else float(v))
     if len(steps) > 1:
         problems.append(f"different Adam step counts across groups {sorted(steps)}")
     if problems:
@@ -285,6 +288,25 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         sub_group_size=int(sub_group_size) if sub_group_size is not None else None,
         param_ds_ids=ds_ids,
     )
+
+
+def _scalar(ref: Any) -> float:
+    """The value of a one-element tensor such as Adam's ``step``, read without torch."""
+    import struct
+
+    from .writers.torch_stream import dtype_name, element_nbytes
+
+    codes = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "float16": "<e"}
+    name = dtype_name(ref)
+    if ref.numel != 1 or name not in codes:
+        return float(ref.load().item())
+    item = element_nbytes(name)
+    with open(ref.storage.path, "rb") as f:
+        f.seek(ref.storage.file_offset + ref.storage_offset * item)
+        raw = f.read(item)
+    if len(raw) != item:
+        raise CorruptCheckpointError(f"{ref.storage.path}: file ends inside storage {ref.storage.key!r}; it is truncated")
+    return float(struct.unpack(codes[name], raw)[0])
 
 
 def _refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
@@ -583,16 +605,30 @@ def _fmt_key(key: tuple[Any, ...]) -> str:
 # Doing it
 
 
+class Verify(enum.Enum):
+    """How :func:`run_reshard` checks what it wrote before moving it into place."""
+
+    NONE = "none"
+    QUICK = "quick"  # re-open every file; names, shapes, dtypes; sampled values of every stored copy
+    FULL = "full"  # ... and every value of every stored copy, bit for bit
+
+
 def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
-                verify: bool = True, on_file: Callable[[Path], None] | None = None) -> ReshardResult:
+                verify: Verify | str | bool = Verify.QUICK,
+                on_file: Callable[[Path], None] | None = None) -> ReshardResult:
     """Write the resharded checkpoint as a new save dir ``out`` (``latest`` + ``<tag>/``).
 
-    Builds one flat partition at a time from source ranges; the input is only read. With ``verify``
-    the output is re-read and every tensor compared with the source before it is moved into place.
+    Every target file is streamed storage by storage from byte ranges of the source files through one
+    reused buffer (zero padding is written, never allocated); the input is only read. ``verify``
+    (``True`` = ``"quick"``, ``False`` = ``"none"``): the output is re-opened through the readers and
+    compared with the source -- names, shapes, dtypes, world size, and for every stored copy of every
+    tensor the values around every fragment boundary plus evenly spaced samples (``"quick"``), or all
+    values (``"full"``, which reads input and output once more) -- before it is moved into place.
     """
     from .atomic import atomic_dir, check_can_write
     from .readers import FileCache
 
+    mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
     out = Path(out)
     src_root = plan.source_root.resolve()
     if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
@@ -611,37 +647,63 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
         for script in ZERO_TO_FP32_SCRIPTS:
             if (plan.source_root / script).is_file():
                 shutil.copy2(plan.source_root / script, tmp / script)
-        checked = _verify(plan, tmp, cache) if verify else 0
-    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked)
+        checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
+    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value)
 
 
-def _build(spec: FlatSpec, cache: Any) -> Any:
-    import torch
+def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
+    """The target tensor of ``spec`` as source byte ranges with zero runs between them."""
+    from .writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
 
-    t = torch.zeros(spec.numel, dtype=getattr(torch, spec.dtype))
-    for c in spec.copies:
+    item = element_nbytes(spec.dtype)
+    extents: list[Extent] = []
+    pos = 0  # elements of the target covered so far
+
+    def add(ext: Extent) -> None:
+        last = extents[-1] if extents else None
+        if last is not None and last.path == ext.path and (
+                ext.path is None or last.file_offset + last.nbytes == ext.file_offset):
+            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes)
+        else:
+            extents.append(ext)
+
+    for c in sorted(spec.copies, key=lambda c: c.dst_offset):
         ref = cache.tensor(c.file, c.key)
-        if ref.dtype != t.dtype:
-            raise CorruptCheckpointError(f"{c.file}: {_fmt_key(c.key)} is {ref.dtype}, expected {t.dtype}")
-        ref.read(c.src_offset, c.numel, out=t[c.dst_offset: c.dst_offset + c.numel])
-    return t
-
-
-def _lazy(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
-    import torch
-
-    from .writers.torch_stream import LazyTensor
-
-    return LazyTensor(spec.numel, getattr(torch, spec.dtype), lambda: _build(spec, cache), dict(attrs or {}))
+        if dtype_name(ref) != spec.dtype:
+            raise CorruptCheckpointError(f"{c.file}: {_fmt_key(c.key)} is {dtype_name(ref)}, expected {spec.dtype}")
+        if not ref.is_contiguous():
+            raise UnsupportedCheckpointError(
+                f"{c.file}: {_fmt_key(c.key)} is stored non-contiguously; flat ZeRO partitions never are")
+        first = ref.storage_offset + c.src_offset
+        if c.src_offset < 0 or c.src_offset + c.numel > ref.numel or first + c.numel > ref.storage.numel:
+            raise CorruptCheckpointError(
+                f"{c.file}: {_fmt_key(c.key)} has {ref.numel} elements, but the checkpoint's metadata places "
+                f"elements [{c.src_offset}, {c.src_offset + c.numel}) in it; the metadata does not match")
+        assert c.dst_offset >= pos and c.dst_offset + c.numel <= spec.numel, "overlapping copy ranges"
+        if c.dst_offset > pos:
+            add(Extent(None, 0, (c.dst_offset - pos) * item))
+        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item))
+        pos = c.dst_offset + c.numel
+    if pos < spec.numel:
+        add(Extent(None, 0, (spec.numel - pos) * item))
+    return StreamedTensor(spec.dtype, (spec.numel,), tuple(extents), dict(attrs or {}))
 
 
 def _own_copy(value: Any) -> Any:
-    """A fresh tensor for a small per-group state value such as Adam's ``step``: torch's
-    ``Optimizer.load_state_dict`` keeps ``step`` tensors as loaded, so one pickled object shared by
+    """A storage of its own for a small per-group state value such as Adam's ``step``: torch's
+    ``Optimizer.load_state_dict`` keeps ``step`` tensors as loaded, so one pickled storage shared by
     several groups would be incremented once per group and step."""
     from .safe_load import TensorRef
+    from .writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
 
-    return value.load().clone() if isinstance(value, TensorRef) else value
+    if not isinstance(value, TensorRef):
+        return value
+    if not value.is_contiguous():
+        return value.load().clone()
+    item = element_nbytes(dtype_name(value))
+    ext = Extent(Path(value.storage.path), value.storage.file_offset + value.storage_offset * item,
+                 value.numel * item)
+    return StreamedTensor(dtype_name(value), tuple(value.shape), (ext,), dict(value.attrs))
 
 
 def _fragment_address(numel: int, start: int) -> Any:
@@ -655,9 +717,9 @@ def _fragment_address(numel: int, start: int) -> Any:
 
 
 def _shapes_tree(plan: ReshardPlan) -> list[OrderedDict[str, Any]]:
-    import torch
+    from .writers.torch_stream import Size
 
-    return [OrderedDict((n, torch.Size(s)) for n, s in group) for group in plan.param_shapes]
+    return [OrderedDict((n, Size(s)) for n, s in group) for group in plan.param_shapes]
 
 
 def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any) -> list[Path]:
@@ -695,12 +757,12 @@ def _zero12_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], 
         src_state = base0["state"][state_keys[g.group]]
         new = {}
         for k, v in src_state.items():
-            new[k] = (_lazy(g.exp_avg, cache) if k == "exp_avg" else
-                      _lazy(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
+            new[k] = (_streamed(g.exp_avg, cache) if k == "exp_avg" else
+                      _streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
         state[state_keys[g.group]] = new
     osd = dict(osd0)
     osd["base_optimizer_state"] = {**base0, "state": state}
-    osd["single_partition_of_fp32_groups"] = [_lazy(g.master, cache) for g in r.groups]
+    osd["single_partition_of_fp32_groups"] = [_streamed(g.master, cache) for g in r.groups]
     osd["group_paddings"] = [g.padding_numel for g in r.groups]
     osd["partition_count"] = [plan.world_size] * len(r.groups)
     if "param_alignment_paddings" in osd0:
@@ -721,7 +783,7 @@ def _zero3_model_tree(plan: ReshardPlan, r: RankPlan, src_models: Sequence[Mappi
     tree["dp_world_size"] = plan.world_size
     tree["param_shapes"] = _shapes_tree(plan)
     if tree.get("frozen_param_fragments") is not None or r.frozen_fragments:
-        tree["frozen_param_fragments"] = OrderedDict((n, _lazy(spec, cache)) for n, spec in r.frozen_fragments)
+        tree["frozen_param_fragments"] = OrderedDict((n, _streamed(spec, cache)) for n, spec in r.frozen_fragments)
     return tree
 
 
@@ -734,8 +796,8 @@ def _zero3_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], c
     for g in r.groups:
         new = {}
         for k, v in first_state.items():
-            new[k] = (_lazy(g.exp_avg, cache) if k == "exp_avg" else
-                      _lazy(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
+            new[k] = (_streamed(g.exp_avg, cache) if k == "exp_avg" else
+                      _streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
         state[g.group] = new
     param_groups = []
     for gi, pg in enumerate(inner0["param_groups"]):
@@ -743,17 +805,25 @@ def _zero3_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], c
     osd = dict(osd0)
     osd["partition_count"] = plan.world_size
     osd[OSD] = {**inner0, "state": state, "param_groups": param_groups}
-    osd["fp32_flat_groups"] = [_lazy(g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
+    osd["fp32_flat_groups"] = [_streamed(g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
                                for g in r.groups]
     return {**src0, OSD: osd}
 
 
-def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any) -> int:
-    """Re-read the output and compare every stored copy of every tensor with the source."""
-    import torch
+VERIFY_WINDOW_NUMEL = 64  # elements compared around each fragment boundary (quick verification)
+VERIFY_SAMPLES = 8  # evenly spaced windows per stored copy (quick verification)
+VERIFY_CHUNK_NBYTES = 8 << 20  # full verification compares this much at a time
 
-    from .assemble import read_piece
+
+def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any, *, full: bool) -> int:
+    """Re-open the output and compare every stored copy of every tensor with the source.
+
+    Quick: windows of values around every fragment boundary of both sides (where a wrong offset or
+    length would show), at both ends, and at evenly spaced points. Full: every value. Values are
+    compared as bytes (bit for bit; NaN equals NaN). Returns the number of copies compared.
+    """
     from .readers import FileCache, read_checkpoint
+    from .writers.torch_stream import element_nbytes
 
     src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache)
     new_cache = FileCache()
@@ -767,22 +837,104 @@ def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any) -> int:
     if set(src_entries) != set(new_entries):
         diff = sorted(set(src_entries) ^ set(new_entries))
         raise CorruptCheckpointError(f"verification failed: tensors differ between input and output: {diff[:5]}")
+    reader = _ByteReader()
+    problems: list[str] = []
     checked = 0
-    for name, e in src_entries.items():
-        if e.tied_to is not None:
-            continue
-        n = new_entries[name]
-        for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
-            a, b = e.piece(role), n.piece(role)
-            if a is None or b is None:
-                if (a is None) != (b is None) and role is not Role.MODULE:
-                    raise CorruptCheckpointError(f"verification failed: '{name}' lost its {role.value} copy")
+    try:
+        for name, e in src_entries.items():
+            if e.tied_to is not None:
                 continue
-            ta = read_piece(a, e.shape, src_cache, name=name)
-            tb = read_piece(b, n.shape, new_cache, name=name)
-            if not torch.equal(ta, tb):
-                raise CorruptCheckpointError(
-                    f"verification failed: '{name}' ({role.value}) differs after resharding; nothing was "
-                    "written. This is a dsckpt bug: please report it")
-            checked += 1
+            n = new_entries[name]
+            if n.shape != e.shape:
+                problems.append(f"'{name}' has shape {list(n.shape)}, expected {list(e.shape)}")
+                continue
+            for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
+                a, b = e.piece(role), n.piece(role)
+                if a is None or b is None:
+                    if (a is None) != (b is None) and role is not Role.MODULE:
+                        problems.append(f"'{name}' lost its {role.value} copy")
+                    continue
+                if a.dtype != b.dtype or a.numel != b.numel:
+                    problems.append(f"'{name}' ({role.value}) is {b.dtype}[{b.numel}], expected {a.dtype}[{a.numel}]")
+                    continue
+                item = element_nbytes(a.dtype)
+                if full:
+                    step = max(1, VERIFY_CHUNK_NBYTES // item)
+                    windows = [(lo, min(step, a.numel - lo)) for lo in range(0, a.numel, step)]
+                else:
+                    windows = _sample_windows(a, b)
+                for lo, numel in windows:
+                    if reader.read(a, lo, numel, item, src_cache) != reader.read(b, lo, numel, item, new_cache):
+                        problems.append(f"'{name}' ({role.value}) differs in elements [{lo}, {lo + numel})")
+                        break
+                checked += 1
+    finally:
+        reader.close()
+    if problems:
+        raise CorruptCheckpointError(
+            "verification failed: " + "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
+                                                                   if len(problems) > 10 else "")
+            + ". Nothing was written. This is a dsckpt bug: please report it")
     return checked
+
+
+def _sample_windows(a: Piece, b: Piece) -> list[tuple[int, int]]:
+    """Element windows ``(start, numel)`` to compare for a quick verification of ``a`` vs ``b``."""
+    total = a.numel
+    w = VERIFY_WINDOW_NUMEL
+    points = {0, total}
+    points.update(f.dst_offset for f in a.fragments)
+    points.update(f.dst_offset for f in b.fragments)
+    points.update(total * k // (VERIFY_SAMPLES + 1) for k in range(1, VERIFY_SAMPLES + 1))
+    spans = sorted((max(0, p - w // 2), min(total, p + w // 2)) for p in points)
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if hi <= lo:
+            continue
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in merged]
+
+
+class _ByteReader:
+    """Raw bytes of element ranges of a piece, read with ``os.pread`` (no torch for contiguous refs)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def read(self, piece: Piece, start: int, numel: int, item: int, cache: Any) -> bytes:
+        out = bytearray()
+        end = start + numel
+        for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
+            lo, hi = max(start, f.dst_offset), min(end, f.dst_offset + f.numel)
+            if lo >= hi:
+                continue
+            ref = cache.tensor(f.file, f.key)
+            first = f.src_offset + (lo - f.dst_offset)
+            if not ref.is_contiguous():
+                t = ref.read(first, hi - lo)
+                out += t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+                continue
+            if first + (hi - lo) > ref.numel or ref.storage_offset + first + (hi - lo) > ref.storage.numel:
+                raise CorruptCheckpointError(f"{f.file}: {_fmt_key(f.key)} is shorter than its metadata says")
+            path = Path(ref.storage.path)
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            offset = ref.storage.file_offset + (ref.storage_offset + first) * item
+            want = (hi - lo) * item
+            while want:
+                chunk = os.pread(fd, want, offset)
+                if not chunk:
+                    raise CorruptCheckpointError(f"{path}: file ends inside storage {ref.storage.key!r}; it is truncated")
+                out += chunk
+                offset += len(chunk)
+                want -= len(chunk)
+        return bytes(out)
