@@ -60,8 +60,15 @@ def _dump(obj: Any, file: Any, protocol: int | None = None, **_: Any) -> None:
 pickle_module = ModuleType("dsckpt_pickle")
 pickle_module.Pickler = _Pickler  # type: ignore[attr-defined]
 pickle_module.dump = _dump  # type: ignore[attr-defined]
-pickle_module.Unpickler = pickle.Unpickler  # type: ignore[attr-defined]
-pickle_module.load = pickle.load  # type: ignore[attr-defined]
+
+
+def _refuse_load(*_: Any, **__: Any) -> Any:
+    raise TypeError("dsckpt.safe_save.pickle_module writes only; read with dsckpt.safe_load.load")
+
+
+# Writing only: loading through this module is refused (dsckpt.safe_load is the one reader).
+pickle_module.Unpickler = _refuse_load  # type: ignore[attr-defined]
+pickle_module.load = _refuse_load  # type: ignore[attr-defined]
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, legacy_format: bool = False) -> Path:
