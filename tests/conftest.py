@@ -75,7 +75,7 @@ def ids(fixtures: list[Fixture]) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def _no_deepspeed_in_reader(monkeypatch):
-    """Reading must never need deepspeed; tests that launch it do so in subprocesses."""
+def _deepspeed_on_cpu():
+    """Tests that launch DeepSpeed (in subprocesses) run it on CPU ranks over gloo."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     yield
