@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import torch
 
+from .chunks import check_numel
 from .errors import CorruptCheckpointError
 from .model import LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
-from .chunks import check_numel
 
 __all__ = ["read_piece", "read_entry", "iter_tensors"]
 

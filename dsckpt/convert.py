@@ -26,7 +26,13 @@ from .errors import UsageError
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .nonfinite import NonFinite, count_nonfinite_np
 from .readers import FileCache
-from .writers.safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors_chunks, write_sharded_chunks
+from .writers.safetensors import (
+    ShardPlan,
+    TensorSpec,
+    plan_shards,
+    write_safetensors_chunks,
+    write_sharded_chunks,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -21,21 +21,22 @@ class DType:
     is_floating: bool
     safetensors: str
     numpy: str  # numpy dtype that holds the same bytes (uint16 for bfloat16)
+    storage: str  # the typed-storage class torch.save pickles for it ("FloatStorage")
 
 
 DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("float64", 8, True, "F64", "<f8"),
-    DType("float32", 4, True, "F32", "<f4"),
-    DType("float16", 2, True, "F16", "<f2"),
-    DType("bfloat16", 2, True, "BF16", "<u2"),
-    DType("int64", 8, False, "I64", "<i8"),
-    DType("int32", 4, False, "I32", "<i4"),
-    DType("int16", 2, False, "I16", "<i2"),
-    DType("int8", 1, False, "I8", "i1"),
-    DType("uint8", 1, False, "U8", "u1"),
-    DType("bool", 1, False, "BOOL", "?"),
-    DType("complex64", 8, True, "C64", "<c8"),
-    DType("complex128", 16, True, "C128", "<c16"),
+    DType("float64", 8, True, "F64", "<f8", "DoubleStorage"),
+    DType("float32", 4, True, "F32", "<f4", "FloatStorage"),
+    DType("float16", 2, True, "F16", "<f2", "HalfStorage"),
+    DType("bfloat16", 2, True, "BF16", "<u2", "BFloat16Storage"),
+    DType("int64", 8, False, "I64", "<i8", "LongStorage"),
+    DType("int32", 4, False, "I32", "<i4", "IntStorage"),
+    DType("int16", 2, False, "I16", "<i2", "ShortStorage"),
+    DType("int8", 1, False, "I8", "i1", "CharStorage"),
+    DType("uint8", 1, False, "U8", "u1", "ByteStorage"),
+    DType("bool", 1, False, "BOOL", "?", "BoolStorage"),
+    DType("complex64", 8, True, "C64", "<c8", "ComplexFloatStorage"),
+    DType("complex128", 16, True, "C128", "<c16", "ComplexDoubleStorage"),
 )}
 
 _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",

@@ -381,7 +381,7 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             note = ("reset with --policy reset-bn-stats: BatchNorm running statistics set to their initial "
                     "values (running_mean 0, running_var 1) at the damaged channels; recalibrate them")
             if d is None:
-                note += f"; this tensor was finite but is reset with its partner for consistency"
+                note += "; this tensor was finite but is reset with its partner for consistency"
             patches.append(Patch(name, StoredKind.BUFFER, "reset-bn-stats (initial value)", e.numel, indices,
                                  torch.full((indices.numel(),), initial), _targets(e, (Role.MODULE,), indices),
                                  d.nan if d else 0, d.posinf if d else 0, d.neginf if d else 0, note=note))

@@ -347,21 +347,7 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -
 # --------------------------------------------------------------------------------------------
 # Allow-listed globals
 
-_STORAGE_DTYPES: dict[str, str] = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-    "UntypedStorage": "uint8",
-}
+_STORAGE_DTYPES: dict[str, str] = {d.storage: d.name for d in DTYPES.values()} | {"UntypedStorage": "uint8"}
 
 
 @dataclass(frozen=True)

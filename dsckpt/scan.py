@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from . import safe_load
-from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+from .dtypes import dtype_info
 from .errors import CorruptCheckpointError
-from .readers.common import FileCache, format_key, lookup
+from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .nonfinite import NonFinite
+from .readers.common import FileCache, format_key, lookup
 from .safe_load import TensorRef
 from .state_dict_files import TargetKind, detect_target, open_state_dict
 
@@ -234,15 +235,6 @@ class ScanReport:
 # Planning
 
 
-def _element_size(dtype_name: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
-
-
-def _is_floating(dtype_name: str) -> bool:
-    dt = getattr(torch, dtype_name, None)
-    return isinstance(dt, torch.dtype) and dt.is_floating_point
-
-
 def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Callable[[Path, tuple[Any, ...]], Any], *,
               target: Path, target_kind: TargetKind, nonfinite_only: bool = False,
               chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> ScanPlan:
@@ -258,7 +250,7 @@ def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Calla
     for e in logical.entries:
         if e.tied_to is not None:
             continue
-        pieces = _distinct_pieces(tuple(p for p in e.pieces if _is_floating(p.dtype)), refs)
+        pieces = _distinct_pieces(tuple(p for p in e.pieces if dtype_info(p.dtype).is_floating), refs)
         if not pieces:
             continue
         kinds = tuple(stored_kind(e, p.role) for p in pieces)
@@ -273,9 +265,9 @@ def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Calla
             if m is not None and lp is not None:
                 compare = (m, lp)
         entries.append(EntryScan(e.name, e.numel, pieces, kinds, overflow, compare, tuple(aliases.get(e.name, ()))))
-        nbytes += sum(p.numel * _element_size(p.dtype) for p in pieces)
+        nbytes += sum(p.numel * dtype_info(p.dtype).itemsize for p in pieces)
     raw = _uncovered(logical, trees, refs)
-    nbytes += sum(r.numel * _element_size(r.dtype) for r in raw)
+    nbytes += sum(r.numel * dtype_info(r.dtype).itemsize for r in raw)
     return ScanPlan(target, target_kind, checks, tuple(entries), tuple(raw), nbytes, chunk_numel)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import safe_load
+from .dtypes import dtype_info
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, dtype_name, lookup
@@ -88,7 +89,7 @@ class SafetensorsRef:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * dtype_info(self.dtype).itemsize
 
     def is_contiguous(self) -> bool:
         return True

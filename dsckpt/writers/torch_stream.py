@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..atomic import atomic_file
+from ..dtypes import DTYPES
 from ..errors import CorruptCheckpointError
 
 __all__ = ["Extent", "Size", "StreamedTensor", "dtype_name", "element_nbytes", "write_torch_tree"]
@@ -51,14 +52,6 @@ COPY_CHUNK_NBYTES = 512 << 10
 BUFFERS = 4  # buffers in flight between the reader thread and the writer
 WRITEBACK_KICK_NBYTES = 16 << 20
 
-#: torch dtype name -> (element size in bytes, legacy storage class pickled by torch.save)
-_DTYPES: dict[str, tuple[int, str]] = {
-    "float64": (8, "DoubleStorage"), "float32": (4, "FloatStorage"), "float16": (2, "HalfStorage"),
-    "bfloat16": (2, "BFloat16Storage"), "int64": (8, "LongStorage"), "int32": (4, "IntStorage"),
-    "int16": (2, "ShortStorage"), "int8": (1, "CharStorage"), "uint8": (1, "ByteStorage"),
-    "bool": (1, "BoolStorage"), "complex64": (8, "ComplexFloatStorage"),
-    "complex128": (16, "ComplexDoubleStorage"),
-}
 
 _ZIP64_LIMIT = 0xFFFFFFFF  # sizes / offsets at or above this need zip64 fields
 _ALIGN = 64  # torch's writer (caffe2/serialize/inline_container.cc) aligns record data to 64 bytes
@@ -76,7 +69,7 @@ def dtype_name(x: Any) -> str:
 
 def element_nbytes(dtype: str) -> int:
     try:
-        return _DTYPES[dtype][0]
+        return DTYPES[dtype].itemsize
     except KeyError:
         raise CorruptCheckpointError(f"unsupported tensor dtype '{dtype}'") from None
 
@@ -177,7 +170,7 @@ class _TreePickler(_PurePickler):
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
-            return ("storage", _Global("torch", _DTYPES[obj.dtype][1]), obj.key, "cpu", obj.numel)
+            return ("storage", _Global("torch", DTYPES[obj.dtype].storage), obj.key, "cpu", obj.numel)
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
