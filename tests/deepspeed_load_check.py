@@ -47,14 +47,7 @@ rank = dist.get_rank()
 if args.device == "cuda":
     torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
 model = fm.build_model(spec)
-if spec.get("groups", "one") == "two":
-    names = fm.param_groups_by_name(model, "two")
-    named = dict(model.named_parameters())
-    params = [{"params": [named[n] for n in names[0]], "weight_decay": 0.01},
-              {"params": [named[n] for n in names[1]], "weight_decay": 0.0}]
-else:
-    params = model.parameters()
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fm.model_parameters(model, spec), config=cfg)
 problems = []
 try:
     path, _ = engine.load_checkpoint(args.ckpt)

@@ -67,14 +67,7 @@ def build(name):
     cfg = fm.ds_config(spec)
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     model = fm.build_model(spec).to(dev)
-    if spec.get("groups", "one") == "two":
-        names = fm.param_groups_by_name(model, "two")
-        named = dict(model.named_parameters())
-        params = [{"params": [named[n] for n in names[0]], "weight_decay": 0.01},
-                  {"params": [named[n] for n in names[1]], "weight_decay": 0.0}]
-    else:
-        params = model.parameters()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fm.model_parameters(model, spec), config=cfg)
     return spec, cfg, engine
 
 
