@@ -322,7 +322,6 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             continue
         mask = torch.stack(value_masks).any(dim=0)
         indices = torch.arange(e.numel) if whole_tensor else mask.nonzero().flatten()
-        counts = dict(nan=d.nan, posinf=d.posinf, neginf=d.neginf)
         if source.is_master:
             master_idx = next((i for i, p in enumerate(e.pieces) if p.role is Role.MASTER), None)
             if master_idx is None or name not in source.values:
@@ -367,8 +366,8 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
                 problems.append(f"{name} ({kind.value}): source values up to {float(new.abs().max()):.6g} do not "
                                 f"fit its stored {', '.join(misfit)} copy; a param cannot change dtype")
                 continue
-        patches.append(Patch(name, kind, source.label, e.numel, indices, new.float(), targets, **counts,
-                             promote_to=promote))
+        patches.append(Patch(name, kind, source.label, e.numel, indices, new.float(), targets, d.nan, d.posinf,
+                             d.neginf, promote_to=promote))
     for prefix, mask in resets.items():
         for leaf, initial in _BN_INITIAL.items():
             name = f"{prefix}.{leaf}" if prefix else leaf
@@ -377,14 +376,15 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             except KeyError:
                 continue
             indices = torch.arange(e.numel) if whole_tensor else mask.nonzero().flatten()
-            d = damage.get(name)
+            dmg = damage.get(name)
             note = ("reset with --policy reset-bn-stats: BatchNorm running statistics set to their initial "
                     "values (running_mean 0, running_var 1) at the damaged channels; recalibrate them")
-            if d is None:
+            if dmg is None:
                 note += "; this tensor was finite but is reset with its partner for consistency"
             patches.append(Patch(name, StoredKind.BUFFER, "reset-bn-stats (initial value)", e.numel, indices,
                                  torch.full((indices.numel(),), initial), _targets(e, (Role.MODULE,), indices),
-                                 d.nan if d else 0, d.posinf if d else 0, d.neginf if d else 0, note=note))
+                                 dmg.nan if dmg else 0, dmg.posinf if dmg else 0, dmg.neginf if dmg else 0,
+                                 note=note))
     if problems:
         raise RepairError(
             f"cannot repair {len(problems)} tensor(s) of '{input}', nothing was written: " + "; ".join(problems)
@@ -537,7 +537,7 @@ def _run_safetensors(plan: RepairPlan, out: Path, on_progress: Callable[[int], N
     specs = []
     for name, ref in refs.items():
         p = by_name.get(name)
-        dtype = getattr(torch, p.promote_to) if p is not None and p.promote_to else ref.dtype
+        dtype = p.promote_to if p is not None and p.promote_to else str(ref.dtype).removeprefix("torch.")
         specs.append(TensorSpec(name, dtype, tuple(ref.shape)))
 
     def produce(spec: TensorSpec) -> torch.Tensor:

@@ -277,7 +277,7 @@ def _distinct_pieces(pieces: tuple[Piece, ...], refs: Callable[[Path, tuple[Any,
     seen: set[tuple[Any, ...]] = set()
     out = []
     for p in pieces:
-        sig = []
+        sig: list[tuple[Any, ...]] = []
         for f in p.fragments:
             ref = refs(f.file, f.key)
             if isinstance(ref, TensorRef) and ref.is_contiguous():

@@ -106,7 +106,7 @@ class SafetensorsRef:
         if numel == 0:
             return out
         itemsize = out.element_size()
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        view = out.view(torch.uint8).numpy().data.cast("B")
         nbytes, offset = numel * itemsize, self.file_offset + start * itemsize
         with open(self.path, "rb", buffering=0) as f:
             got = 0
@@ -234,15 +234,15 @@ def open_state_dict(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, St
         prefix, _ = _torch_root(tree)
         first_view: dict[tuple[Any, ...], str] = {}
         by_name: dict[str, TensorEntry] = {}
-        for key, ref in safe_load.walk_tensors(lookup(tree, prefix, p), prefix):
+        for key, tref in safe_load.walk_tensors(lookup(tree, prefix, p), prefix):
             name = ".".join(str(k) for k in key[len(prefix):])
-            view = (ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
-            if view in first_view and ref.numel:
+            view = (tref.storage.key, tref.storage_offset, tref.shape, tref.stride)
+            if view in first_view and tref.numel:
                 src = by_name[first_view[view]]
                 e = TensorEntry(name, src.shape, src.kind, src.trainable, src.pieces, tied_to=src.name)
             else:
                 first_view[view] = name
-                e = _entry(name, p, key, ref)
+                e = _entry(name, p, key, tref)
             by_name[name] = e
             entries.append(e)
     dtypes = {e.stored_dtype for e in entries}
