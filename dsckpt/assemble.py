@@ -50,6 +50,7 @@ def iter_tensors(ckpt: LogicalCheckpoint, cache: FileCache | None = None, *,
     (``None`` keeps the stored dtype); integer buffers keep their dtype.
     """
     cache = cache or FileCache()
+    ckpt.require_unambiguous("reading the consolidated tensors", values=True, flags=exclude_frozen)
     for entry in ckpt.entries:
         if exclude_frozen and not entry.trainable and entry.kind.value == "param":
             continue

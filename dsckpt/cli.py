@@ -114,8 +114,15 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         f"deepspeed    {s['deepspeed_version'] or 'unknown'}",
         f"progress     global step {s['global_steps']}, samples {s['global_samples']}, optimizer step {s['optimizer_step']}",
         f"params       {p['count']} tensors, {p['numel_total']:,} elements "
-        f"({p['numel_trainable']:,} trainable, {p['numel_frozen']:,} frozen)",
+        f"({p['numel_trainable']:,} trainable, {p['numel_frozen']:,} frozen"
+        + (f", {p['numel_undetermined']:,} undetermined" if p["numel_undetermined"] else "") + ")",
     ]
+    for amb in s["ambiguities"]:
+        lines.append(f"binding      AMBIGUOUS for {', '.join(amb['names'])}: {amb['describe']}; "
+                     + ("exported values agree either way, but trainable/frozen flags and optimizer moments do not"
+                        if amb["values_agree"] else "exported values, trainable/frozen flags and optimizer moments "
+                        "all depend on it")
+                     + " — commands that depend on it refuse (exit 3)")
     if s["tied"]:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
@@ -130,7 +137,8 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
     if show_tensors:
         lines.append("tensors")
         for t in s["tensors"]:
-            flags = [t["kind"] if t["kind"] != "param" else ("trainable" if t["trainable"] else "frozen")]
+            flags = [t["kind"] if t["kind"] != "param" else
+                     ("ambiguous" if t["trainable"] is None else "trainable" if t["trainable"] else "frozen")]
             if t["tied_to"]:
                 flags.append(f"tied to {t['tied_to']}")
             lines.append(f"  {t['name']:40s} {t['dtype']:9s} {str(t['shape']):16s} {', '.join(flags)}")

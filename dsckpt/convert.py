@@ -148,6 +148,10 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     out = Path(output)
     dtype = parse_dtype(dtype)
     fmt = output_format(out, sharded=max_shard_size is not None)
+    # Values depend on an open binding only where the choices give different fp32 values (16-bit stage 0
+    # with masters not exactly representable); which params are frozen always depends on it.
+    ckpt.require_unambiguous("to-fp32 --exclude-frozen" if exclude_frozen else "to-fp32",
+                             values=True, flags=exclude_frozen)
     chosen = [e for e in ckpt.entries if not (exclude_frozen and e.kind is Kind.PARAM and not e.trainable)]
     specs = tuple(TensorSpec(e.name, _output_dtype(e, dtype), e.shape) for e in chosen)
     shards = None

@@ -39,7 +39,8 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
     """A JSON-ready description of ``ckpt``."""
     params = [e for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
     trainable = sum(e.numel for e in params if e.trainable)
-    frozen = sum(e.numel for e in params if not e.trainable)
+    frozen = sum(e.numel for e in params if not e.trainable and not e.ambiguous)
+    undetermined = sum(e.numel for e in params if e.ambiguous)
     groups: dict[str, list[str]] = {}
     for alias, source in ckpt.tied.items():
         groups.setdefault(source, [source]).append(alias)
@@ -66,12 +67,15 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
             "count": len(params),
             "numel_trainable": trainable,
             "numel_frozen": frozen,
-            "numel_total": trainable + frozen,
+            "numel_undetermined": undetermined,
+            "numel_total": trainable + frozen + undetermined,
         },
         "tied": [sorted(g) for g in groups.values()],
         "buffers": [{"name": e.name, "dtype": e.stored_dtype, "shape": list(e.shape)} for e in ckpt.buffers],
+        "ambiguities": [a.to_dict() | {"describe": a.describe()} for a in ckpt.ambiguities],
         "tensors": [
-            {"name": e.name, "kind": e.kind.value, "trainable": e.trainable, "shape": list(e.shape),
+            {"name": e.name, "kind": e.kind.value, "trainable": None if e.ambiguous else e.trainable,
+             "shape": list(e.shape),
              "dtype": e.stored_dtype, "tied_to": e.tied_to,
              "copies": sorted({p.role.value for p in e.pieces})}
             for e in ckpt.entries

@@ -12,7 +12,10 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .binding import Ambiguity
 
 __all__ = [
     "Fragment",
@@ -84,6 +87,9 @@ class TensorEntry:
     pieces: tuple[Piece, ...]
     tied_to: str | None = None
     group: int | None = None
+    # The files do not determine whether this param owns an optimizer-side tensor (see
+    # LogicalCheckpoint.ambiguities): ``trainable`` is then unknown and no master/moments are attached.
+    ambiguous: bool = False
 
     @property
     def numel(self) -> int:
@@ -129,6 +135,8 @@ class LogicalCheckpoint:
     files: tuple[Path, ...]
     ds_config: dict[str, Any] | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Bindings the files leave open (stage 0 only today); see dsckpt.binding and require_unambiguous().
+    ambiguities: tuple[Ambiguity, ...] = field(default_factory=tuple)
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)
@@ -153,3 +161,26 @@ class LogicalCheckpoint:
     @property
     def tied(self) -> dict[str, str]:
         return {e.name: e.tied_to for e in self.entries if e.tied_to is not None}
+
+    def require_unambiguous(self, purpose: str, *, values: bool = False, flags: bool = False,
+                            moments: bool = False, names: set[str] | None = None) -> None:
+        """Raise :class:`~dsckpt.binding.AmbiguousBindingError` if what ``purpose`` needs depends on a
+        binding the files leave open: exported ``values`` (only when the choices give different values),
+        trainable/frozen ``flags``, or optimizer ``moments``; restricted to ``names`` if given."""
+        from .binding import AmbiguousBindingError
+
+        blocking = []
+        for amb in self.ambiguities:
+            if names is not None and not names.intersection(amb.names):
+                continue
+            if flags or moments or (values and not amb.values_agree):
+                blocking.append(amb)
+        if not blocking:
+            return
+        why = "; ".join(a.describe() for a in blocking)
+        raise AmbiguousBindingError(
+            f"'{self.tag_dir}': {purpose} depends on which params own stored optimizer tensors, and the "
+            f"files do not say: {why}. dsckpt does not guess, so nothing was written; 'dsckpt info' lists the "
+            "names, and what does not depend on the binding (scan; to-fp32 without --exclude-frozen when the "
+            "values agree) still works"
+        )

@@ -411,6 +411,9 @@ def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike
     logical, cache, kind = open_target(inp, tag=tag)
     report = scan(inp, tag=tag, nonfinite_only=True, on_progress=on_progress)
     damage, orphans = assess_damage(logical, cache, report)
+    # Patching a master or moments by name needs the proven owner of each optimizer-side tensor.
+    # (Damage in a stored tensor that no name owns may sit in an unbound master: then any ambiguity counts.)
+    logical.require_unambiguous("repair", moments=True, names=None if orphans else set(damage))
     if source is None:
         values = SourceValues("no source (none given)", False, {})
     else:

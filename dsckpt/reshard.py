@@ -199,6 +199,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     problems = _refusals_from_logical(ckpt)
     if problems:
         raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
+    ckpt.require_unambiguous("reshard", moments=True)
     files = classify_files(ckpt.root, ckpt.tag, ckpt.tag_dir)
     cfg = ckpt.ds_config or {}
     zcfg = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), Mapping) else {}
