@@ -208,7 +208,7 @@ class TensorDiff:
     def _role_label(self) -> str:
         if self.role != DiffRole.VALUE.value:
             return f" [{self.role}]"
-        if self.copy_a and self.copy_b and self.copy_a != self.copy_b:
+        if self.copy_a and self.copy_b and self.copy_a != self.copy_b and "stored" not in (self.copy_a, self.copy_b):
             return f" [A {self.copy_a}, B {self.copy_b}]"
         return ""
 
@@ -524,6 +524,7 @@ def _compare_chunk(t: _Tally, ra: np.ndarray, rb: np.ndarray, da: str, db: str, 
             outside = ~(finite & (absd <= atol + rtol * np.abs(bv)))
         babs = np.abs(bv).astype(np.float64)
         rel = np.where(babs > 0, absd / np.where(babs > 0, babs, 1.0), np.inf)
+        rel[np.isnan(rel)] = np.inf  # inf/inf where B is inf and A is not: as different as it gets
     t.n_differ += int(idx.size)
     t.n_outside += int(outside.sum())
     if len(t.first) < MAX_INDICES:
