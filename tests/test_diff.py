@@ -17,10 +17,11 @@ from safetensors.torch import save_file
 from dsckpt import open_checkpoint
 from dsckpt.api import to_fp32
 from dsckpt.cli import main
-from dsckpt.diff import Status, diff, prepare_diff, run_diff
+from dsckpt.diff import DiffInput, Status, diff, plan_diff, prepare_diff, run_diff
 from dsckpt.errors import CorruptCheckpointError, UsageError
-from dsckpt.model import Role
+from dsckpt.model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from dsckpt.repair import prepare_repair, run_repair
+from dsckpt.state_dict_files import TargetKind
 
 FIXTURES = all_fixtures()
 REAL_FP16_BN = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()
@@ -46,6 +47,60 @@ def _rekeyed_truth(fx, prefix: str, path: Path) -> Path:
     save_file({k.split("/", 1)[1]: v.contiguous() for k, v in fx.truth().items() if k.startswith(prefix + "/")},
               str(path))
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Planning: pure, no files
+
+
+def _entry(name: str, shape: tuple[int, ...], roles: dict[Role, str], *, frozen: bool = False,
+           kind: Kind = Kind.PARAM) -> TensorEntry:
+    n = math.prod(shape)
+    pieces = tuple(Piece(r, dt, (Fragment(Path(f"/nowhere/{r.value}.pt"), (name,), 0, n, 0),))
+                   for r, dt in roles.items())
+    return TensorEntry(name, shape, kind, not frozen, pieces)
+
+
+def _side(kind: TargetKind, *entries: TensorEntry) -> DiffInput:
+    logical = LogicalCheckpoint(Path("/nowhere"), "t", Path("/nowhere/t"), kind.value, 2, Precision.BF16, 1, 1, 1,
+                                None, None, None, None, "none", entries, ())
+    return DiffInput(Path("/nowhere"), kind, logical)
+
+
+def test_plan_pairs_names_and_roles_without_files():
+    full = {Role.MASTER: "float32", Role.MODULE: "bfloat16", Role.EXP_AVG: "float32", Role.EXP_AVG_SQ: "float32"}
+    a = _side(TargetKind.DEEPSPEED, _entry("w", (2, 3), full), _entry("gone", (4,), full),
+              _entry("bn.running_var", (3,), {Role.MODULE: "float32"}, kind=Kind.BUFFER),
+              _entry("frozen", (5,), {Role.MODULE: "bfloat16"}, frozen=True), _entry("reshaped", (6,), full))
+    b = _side(TargetKind.DEEPSPEED, _entry("new", (1,), full), _entry("reshaped", (3, 2), full),
+              _entry("frozen", (5,), {Role.MODULE: "bfloat16"}, frozen=True),
+              _entry("bn.running_var", (3,), {Role.MODULE: "float32"}, kind=Kind.BUFFER),
+              _entry("w", (2, 3), {Role.MASTER: "float32", Role.EXP_AVG: "float32"}))
+    plan = plan_diff(a, b)
+    assert [(p.name, p.copy_a, p.copy_b, p.piece_a.dtype) for p in plan.pairs] == [
+        ("w", "master", "master", "float32"), ("bn.running_var", "module", "module", "float32"),
+        ("frozen", "module", "module", "bfloat16")]
+    assert [(d.name, d.status) for d in plan.decided] == [
+        ("gone", Status.ONLY_IN_A), ("reshaped", Status.SHAPE_MISMATCH), ("new", Status.ONLY_IN_B)]
+    assert [n for n, _ in plan.order] == ["w", "gone", "bn.running_var", "frozen", "reshaped", "new"]
+    everything = plan_diff(a, b, role="all", exclude_frozen=True)
+    assert [(p.name, p.role) for p in everything.pairs] == [
+        ("w", "master"), ("w", "exp_avg"), ("bn.running_var", "module")]  # roles both sides hold
+    assert everything.excluded == ("frozen",)
+    module = plan_diff(a, b, role="module")
+    assert [(d.name, d.reason) for d in module.decided if d.status is Status.SKIPPED] == [("w", "no module copy in B")]
+    # A state dict's one copy stands for the role asked; 'all' needs two DeepSpeed checkpoints.
+    sd = _side(TargetKind.SAFETENSORS, _entry("w", (2, 3), {Role.MODULE: "bfloat16"}))
+    assert [(p.copy_a, p.copy_b) for p in plan_diff(a, sd, role="module").pairs] == [("module", "stored")]
+    assert [(p.copy_a, p.copy_b) for p in plan_diff(a, sd, role="exp_avg").pairs] == [("exp_avg", "stored")]
+    with pytest.raises(UsageError, match="--role all compares the stored copies of two DeepSpeed"):
+        plan_diff(a, sd, role="all")
+    with pytest.raises(UsageError, match="tolerances must be finite and >= 0"):
+        plan_diff(a, b, atol=math.nan)
+    broken = _side(TargetKind.DEEPSPEED, TensorEntry("w", (2, 3), Kind.PARAM, True, (Piece(Role.MASTER, "float32", (
+        Fragment(Path("/x"), ("w",), 0, 2, 0), Fragment(Path("/x"), ("w",), 0, 4, 3))),)))
+    with pytest.raises(CorruptCheckpointError, match="'w': the fragments of its master copy leave a gap"):
+        plan_diff(broken, b)
 
 
 # --------------------------------------------------------------------------------------------
