@@ -238,10 +238,12 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 @click.option("--tag-a", default=None, help="Tag folder for A (overrides --tag).")
 @click.option("--tag-b", default=None, help="Tag folder for B (overrides --tag).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (every tensor).")
+@click.option("--verbose", "-v", is_flag=True, help="Also list tensors that are within tolerance but not bitwise "
+                                                    "equal (another dtype, or differences within tolerance).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @handle_errors
 def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool, exclude_frozen: bool,
-         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, quiet: bool) -> None:
+         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, verbose: bool, quiet: bool) -> None:
     """Compare A and B tensor by tensor, by name. Exit 0 equal (within tolerance), 1 different.
 
     A and B: each a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a
@@ -276,7 +278,7 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
         labels = {Status.CLOSE: "close", Status.DIFFERENT: "different", Status.ONLY_IN_A: "only in A",
                   Status.ONLY_IN_B: "only in B", Status.SHAPE_MISMATCH: "shape", Status.SKIPPED: "skipped"}
         for t in report.tensors:
-            if t.status is not Status.EQUAL:
+            if t.status is not Status.EQUAL and (verbose or t.status is not Status.CLOSE):
                 click.echo(f"  {labels[t.status]:10s} {t.describe()}")
         click.echo(("equal: " if report.equal else "different: ") + report.summary())
     sys.exit(0 if report.equal else 1)

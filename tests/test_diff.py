@@ -250,7 +250,11 @@ def test_bf16_export_against_fp32_export(tmp_path):
     loose = diff(bf16, fp32, rtol=2.0**-8)
     assert loose.equal and not loose.of(Status.DIFFERENT)
     assert loose.counts()["within_tolerance"] == loose.counts()["dtype_differs"] == 12
-    assert _run("--rtol", 2.0**-8, bf16, fp32).exit_code == 0
+    quiet = _run("--rtol", 2.0**-8, bf16, fp32)
+    assert quiet.exit_code == 0 and len(quiet.stdout.splitlines()) == 4  # A, B, rule, summary
+    assert quiet.stdout.splitlines()[-1].startswith("equal: 13 tensors compared, 1 equal bitwise, 12 within")
+    verbose = _run("-v", "--rtol", 2.0**-8, bf16, fp32)
+    assert [ln.split()[0] for ln in verbose.stdout.splitlines()[3:-1]] == ["close"] * 12
     strict = _run("--rtol", 2.0**-8, "--strict-dtype", bf16, fp32)
     assert strict.exit_code == 1
     assert "dtypes differ (strict dtype)" in strict.stdout
