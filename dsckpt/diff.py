@@ -501,7 +501,7 @@ class _Tally:
 
 def _compare_chunk(t: _Tally, ra: np.ndarray, rb: np.ndarray, da: str, db: str, base: int, exact: bool,
                    atol: float, rtol: float) -> None:
-    if da == db and ra.tobytes() == rb.tobytes():
+    if da == db and np.array_equal(ra.view(np.uint8), rb.view(np.uint8)):
         return  # same bytes: equal by value too (NaN payloads included)
     t.bitwise = False
     a, b = _as_number(ra, da), _as_number(rb, db)
