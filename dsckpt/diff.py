@@ -331,7 +331,7 @@ def _pick(side: DiffInput, entry: TensorEntry, role: Role | None) -> Piece | Non
 
 
 def _is_frozen(e: TensorEntry | None) -> bool:
-    return e is not None and e.kind is Kind.PARAM and not e.trainable
+    return e is not None and e.kind is Kind.PARAM and e.trainable is False
 
 
 def plan_diff(a: DiffInput, b: DiffInput, *, role: DiffRole | str = DiffRole.VALUE, atol: float = 0.0,
