@@ -66,10 +66,10 @@ tag_option = click.option("--tag", default=None, help="Tag folder to read (defau
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="dsckpt")
 def main() -> None:
-    """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, scan, repair, reshard.
+    """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
     CKPT is a DeepSpeed save dir (holding 'latest') or a tag folder such as 'global_step100'.
-    Exit codes: 0 ok, 1 findings, 2 usage error, 3 unreadable/unsupported/corrupt/unsafe checkpoint,
+    Exit codes: 0 ok, 1 findings or differences, 2 usage error, 3 unreadable/unsupported/corrupt/unsafe checkpoint,
     70 internal error.
     """
 
@@ -227,6 +227,69 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
         if not report.clean:
             click.echo(f"{len(report.findings)} finding(s); see 'dsckpt repair' to patch inf/NaN values")
     sys.exit(0 if report.clean else 1)
+
+
+@main.command()
+@click.argument("a", type=click.Path(exists=True, path_type=str))
+@click.argument("b", type=click.Path(exists=True, path_type=str))
+@click.option("--atol", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Absolute tolerance: values pass when |a-b| <= atol + rtol*|b|.")
+@click.option("--rtol", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Relative tolerance (B is the reference).")
+@click.option("--role", default="value", show_default=True,
+              type=click.Choice(["value", "master", "module", "exp_avg", "exp_avg_sq", "all"]),
+              help="Which copy to compare: value (what to-fp32 exports: the fp32 master, else the stored copy), "
+                   "one stored copy of a DeepSpeed checkpoint, or all copies both DeepSpeed checkpoints have.")
+@click.option("--strict-dtype", is_flag=True, help="A dtype difference alone makes a tensor different.")
+@click.option("--exclude-frozen", is_flag=True, help="Leave out params that are frozen on either side.")
+@click.option("--tag", default=None, help="Tag folder to read in every DeepSpeed input (default: 'latest').")
+@click.option("--tag-a", default=None, help="Tag folder for A (overrides --tag).")
+@click.option("--tag-b", default=None, help="Tag folder for B (overrides --tag).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (every tensor).")
+@click.option("--verbose", "-v", is_flag=True, help="Also list tensors that are within tolerance but not bitwise "
+                                                    "equal (another dtype, or differences within tolerance).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@handle_errors
+def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool, exclude_frozen: bool,
+         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, verbose: bool, quiet: bool) -> None:
+    """Compare A and B tensor by tensor, by name. Exit 0 equal (within tolerance), 1 different.
+
+    A and B: each a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a
+    torch state-dict file. Reports names only in A or only in B, shape and dtype differences, and per
+    tensor: bitwise equality, how many values differ, max abs and rel difference. Values compare in
+    float64 (NaN equals NaN at the same place); integer tensors compare exactly. A dtype difference
+    alone is not a difference unless --strict-dtype. Streams in bounded memory.
+    """
+    from types import SimpleNamespace
+
+    from .diff import Status, prepare_diff, run_diff
+    from .state_dict_files import TargetKind, detect_target
+
+    def side_tag(path: str, own: str | None) -> str | None:
+        if own is not None:
+            return own
+        return tag if tag is not None and detect_target(path) is TargetKind.DEEPSPEED else None
+
+    plan, cache_a, cache_b = prepare_diff(a, b, tag_a=side_tag(a, tag_a), tag_b=side_tag(b, tag_b), role=role,
+                                          atol=atol, rtol=rtol, strict_dtype=strict_dtype,
+                                          exclude_frozen=exclude_frozen)
+    with _progress(plan.nbytes, "diff", not quiet and not as_json) as tick:
+        report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        what = ("values as to-fp32 exports them (fp32 master, else the stored copy)" if role == "value"
+                else "every stored copy both have" if role == "all" else f"the {role} copies")
+        click.echo(f"A {report.a.describe()}")
+        click.echo(f"B {report.b.describe()}")
+        click.echo(f"comparing {what}; tolerance |a-b| <= atol + rtol*|b| with atol={atol:g}, rtol={rtol:g}")
+        labels = {Status.CLOSE: "close", Status.DIFFERENT: "different", Status.ONLY_IN_A: "only in A",
+                  Status.ONLY_IN_B: "only in B", Status.SHAPE_MISMATCH: "shape", Status.SKIPPED: "skipped"}
+        for t in report.tensors:
+            if t.status is not Status.EQUAL and (verbose or t.status is not Status.CLOSE):
+                click.echo(f"  {labels[t.status]:10s} {t.describe()}")
+        click.echo(("equal: " if report.equal else "different: ") + report.summary())
+    sys.exit(0 if report.equal else 1)
 
 
 @main.command()
