@@ -352,6 +352,12 @@ def plan_diff(a: DiffInput, b: DiffInput, *, role: DiffRole | str = DiffRole.VAL
         raise UsageError(f"--role all compares the stored copies of two DeepSpeed checkpoints; '{other.path}' is "
                          f"a {other.kind.value} state dict with one copy per tensor: use --role value, master or "
                          "module")
+    for side in (a, b):
+        if side.is_deepspeed:
+            # Which stored tensor belongs to which name must be proven for what is compared (stage 0).
+            side.logical.require_unambiguous(
+                f"diff --role {role.value}", values=role is DiffRole.VALUE, flags=exclude_frozen,
+                moments=role in (DiffRole.MASTER, DiffRole.EXP_AVG, DiffRole.EXP_AVG_SQ, DiffRole.ALL))
     a_by_name = {e.name: e for e in a.logical.entries}
     b_by_name = {e.name: e for e in b.logical.entries}
     names = list(a_by_name) + [n for n in b_by_name if n not in a_by_name]

@@ -201,3 +201,13 @@ def test_16bit_values_depend_on_the_binding_so_to_fp32_refuses(tmp_path):
     assert json.loads(res.stdout)["stored_tensors"] == json.loads(
         CliRunner().invoke(main, ["scan", "--json", str(fx.dir.parent / "s0_bf16_w1_adapter" / "ckpt")]).stdout
     )["stored_tensors"]
+
+
+def test_diff_refuses_what_depends_on_an_open_binding(tmp_path):
+    (fx,) = [f for f in AMBIGUOUS if f.meta["dtype"] == "fp32"]
+    runner = CliRunner()
+    out = tmp_path / "o.safetensors"
+    assert runner.invoke(main, ["to-fp32", str(fx.ckpt), str(out)]).exit_code == 0
+    assert runner.invoke(main, ["diff", str(fx.ckpt), str(out)]).exit_code == 0  # fp32 values agree
+    res = runner.invoke(main, ["diff", "--role", "exp_avg", str(fx.ckpt), str(fx.ckpt)])
+    assert res.exit_code == 3 and "diff --role exp_avg depends on which params own" in res.stderr
