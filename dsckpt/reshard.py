@@ -212,7 +212,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     if (ckpt.tag_dir / "offloaded_tensors").exists():
         problems.append("an 'offloaded_tensors/' folder (NVMe-swapped optimizer state)")
 
-    if ckpt.zero_stage == 0:
+    if _partition_stage(ckpt) == 0:
         if problems:
             raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
         return SourceFacts((), ())
@@ -411,11 +411,11 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
     optim_sorted = tuple(sorted(optim, key=_rank_of))
     common: dict[str, Any] = dict(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
-        zero_stage=ckpt.zero_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
+        zero_stage=_partition_stage(ckpt), optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, world_size=world_size, source_optim_files=optim_sorted,
         bf16_prefixed_optim=bf16_prefix,
     )
-    if ckpt.zero_stage == 0:
+    if _partition_stage(ckpt) == 0:
         models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
         return ReshardPlan(**common, source_model_files=models, param_shapes=(), subgroup_to_group=(),
                            alignment_paddings=(), ranks=(),
@@ -423,6 +423,15 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
     if ckpt.zero_stage == 3:
         return _plan_zero3(ckpt, world_size, facts, common)
     return _plan_zero12(ckpt, world_size, facts, common)
+
+
+def _partition_stage(ckpt: LogicalCheckpoint) -> int:
+    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed <= 0.18 (seen in 0.10.3, 0.14.5, 0.16.9,
+    0.18.9) wraps stage-0 bf16 in BF16_Optimizer: partitioned fp32 masters in ``bf16_zero_pp_rank_*``
+    files like ZeRO-1, while its ds_config (kept as written) says stage 0."""
+    if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == "BF16_Optimizer":
+        return 1
+    return ckpt.zero_stage
 
 
 def _rank_of(path: Path) -> int:

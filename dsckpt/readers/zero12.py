@@ -216,7 +216,9 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     base = osd0.get("base_optimizer_state")
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir,
-        layout="zero1" if stage == 1 else "zero2",
+        # DeepSpeed <= 0.18 (seen in 0.10.3, 0.14.5, 0.16.9, 0.18.9) wraps stage-0 bf16 in BF16_Optimizer, which
+        # writes the ZeRO-1 layout with zero_optimization.stage 0 in its config; 0.19.8 uses FP16_UnfusedOptimizer.
+        layout="zero1" if stage == 1 else "zero2" if stage == 2 else "stage0-bf16-optimizer",
         zero_stage=stage, precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
