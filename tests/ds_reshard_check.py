@@ -56,6 +56,17 @@ if getattr(sys.modules.get("oneccl_bindings_for_pytorch"), "DSCKPT_STUB", False)
     # DeepSpeed <= 0.13 on CPU with tests/fixtures/old_ds_shim on PYTHONPATH: no 'ccl' backend, use gloo
     from deepspeed.accelerator import get_accelerator
     get_accelerator()._communication_backend_name = "gloo"
+    if get_accelerator().current_stream() is None:
+        # DeepSpeed 0.10.3's CPU accelerator has no streams (current_stream() is None), yet stage-3
+        # load_checkpoint ends with an all-gather whose handle calls current_stream().synchronize()
+        # (partition_parameters.py AllGatherCoalescedHandle.wait, from stage3.checkpoint_event_epilogue, after
+        # every file was read): a CPU-only crash that no checkpoint content avoids. CPU work is synchronous,
+        # so a no-op stream is exact.
+        class _NoStream:
+            def synchronize(self):
+                pass
+
+        type(get_accelerator()).current_stream = lambda self, device_index=None: _NoStream()
 
 deepspeed.init_distributed()
 rank = dist.get_rank()
@@ -82,23 +93,29 @@ def gather_flat(t):
     return torch.cat(parts)
 
 
+def _dense_offsets(groups):
+    offsets = []
+    for g in groups:
+        o, acc = [], 0
+        for q in g:
+            o.append(acc)
+            acc += q.numel()
+        offsets.append(o)
+    return offsets
+
+
 def check_flat_partitions(engine, truth, problems):
     """Stage 1/2 and BF16_Optimizer: the optimizer's own fp32 partitions and Adam moments."""
     opt = engine.optimizer
     inner = opt.optimizer
     if hasattr(opt, "round_robin_bit16_groups"):
         groups = opt.round_robin_bit16_groups
-        offsets = opt.round_robin_bit16_offsets
+        # round_robin_bit16_offsets (alignment padding) is newer than DeepSpeed 0.10.3, which packs params densely
+        offsets = getattr(opt, "round_robin_bit16_offsets", None) or _dense_offsets(groups)
         flats = opt.single_partition_of_fp32_groups
     else:  # BF16_Optimizer: bf16_groups order, no alignment padding
         groups = opt.bf16_groups
-        offsets = []
-        for g in groups:
-            o, acc = [], 0
-            for q in g:
-                o.append(acc)
-                acc += q.numel()
-            offsets.append(o)
+        offsets = _dense_offsets(groups)
         flats = opt.fp32_groups_flat_partition
     for gi, (plist, offs, part) in enumerate(zip(groups, offsets, flats)):
         full = {"param": gather_flat(part.detach().float())}
