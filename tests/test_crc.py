@@ -442,3 +442,25 @@ def test_crc_module_does_not_import_torch():
     code = "import sys, dsckpt.crc, dsckpt.safe_load; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+def test_library_iteration_finishes_the_checks(tmp_path):
+    """``Checkpoint.iter_tensors`` reads the bf16opt partitions without their padding; a flip there
+    surfaces when the iteration ends, not never."""
+    from dsckpt.checkpoint import open_checkpoint
+
+    ckpt = _copy("s1_bf16_w2_bf16opt", tmp_path)
+    path = _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    storage = _storage_of(path, FP32_PARTITION)
+    assert storage.record_nbytes is not None
+    _flip(path, storage.file_offset + storage.record_nbytes - 1)
+    c = open_checkpoint(ckpt)
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+        for _ in c.iter_tensors():
+            pass
+    c = open_checkpoint(ckpt)
+    c.tensor(c.names()[-1])
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+        for name in c.names():
+            c.tensor(name)
+        c.finish_checks()

@@ -42,7 +42,10 @@ class FileCache:
         return obj
 
     def forget(self, path: Path) -> None:
-        self._trees.pop(path, None)
+        """Drop a parsed file, first completing the CRC-32 checks of what was read from it."""
+        tree = self._trees.pop(path, None)
+        if tree is not None:
+            safe_load.finish_checks(tree)
 
     def finish_checks(self) -> int:
         """Complete the CRC-32 checks of every zip record read through this cache: records read only
