@@ -134,6 +134,7 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
     lines.append("health       ok: complete set of rank files, shapes consistent" if health["ok"]
                  else f"health       {len(health['problems'])} problem(s):")
     lines += [f"               {msg}" for msg in health["problems"]]
+    lines += [f"note         {msg}" for msg in health.get("notes", [])]
     if show_tensors:
         lines.append("tensors")
         for t in s["tensors"]:

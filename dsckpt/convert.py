@@ -179,9 +179,15 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     fragments, checked and written, so memory stays at ``workers + 1`` chunk buffers whatever the
     model or tensor size; ``workers`` reader threads run ahead of the writer (0: read in this
     thread). Torch (.bin/.pt) outputs hold one whole tensor at a time.
+
+    Every zip record read is checked against its CRC-32 (:mod:`dsckpt.crc`); the checks of records
+    read only partly are completed after the last tensor is produced, before the output is moved
+    into place, so a damaged input leaves nothing behind.
     """
     check_can_write(plan.output, force=force)
     found: list[NonFinite] = []
+    if not plan.specs:
+        cache.finish_checks()
 
     def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
         if not any(counts):
@@ -213,10 +219,12 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
                 yield spec.name, produce(spec)
                 if on_tensor is not None:
                     on_tensor(spec)
+            cache.finish_checks()  # write_torch has every tensor now and has not opened its output yet
 
         return ConvertResult(plan, (write_torch(plan.output, tensors()),), tuple(found))
 
     order = plan.specs if plan.shards is None else tuple(s for shard in plan.shards.shards for s in shard)
+    last = order[-1].name if order else None
     name_to_reads = {
         spec.name: plan_piece_chunks(plan.name_to_entry[spec.name].source_for_fp32(), spec.shape, cache,
                                      name=spec.name)
@@ -225,6 +233,11 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     stream = read_chunks([r for spec in order for r in name_to_reads[spec.name] or ()], workers=workers)
 
     def produce_chunks(spec: TensorSpec) -> Iterator[Any]:
+        yield from _produce_chunks(spec)
+        if spec.name == last:  # still inside the writer's atomic block: a damaged record leaves no output
+            cache.finish_checks()
+
+    def _produce_chunks(spec: TensorSpec) -> Iterator[Any]:
         reads = name_to_reads[spec.name]
         if reads is None:  # strided or out-of-order fragments: whole tensor, through torch
             yield produce(spec).reshape(-1)

@@ -1,15 +1,19 @@
-"""``info``: what a checkpoint is, and a cheap health check (metadata only, no tensor data read)."""
+"""``info``: what a checkpoint is, and a cheap health check (metadata only: tensor data is not read,
+except one-element tensors such as a step count, whose records' CRC-32s are then checked)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .crc import has_record_crcs
 from .errors import DsckptError
 from .layout import list_tags
 from .model import Kind, LogicalCheckpoint
 from .readers import FileCache
 
-__all__ = ["summarize", "health_problems"]
+__all__ = ["summarize", "health_problems", "health_notes"]
+
+NO_CRC_NOTE = "no CRC (legacy format): bit rot cannot be detected in {files}"
 
 
 def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
@@ -35,6 +39,12 @@ def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
     return problems
 
 
+def health_notes(ckpt: LogicalCheckpoint) -> list[str]:
+    """What the health check cannot vouch for (not problems): files without CRC-32s."""
+    legacy = [str(p.relative_to(ckpt.tag_dir)) for p in ckpt.files if not has_record_crcs(p)]
+    return [NO_CRC_NOTE.format(files=", ".join(legacy))] if legacy else []
+
+
 def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
     """A JSON-ready description of ``ckpt``."""
     params = [e for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
@@ -46,8 +56,13 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         groups.setdefault(source, [source]).append(alias)
     files = []
     for path in ckpt.files:
-        files.append({"name": str(path.relative_to(ckpt.tag_dir)), "nbytes": path.stat().st_size})
+        files.append({"name": str(path.relative_to(ckpt.tag_dir)), "nbytes": path.stat().st_size,
+                      "crc32": has_record_crcs(path)})
     problems = health_problems(ckpt, cache)
+    try:
+        cache.finish_checks()
+    except DsckptError as err:
+        problems.append(str(err))
     return {
         "path": str(ckpt.root),
         "tag": ckpt.tag,
@@ -82,5 +97,5 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         ],
         "files": files,
         "total_nbytes": sum(f["nbytes"] for f in files),
-        "health": {"ok": not problems, "problems": problems},
+        "health": {"ok": not problems, "problems": problems, "notes": health_notes(ckpt)},
     }

@@ -271,6 +271,7 @@ def read_source_values(source: str | os.PathLike[str], logical: LogicalCheckpoin
             if se is not None:
                 values[name] = read_piece(se.source_for_fp32(), se.shape, src_cache, name=candidate).reshape(-1).float()
                 break
+    src_cache.finish_checks()
     return SourceValues(f"fp32 source {source}", False, values)
 
 
@@ -418,6 +419,7 @@ def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike
         values = SourceValues("no source (none given)", False, {})
     else:
         values = read_source_values(source, logical, cache, list(damage))
+    cache.finish_checks()  # records read only partly by the reads above (the scan finished its own)
     plan = plan_repair(logical, damage, values, input=inp, input_kind=kind, whole_tensor=whole_tensor,
                        policy=policy, orphans=tuple(orphans))
     return plan, cache
@@ -450,7 +452,9 @@ def _apply(tensor_at: Callable[[tuple[Any, ...], PatchTarget], torch.Tensor], pa
 def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> None:
     with open(src, "rb") as f:
         legacy = f.read(2) != b"PK"
-    tree = safe_load.materialize(safe_load.load(src))
+    parsed = safe_load.load(src)
+    tree = safe_load.materialize(parsed)
+    safe_load.finish_checks(parsed)  # materialize read every storage; a record longer than its storage has more
     promoted: set[tuple[Any, ...]] = set()
 
     def tensor_at(key: tuple[Any, ...], target: PatchTarget) -> torch.Tensor:

@@ -299,14 +299,10 @@ def _scalar(ref: Any) -> float:
 
     codes = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "float16": "<e"}
     name = dtype_name(ref)
-    if ref.numel != 1 or name not in codes:
+    if ref.numel != 1 or name not in codes or not ref.is_contiguous():
         return float(ref.load().item())
-    item = element_nbytes(name)
-    with open(ref.storage.path, "rb") as f:
-        f.seek(ref.storage.file_offset + ref.storage_offset * item)
-        raw = f.read(item)
-    if len(raw) != item:
-        raise CorruptCheckpointError(f"{ref.storage.path}: file ends inside storage {ref.storage.key!r}; it is truncated")
+    raw = ref.read_numpy(0, 1).tobytes()  # through safe_load's reads: CRC-checked
+    assert len(raw) == element_nbytes(name)
     return float(struct.unpack(codes[name], raw)[0])
 
 
@@ -649,6 +645,7 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
             if (plan.source_root / script).is_file():
                 shutil.copy2(plan.source_root / script, tmp / script)
         checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
+        cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
     return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value)
 
 
@@ -662,9 +659,10 @@ def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -
 
     def add(ext: Extent) -> None:
         last = extents[-1] if extents else None
-        if last is not None and last.path == ext.path and (
+        if last is not None and last.path == ext.path and last.record is ext.record and (
                 ext.path is None or last.file_offset + last.nbytes == ext.file_offset):
-            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes)
+            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes, last.record,
+                                 last.record_offset)
         else:
             extents.append(ext)
 
@@ -683,7 +681,8 @@ def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -
         assert c.dst_offset >= pos and c.dst_offset + c.numel <= spec.numel, "overlapping copy ranges"
         if c.dst_offset > pos:
             add(Extent(None, 0, (c.dst_offset - pos) * item))
-        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item))
+        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item,
+                   ref.storage.check, first * item))
         pos = c.dst_offset + c.numel
     if pos < spec.numel:
         add(Extent(None, 0, (spec.numel - pos) * item))
@@ -703,7 +702,7 @@ def _own_copy(value: Any) -> Any:
         return value.load().clone()
     item = element_nbytes(dtype_name(value))
     ext = Extent(Path(value.storage.path), value.storage.file_offset + value.storage_offset * item,
-                 value.numel * item)
+                 value.numel * item, value.storage.check, value.storage_offset * item)
     return StreamedTensor(dtype_name(value), tuple(value.shape), (ext,), dict(value.attrs))
 
 
@@ -900,15 +899,11 @@ def _sample_windows(a: Piece, b: Piece) -> list[tuple[int, int]]:
 
 
 class _ByteReader:
-    """Raw bytes of element ranges of a piece, read with ``os.pread`` (no torch for contiguous refs)."""
-
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+    """Raw bytes of element ranges of a piece, read through :meth:`TensorRef.read_numpy` (``pread``,
+    CRC-checked, no torch) for contiguous refs."""
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        pass
 
     def read(self, piece: Piece, start: int, numel: int, item: int, cache: Any) -> bytes:
         out = bytearray()
@@ -925,17 +920,5 @@ class _ByteReader:
                 continue
             if first + (hi - lo) > ref.numel or ref.storage_offset + first + (hi - lo) > ref.storage.numel:
                 raise CorruptCheckpointError(f"{f.file}: {_fmt_key(f.key)} is shorter than its metadata says")
-            path = Path(ref.storage.path)
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            offset = ref.storage.file_offset + (ref.storage_offset + first) * item
-            want = (hi - lo) * item
-            while want:
-                chunk = os.pread(fd, want, offset)
-                if not chunk:
-                    raise CorruptCheckpointError(f"{path}: file ends inside storage {ref.storage.key!r}; it is truncated")
-                out += chunk
-                offset += len(chunk)
-                want -= len(chunk)
+            out += ref.read_numpy(first, hi - lo).data.cast("B")
         return bytes(out)

@@ -10,6 +10,9 @@ writes with ``"checkpoint_serialization": false``) with a restricted unpickler:
 * tensors are not read: each becomes a :class:`TensorRef` that knows where its bytes are in the file.
   ``TensorRef.read()`` reads exactly the elements asked for with ``pread``; storages saved on a GPU
   are read to CPU like any other;
+* every byte read of a zip record is checked against the record's CRC-32 while it is read
+  (:mod:`dsckpt.crc`; ``StorageRef.check``); :func:`finish_checks` completes the checks of records
+  read only partly. Legacy non-zip files carry no CRCs (``StorageRef.crc32 is None``);
 * parsing does not import torch: dtypes are names (:mod:`dsckpt.dtypes`), and ``torch.Size``,
   torch dtypes and devices in the pickle become :class:`TorchSize`, :class:`TorchDtype` and
   :class:`TorchDevice`. :func:`materialize` turns them into the real torch objects, and
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import crc
 from .dtypes import DTYPES, dtype_info
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
@@ -52,6 +56,7 @@ __all__ = [
     "load",
     "walk_tensors",
     "materialize",
+    "finish_checks",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +196,12 @@ def to_torch_value(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class StorageRef:
-    """Where one pickled storage's bytes are: ``nbytes`` bytes at ``file_offset`` in ``path``."""
+    """Where one pickled storage's bytes are: ``nbytes`` bytes at ``file_offset`` in ``path``.
+
+    In a zip-format file the storage is the start of a record (``record``, ``record_nbytes`` bytes,
+    stored CRC-32 ``crc32``) and ``check`` is the record's shared read-time check (None when
+    ``DSCKPT_NO_CRC`` is set). Legacy (non-zip) files store no CRC: ``crc32`` is None.
+    """
 
     path: Path
     key: str
@@ -199,6 +209,10 @@ class StorageRef:
     numel: int
     file_offset: int
     location: str
+    record: str | None = None
+    record_nbytes: int | None = None
+    crc32: int | None = None
+    check: crc.RecordCheck | None = field(default=None, compare=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -342,6 +356,8 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -
                     "the file is truncated — the save was probably interrupted"
                 )
             got += n
+    if storage.check is not None:
+        storage.check.update(first * itemsize, view[:nbytes])
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,10 +542,11 @@ def _load_zip(path: Path) -> Any:
             raise CorruptCheckpointError(f"{path}: zip archive without a single data.pkl; not a torch checkpoint")
         prefix = pkl[0][: -len("data.pkl")]
         byteorder = prefix + "byteorder"
-        if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+        if byteorder in names and _read_member(zf, byteorder, path).strip() not in (b"little", b""):
             raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
         infos = {i.filename: i for i in zf.infolist()}
-        data = zf.read(pkl[0])
+        data = _read_member(zf, pkl[0], path)
+    checked = crc.checks_enabled()
 
     with open(path, "rb") as raw:
 
@@ -546,11 +563,16 @@ def _load_zip(path: Path) -> Any:
             header = raw.read(30)
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
                 raise CorruptCheckpointError(f"{path}: bad zip entry header for data/{key}")
+            flags, local_crc = struct.unpack("<H", header[6:8])[0], struct.unpack("<I", header[14:18])[0]
+            if not flags & 0x08 and local_crc != info.CRC:  # torch's writer leaves it 0 (bit 3: data descriptor)
+                raise CorruptCheckpointError(crc.local_header_message(path, info.filename, info.CRC, local_crc))
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             offset = info.header_offset + 30 + name_len + extra_len
             dtype = storage_type.dtype
             count = int(numel) if numel is not None else info.file_size // DTYPES[dtype].itemsize
-            ref = StorageRef(path, str(key), dtype, count, offset, str(location))
+            check = crc.RecordCheck(path, info.filename, info.CRC, info.file_size, offset) if checked else None
+            ref = StorageRef(path, str(key), dtype, count, offset, str(location), info.filename, info.file_size,
+                             info.CRC, check)
             if ref.nbytes > info.file_size:
                 raise CorruptCheckpointError(f"{path}: storage data/{key} is shorter than its tensors")
             return ref
@@ -564,6 +586,18 @@ def _load_zip(path: Path) -> Any:
             return cache[key]
 
         return _Unpickler(io.BytesIO(data), path=path, resolve_storage=resolve_cached).load()
+
+
+def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
+    """A small record (the pickle, ``byteorder``), read whole; :mod:`zipfile` checks its CRC-32."""
+    try:
+        return zf.read(name)
+    except zipfile.BadZipFile as e:
+        if "CRC" not in str(e):
+            raise
+        raise CorruptCheckpointError(
+            f"{path}: record '{name}' fails its CRC32 check; the file is damaged (bit rot or a bad copy) "
+            "— restore it from a backup or use another tag") from e
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -712,3 +746,12 @@ def materialize(obj: Any) -> Any:
         return t
 
     return map_structure(read, obj)
+
+
+def finish_checks(obj: Any) -> int:
+    """Complete the CRC-32 checks of every zip record that tensors of the loaded tree ``obj`` were
+    read from (bytes not yet read are read now; records never read are left alone).
+
+    Raises :class:`CorruptCheckpointError` naming every damaged record. Returns the number of
+    records verified."""
+    return crc.finish(ref.storage.check for _, ref in walk_tensors(obj))

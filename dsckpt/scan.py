@@ -489,6 +489,7 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
             t.numel += n
             t.add_nonfinite(part, r.start + a)
             numel_scanned += n
+    cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
     return ScanReport(plan.target, plan.target_kind, plan.checks, tuple(col.findings()), len(stored),
                       numel_scanned, nbytes_read)
 
