@@ -135,6 +135,8 @@ class RecordCheck:
         self._ends: list[int] = []
         self._crcs: list[int] = []
         self._result: int | None = None  # the CRC read, once the record is covered
+        # Audit mode (``verify``): problems are appended here instead of raised, so one pass finds all.
+        self.sink: list[str] | None = None
 
     @property
     def done(self) -> bool:
@@ -213,7 +215,11 @@ class RecordCheck:
                 crcs.insert(i, crc)
                 return
         if crc != self.crc32:
-            raise CorruptCheckpointError(mismatch_message(self.path, self.record, self.crc32, crc))
+            message = mismatch_message(self.path, self.record, self.crc32, crc)
+            if self.sink is not None:
+                self.sink.append(message)
+                return
+            raise CorruptCheckpointError(message)
 
     def finish(self, fd: int | None = None, *, buffer: memoryview | None = None) -> int:
         """Read the bytes not read yet and complete the check (raises on a mismatch). Returns the
@@ -270,10 +276,10 @@ def finish(checks: Iterable[RecordCheck | None]) -> int:
                         c.finish(fd, buffer=buf)
                     except CorruptCheckpointError as e:
                         if not c.done:  # truncated; a mismatch is reported below
-                            problems.append(str(e))
+                            (c.sink if c.sink is not None else problems).append(str(e))
                 if c.done and c.ok:
                     verified += 1
-                elif c.done:  # also when a read-time error was caught and dropped along the way
+                elif c.done and c.sink is None:  # also when a read-time error was caught and dropped
                     problems.append(mismatch_message(c.path, c.record, c.crc32, c.result or 0))
         finally:
             if fd is not None:
@@ -322,12 +328,14 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 def check_file_records(path: str | os.PathLike[str], *, chunk_nbytes: int = FINISH_CHUNK_NBYTES,
+                       skip: Iterable[str] = (),
                        on_progress: Callable[[int], None] | None = None) -> FileCrcReport:
     """Check the CRC-32 of every record of a torch zip file in one streaming pass (no unpickling).
 
     Every problem is collected (a record whose CRC does not match, a local header that disagrees
     with the central directory, a record running past the end of the file); an unreadable zip
     directory is one problem for the whole file. Legacy (non-zip) files: ``has_crc=False``.
+    Records named in ``skip`` (already verified while they were read) are not read again nor counted.
     ``on_progress(nbytes)`` is called after each chunk.
     """
     p = Path(path)
@@ -343,10 +351,13 @@ def check_file_records(path: str | os.PathLike[str], *, chunk_nbytes: int = FINI
     buf = memoryview(bytearray(chunk_nbytes))
     size = p.stat().st_size
     checked = 0
+    done = set(skip)
     fd = os.open(p, os.O_RDONLY)
     try:
         for info in infos:
             name = info.filename
+            if name in done:
+                continue
             header = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
             if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
                 problems.append(RecordProblem(p, name, f"{p}: record '{name}' has no valid local header; "
@@ -387,7 +398,7 @@ def check_file_records(path: str | os.PathLike[str], *, chunk_nbytes: int = FINI
                 problems.append(RecordProblem(p, name, mismatch_message(p, name, info.CRC, crc)))
     finally:
         os.close(fd)
-    return FileCrcReport(p, True, len(infos), checked, tuple(problems))
+    return FileCrcReport(p, True, sum(1 for i in infos if i.filename not in done), checked, tuple(problems))
 
 
 def local_header_message(path: Path, record: str, central: int, local: int) -> str:
