@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import __version__
-from .atomic import atomic_dir, check_can_write
+from .atomic import atomic_dir, claim_output
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
@@ -102,6 +102,11 @@ class ConvertPlan:
     def total_nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
+    @property
+    def output_nbytes_bound(self) -> int:
+        """At most this many bytes are written: tensor data plus headers / zip records."""
+        return self.total_nbytes + 4096 + sum(256 + 2 * len(s.name.encode()) for s in self.specs)
+
 
 @dataclass(frozen=True)
 class ConvertResult:
@@ -176,7 +181,12 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     model or tensor size; ``workers`` reader threads run ahead of the writer (0: read in this
     thread). Torch (.bin/.pt) outputs hold one whole tensor at a time.
     """
-    check_can_write(plan.output, force=force)
+    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound):
+        return _run_to_fp32(plan, cache, strict=strict, on_tensor=on_tensor, workers=workers)
+
+
+def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
+                 on_tensor: Callable[[TensorSpec], None] | None, workers: int) -> ConvertResult:
     found: list[NonFinite] = []
 
     def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
