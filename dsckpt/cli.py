@@ -1,15 +1,19 @@
 """The ``dsckpt`` command line: validate, call the library, render. Exit codes live here.
 
 0 ok / clean · 1 findings (non-finite values; ``--dry-run`` has work) · 2 usage error ·
-3 unreadable, unsupported, corrupt or unsafe checkpoint · 70 internal error (please report).
+3 unreadable, unsupported, corrupt or unsafe checkpoint, or an output that cannot be written (disk
+full, quota, read-only, permissions) · 129/143 stopped by SIGHUP/SIGTERM (130: Ctrl-C), temporary
+outputs removed · 70 internal error (please report).
 
 Importing this module must stay cheap: torch is imported only inside commands.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +23,8 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import EXIT_INTERNAL, DsckptError
+from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError
+from .interrupts import Terminated, signals_as_exceptions
 
 __all__ = ["main"]
 
@@ -29,24 +34,48 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+class _StderrNotes(logging.Handler):
+    """The library's warnings (e.g. leftovers of a killed run removed) as ``dsckpt: note:`` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"dsckpt: note: {record.getMessage()}", err=True)
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into one line on stderr and a documented exit code; never a traceback."""
+    """Turn library errors into one line on stderr and a documented exit code; never a traceback.
+
+    SIGTERM and SIGHUP unwind like Ctrl-C (temporary outputs removed) and exit 143 / 129."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        notes = _StderrNotes(logging.WARNING)
+        log = logging.getLogger("dsckpt")
+        log.addHandler(notes)
         try:
-            return fn(*args, **kwargs)
+            with signals_as_exceptions():
+                return fn(*args, **kwargs)
         except DsckptError as e:
             _fail(str(e).replace("\n", " "), e.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted; no output was left behind", 130)
+        except Terminated as e:
+            _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except OSError as e:
+            # The environment, not a bug: unreadable input, a folder where a file should be, I/O errors.
+            if os.environ.get("DSCKPT_DEBUG"):
+                raise
+            where = f"'{e.filename}': " if e.filename else ""
+            _fail(f"{where}{e.strerror or e} (OSError {errno.errorcode.get(e.errno or 0, e.errno)})",
+                  EXIT_BAD_CHECKPOINT)
         except Exception as e:  # noqa: BLE001 - the CLI's last line of defence
             if os.environ.get("DSCKPT_DEBUG"):
                 raise
             _fail(f"internal error ({type(e).__name__}: {e}). This is a dsckpt bug: please report it "
                   "with the command you ran; rerun with DSCKPT_DEBUG=1 for a traceback", EXIT_INTERNAL)
+        finally:
+            log.removeHandler(notes)
 
     return wrapper
 
@@ -69,8 +98,9 @@ def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
     CKPT is a DeepSpeed save dir (holding 'latest') or a tag folder such as 'global_step100'.
-    Exit codes: 0 ok, 1 findings or differences, 2 usage error, 3 unreadable/unsupported/corrupt/unsafe checkpoint,
-    70 internal error.
+    Exit codes: 0 ok, 1 findings or differences, 2 usage error (also: another dsckpt is writing OUT),
+    3 unreadable/unsupported/corrupt/unsafe checkpoint or OUT not writable (disk full, read-only),
+    129/130/143 stopped by SIGHUP/SIGINT/SIGTERM (nothing left behind), 70 internal error.
     """
 
 

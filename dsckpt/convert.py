@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import __version__
-from .atomic import atomic_dir, check_can_write
+from .atomic import atomic_dir, claim_output
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
@@ -101,6 +101,11 @@ class ConvertPlan:
     @property
     def total_nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    @property
+    def output_nbytes_bound(self) -> int:
+        """At most this many bytes are written: tensor data plus headers / zip records."""
+        return self.total_nbytes + 4096 + sum(256 + 2 * len(s.name.encode()) for s in self.specs)
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,12 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     read only partly are completed after the last tensor is produced, before the output is moved
     into place, so a damaged input leaves nothing behind.
     """
-    check_can_write(plan.output, force=force)
+    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound):
+        return _run_to_fp32(plan, cache, strict=strict, on_tensor=on_tensor, workers=workers)
+
+
+def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
+                 on_tensor: Callable[[TensorSpec], None] | None, workers: int) -> ConvertResult:
     found: list[NonFinite] = []
     if not plan.specs:
         cache.finish_checks()

@@ -61,6 +61,7 @@ __all__ = [
     "read_source_facts",
     "plan_reshard",
     "run_reshard",
+    "output_nbytes_bound",
     "describe_plan",
 ]
 
@@ -622,7 +623,7 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
     tensor the values around every fragment boundary plus evenly spaced samples (``"quick"``), or all
     values (``"full"``, which reads input and output once more) -- before it is moved into place.
     """
-    from .atomic import atomic_dir, check_can_write
+    from .atomic import atomic_dir, claim_output
     from .readers import FileCache
 
     mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
@@ -630,10 +631,9 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
     src_root = plan.source_root.resolve()
     if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
         raise UsageError(f"output '{out}' overlaps the input '{plan.source_root}'; choose a new folder")
-    check_can_write(out, force=force)
     cache = cache if cache is not None else FileCache()
     written: list[Path] = []
-    with atomic_dir(out) as tmp:
+    with claim_output(out, force=force, nbytes=output_nbytes_bound(plan)), atomic_dir(out) as tmp:
         tag_dir = tmp / plan.tag
         tag_dir.mkdir(parents=True)
         for f in _write_files(plan, tag_dir, cache):
@@ -647,6 +647,23 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
         checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
         cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
     return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value)
+
+
+def output_nbytes_bound(plan: ReshardPlan) -> int:
+    """An upper estimate of what :func:`run_reshard` writes, for the free-space check: the flat
+    partitions, the model-states files (one per target rank at stage 3), the scripts, and 64 KiB of
+    pickle and zip records per file."""
+    def size(p: Path) -> int:
+        try:
+            return p.stat().st_size
+        except OSError:
+            return 0
+
+    models = [size(p) for p in plan.source_model_files]
+    model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
+    scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)
+    files = len(plan.source_model_files) + 2 * len(plan.ranks) + 3
+    return plan.copied_nbytes + model_nbytes + scripts + (64 << 10) * files
 
 
 def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:

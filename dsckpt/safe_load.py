@@ -29,6 +29,7 @@ import math
 import os
 import pickle
 import struct
+import types
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -77,6 +78,9 @@ class DeepSpeedObject:
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
+            if any(not isinstance(k, str) or k.startswith("__") for k in state):
+                # A dunder attribute (``__reduce_ex__`` ...) would change how the stand-in behaves.
+                raise pickle.UnpicklingError(f"refusing state with special attributes for {self.ds_name}")
             self.__dict__.update(state)
         else:
             self.__dict__["_state"] = state
@@ -108,9 +112,16 @@ class DeepSpeedEnum(DeepSpeedObject):
         return hash((self.ds_module, self.ds_name, self.value))
 
 
+class _ReadOnlyClass(type):
+    """Stand-in classes are shared by every load: a pickle's BUILD must not set attributes on them."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"stand-in class {cls.__name__} is read-only")
+
+
 def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepSpeedObject]:
-    cls = type(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
-    return cls
+    cls = _ReadOnlyClass(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
+    return cls  # type: ignore[return-value]
 
 
 _STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
@@ -149,11 +160,14 @@ class TorchSize(tuple):  # type: ignore[type-arg]
         return f"torch.Size({list(self)})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TorchDtype:
     """A pickled ``torch.<name>`` dtype (e.g. ``DynamicLossScaler.dtype``)."""
 
     name: str
+
+    def __setstate__(self, state: Any) -> None:  # shared by every load: see _refuse_build
+        raise pickle.UnpicklingError("refusing to set the state of an allow-listed torch dtype")
 
     def __repr__(self) -> str:
         return f"torch.{self.name}"
@@ -275,6 +289,14 @@ class TensorRef:
                 f"{self.storage.path}: asked for elements [{start}, {start + numel}) of a tensor "
                 f"with {total} elements; the checkpoint metadata does not match its tensors"
             )
+        # Checked before any buffer is allocated: a corrupt shape may claim 1e12 elements.
+        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if total else 0
+        if self.storage_offset < 0 or any(st < 0 for st in self.stride) or \
+                self.storage_offset + span > self.storage.numel:
+            raise CorruptCheckpointError(
+                f"{self.storage.path}: a tensor of shape {list(self.shape)} at offset {self.storage_offset} "
+                f"runs past the end of its storage {self.storage.key!r} ({self.storage.numel} elements); "
+                "the file is corrupt")
         return numel
 
     def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -318,6 +340,8 @@ class TensorRef:
 
     def _read_strided(self) -> torch.Tensor:
         import torch
+
+        self._check_range(0, None)
 
         if self.numel == 0:
             return torch.empty(self.shape, dtype=self.dtype)
@@ -366,16 +390,46 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -
 _STORAGE_DTYPES: dict[str, str] = {d.storage: d.name for d in DTYPES.values()} | {"UntypedStorage": "uint8"}
 
 
-@dataclass(frozen=True)
+# Allow-listed objects are shared by every load, so none of them may be changed by a pickle's BUILD
+# opcode (which writes into ``__dict__`` or calls ``setattr``): a BUILD on the shared FloatStorage
+# marker once turned every later float32 storage into int8. Hence slots and frozen classes, and
+# plain functions wrapped in :class:`_ReadOnlyCallable`.
+
+
+def _refuse_build(self: Any, state: Any) -> None:
+    raise pickle.UnpicklingError(f"refusing to set the state of the allow-listed {type(self).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
 class _StorageType:
     dtype: str
 
+    __setstate__ = _refuse_build
 
+
+@dataclass(frozen=True, slots=True)
 class _TensorType:
     """Marker for ``torch.Tensor`` / ``torch.nn.Parameter`` used as ``new_type`` in rebuild calls."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    name: str
+
+    __setstate__ = _refuse_build
+
+
+class _ReadOnlyCallable:
+    __slots__ = ("_fn",)
+    _fn: Callable[..., Any]
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("allow-listed callables are read-only")
+
+    __setstate__ = _refuse_build
 
 
 def _rebuild_tensor_v2(
@@ -474,7 +528,7 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         allowed.update(_numpy_globals())
     except ImportError:  # numpy is a dependency, but reading must not break without it
         pass
-    return allowed
+    return {k: _ReadOnlyCallable(v) if isinstance(v, types.FunctionType) else v for k, v in allowed.items()}
 
 
 _ALLOWED = _build_allowed()
@@ -537,6 +591,10 @@ def load(path: str | os.PathLike[str]) -> Any:
 def _load_zip(path: Path) -> Any:
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise CorruptCheckpointError(f"{path}: the zip archive holds {', '.join(dup)} more than once; it is "
+                                         "corrupt (torch never writes a record twice)")
         pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise CorruptCheckpointError(f"{path}: zip archive without a single data.pkl; not a torch checkpoint")

@@ -122,26 +122,53 @@ class SafetensorsRef:
         return self.read().view(self.shape)
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"tensor names listed twice: {', '.join(dup)}")
+    return dict(pairs)
+
+
 def read_safetensors_header(path: Path) -> tuple[dict[str, SafetensorsRef], dict[str, str]]:
-    """``(name -> SafetensorsRef, __metadata__)`` from a file's JSON header; no tensor data read."""
+    """``(name -> SafetensorsRef, __metadata__)`` from a file's JSON header; no tensor data read.
+
+    Checked as the safetensors library does: names unique, known dtypes, non-negative shapes whose
+    size matches ``data_offsets``, and offsets that tile the data area in order with no gap, overlap
+    or byte past the end of the file."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
-                raise ValueError("header too large")
-            header = json.loads(f.read(n))
-        size = path.stat().st_size
+            if n > min(100_000_000, size - 8):
+                raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
+            header = json.loads(f.read(n), object_pairs_hook=_no_duplicates)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         base = 8 + n
         refs: dict[str, SafetensorsRef] = {}
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise ValueError("__metadata__ is not a JSON object")
+        spans = []
         for name, info in header.items():
             dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            if any(s < 0 for s in shape) or not isinstance(info["shape"], list):
+                raise ValueError(f"tensor '{name}' has shape {info['shape']!r}")
             start, end = (int(x) for x in info["data_offsets"])
-            ref = SafetensorsRef(path, name, dtype, tuple(int(s) for s in info["shape"]), base + start)
-            if end - start != ref.nbytes or base + end > size:
+            ref = SafetensorsRef(path, name, dtype, shape, base + start)
+            if start < 0 or end - start != ref.nbytes or base + end > size:
                 raise ValueError(f"tensor '{name}' does not fit its data_offsets")
+            spans.append((start, end, name))
             refs[name] = ref
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        pos = 0
+        for start, end, name in sorted(spans):
+            if start != pos:
+                raise ValueError(f"tensor '{name}' starts at byte {start} of the data, expected {pos} "
+                                 "(overlapping or gapped data_offsets)")
+            pos = end
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise CorruptCheckpointError(f"{path}: not a readable .safetensors file ({e})") from e
     return refs, {str(k): str(v) for k, v in metadata.items()}
 
@@ -175,7 +202,11 @@ def _shard_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) and v and Path(v).name == v and v not in (".", "..")
+                    for v in weight_map.values()):
+                raise ValueError("weight_map must map tensor names to shard file names in the same folder")
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{index}: unreadable index ({e})") from e
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
