@@ -20,16 +20,14 @@ command.
 from __future__ import annotations
 
 import enum
-import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .model import LogicalCheckpoint
 from .readers import FileCache, read_checkpoint
-from .safe_load import DeepSpeedObject, TensorRef
+from .readers.same_save import file_facts, same_save_problems
 
 __all__ = ["Area", "Problem", "VerifyReport", "verify"]
 
@@ -78,97 +76,6 @@ class VerifyReport:
             "areas": [a.value for a in Area],
             "problems": [p.to_dict() for p in self.problems], "notes": list(self.notes),
         }
-
-
-# --------------------------------------------------------------------------------------------
-# Same save: facts that every file of one save shares
-
-_MODEL_FACTS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
-                "ds_version", "ds_config")
-_OPTIM_FACTS = ("zero_stage", "partition_count", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
-                "param_groups", "adam_step")
-
-
-def _plain(value: Any) -> Any:
-    """A comparable, JSON-able form of a parsed value (stand-ins by their state)."""
-    if isinstance(value, DeepSpeedObject):
-        return {"class": f"{value.ds_module}.{value.ds_name}",
-                **{k: _plain(v) for k, v in sorted(value.__dict__.items())}}
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, TensorRef):
-        return _scalar(value) if value.numel == 1 else f"<tensor {list(value.shape)}>"
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return repr(value)
-
-
-def _scalar(ref: TensorRef) -> float | str:
-    if not ref.is_contiguous():
-        return "<strided scalar>"
-    import numpy as np
-
-    from .dtypes import to_float32
-
-    raw = ref.read_numpy(0, 1)
-    if ref.dtype_name in ("bfloat16", "float16", "float32"):
-        return float(to_float32(raw, ref.dtype_name)[0])
-    return float(np.asarray(raw, dtype=np.float64)[0])
-
-
-def _optim_facts(tree: Mapping[str, Any]) -> dict[str, Any]:
-    osd = tree.get("optimizer_state_dict")
-    if not isinstance(osd, Mapping):
-        return {}
-    facts: dict[str, Any] = {k: _plain(osd[k]) for k in _OPTIM_FACTS[:-2] if k in osd}
-    inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
-    if isinstance(inner, Mapping):
-        groups = inner.get("param_groups") or []
-        facts["param_groups"] = [_plain({k: v for k, v in g.items() if k != "params"})
-                                 for g in groups if isinstance(g, Mapping)]
-        steps = set()
-        for st in (inner.get("state") or {}).values():
-            if isinstance(st, Mapping) and "step" in st:
-                steps.add(json.dumps(_plain(st["step"])))
-        facts["adam_step"] = sorted(steps)
-    for k in ("ds_version", "ds_config"):
-        if k in tree:
-            facts[k] = _plain(tree[k])
-    return facts
-
-
-def _model_facts(tree: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _plain(tree[k]) for k in _MODEL_FACTS if k in tree}
-
-
-def same_save_problems(named_facts: Iterable[tuple[str, dict[str, Any]]]) -> list[Problem]:
-    """A problem for every fact on which the files disagree, naming which file holds which value.
-    Pure: facts in, problems out."""
-    by_fact: dict[str, dict[str, list[str]]] = {}
-    for name, facts in named_facts:
-        for key, value in facts.items():
-            shown = json.dumps(value, sort_keys=True, default=str)
-            by_fact.setdefault(key, {}).setdefault(shown, []).append(name)
-    problems = []
-    for key, values in by_fact.items():
-        if len(values) < 2:
-            continue
-        parts = [f"{v if len(v) <= 60 else v[:57] + '...'} in {', '.join(files)}" for v, files in values.items()]
-        problems.append(Problem(Area.FILES, key, f"files disagree ({'; '.join(parts)}); they do not come from "
-                                "one save — restore the odd ones from the same save or pick another tag"))
-    return problems
-
-
-def _file_facts(ckpt: LogicalCheckpoint, cache: FileCache) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for path in ckpt.files:
-        tree = cache.tree(path)
-        facts = _optim_facts(tree) if "optimizer_state_dict" in tree else _model_facts(tree)
-        # ds_config and ds_version are shared by model-states and optimizer files alike
-        out.append((str(path.relative_to(ckpt.tag_dir)), facts))
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,12 +146,14 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     from .state_dict_files import TargetKind
 
     cache = FileCache()
-    ckpt = read_checkpoint(path, tag=tag, cache=cache)
+    ckpt = read_checkpoint(path, tag=tag, cache=cache, allow_mixed_saves=True)
     problems: list[Problem] = []
     notes: list[str] = []
 
-    # same save
-    problems += same_save_problems(_file_facts(ckpt, cache))
+    # same save (every other command refuses a mixed set; verify lists what disagrees)
+    trees = {f: cache.tree(f) for f in ckpt.files}
+    facts = file_facts(ckpt.files, trees, ckpt.tag_dir)
+    problems += [Problem(Area.FILES, fact, msg) for fact, msg in same_save_problems(facts)]
 
     # bindings
     for amb in ckpt.ambiguities:
@@ -252,7 +161,6 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
 
     # one streaming pass: values (scan's checks) with every record's CRC checked as its bytes go by
     audit = _RecordAudit(ckpt.files, cache)
-    trees = {f: cache.tree(f) for f in ckpt.files}
     plan = plan_scan(ckpt, trees, cache.tensor, target=ckpt.root, target_kind=TargetKind.DEEPSPEED)
     report = run_scan(plan, cache, on_progress=on_progress)
     problems += [Problem(Area.RECORDS, where, msg) for where, msg in audit.finish()]

@@ -48,6 +48,8 @@ COMMANDS: tuple[Command, ...] = (
             lambda o: o / "fixed.safetensors", accepts=("safetensors",)),
     Command("reshard", lambda fx, c, o: ["reshard", "-q", str(c), str(o / "resharded"), "-n", "3"],
             lambda o: o / "resharded"),
+    Command("verify", lambda fx, c, o: ["verify", "--json", str(c)]),
+    Command("diff", lambda fx, c, o: ["diff", "--json", str(c), str(c)], accepts=("deepspeed", "safetensors")),
 )
 
 WRITING = tuple(c for c in COMMANDS if c.writes)

@@ -11,7 +11,7 @@ Outcomes (see :func:`classify`):
 * ``refused``: exit 2/3 with exactly one ``dsckpt: error:`` line on stderr;
 * ``wrong``: exit 0 but the to-fp32 output differs from the truth (a *silent wrong answer*),
   reported per mutation category; :data:`WRONG_ALLOWED` lists the categories where no check can
-  catch it yet (flipped tensor bytes: CRC32 checking will);
+  catch (flipped tensor bytes in legacy files and safetensors, which carry no checksums);
 * ``failure``: anything else -- a traceback, exit 70, another exit code, several lines, a hang past
   the per-case limit, ``MemoryError``.
 """
@@ -54,7 +54,9 @@ MIXED_SAVES = (("s3_fp32_w2", "s3_fp16_w2_cpuforced"), ("s2_fp32_w2_legacy", "s1
 #: Mutation categories where exit 0 with a wrong to-fp32 result cannot be caught yet: bytes flipped
 #: inside tensor data (nothing records a checksum of them until zip CRC32s are checked; legacy files and
 #: safetensors carry none). Tighten by removing entries once the checks exist.
-WRONG_ALLOWED = frozenset({"flip:tensor", "flip:legacy-tensor", "safetensors:flip-data"})
+# Flipped bytes in zip tensor records are caught by their CRC-32s (dsckpt.crc); legacy files and
+# safetensors carry no checksums, so a flipped value there cannot be told from a real one.
+WRONG_ALLOWED = frozenset({"flip:legacy-tensor", "safetensors:flip-data"})
 
 PER_CASE_SECONDS = 20
 

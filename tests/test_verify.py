@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from conftest import all_fixtures, fixtures_where, ids, tree_digest
 from dsckpt.cli import main
 from dsckpt.model import Role
-from dsckpt.verify import Area, same_save_problems, verify
+from dsckpt.readers.same_save import same_save_problems
+from dsckpt.verify import Area, verify
 from scan_helpers import copy_fixture, plant
 
 
@@ -84,9 +85,33 @@ def test_rank_files_from_two_saves_are_named(tmp_path):
     files_problems = [p for p in report.problems if p.area is Area.FILES]
     assert [p.where for p in files_problems] == ["ds_config"]
     assert name in files_problems[0].message and "mp_rank_00_model_states.pt" in files_problems[0].message
-    assert "do not come from one save" in files_problems[0].message
+    assert "they come from different saves" in files_problems[0].message
     res = _run(str(ckpt))
     assert res.exit_code == 1 and "files      ds_config: files disagree" in res.stdout
+    # every other command refuses such a set outright
+    res = CliRunner().invoke(main, ["to-fp32", str(ckpt), str(tmp_path / "o.safetensors")])
+    assert res.exit_code == 3 and "ds_config: files disagree" in res.stderr and name in res.stderr
+
+
+def test_two_steps_of_one_run_with_the_same_config_are_told_apart(tmp_path):
+    # s1_fp32_w2 and its accelerate-tag twin: the same run and config, saved under another tag; make
+    # rank 1's optimizer file look one step older (Adam step 2): only the step counts can tell.
+    import torch
+
+    from dsckpt import safe_load, safe_save
+
+    fx = next(f for f in all_fixtures() if f.name == "s1_fp32_w2")
+    ckpt = copy_fixture(fx, tmp_path)
+    victim = ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    tree = safe_load.materialize(safe_load.load(victim))
+    for st in tree["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+        st["step"] = torch.tensor(2.0)
+    safe_save.save(tree, victim)
+    report = verify(ckpt)
+    assert [(p.area, p.where) for p in report.problems] == [(Area.FILES, "adam_step")]
+    assert '["2.0"] in zero_pp_rank_1_mp_rank_00_optim_states.pt' in report.problems[0].message
+    res = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert res.exit_code == 3 and "adam_step: files disagree" in res.stderr
 
 
 def test_an_unproven_binding_is_a_problem():
@@ -99,9 +124,9 @@ def test_same_save_problems_is_pure_and_names_each_value():
     facts = [("a.pt", {"global_steps": 3, "ds_version": "0.19.8"}),
              ("b.pt", {"global_steps": 3, "ds_version": "0.19.8"}),
              ("c.pt", {"global_steps": 4})]
-    (p,) = same_save_problems(facts)
-    assert p.where == "global_steps"
-    assert p.message.startswith("files disagree (3 in a.pt, b.pt; 4 in c.pt)")
+    ((fact, message),) = same_save_problems(facts)
+    assert fact == "global_steps"
+    assert message.startswith("files disagree (3 in a.pt, b.pt; 4 in c.pt)")
     assert same_save_problems(facts[:2]) == []
 
 

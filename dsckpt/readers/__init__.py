@@ -5,7 +5,6 @@ Raw DeepSpeed dicts never leave this package.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 
@@ -18,31 +17,25 @@ __all__ = ["read_checkpoint", "FileCache"]
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
-                    cache: FileCache | None = None) -> LogicalCheckpoint:
-    """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model."""
+                    cache: FileCache | None = None, allow_mixed_saves: bool = False) -> LogicalCheckpoint:
+    """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model.
+
+    Rank files that do not all come from one save are refused (:mod:`.same_save`) unless
+    ``allow_mixed_saves`` (``verify`` lists the disagreements instead)."""
     cache = cache if cache is not None else FileCache()
     logical = _read(path, tag, cache)
-    _check_one_save(logical, cache)
+    if not allow_mixed_saves:
+        _check_one_save(logical, cache)
     return logical
 
 
 def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
-    """Refuse rank files from different saves: DeepSpeed 0.19.8 writes the same ``ds_config`` and
-    ``ds_version`` into every model-states and optimizer file of one save (engine.py:5017-5038,
-    5549-5564), so files that disagree were mixed in from another run or configuration."""
-    seen: dict[str, list[str]] = {}
-    for f in ckpt.files:
-        tree = cache.tree(f)
-        if isinstance(tree, Mapping) and "ds_config" in tree:
-            key = json.dumps([tree.get("ds_config"), tree.get("ds_version")], sort_keys=True, default=repr)
-            seen.setdefault(key, []).append(f.name)
-    if len(seen) > 1:
-        groups = sorted(seen.values(), key=len, reverse=True)
-        odd = ", ".join(name for g in groups[1:] for name in g)
-        raise CorruptCheckpointError(
-            f"'{ckpt.tag_dir}': {odd} {'holds' if len(groups) == 2 and len(groups[1]) == 1 else 'hold'} a different "
-            f"ds_config/ds_version than {', '.join(groups[0])}; the rank files come from different saves. "
-            "Restore the files of one save, or pick another tag with --tag")
+    from .same_save import file_facts, same_save_problems
+
+    facts = file_facts(ckpt.files, {f: cache.tree(f) for f in ckpt.files}, ckpt.tag_dir)
+    problems = same_save_problems(facts)
+    if problems:
+        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': " + "; ".join(f"{fact}: {msg}" for fact, msg in problems))
 
 
 def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:
