@@ -401,10 +401,10 @@ def plan_diff(a: DiffInput, b: DiffInput, *, role: DiffRole | str = DiffRole.VAL
                                           pa.dtype if pa else None, pb.dtype if pb else None,
                                           reason=f"no {label} copy in {missing}"))
                 continue
-            for side, e, p in (("A", ea, pa), ("B", eb, pb)):
+            for which, e, p in (("A", ea, pa), ("B", eb, pb)):
                 problem = _tiling_problem(e, p)
                 if problem:
-                    problems.append(f"{side} {problem}")
+                    problems.append(f"{which} {problem}")
             pairs.append(PairPlan(name, label, ea.shape, pa, pb, _copy_label(a, pa), _copy_label(b, pb)))
         if not wanted:
             order.append((name, role.value))
