@@ -127,6 +127,14 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
         lines.append("buffers      " + ", ".join(f"{b['name']} ({b['dtype']})" for b in s["buffers"]))
+    hf = s.get("hf_trainer")
+    if hf is not None:
+        files = hf["files"]
+        lines.append("hf trainer   " + "; ".join(
+            f"{role}: {', '.join(files[role])}" for role in ("model-side", "weights", "trainer-state", "optimizer",
+                                                             "rng", "other") if files.get(role))
+                     + (f"; trainer_state.json global_step {hf['trainer_global_step']}"
+                        if hf["trainer_global_step"] is not None else ""))
     lines.append(f"files        {len(s['files'])} files, {_human(s['total_nbytes'])}")
     for f in s["files"]:
         lines.append(f"               {f['name']}  {_human(f['nbytes'])}")

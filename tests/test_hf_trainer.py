@@ -83,6 +83,23 @@ def test_codecs_encode_is_allowed_only_for_latin1_text():
         _codecs_encode(b"x", "latin1")
 
 
+@pytest.mark.parametrize("fx", HF, ids=ids(HF))
+def test_info_names_the_trainer_files(fx):
+    r = CliRunner().invoke(main, ["info", str(fx.ckpt), "--json"])
+    assert r.exit_code == 0, r.output
+    hf = json.loads(r.stdout)["hf_trainer"]
+    assert hf["trainer_global_step"] == 3
+    assert set(hf["files"]["model-side"]) == MODEL_SIDE
+    assert hf["files"]["trainer-state"] == ["trainer_state.json", "training_args.bin"]
+    assert hf["files"]["rng"] == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert hf["files"].get("weights", []) == (["model.safetensors"] if fx.meta["stage"] == 2 else [])
+    text = CliRunner().invoke(main, ["info", str(fx.ckpt)]).stdout
+    assert "hf trainer   model-side: chat_template.jinja, config.json" in text
+    assert "trainer_state.json global_step 3" in text
+    plain = next(f for f in all_fixtures() if f.name == "s2_bf16_w2_2groups")
+    assert json.loads(CliRunner().invoke(main, ["info", str(plain.ckpt), "--json"]).stdout)["hf_trainer"] is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # to-fp32: plan (no files written)
 
