@@ -157,6 +157,14 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
         lines.append("buffers      " + ", ".join(f"{b['name']} ({b['dtype']})" for b in s["buffers"]))
+    hf = s.get("hf_trainer")
+    if hf is not None:
+        files = hf["files"]
+        lines.append("hf trainer   " + "; ".join(
+            f"{role}: {', '.join(files[role])}" for role in ("model-side", "weights", "trainer-state", "optimizer",
+                                                             "rng", "other") if files.get(role))
+                     + (f"; trainer_state.json global_step {hf['trainer_global_step']}"
+                        if hf["trainer_global_step"] is not None else ""))
     lines.append(f"files        {len(s['files'])} files, {_human(s['total_nbytes'])}")
     for f in s["files"]:
         lines.append(f"               {f['name']}  {_human(f['nbytes'])}")
@@ -186,6 +194,9 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="Write Hugging Face-style shards of at most this size (e.g. 5GB) into OUT (a folder). "
                    "A folder OUT without this option gets 5GB shards.")
 @click.option("--exclude-frozen", is_flag=True, help="Leave out parameters that were not trained.")
+@click.option("--no-hf-files", is_flag=True,
+              help="For a Hugging Face Trainer folder: write only the weights (every name, tied aliases included); "
+                   "do not copy config.json, tokenizer and other model-side files into OUT.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, nothing written) if any tensor holds inf/NaN.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
@@ -194,24 +205,31 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="Reader threads running ahead of the writer (0: read and write in one thread).")
 @handle_errors
 def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
-            exclude_frozen: bool, force: bool, strict: bool, dry_run: bool, quiet: bool, workers: int) -> None:
+            exclude_frozen: bool, no_hf_files: bool, force: bool, strict: bool, dry_run: bool, quiet: bool,
+            workers: int) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
     model.safetensors.index.json (one shard: model.safetensors). .bin/.pt: a torch file.
+
+    CKPT a Hugging Face Trainer folder (checkpoint-N/, or its global_stepN/) and OUT a folder: the
+    model-side files (config.json with dtype set to --dtype, generation config, tokenizer, chat
+    template) are copied next to the weights and tied aliases are left out as save_pretrained does,
+    so that from_pretrained(OUT) works. Trainer state, optimizer and RNG files are never copied.
     """
     from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32
 
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
-                        max_shard_size=max_shard_size)
+                        max_shard_size=max_shard_size, hf_files=not no_hf_files)
     if dry_run:
         click.echo(f"would write {len(plan.specs)} tensors, {_human(plan.total_nbytes)}, as "
                    f"{plan.format.value} to {plan.output}")
         if plan.shards is not None:
             for name, shard in zip(plan.shards.filenames, plan.shards.shards):
                 click.echo(f"  {name}: {len(shard)} tensors, {_human(sum(s.nbytes for s in shard))}")
+        click.echo("\n".join(_hf_lines(plan.hf_files, plan.tied_left_out)))
         sys.exit(1 if plan.specs else 0)
     with _progress(plan.total_nbytes, "to-fp32", not quiet) as tick:
         result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
@@ -221,6 +239,22 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
                        "'dsckpt repair'", err=True)
     click.echo(f"wrote {len(plan.specs)} tensors ({_human(plan.total_nbytes)}) to "
                + ", ".join(str(f) for f in result.files))
+    if plan.hf_files is not None:
+        click.echo(f"copied {len(plan.hf_files.copies)} Hugging Face file(s) from {plan.hf_files.folder}"
+                   + (f"; tied {', '.join(plan.tied_left_out)} left out (from_pretrained re-ties it)"
+                      if plan.tied_left_out else ""))
+        if not quiet:
+            for o in plan.hf_files.left_out:
+                if o.source is None:
+                    click.echo(f"dsckpt: warning: {o.reason}", err=True)
+
+
+def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
+    if hf is None:
+        return []
+    lines = [f"Hugging Face files from {hf.folder}:", *hf.describe()]
+    lines += [f"  leave out tensor {n}: tied alias, re-tied by from_pretrained" for n in tied_left_out]
+    return lines
 
 
 @main.command()
@@ -429,21 +463,28 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "names, shapes, dtypes and values around every fragment boundary plus samples (quick), "
                    "every value (full: reads input and output once more), or nothing (none).")
 @click.option("--no-verify", is_flag=True, help="Same as --verify none.")
+@click.option("--no-hf-files", is_flag=True, help="For a Hugging Face Trainer folder: write only the DeepSpeed part.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, quiet: bool) -> None:
+            no_verify: bool, no_hf_files: bool, quiet: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
     counts, loss scaler, scheduler and client state carried over exactly. CKPT is never modified.
+
+    CKPT a Hugging Face Trainer folder (checkpoint-N/): the Trainer's files (trainer_state.json,
+    training_args.bin, scheduler/scaler, config, tokenizer, model.safetensors) are copied byte for byte,
+    so that Trainer.train(resume_from_checkpoint=OUT) works on N processes. RNG states: rank r keeps old
+    rank r's rng_state_r.pth; on 1 process old rank 0's becomes rng_state.pth; new ranks get none (the
+    Trainer then keeps its seeded RNG, as it does whenever the file is missing).
     """
     from .readers import FileCache, read_checkpoint
     from .reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
 
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
-    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache))
+    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -460,6 +501,13 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}")
+    if plan.hf_files is not None:
+        click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
+                   + ", ".join(p.name for p in result.hf_files))
+        if not quiet:
+            for o in plan.hf_files.left_out:
+                if o.source is None and o.role.value != "rng":
+                    click.echo(f"dsckpt: warning: {o.reason}", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

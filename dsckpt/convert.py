@@ -23,6 +23,7 @@ from .atomic import atomic_dir, claim_output
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
+from .hf import HfFilesPlan, copy_files, plan_export_files
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .nonfinite import NonFinite, count_nonfinite_np
 from .readers import FileCache
@@ -97,6 +98,8 @@ class ConvertPlan:
     name_to_entry: dict[str, TensorEntry]
     shards: ShardPlan | None
     metadata: dict[str, str]
+    hf_files: HfFilesPlan | None = None  # model-side files copied next to the weights (see dsckpt.hf)
+    tied_left_out: tuple[str, ...] = ()  # tied aliases not written, as save_pretrained does
 
     @property
     def total_nbytes(self) -> int:
@@ -105,7 +108,8 @@ class ConvertPlan:
     @property
     def output_nbytes_bound(self) -> int:
         """At most this many bytes are written: tensor data plus headers / zip records."""
-        return self.total_nbytes + 4096 + sum(256 + 2 * len(s.name.encode()) for s in self.specs)
+        hf = self.hf_files.nbytes if self.hf_files is not None else 0
+        return self.total_nbytes + hf + 4096 + sum(256 + 2 * len(s.name.encode()) for s in self.specs)
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,18 @@ def _output_dtype(entry: TensorEntry, dtype: str) -> str:
 
 
 def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
-                 exclude_frozen: bool = False, max_shard_size: str | int | None = None) -> ConvertPlan:
+                 exclude_frozen: bool = False, max_shard_size: str | int | None = None,
+                 hf_files: bool = True) -> ConvertPlan:
     """Decide what ``to-fp32`` writes where. Pure: reads no tensor data, writes nothing.
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) applies to floating
-    tensors; integer buffers keep theirs."""
+    tensors; integer buffers keep theirs.
+
+    Hugging Face export: when ``output`` is a folder, ``hf_files`` is true and the checkpoint's save
+    dir is a Trainer / model folder (it holds ``config.json`` or ``trainer_state.json``), the plan
+    copies its model-side files (:func:`dsckpt.hf.plan_export_files`) next to the weights and, as
+    ``save_pretrained`` does, leaves tied aliases out (``lm_head.weight`` when tied to the input
+    embeddings): ``from_pretrained`` re-ties them. Otherwise every name is written, aliases included."""
     out = Path(output)
     dtype = parse_dtype(dtype)
     fmt = output_format(out, sharded=max_shard_size is not None)
@@ -158,6 +169,15 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     ckpt.require_unambiguous("to-fp32 --exclude-frozen" if exclude_frozen else "to-fp32",
                              values=True, flags=exclude_frozen)
     chosen = [e for e in ckpt.entries if not (exclude_frozen and e.kind is Kind.PARAM and not e.trainable)]
+    hf = None
+    tied_left_out: tuple[str, ...] = ()
+    if fmt is OutputFormat.SAFETENSORS_SHARDED and hf_files:
+        from .layout import list_tags
+
+        hf = plan_export_files(ckpt.root, tag_dirs=frozenset(list_tags(ckpt.root)), dtype=dtype)
+        if hf is not None:
+            tied_left_out = tuple(e.name for e in chosen if e.tied_to is not None)
+            chosen = [e for e in chosen if e.tied_to is None]
     specs = tuple(TensorSpec(e.name, _output_dtype(e, dtype), e.shape) for e in chosen)
     shards = None
     if fmt is OutputFormat.SAFETENSORS_SHARDED:
@@ -170,7 +190,7 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
         "zero_stage": str(ckpt.zero_stage),
         "training_precision": ckpt.precision.value,
     }
-    return ConvertPlan(out, fmt, specs, {e.name: e for e in chosen}, shards, metadata)
+    return ConvertPlan(out, fmt, specs, {e.name: e for e in chosen}, shards, metadata, hf, tied_left_out)
 
 
 def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, strict: bool = False,
@@ -271,6 +291,8 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
             with atomic_dir(plan.output) as tmp:
                 written = write_sharded_chunks(tmp, plan.shards, produce_chunks, metadata=plan.metadata,
                                                on_tensor=on_tensor)
+                if plan.hf_files is not None:
+                    written += copy_files(plan.hf_files, tmp)
             files = tuple(plan.output / p.name for p in written)
     finally:
         stream.close()

@@ -3,10 +3,13 @@ except one-element tensors such as a step count, whose records' CRC-32s are then
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from .crc import has_record_crcs
 from .errors import DsckptError
+from .hf import classify, is_hf_folder
 from .layout import list_tags
 from .model import Kind, LogicalCheckpoint
 from .readers import FileCache
@@ -98,4 +101,23 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "files": files,
         "total_nbytes": sum(f["nbytes"] for f in files),
         "health": {"ok": not problems, "problems": problems, "notes": health_notes(ckpt)},
+        "hf_trainer": hf_trainer_summary(ckpt.root),
     }
+
+
+def hf_trainer_summary(root: Path) -> dict[str, Any] | None:
+    """The Hugging Face Trainer / model files beside the DeepSpeed save dir, by role; ``None`` if none.
+    Only names and ``trainer_state.json``'s ``global_step`` are read (no pickle is opened)."""
+    if not is_hf_folder(root):
+        return None
+    tags = frozenset(list_tags(root))
+    by_role: dict[str, list[str]] = {}
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith("."):
+            by_role.setdefault(classify(p, tag_dirs=tags).value, []).append(p.name)
+    step = None
+    try:
+        step = json.loads((root / "trainer_state.json").read_text(encoding="utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {"folder": str(root), "files": by_role, "trainer_global_step": step}

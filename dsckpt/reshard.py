@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .hf import HfFilesPlan, copy_files, plan_resume_files
 from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .partition import (
     DEFAULT_SUB_GROUP_SIZE,
@@ -161,6 +162,7 @@ class ReshardPlan:
     alignment_paddings: tuple[tuple[int, ...], ...]
     ranks: tuple[RankPlan, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
 
     @property
     def has_work(self) -> bool:
@@ -184,6 +186,7 @@ class ReshardResult:
     files: tuple[Path, ...]
     verified_tensors: int  # stored copies (tensor, role) compared with the input
     verification: str = "quick"  # a :class:`Verify` value
+    hf_files: tuple[Path, ...] = ()  # the Trainer's files copied into OUT
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,11 +394,15 @@ def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
     )
 
 
-def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None) -> ReshardPlan:
-    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks. No I/O.
+def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None,
+                 hf_files: bool = True) -> ReshardPlan:
+    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks. No tensor I/O.
 
     ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt`` and its
     ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param group).
+    When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) and ``hf_files``, the
+    plan also carries the Trainer's files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
+    listed from the folder, nothing opened), RNG states mapped to the new rank count.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
@@ -411,6 +418,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
         zero_stage=ckpt.zero_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, world_size=world_size, source_optim_files=optim_sorted,
         bf16_prefixed_optim=bf16_prefix,
+        hf_files=_plan_hf_files(ckpt, world_size) if hf_files else None,
     )
     if ckpt.zero_stage == 0:
         models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
@@ -420,6 +428,13 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
     if ckpt.zero_stage == 3:
         return _plan_zero3(ckpt, world_size, facts, common)
     return _plan_zero12(ckpt, world_size, facts, common)
+
+
+def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
+    from .layout import list_tags
+
+    return plan_resume_files(ckpt.root, world_size, tag=ckpt.tag,
+                             tag_dirs=frozenset(list_tags(ckpt.root)) | {ckpt.tag})
 
 
 def _rank_of(path: Path) -> int:
@@ -592,6 +607,9 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     if plan.zero_stage == 0:
         lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
                      + f" with dp_world_size={plan.world_size}")
+    if plan.hf_files is not None:
+        lines.append(f"Hugging Face Trainer files from {plan.hf_files.folder} (byte for byte):")
+        lines += plan.hf_files.describe()
     return lines
 
 
@@ -622,6 +640,8 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
     compared with the source -- names, shapes, dtypes, world size, and for every stored copy of every
     tensor the values around every fragment boundary plus evenly spaced samples (``"quick"``), or all
     values (``"full"``, which reads input and output once more) -- before it is moved into place.
+    The plan's Hugging Face Trainer files are copied into the same temporary folder, so OUT appears
+    complete or not at all.
     """
     from .atomic import atomic_dir, claim_output
     from .readers import FileCache
@@ -644,9 +664,11 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
         for script in ZERO_TO_FP32_SCRIPTS:
             if (plan.source_root / script).is_file():
                 shutil.copy2(plan.source_root / script, tmp / script)
+        hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
         checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
         cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
-    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value)
+    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value,
+                         tuple(out / f.relative_to(tmp) for f in hf))
 
 
 def output_nbytes_bound(plan: ReshardPlan) -> int:
@@ -663,7 +685,8 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
     scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)
     files = len(plan.source_model_files) + 2 * len(plan.ranks) + 3
-    return plan.copied_nbytes + model_nbytes + scripts + (64 << 10) * files
+    hf = plan.hf_files.nbytes if plan.hf_files is not None else 0
+    return plan.copied_nbytes + model_nbytes + scripts + hf + (64 << 10) * files
 
 
 def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:

@@ -470,6 +470,14 @@ def _safe_reconstructor(cls: Any, base: Any, state: Any) -> Any:
     return obj
 
 
+def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    # numpy pickles bytes (the Mersenne Twister key of np.random.get_state(), saved in HF Trainer
+    # rng_state_*.pth) as _codecs.encode(str, "latin1") for protocol-2 compatibility.
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1") or errors != "strict":
+        raise pickle.UnpicklingError(f"_codecs.encode called with {type(obj).__name__}, {encoding!r}")
+    return obj.encode("latin1")
+
+
 def _numpy_globals() -> dict[tuple[str, str], Any]:
     import numpy as np
 
@@ -517,6 +525,7 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("builtins", "complex"): complex,
         ("builtins", "bytearray"): bytearray,
         ("__builtin__", "set"): set,
+        ("_codecs", "encode"): _codecs_encode,
     }
     for name, dtype in _STORAGE_DTYPES.items():
         allowed[("torch", name)] = _StorageType(dtype)

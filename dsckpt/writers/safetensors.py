@@ -76,17 +76,25 @@ class ShardPlan:
 
 def plan_shards(specs: Sequence[TensorSpec], max_shard_nbytes: int | None,
                 *, prefix: str = "model") -> ShardPlan:
-    """Cut ``specs`` (in order) into shards of at most ``max_shard_nbytes`` (a larger tensor gets a
-    shard of its own), named like Hugging Face: one shard -> ``model.safetensors``, else
-    ``model-00001-of-0000N.safetensors``."""
-    shards: list[list[TensorSpec]] = [[]]
+    """Cut ``specs`` into shards of at most ``max_shard_nbytes``, exactly as huggingface_hub's
+    ``split_torch_state_dict_into_shards`` does (and so ``save_pretrained``): tensors in order fill
+    the current shard until the next would overflow it; a tensor larger than the limit gets a shard
+    of its own, placed when it is met, and the current shard goes on after it. One shard ->
+    ``model.safetensors``, else ``model-00001-of-0000N.safetensors``."""
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
     size = 0
     for spec in specs:
-        if max_shard_nbytes is not None and shards[-1] and size + spec.nbytes > max_shard_nbytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
+        if max_shard_nbytes is not None and spec.nbytes > max_shard_nbytes:
+            shards.append([spec])
+            continue
+        if max_shard_nbytes is not None and size + spec.nbytes > max_shard_nbytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
         size += spec.nbytes
+    if current or not shards:
+        shards.append(current)
     n = len(shards)
     names: tuple[str, ...]
     if n == 1:
@@ -199,11 +207,13 @@ def write_sharded_chunks(directory: Path, plan: ShardPlan,
         written.append(write_safetensors_chunks(directory / filename, shard, produce_chunks, metadata=metadata,
                                                 on_tensor=on_tensor))
     if len(plan.filenames) > 1:
-        index = {"metadata": {"total_size": plan.total_nbytes, **(metadata or {})},
+        # As save_pretrained writes it: {"metadata": {"total_size": <tensor bytes>, ...}, "weight_map": ...},
+        # keys sorted.
+        index = {"metadata": {**(metadata or {}), "total_size": plan.total_nbytes},
                  "weight_map": plan.name_to_file}
         index_path = directory / "model.safetensors.index.json"
         with atomic_file(index_path) as f:
-            f.write(json.dumps(index, indent=2, sort_keys=False).encode("utf-8") + b"\n")
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
         written.append(index_path)
     return written
 
