@@ -65,7 +65,7 @@ def test_text_output_and_exit_codes(tmp_path):
 
 
 def test_a_16bit_copy_that_is_not_its_rounded_master_is_a_problem(tmp_path):
-    fx = fixtures_where(stage=2, dtype="bf16")[0]
+    fx = next(f for f in all_fixtures() if f.name == "s2_bf16_w2_2groups")
     ckpt = copy_fixture(fx, tmp_path)
     plant(ckpt, "fc1.weight", Role.MODULE, 3, 0.5)
     res = _run("--json", str(ckpt))
