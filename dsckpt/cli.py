@@ -263,8 +263,12 @@ def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
 @click.option("--nonfinite", "nonfinite_only", is_flag=True, help="Only look for inf/NaN values.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--workers", default=None, type=click.IntRange(0, 64),
+              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread).")
 @handle_errors
-def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool) -> None:
+def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
+         workers: int | None) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
@@ -277,7 +281,7 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
-        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -361,8 +365,11 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--workers", default=None, type=click.IntRange(0, 64),
+              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread).")
 @handle_errors
-def verify(ckpt: str, tag: str | None, as_json: bool) -> None:
+def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> None:
     """Audit CKPT without converting it, in one streaming pass over its data.
 
     Checks that every rank file is present and from the same save (tag, world sizes, step, config,
@@ -372,7 +379,7 @@ def verify(ckpt: str, tag: str | None, as_json: bool) -> None:
     """
     from .verify import verify as run_verify
 
-    report = run_verify(ckpt, tag=tag)
+    report = run_verify(ckpt, tag=tag, workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
