@@ -472,9 +472,11 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--no-verify", is_flag=True, help="Same as --verify none.")
 @click.option("--no-hf-files", is_flag=True, help="For a Hugging Face Trainer folder: write only the DeepSpeed part.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--workers", default=None, type=click.IntRange(1, 64),
+              help="Target files written at once (default: half the cores, at most 8).")
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, no_hf_files: bool, quiet: bool) -> None:
+            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
@@ -503,7 +505,7 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
             click.echo(f"  wrote {path.name}", err=True)
 
     mode = "none" if no_verify else verify
-    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick)
+    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
