@@ -126,8 +126,12 @@ def test_same_save_problems_is_pure_and_names_each_value():
              ("c.pt", {"global_steps": 4})]
     ((fact, message),) = same_save_problems(facts)
     assert fact == "global_steps"
-    assert message.startswith("files disagree (3 in a.pt, b.pt; 4 in c.pt)")
+    assert message.startswith("files disagree (3 in a.pt, b.pt | 4 in c.pt)")
     assert same_save_problems(facts[:2]) == []
+    nested = [("a.pt", {"ds_config": {"zero": {"stage": 2, "rr": True}, "bf16": {"enabled": True}}}),
+              ("b.pt", {"ds_config": {"zero": {"stage": 2}, "bf16": {"enabled": True}}})]
+    ((fact, message),) = same_save_problems(nested)
+    assert message.startswith("files disagree (ds_config.zero.rr = true in a.pt | ds_config.zero.rr = absent in b.pt)")
 
 
 # ------------------------------------------------------------------------------------------------
