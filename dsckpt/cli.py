@@ -28,6 +28,8 @@ from .interrupts import Terminated, signals_as_exceptions
 
 __all__ = ["main"]
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
+
 
 def _fail(message: str, code: int) -> None:
     click.echo(f"dsckpt: error: {message}", err=True)
@@ -62,6 +64,12 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except BrokenPipeError:
+            # stdout's reader went away (`dsckpt ... | head`): not an error worth a message. Point stdout
+            # at /dev/null so the interpreter's final flush does not fail again; exit as SIGPIPE would.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
         except OSError as e:
             # The environment, not a bug: unreadable input, a folder where a file should be, I/O errors.
             if os.environ.get("DSCKPT_DEBUG"):

@@ -168,6 +168,7 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     for f in report.findings:
         problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
     notes += audit.notes(ckpt.tag_dir)
+    notes += ckpt.notes
     assert Check.MISMATCH in report.checks
     return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
                         report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes))
