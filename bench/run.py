@@ -51,6 +51,7 @@ MiB = 1024 * 1024
 class Sample:
     wall_s: float
     maxrss_bytes: int
+    cpu_s: float = 0.0  # user + system CPU time of the command
 
 
 @dataclass
@@ -71,6 +72,10 @@ class Case:
     @property
     def maxrss_bytes(self) -> int:
         return int(statistics.median(s.maxrss_bytes for s in self.samples))
+
+    @property
+    def cpu_s(self) -> float:
+        return statistics.median(s.cpu_s for s in self.samples)
 
 
 def warm_cache(path: Path) -> None:
@@ -99,14 +104,14 @@ def measure(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Sa
     with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rss:
         full_env = {**os.environ, **env}
         t0 = time.perf_counter()
-        p = subprocess.run([TIME, "-f", "%M", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, stderr=err,
+        p = subprocess.run([TIME, "-f", "%M %U %S", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, stderr=err,
                            env=full_env, cwd=cwd)
         wall = time.perf_counter() - t0
         if p.returncode != 0:
             err.seek(0)
             raise RuntimeError(f"{' '.join(argv)} exited {p.returncode}:\n{err.read().decode()[-3000:]}")
-        maxrss_kib = int(rss.read().split()[-1])
-    return Sample(wall, maxrss_kib * 1024)
+        maxrss_kib, user_s, sys_s = rss.read().split()[-3:]
+    return Sample(wall, int(maxrss_kib) * 1024, float(user_s) + float(sys_s))
 
 
 def run_case(case: Case) -> None:
@@ -197,6 +202,11 @@ def build_cases(commands: set[str], workers: int | None, baseline: Path | None) 
         theirs = WORK / f"{key}-ds"
         cases.append(Case(f"to-fp32 {key}", lambda c=ckpt, o=ours: [DSCKPT, "to-fp32", str(c), str(o), "-q",
                                                                      *wflag], warm=ckpt, output=ours))
+        if key.endswith("-200m"):  # the same command with the CRC-32 checks of the records read turned off
+            nocrc = WORK / f"{key}-nocrc.safetensors"
+            cases.append(Case(f"to-fp32 {key} [no CRC]", lambda c=ckpt, o=nocrc: [
+                DSCKPT, "to-fp32", str(c), str(o), "-q", *wflag], warm=ckpt, output=nocrc,
+                env={"DSCKPT_NO_CRC": "1"}))
         cases.append(Case(f"zero_to_fp32 {key}", lambda c=ckpt, o=theirs: [
             PY, "-m", "deepspeed.utils.zero_to_fp32", str(c), str(o), "--safe_serialization"],
             warm=ckpt, output=theirs, env=ds_env))
@@ -293,7 +303,8 @@ def main() -> None:
         for c in order:
             run_case(c)
             s = c.samples[-1]
-            print(f"round {r + 1}/{args.rounds}  {c.name:32s} {s.wall_s:8.3f} s  {s.maxrss_bytes / 1e6:8.0f} MB",
+            print(f"round {r + 1}/{args.rounds}  {c.name:32s} {s.wall_s:8.3f} s  {s.cpu_s:6.2f} s CPU  "
+                  f"{s.maxrss_bytes / 1e6:8.0f} MB",
                   file=sys.stderr, flush=True)
     shutil.rmtree(WORK, ignore_errors=True)
     elapsed = time.time() - t_start
@@ -322,6 +333,15 @@ def main() -> None:
                          f"{fmt_s(by[b].wall_s)}, {fmt_mb(by[b].maxrss_bytes)}",
                          f"{by[b].wall_s / by[a].wall_s:.1f}× faster, {by[a].maxrss_bytes / by[b].maxrss_bytes:.2f}× RSS",
                          "", ""))
+    for key in ("zero2-200m", "zero3-200m"):
+        a, b = f"to-fp32 {key}", f"to-fp32 {key} [no CRC]"
+        if have(a, b):
+            ratio = by[a].wall_s / by[b].wall_s
+            rows.append((f"to-fp32 {key}: CRC-32 checks on vs off (`DSCKPT_NO_CRC=1`)",
+                         f"{fmt_s(by[a].wall_s)} (CPU {fmt_s(by[a].cpu_s)})",
+                         f"{fmt_s(by[b].wall_s)} (CPU {fmt_s(by[b].cpu_s)})",
+                         f"{(ratio - 1) * 100:+.0f}% time, {by[a].cpu_s - by[b].cpu_s:+.2f} s CPU", "≤ +10% time",
+                         verdict(ratio <= 1.10)))
     torch_rss = by["python -c 'import torch'"].maxrss_bytes if have("python -c 'import torch'") else None
     for stage in ("zero2", "zero3"):
         small, big = f"to-fp32 {stage}-50m", f"to-fp32 {stage}-200m"

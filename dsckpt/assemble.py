@@ -47,7 +47,9 @@ def iter_tensors(ckpt: LogicalCheckpoint, cache: FileCache | None = None, *,
     """Yield ``(name, tensor)`` for every param and buffer, one at a time.
 
     Floating tensors come from the fp32 master where there is one and are cast to ``dtype``
-    (``None`` keeps the stored dtype); integer buffers keep their dtype.
+    (``None`` keeps the stored dtype); integer buffers keep their dtype. After the last tensor the
+    CRC-32 checks of every record read are completed (a damaged record raises
+    :class:`~dsckpt.errors.CorruptCheckpointError` instead of ending the iteration).
     """
     cache = cache or FileCache()
     ckpt.require_unambiguous("reading the consolidated tensors", values=True, flags=exclude_frozen)
@@ -58,3 +60,4 @@ def iter_tensors(ckpt: LogicalCheckpoint, cache: FileCache | None = None, *,
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
         yield entry.name, t
+    cache.finish_checks()

@@ -1,18 +1,71 @@
-"""Atomic outputs: write beside the target, fsync, ``os.replace``. Inputs are never opened for writing."""
+"""Atomic outputs: write beside the target, fsync, ``os.replace``. Inputs are never opened for writing.
+
+Every writing command wraps its output in :func:`claim_output`, which
+
+* takes a run-lock on OUT (``fcntl.flock`` on ``.OUT.dsckpt-lock`` beside it): a second dsckpt
+  writing the same OUT is refused (:class:`~dsckpt.errors.OutputBusyError`), so two concurrent runs
+  never both write it and OUT is never a mix;
+* removes what a killed run (SIGKILL, power loss) left beside OUT. Temp names carry the writer's pid
+  and host (``.OUT.<pid>@<host>.XXXXXXXX.tmp``); holding the lock proves no dsckpt is writing OUT, so
+  leftovers of this host whose pid is dead are removed (and logged). Leftovers of another host (a
+  shared filesystem, where a pid means nothing here) are left alone and logged with how to remove
+  them. A previous OUT that a killed ``--force`` run had moved aside is put back;
+* refuses before writing when the filesystem lacks the space the plan needs
+  (:class:`~dsckpt.errors.NotEnoughSpaceError`), and turns ENOSPC/EDQUOT/EROFS/EACCES during the write
+  into :class:`~dsckpt.errors.OutputWriteError` naming OUT (the temp is removed first).
+
+Notes (leftovers removed or left) go to the ``dsckpt`` logger at WARNING; the CLI prints them.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import UsageError
+from .errors import NotEnoughSpaceError, OutputBusyError, OutputWriteError, UsageError
 
-__all__ = ["atomic_file", "atomic_dir", "check_can_write"]
+__all__ = [
+    "atomic_file",
+    "atomic_dir",
+    "check_can_write",
+    "claim_output",
+    "scratch_dir",
+    "remove_leftovers",
+    "check_free_space",
+    "free_bytes",
+    "format_nbytes",
+    "WRITE_ERRNOS",
+]
+
+logger = logging.getLogger("dsckpt")
+
+#: OS errors that mean "this output cannot be written here" (not a dsckpt bug).
+WRITE_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES,
+                                     errno.EPERM, errno.EFBIG) if e is not None)
+
+_HOST = socket.gethostname() or "localhost"
+#: Added to every planned output size: headers, pickles, zip directories, file-system rounding.
+SPACE_MARGIN_NBYTES = 1 << 20
+
+
+def format_nbytes(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{nbytes} B"  # pragma: no cover
 
 
 def check_can_write(target: Path, *, force: bool) -> None:
@@ -21,6 +74,30 @@ def check_can_write(target: Path, *, force: bool) -> None:
         if target.is_dir() and not any(target.iterdir()):
             return
         raise UsageError(f"'{target}' already exists; pass --force to replace it")
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged user may still write in ``directory``'s filesystem (``statvfs``
+    ``f_bavail * f_frsize``). Quotas are not visible here; EDQUOT during the write is mapped too."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(directory: Path, nbytes: int) -> None:
+    """Raise :class:`NotEnoughSpaceError` if ``directory`` cannot hold ``nbytes`` (+ a margin)."""
+    need = nbytes + SPACE_MARGIN_NBYTES
+    try:
+        have = free_bytes(directory)
+    except OSError:  # statvfs unsupported here: the write itself will tell
+        return
+    if have < need:
+        raise NotEnoughSpaceError(
+            f"needs {format_nbytes(need)} at '{directory}', {format_nbytes(have)} free; nothing was written. "
+            "Free some space or choose another output location")
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}.{os.getpid()}@{_HOST}."
 
 
 def _fsync_dir(path: Path) -> None:
@@ -36,12 +113,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_error(target: Path, e: OSError) -> OutputWriteError:
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return OutputWriteError(
+        f"cannot write '{target}': {e.strerror or e} ({code}) in '{target.parent}'; nothing was written and no "
+        "temporary files were left. Free space, fix permissions or choose another output location")
+
+
+@contextlib.contextmanager
+def _write_errors(target: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        if e.errno in WRITE_ERRNOS:
+            raise _write_error(target, e) from e
+        raise
+
+
 @contextlib.contextmanager
 def atomic_file(target: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Yield a binary file that becomes ``target`` only if the block completes."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -64,7 +158,7 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
     try:
         yield tmp
         for p in tmp.rglob("*"):
@@ -73,7 +167,7 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
                     os.fsync(f.fileno())
         old = None
         if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            old = target.with_name(f"{_temp_prefix(target)}old")
             os.replace(target, old)
         os.replace(tmp, target)
         _fsync_dir(target.parent)
@@ -82,3 +176,156 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def scratch_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary folder beside ``target``, named like :func:`atomic_dir`'s (so a killed run's copy is
+    found by :func:`remove_leftovers`), always removed on exit. For outputs built and checked in a
+    file of their own before an ``os.replace`` onto ``target``."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Run-lock and leftovers
+
+
+def _lock_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.dsckpt-lock")
+
+
+def _acquire_lock(target: Path) -> int:
+    """An fd holding an exclusive ``flock`` on OUT's lock file, or :class:`OutputBusyError`."""
+    path = _lock_path(target)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise OutputBusyError(
+                f"another dsckpt is writing '{target}' ({owner}); wait for it to finish or choose another "
+                "output") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The holder before us may have removed the file after we opened it: lock the live one.
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            os.pwrite(fd, f"pid {os.getpid()} on host {_HOST}, started {stamp}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def _release_lock(target: Path, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(_lock_path(target))
+    os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _leftover_owner(target: Path, name: str) -> tuple[int, str] | None:
+    """``(pid, host)`` if ``name`` is a temp or moved-aside name of ``target``'s writers."""
+    m = re.fullmatch(re.escape(f".{target.name}.") + r"(\d+)@(.+)\.(?:[A-Za-z0-9_]+\.tmp|old)", name)
+    return (int(m[1]), m[2]) if m else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def remove_leftovers(target: Path) -> list[Path]:
+    """Remove what killed runs left beside ``target``; call only while holding its lock.
+
+    Returns the paths removed. Leftovers of other hosts, or of live processes, are kept and logged."""
+    removed: list[Path] = []
+    parent = target.parent
+    try:
+        names = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        owner = _leftover_owner(target, name)
+        if owner is None:
+            continue
+        pid, host = owner
+        path = parent / name
+        if host != _HOST:
+            logger.warning("'%s' was left by dsckpt pid %d on host %s; dsckpt cannot tell from here whether that "
+                           "run is alive. If it is not, remove it: rm -rf '%s'", path, pid, host, path)
+            continue
+        if _pid_alive(pid):
+            logger.warning("'%s' belongs to process %d, which is still running but does not hold the lock on "
+                           "'%s'; left alone (remove it once that process is gone)", path, pid, target)
+            continue
+        if name.endswith(".old") and not target.exists():
+            os.replace(path, target)
+            logger.warning("restored '%s' from '%s', which a killed dsckpt run (pid %d) had moved aside",
+                           target, path, pid)
+            continue
+        nbytes = _tree_nbytes(path)
+        _remove(path)
+        removed.append(path)
+        logger.warning("removed '%s' (%s), left by a killed dsckpt run (pid %d)", path, format_nbytes(nbytes),
+                       pid)
+    return removed
+
+
+def _tree_nbytes(path: Path) -> int:
+    try:
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def claim_output(target: str | os.PathLike[str], *, force: bool = False,
+                 nbytes: int | None = None) -> Iterator[Path]:
+    """Hold ``target`` for one writing run: lock it, clean up killed runs' leftovers, refuse an
+    existing ``target`` without ``force``, check free space for ``nbytes``; yield the target path.
+
+    Write errors (full disk, quota, read-only filesystem, permissions) inside the block become
+    :class:`OutputWriteError`."""
+    target = Path(target)
+    with _write_errors(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire_lock(target)
+    try:
+        with _write_errors(target):
+            remove_leftovers(target)
+            check_can_write(target, force=force)
+            if nbytes is not None:
+                check_free_space(target.parent, nbytes)
+            yield target
+    finally:
+        _release_lock(target, fd)

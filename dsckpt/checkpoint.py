@@ -57,6 +57,12 @@ class Checkpoint:
     def cache(self) -> FileCache:
         return self._cache
 
+    def finish_checks(self) -> int:
+        """Complete the CRC-32 checks of every zip record read so far (see
+        :meth:`FileCache.finish_checks`); call it before trusting what :meth:`tensor` returned.
+        :meth:`iter_tensors` calls it after the last tensor."""
+        return self._cache.finish_checks()
+
 
 def open_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None) -> Checkpoint:
     """Open the DeepSpeed checkpoint at ``path`` (a save dir with ``latest``, or a tag folder)."""

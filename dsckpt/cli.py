@@ -1,15 +1,19 @@
 """The ``dsckpt`` command line: validate, call the library, render. Exit codes live here.
 
 0 ok / clean · 1 findings (non-finite values; ``--dry-run`` has work) · 2 usage error ·
-3 unreadable, unsupported, corrupt or unsafe checkpoint · 70 internal error (please report).
+3 unreadable, unsupported, corrupt or unsafe checkpoint, or an output that cannot be written (disk
+full, quota, read-only, permissions) · 129/143 stopped by SIGHUP/SIGTERM (130: Ctrl-C), temporary
+outputs removed · 70 internal error (please report).
 
 Importing this module must stay cheap: torch is imported only inside commands.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,9 +23,12 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import EXIT_INTERNAL, DsckptError
+from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError
+from .interrupts import Terminated, signals_as_exceptions
 
 __all__ = ["main"]
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 
 
 def _fail(message: str, code: int) -> None:
@@ -29,24 +36,54 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+class _StderrNotes(logging.Handler):
+    """The library's warnings (e.g. leftovers of a killed run removed) as ``dsckpt: note:`` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"dsckpt: note: {record.getMessage()}", err=True)
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into one line on stderr and a documented exit code; never a traceback."""
+    """Turn library errors into one line on stderr and a documented exit code; never a traceback.
+
+    SIGTERM and SIGHUP unwind like Ctrl-C (temporary outputs removed) and exit 143 / 129."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        notes = _StderrNotes(logging.WARNING)
+        log = logging.getLogger("dsckpt")
+        log.addHandler(notes)
         try:
-            return fn(*args, **kwargs)
+            with signals_as_exceptions():
+                return fn(*args, **kwargs)
         except DsckptError as e:
             _fail(str(e).replace("\n", " "), e.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted; no output was left behind", 130)
+        except Terminated as e:
+            _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except BrokenPipeError:
+            # stdout's reader went away (`dsckpt ... | head`): not an error worth a message. Point stdout
+            # at /dev/null so the interpreter's final flush does not fail again; exit as SIGPIPE would.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
+        except OSError as e:
+            # The environment, not a bug: unreadable input, a folder where a file should be, I/O errors.
+            if os.environ.get("DSCKPT_DEBUG"):
+                raise
+            where = f"'{e.filename}': " if e.filename else ""
+            _fail(f"{where}{e.strerror or e} (OSError {errno.errorcode.get(e.errno or 0, e.errno)})",
+                  EXIT_BAD_CHECKPOINT)
         except Exception as e:  # noqa: BLE001 - the CLI's last line of defence
             if os.environ.get("DSCKPT_DEBUG"):
                 raise
             _fail(f"internal error ({type(e).__name__}: {e}). This is a dsckpt bug: please report it "
                   "with the command you ran; rerun with DSCKPT_DEBUG=1 for a traceback", EXIT_INTERNAL)
+        finally:
+            log.removeHandler(notes)
 
     return wrapper
 
@@ -69,8 +106,9 @@ def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
     CKPT is a DeepSpeed save dir (holding 'latest') or a tag folder such as 'global_step100'.
-    Exit codes: 0 ok, 1 findings or differences, 2 usage error, 3 unreadable/unsupported/corrupt/unsafe checkpoint,
-    70 internal error.
+    Exit codes: 0 ok, 1 findings or differences, 2 usage error (also: another dsckpt is writing OUT),
+    3 unreadable/unsupported/corrupt/unsafe checkpoint or OUT not writable (disk full, read-only),
+    129/130/143 stopped by SIGHUP/SIGINT/SIGTERM (nothing left behind), 70 internal error.
     """
 
 
@@ -127,6 +165,14 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
         lines.append("buffers      " + ", ".join(f"{b['name']} ({b['dtype']})" for b in s["buffers"]))
+    hf = s.get("hf_trainer")
+    if hf is not None:
+        files = hf["files"]
+        lines.append("hf trainer   " + "; ".join(
+            f"{role}: {', '.join(files[role])}" for role in ("model-side", "weights", "trainer-state", "optimizer",
+                                                             "rng", "other") if files.get(role))
+                     + (f"; trainer_state.json global_step {hf['trainer_global_step']}"
+                        if hf["trainer_global_step"] is not None else ""))
     lines.append(f"files        {len(s['files'])} files, {_human(s['total_nbytes'])}")
     for f in s["files"]:
         lines.append(f"               {f['name']}  {_human(f['nbytes'])}")
@@ -134,6 +180,7 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
     lines.append("health       ok: complete set of rank files, shapes consistent" if health["ok"]
                  else f"health       {len(health['problems'])} problem(s):")
     lines += [f"               {msg}" for msg in health["problems"]]
+    lines += [f"note         {msg}" for msg in health.get("notes", [])]
     if show_tensors:
         lines.append("tensors")
         for t in s["tensors"]:
@@ -155,6 +202,9 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="Write Hugging Face-style shards of at most this size (e.g. 5GB) into OUT (a folder). "
                    "A folder OUT without this option gets 5GB shards.")
 @click.option("--exclude-frozen", is_flag=True, help="Leave out parameters that were not trained.")
+@click.option("--no-hf-files", is_flag=True,
+              help="For a Hugging Face Trainer folder: write only the weights (every name, tied aliases included); "
+                   "do not copy config.json, tokenizer and other model-side files into OUT.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, nothing written) if any tensor holds inf/NaN.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
@@ -163,24 +213,31 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="Reader threads running ahead of the writer (0: read and write in one thread).")
 @handle_errors
 def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
-            exclude_frozen: bool, force: bool, strict: bool, dry_run: bool, quiet: bool, workers: int) -> None:
+            exclude_frozen: bool, no_hf_files: bool, force: bool, strict: bool, dry_run: bool, quiet: bool,
+            workers: int) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
     model.safetensors.index.json (one shard: model.safetensors). .bin/.pt: a torch file.
+
+    CKPT a Hugging Face Trainer folder (checkpoint-N/, or its global_stepN/) and OUT a folder: the
+    model-side files (config.json with dtype set to --dtype, generation config, tokenizer, chat
+    template) are copied next to the weights and tied aliases are left out as save_pretrained does,
+    so that from_pretrained(OUT) works. Trainer state, optimizer and RNG files are never copied.
     """
     from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32
 
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
-                        max_shard_size=max_shard_size)
+                        max_shard_size=max_shard_size, hf_files=not no_hf_files)
     if dry_run:
         click.echo(f"would write {len(plan.specs)} tensors, {_human(plan.total_nbytes)}, as "
                    f"{plan.format.value} to {plan.output}")
         if plan.shards is not None:
             for name, shard in zip(plan.shards.filenames, plan.shards.shards):
                 click.echo(f"  {name}: {len(shard)} tensors, {_human(sum(s.nbytes for s in shard))}")
+        click.echo("\n".join(_hf_lines(plan.hf_files, plan.tied_left_out)))
         sys.exit(1 if plan.specs else 0)
     with _progress(plan.total_nbytes, "to-fp32", not quiet) as tick:
         result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
@@ -190,6 +247,22 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
                        "'dsckpt repair'", err=True)
     click.echo(f"wrote {len(plan.specs)} tensors ({_human(plan.total_nbytes)}) to "
                + ", ".join(str(f) for f in result.files))
+    if plan.hf_files is not None:
+        click.echo(f"copied {len(plan.hf_files.copies)} Hugging Face file(s) from {plan.hf_files.folder}"
+                   + (f"; tied {', '.join(plan.tied_left_out)} left out (from_pretrained re-ties it)"
+                      if plan.tied_left_out else ""))
+        if not quiet:
+            for o in plan.hf_files.left_out:
+                if o.source is None:
+                    click.echo(f"dsckpt: warning: {o.reason}", err=True)
+
+
+def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
+    if hf is None:
+        return []
+    lines = [f"Hugging Face files from {hf.folder}:", *hf.describe()]
+    lines += [f"  leave out tensor {n}: tied alias, re-tied by from_pretrained" for n in tied_left_out]
+    return lines
 
 
 @main.command()
@@ -198,8 +271,12 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
 @click.option("--nonfinite", "nonfinite_only", is_flag=True, help="Only look for inf/NaN values.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--workers", default=None, type=click.IntRange(0, 64),
+              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread).")
 @handle_errors
-def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool) -> None:
+def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
+         workers: int | None) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
@@ -212,7 +289,7 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
-        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -293,6 +370,44 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 
 
 @main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
+@tag_option
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--workers", default=None, type=click.IntRange(0, 64),
+              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread).")
+@handle_errors
+def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> None:
+    """Audit CKPT without converting it, in one streaming pass over its data.
+
+    Checks that every rank file is present and from the same save (tag, world sizes, step, config,
+    loss scaler, optimizer settings and step counts agree), every zip record's CRC32, partition sizes
+    and padding, that every optimizer tensor's owner is proven, and that every 16-bit copy equals its
+    fp32 master rounded (no inf/NaN). Exit 0 ok, 1 problems found, 3 unreadable.
+    """
+    from .verify import verify as run_verify
+
+    report = run_verify(ckpt, tag=tag, workers=workers)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(f"verified {report.target} (tag {report.tag}): {len(report.files)} files, "
+                   f"{report.records_checked} records CRC-checked, {report.stored_tensors} stored tensors, "
+                   f"{_human(report.nbytes_read)} read")
+        for note in report.notes:
+            click.echo(f"  note: {note}")
+        if report.ok:
+            records = "records intact" if report.records_checked else "no records with CRCs to check"
+            click.echo(f"ok: files from one save, {records}, partitions consistent, bindings proven, "
+                       "16-bit copies equal their masters, all values finite")
+        for p in report.problems:
+            click.echo(f"  {p.area.value:10s} {p.describe()}")
+        if not report.ok:
+            click.echo(f"{len(report.problems)} problem(s) found")
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
 @click.argument("ckpt", type=click.Path(exists=True, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--from", "source", default=None,
@@ -363,21 +478,30 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "names, shapes, dtypes and values around every fragment boundary plus samples (quick), "
                    "every value (full: reads input and output once more), or nothing (none).")
 @click.option("--no-verify", is_flag=True, help="Same as --verify none.")
+@click.option("--no-hf-files", is_flag=True, help="For a Hugging Face Trainer folder: write only the DeepSpeed part.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--workers", default=None, type=click.IntRange(1, 64),
+              help="Target files written at once (default: half the cores, at most 8).")
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, quiet: bool) -> None:
+            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
     counts, loss scaler, scheduler and client state carried over exactly. CKPT is never modified.
+
+    CKPT a Hugging Face Trainer folder (checkpoint-N/): the Trainer's files (trainer_state.json,
+    training_args.bin, scheduler/scaler, config, tokenizer, model.safetensors) are copied byte for byte,
+    so that Trainer.train(resume_from_checkpoint=OUT) works on N processes. RNG states: rank r keeps old
+    rank r's rng_state_r.pth; on 1 process old rank 0's becomes rng_state.pth; new ranks get none (the
+    Trainer then keeps its seeded RNG, as it does whenever the file is missing).
     """
     from .readers import FileCache, read_checkpoint
     from .reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
 
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
-    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache))
+    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -389,11 +513,18 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
             click.echo(f"  wrote {path.name}", err=True)
 
     mode = "none" if no_verify else verify
-    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick)
+    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}")
+    if plan.hf_files is not None:
+        click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
+                   + ", ".join(p.name for p in result.hf_files))
+        if not quiet:
+            for o in plan.hf_files.left_out:
+                if o.source is None and o.role.value != "rng":
+                    click.echo(f"dsckpt: warning: {o.reason}", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

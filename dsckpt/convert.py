@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import __version__
-from .atomic import atomic_dir, check_can_write
+from .atomic import atomic_dir, claim_output
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
+from .hf import HfFilesPlan, copy_files, plan_export_files
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .nonfinite import NonFinite, count_nonfinite_np
 from .readers import FileCache
@@ -97,10 +98,18 @@ class ConvertPlan:
     name_to_entry: dict[str, TensorEntry]
     shards: ShardPlan | None
     metadata: dict[str, str]
+    hf_files: HfFilesPlan | None = None  # model-side files copied next to the weights (see dsckpt.hf)
+    tied_left_out: tuple[str, ...] = ()  # tied aliases not written, as save_pretrained does
 
     @property
     def total_nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    @property
+    def output_nbytes_bound(self) -> int:
+        """At most this many bytes are written: tensor data plus headers / zip records."""
+        hf = self.hf_files.nbytes if self.hf_files is not None else 0
+        return self.total_nbytes + hf + 4096 + sum(256 + 2 * len(s.name.encode()) for s in self.specs)
 
 
 @dataclass(frozen=True)
@@ -140,11 +149,18 @@ def _output_dtype(entry: TensorEntry, dtype: str) -> str:
 
 
 def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
-                 exclude_frozen: bool = False, max_shard_size: str | int | None = None) -> ConvertPlan:
+                 exclude_frozen: bool = False, max_shard_size: str | int | None = None,
+                 hf_files: bool = True) -> ConvertPlan:
     """Decide what ``to-fp32`` writes where. Pure: reads no tensor data, writes nothing.
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) applies to floating
-    tensors; integer buffers keep theirs."""
+    tensors; integer buffers keep theirs.
+
+    Hugging Face export: when ``output`` is a folder, ``hf_files`` is true and the checkpoint's save
+    dir is a Trainer / model folder (it holds ``config.json`` or ``trainer_state.json``), the plan
+    copies its model-side files (:func:`dsckpt.hf.plan_export_files`) next to the weights and, as
+    ``save_pretrained`` does, leaves tied aliases out (``lm_head.weight`` when tied to the input
+    embeddings): ``from_pretrained`` re-ties them. Otherwise every name is written, aliases included."""
     out = Path(output)
     dtype = parse_dtype(dtype)
     fmt = output_format(out, sharded=max_shard_size is not None)
@@ -153,6 +169,15 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     ckpt.require_unambiguous("to-fp32 --exclude-frozen" if exclude_frozen else "to-fp32",
                              values=True, flags=exclude_frozen)
     chosen = [e for e in ckpt.entries if not (exclude_frozen and e.kind is Kind.PARAM and not e.trainable)]
+    hf = None
+    tied_left_out: tuple[str, ...] = ()
+    if fmt is OutputFormat.SAFETENSORS_SHARDED and hf_files:
+        from .layout import list_tags
+
+        hf = plan_export_files(ckpt.root, tag_dirs=frozenset(list_tags(ckpt.root)), dtype=dtype)
+        if hf is not None:
+            tied_left_out = tuple(e.name for e in chosen if e.tied_to is not None)
+            chosen = [e for e in chosen if e.tied_to is None]
     specs = tuple(TensorSpec(e.name, _output_dtype(e, dtype), e.shape) for e in chosen)
     shards = None
     if fmt is OutputFormat.SAFETENSORS_SHARDED:
@@ -165,7 +190,7 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
         "zero_stage": str(ckpt.zero_stage),
         "training_precision": ckpt.precision.value,
     }
-    return ConvertPlan(out, fmt, specs, {e.name: e for e in chosen}, shards, metadata)
+    return ConvertPlan(out, fmt, specs, {e.name: e for e in chosen}, shards, metadata, hf, tied_left_out)
 
 
 def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, strict: bool = False,
@@ -179,9 +204,20 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     fragments, checked and written, so memory stays at ``workers + 1`` chunk buffers whatever the
     model or tensor size; ``workers`` reader threads run ahead of the writer (0: read in this
     thread). Torch (.bin/.pt) outputs hold one whole tensor at a time.
+
+    Every zip record read is checked against its CRC-32 (:mod:`dsckpt.crc`); the checks of records
+    read only partly are completed after the last tensor is produced, before the output is moved
+    into place, so a damaged input leaves nothing behind.
     """
-    check_can_write(plan.output, force=force)
+    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound):
+        return _run_to_fp32(plan, cache, strict=strict, on_tensor=on_tensor, workers=workers)
+
+
+def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
+                 on_tensor: Callable[[TensorSpec], None] | None, workers: int) -> ConvertResult:
     found: list[NonFinite] = []
+    if not plan.specs:
+        cache.finish_checks()
 
     def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
         if not any(counts):
@@ -213,10 +249,12 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
                 yield spec.name, produce(spec)
                 if on_tensor is not None:
                     on_tensor(spec)
+            cache.finish_checks()  # write_torch has every tensor now and has not opened its output yet
 
         return ConvertResult(plan, (write_torch(plan.output, tensors()),), tuple(found))
 
     order = plan.specs if plan.shards is None else tuple(s for shard in plan.shards.shards for s in shard)
+    last = order[-1].name if order else None
     name_to_reads = {
         spec.name: plan_piece_chunks(plan.name_to_entry[spec.name].source_for_fp32(), spec.shape, cache,
                                      name=spec.name)
@@ -225,6 +263,11 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     stream = read_chunks([r for spec in order for r in name_to_reads[spec.name] or ()], workers=workers)
 
     def produce_chunks(spec: TensorSpec) -> Iterator[Any]:
+        yield from _produce_chunks(spec)
+        if spec.name == last:  # still inside the writer's atomic block: a damaged record leaves no output
+            cache.finish_checks()
+
+    def _produce_chunks(spec: TensorSpec) -> Iterator[Any]:
         reads = name_to_reads[spec.name]
         if reads is None:  # strided or out-of-order fragments: whole tensor, through torch
             yield produce(spec).reshape(-1)
@@ -248,6 +291,8 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
             with atomic_dir(plan.output) as tmp:
                 written = write_sharded_chunks(tmp, plan.shards, produce_chunks, metadata=plan.metadata,
                                                on_tensor=on_tensor)
+                if plan.hf_files is not None:
+                    written += copy_files(plan.hf_files, tmp)
             files = tuple(plan.output / p.name for p in written)
     finally:
         stream.close()

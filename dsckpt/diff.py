@@ -401,10 +401,10 @@ def plan_diff(a: DiffInput, b: DiffInput, *, role: DiffRole | str = DiffRole.VAL
                                           pa.dtype if pa else None, pb.dtype if pb else None,
                                           reason=f"no {label} copy in {missing}"))
                 continue
-            for side, e, p in (("A", ea, pa), ("B", eb, pb)):
+            for which, e, p in (("A", ea, pa), ("B", eb, pb)):
                 problem = _tiling_problem(e, p)
                 if problem:
-                    problems.append(f"{side} {problem}")
+                    problems.append(f"{which} {problem}")
             pairs.append(PairPlan(name, label, ea.shape, pa, pb, _copy_label(a, pa), _copy_label(b, pb)))
         if not wanted:
             order.append((name, role.value))
@@ -572,6 +572,9 @@ def run_diff(plan: DiffPlan, cache_a: FileCache, cache_b: FileCache, *,
             if on_progress is not None:
                 on_progress(n)
         results[(p.name, p.role)] = _record(p, tally, exact, plan)
+    # CRC-32s of records read only partly are completed before anything is reported as equal.
+    cache_a.finish_checks()
+    cache_b.finish_checks()
     return DiffReport(plan.a, plan.b, plan.role, plan.atol, plan.rtol, plan.strict_dtype,
                       tuple(results[k] for k in plan.order), plan.excluded, nbytes_read)
 

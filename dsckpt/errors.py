@@ -15,6 +15,9 @@ __all__ = [
     "UnsupportedCheckpointError",
     "UnsafeCheckpointError",
     "RepairError",
+    "OutputBusyError",
+    "OutputWriteError",
+    "NotEnoughSpaceError",
     "EXIT_OK",
     "EXIT_FINDINGS",
     "EXIT_USAGE",
@@ -63,3 +66,16 @@ class UnsafeCheckpointError(DsckptError):
 
 class RepairError(DsckptError):
     """A repair cannot be planned (e.g. non-finite tensors without a source value)."""
+
+
+class OutputBusyError(UsageError):
+    """Another dsckpt run holds the lock on the same output; nothing was written."""
+
+
+class OutputWriteError(DsckptError):
+    """The output cannot be written (disk full, quota, read-only filesystem, permissions); the
+    temporary files were removed and nothing was written."""
+
+
+class NotEnoughSpaceError(OutputWriteError):
+    """The output's filesystem lacks the space the plan needs; checked before writing."""

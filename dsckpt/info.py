@@ -1,15 +1,22 @@
-"""``info``: what a checkpoint is, and a cheap health check (metadata only, no tensor data read)."""
+"""``info``: what a checkpoint is, and a cheap health check (metadata only: tensor data is not read,
+except one-element tensors such as a step count, whose records' CRC-32s are then checked)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from .crc import has_record_crcs
 from .errors import DsckptError
+from .hf import classify, is_hf_folder
 from .layout import list_tags
 from .model import Kind, LogicalCheckpoint
 from .readers import FileCache
 
-__all__ = ["summarize", "health_problems"]
+__all__ = ["summarize", "health_problems", "health_notes"]
+
+NO_CRC_NOTE = "no CRC (legacy format): bit rot cannot be detected in {files}"
 
 
 def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
@@ -35,6 +42,12 @@ def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
     return problems
 
 
+def health_notes(ckpt: LogicalCheckpoint) -> list[str]:
+    """What the health check cannot vouch for (not problems): files without CRC-32s."""
+    legacy = [str(p.relative_to(ckpt.tag_dir)) for p in ckpt.files if not has_record_crcs(p)]
+    return [NO_CRC_NOTE.format(files=", ".join(legacy))] if legacy else []
+
+
 def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
     """A JSON-ready description of ``ckpt``."""
     params = [e for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
@@ -46,8 +59,13 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         groups.setdefault(source, [source]).append(alias)
     files = []
     for path in ckpt.files:
-        files.append({"name": str(path.relative_to(ckpt.tag_dir)), "nbytes": path.stat().st_size})
+        files.append({"name": str(path.relative_to(ckpt.tag_dir)), "nbytes": path.stat().st_size,
+                      "crc32": has_record_crcs(path)})
     problems = health_problems(ckpt, cache)
+    try:
+        cache.finish_checks()
+    except DsckptError as err:
+        problems.append(str(err))
     return {
         "path": str(ckpt.root),
         "tag": ckpt.tag,
@@ -82,5 +100,24 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         ],
         "files": files,
         "total_nbytes": sum(f["nbytes"] for f in files),
-        "health": {"ok": not problems, "problems": problems},
+        "health": {"ok": not problems, "problems": problems, "notes": health_notes(ckpt)},
+        "hf_trainer": hf_trainer_summary(ckpt.root),
     }
+
+
+def hf_trainer_summary(root: Path) -> dict[str, Any] | None:
+    """The Hugging Face Trainer / model files beside the DeepSpeed save dir, by role; ``None`` if none.
+    Only names and ``trainer_state.json``'s ``global_step`` are read (no pickle is opened)."""
+    if not is_hf_folder(root):
+        return None
+    tags = frozenset(list_tags(root))
+    by_role: dict[str, list[str]] = {}
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith("."):
+            by_role.setdefault(classify(p, tag_dirs=tags).value, []).append(p.name)
+    step = None
+    try:
+        step = json.loads((root / "trainer_state.json").read_text(encoding="utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {"folder": str(root), "files": by_role, "trainer_global_step": step}

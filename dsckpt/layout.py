@@ -12,7 +12,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError, UnsupportedCheckpointError
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+    UsageError,
+)
 
 __all__ = ["CheckpointFiles", "find_tag_dir", "list_tags", "classify_files"]
 
@@ -80,6 +86,12 @@ def _natural_key(s: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
+def _plain_tag(name: str) -> bool:
+    """A tag DeepSpeed could have written: a non-empty relative path inside the save dir."""
+    parts = Path(name).parts
+    return bool(name) and "\x00" not in name and not Path(name).is_absolute() and ".." not in parts
+
+
 def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path]:
     """Resolve ``path`` (save dir or tag folder) and ``tag`` to ``(root, tag, tag_dir)``."""
     p = Path(path)
@@ -93,6 +105,8 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
     if tag is None and _is_tag_dir(p):
         return p.parent, p.name, p
     if tag is not None:
+        if not _plain_tag(tag):
+            raise UsageError(f"--tag '{tag!r}' is not a tag folder name")
         candidate = p / tag
         if _is_tag_dir(candidate):
             return p, tag, candidate
@@ -104,7 +118,14 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
     latest = p / "latest"
     tags = list_tags(p)
     if latest.is_file():
-        name = latest.read_text(encoding="utf-8").strip()
+        try:
+            name = latest.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            name = ""
+        if not _plain_tag(name):
+            raise CorruptCheckpointError(
+                f"'{latest}' does not hold a tag folder name ({latest.read_bytes()[:60]!r}); it is corrupt. "
+                f"Available tags: {', '.join(tags) or 'none'}; pick one with --tag")
         if _is_tag_dir(p / name):
             return p, name, p / name
         raise CheckpointNotFoundError(

@@ -37,7 +37,7 @@ import torch
 
 from . import safe_load, safe_save
 from .assemble import read_piece
-from .atomic import atomic_dir, check_can_write
+from .atomic import atomic_dir, claim_output, scratch_dir
 from .errors import RepairError, UsageError
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry
 from .readers.common import FileCache, format_key, lookup
@@ -271,6 +271,7 @@ def read_source_values(source: str | os.PathLike[str], logical: LogicalCheckpoin
             if se is not None:
                 values[name] = read_piece(se.source_for_fp32(), se.shape, src_cache, name=candidate).reshape(-1).float()
                 break
+    src_cache.finish_checks()
     return SourceValues(f"fp32 source {source}", False, values)
 
 
@@ -418,6 +419,7 @@ def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike
         values = SourceValues("no source (none given)", False, {})
     else:
         values = read_source_values(source, logical, cache, list(damage))
+    cache.finish_checks()  # records read only partly by the reads above (the scan finished its own)
     plan = plan_repair(logical, damage, values, input=inp, input_kind=kind, whole_tensor=whole_tensor,
                        policy=policy, orphans=tuple(orphans))
     return plan, cache
@@ -450,7 +452,9 @@ def _apply(tensor_at: Callable[[tuple[Any, ...], PatchTarget], torch.Tensor], pa
 def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> None:
     with open(src, "rb") as f:
         legacy = f.read(2) != b"PK"
-    tree = safe_load.materialize(safe_load.load(src))
+    parsed = safe_load.load(src)
+    tree = safe_load.materialize(parsed)
+    safe_load.finish_checks(parsed)  # materialize read every storage; a record longer than its storage has more
     promoted: set[tuple[Any, ...]] = set()
 
     def tensor_at(key: tuple[Any, ...], target: PatchTarget) -> torch.Tensor:
@@ -480,9 +484,23 @@ def run_repair(plan: RepairPlan, output: str | os.PathLike[str], *, force: bool 
     inp = plan.input.resolve()
     if out.resolve() == inp or inp in out.resolve().parents or out.resolve() in inp.parents:
         raise UsageError(f"output '{out}' overlaps the input '{plan.input}'; choose a folder outside it")
-    check_can_write(out, force=force)
-    if plan.input_kind is TargetKind.SAFETENSORS:
-        return _run_safetensors(plan, out, on_progress)
+    with claim_output(out, force=force, nbytes=_output_nbytes_bound(plan)):
+        if plan.input_kind is TargetKind.SAFETENSORS:
+            return _run_safetensors(plan, out, on_progress)
+        return _run_folder(plan, inp, out, on_progress)
+
+
+def _output_nbytes_bound(plan: RepairPlan) -> int:
+    """What the repaired copy can take: the input's bytes, plus 2 bytes per element of every stored
+    copy promoted from fp16 to fp32."""
+    inp = plan.input
+    files = [inp] if inp.is_file() else [p for p in inp.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    return total + sum(2 * p.numel * len(p.targets) for p in plan.patches if p.promote_to)
+
+
+def _run_folder(plan: RepairPlan, inp: Path, out: Path,
+                on_progress: Callable[[int], None] | None) -> RepairResult:
     rewritten = []
     to_rewrite = {f.resolve() for f in plan.files}
     with atomic_dir(out) as tmp:
@@ -551,9 +569,10 @@ def _run_safetensors(plan: RepairPlan, out: Path, on_progress: Callable[[int], N
             t.view(-1)[p.indices] = p.values.to(dtype)
         return t
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.repair-{os.getpid()}.safetensors")
-    try:
+    # Written and verified inside a temp folder beside OUT (named like every dsckpt temp, so a killed
+    # run's leftover is found and removed), then moved into place.
+    with scratch_dir(out) as tmp_dir:
+        tmp = tmp_dir / out.name
         write_safetensors(tmp, specs, produce, metadata=metadata or None)
         report = scan(tmp, nonfinite_only=True, on_progress=on_progress)
         if not report.clean:
@@ -565,7 +584,4 @@ def _run_safetensors(plan: RepairPlan, out: Path, on_progress: Callable[[int], N
             if not torch.equal(got, p.values.to(got.dtype)):
                 raise RepairError(f"'{p.name}' does not hold the planned values after writing; nothing was written")
         os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return RepairResult(plan, out, (out,), report)

@@ -31,12 +31,14 @@ import logging
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .hf import HfFilesPlan, copy_files, plan_resume_files
 from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .partition import (
     DEFAULT_SUB_GROUP_SIZE,
@@ -61,6 +63,7 @@ __all__ = [
     "read_source_facts",
     "plan_reshard",
     "run_reshard",
+    "output_nbytes_bound",
     "describe_plan",
 ]
 
@@ -160,6 +163,7 @@ class ReshardPlan:
     alignment_paddings: tuple[tuple[int, ...], ...]
     ranks: tuple[RankPlan, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
 
     @property
     def has_work(self) -> bool:
@@ -183,6 +187,7 @@ class ReshardResult:
     files: tuple[Path, ...]
     verified_tensors: int  # stored copies (tensor, role) compared with the input
     verification: str = "quick"  # a :class:`Verify` value
+    hf_files: tuple[Path, ...] = ()  # the Trainer's files copied into OUT
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,14 +304,10 @@ def _scalar(ref: Any) -> float:
 
     codes = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "float16": "<e"}
     name = dtype_name(ref)
-    if ref.numel != 1 or name not in codes:
+    if ref.numel != 1 or name not in codes or not ref.is_contiguous():
         return float(ref.load().item())
-    item = element_nbytes(name)
-    with open(ref.storage.path, "rb") as f:
-        f.seek(ref.storage.file_offset + ref.storage_offset * item)
-        raw = f.read(item)
-    if len(raw) != item:
-        raise CorruptCheckpointError(f"{ref.storage.path}: file ends inside storage {ref.storage.key!r}; it is truncated")
+    raw = ref.read_numpy(0, 1).tobytes()  # through safe_load's reads: CRC-checked
+    assert len(raw) == element_nbytes(name)
     return float(struct.unpack(codes[name], raw)[0])
 
 
@@ -394,11 +395,15 @@ def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
     )
 
 
-def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None) -> ReshardPlan:
-    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks. No I/O.
+def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None,
+                 hf_files: bool = True) -> ReshardPlan:
+    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks. No tensor I/O.
 
     ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt`` and its
     ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param group).
+    When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) and ``hf_files``, the
+    plan also carries the Trainer's files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
+    listed from the folder, nothing opened), RNG states mapped to the new rank count.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
@@ -414,6 +419,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
         zero_stage=_partition_stage(ckpt), optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, world_size=world_size, source_optim_files=optim_sorted,
         bf16_prefixed_optim=bf16_prefix,
+        hf_files=_plan_hf_files(ckpt, world_size) if hf_files else None,
     )
     if _partition_stage(ckpt) == 0:
         models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
@@ -426,12 +432,21 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
 
 
 def _partition_stage(ckpt: LogicalCheckpoint) -> int:
-    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed <= 0.18 (seen in 0.10.3, 0.14.5, 0.16.9,
-    0.18.9) wraps stage-0 bf16 in BF16_Optimizer: partitioned fp32 masters in ``bf16_zero_pp_rank_*``
-    files like ZeRO-1, while its ds_config (kept as written) says stage 0."""
+    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed 0.10.3 to 0.16.9 (written by 0.14.5 and
+    0.16.9) wrap stage-0 bf16 in BF16_Optimizer -- their bf16 grad_accum_dtype defaults to fp32 without ZeRO --
+    so the fp32 masters are partitioned in ``bf16_zero_pp_rank_*`` files like ZeRO-1, while the ds_config
+    (kept as written) says stage 0. 0.18.9 and 0.19.8 default grad_accum_dtype to bf16 and use
+    FP16_UnfusedOptimizer there."""
     if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == "BF16_Optimizer":
         return 1
     return ckpt.zero_stage
+
+
+def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
+    from .layout import list_tags
+
+    return plan_resume_files(ckpt.root, world_size, tag=ckpt.tag,
+                             tag_dirs=frozenset(list_tags(ckpt.root)) | {ckpt.tag})
 
 
 def _rank_of(path: Path) -> int:
@@ -604,6 +619,9 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     if plan.zero_stage == 0:
         lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
                      + f" with dp_world_size={plan.world_size}")
+    if plan.hf_files is not None:
+        lines.append(f"Hugging Face Trainer files from {plan.hf_files.folder} (byte for byte):")
+        lines += plan.hf_files.describe()
     return lines
 
 
@@ -625,7 +643,7 @@ class Verify(enum.Enum):
 
 def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
                 verify: Verify | str | bool = Verify.QUICK,
-                on_file: Callable[[Path], None] | None = None) -> ReshardResult:
+                on_file: Callable[[Path], None] | None = None, workers: int | None = None) -> ReshardResult:
     """Write the resharded checkpoint as a new save dir ``out`` (``latest`` + ``<tag>/``).
 
     Every target file is streamed storage by storage from byte ranges of the source files through one
@@ -634,8 +652,13 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
     compared with the source -- names, shapes, dtypes, world size, and for every stored copy of every
     tensor the values around every fragment boundary plus evenly spaced samples (``"quick"``), or all
     values (``"full"``, which reads input and output once more) -- before it is moved into place.
+    The plan's Hugging Face Trainer files are copied into the same temporary folder, so OUT appears
+    complete or not at all.
+
+    ``workers`` target files are written at once (default :func:`default_workers`; each has a reader
+    thread of its own), so that copying and CRC-32 checking use several cores where the disk allows.
     """
-    from .atomic import atomic_dir, check_can_write
+    from .atomic import atomic_dir, claim_output
     from .readers import FileCache
 
     mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
@@ -643,13 +666,12 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
     src_root = plan.source_root.resolve()
     if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
         raise UsageError(f"output '{out}' overlaps the input '{plan.source_root}'; choose a new folder")
-    check_can_write(out, force=force)
     cache = cache if cache is not None else FileCache()
     written: list[Path] = []
-    with atomic_dir(out) as tmp:
+    with claim_output(out, force=force, nbytes=output_nbytes_bound(plan)), atomic_dir(out) as tmp:
         tag_dir = tmp / plan.tag
         tag_dir.mkdir(parents=True)
-        for f in _write_files(plan, tag_dir, cache):
+        for f in _write_files(plan, tag_dir, cache, workers=default_workers() if workers is None else workers):
             written.append(f)
             if on_file is not None:
                 on_file(f)
@@ -657,8 +679,29 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
         for script in ZERO_TO_FP32_SCRIPTS:
             if (plan.source_root / script).is_file():
                 shutil.copy2(plan.source_root / script, tmp / script)
+        hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
         checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
-    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value)
+        cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
+    return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value,
+                         tuple(out / f.relative_to(tmp) for f in hf))
+
+
+def output_nbytes_bound(plan: ReshardPlan) -> int:
+    """An upper estimate of what :func:`run_reshard` writes, for the free-space check: the flat
+    partitions, the model-states files (one per target rank at stage 3), the scripts, and 64 KiB of
+    pickle and zip records per file."""
+    def size(p: Path) -> int:
+        try:
+            return p.stat().st_size
+        except OSError:
+            return 0
+
+    models = [size(p) for p in plan.source_model_files]
+    model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
+    scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)
+    files = len(plan.source_model_files) + 2 * len(plan.ranks) + 3
+    hf = plan.hf_files.nbytes if plan.hf_files is not None else 0
+    return plan.copied_nbytes + model_nbytes + scripts + hf + (64 << 10) * files
 
 
 def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
@@ -671,9 +714,10 @@ def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -
 
     def add(ext: Extent) -> None:
         last = extents[-1] if extents else None
-        if last is not None and last.path == ext.path and (
+        if last is not None and last.path == ext.path and last.record is ext.record and (
                 ext.path is None or last.file_offset + last.nbytes == ext.file_offset):
-            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes)
+            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes, last.record,
+                                 last.record_offset)
         else:
             extents.append(ext)
 
@@ -692,7 +736,8 @@ def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -
         assert c.dst_offset >= pos and c.dst_offset + c.numel <= spec.numel, "overlapping copy ranges"
         if c.dst_offset > pos:
             add(Extent(None, 0, (c.dst_offset - pos) * item))
-        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item))
+        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item,
+                   ref.storage.check, first * item))
         pos = c.dst_offset + c.numel
     if pos < spec.numel:
         add(Extent(None, 0, (spec.numel - pos) * item))
@@ -712,7 +757,7 @@ def _own_copy(value: Any) -> Any:
         return value.load().clone()
     item = element_nbytes(dtype_name(value))
     ext = Extent(Path(value.storage.path), value.storage.file_offset + value.storage_offset * item,
-                 value.numel * item)
+                 value.numel * item, value.storage.check, value.storage_offset * item)
     return StreamedTensor(dtype_name(value), tuple(value.shape), (ext,), dict(value.attrs))
 
 
@@ -732,30 +777,50 @@ def _shapes_tree(plan: ReshardPlan) -> list[OrderedDict[str, Any]]:
     return [OrderedDict((n, Size(s)) for n, s in group) for group in plan.param_shapes]
 
 
-def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any) -> list[Path]:
+def default_workers() -> int:
+    """Target files :func:`run_reshard` writes at once when not told: half the cores (each file has
+    a writer and a reader thread), at most 8; 1 on a 2-core machine."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) -> Iterator[Path]:
+    """Write every target file, ``workers`` at a time; yields their paths in plan order."""
     from .writers.torch_stream import write_torch_tree
 
-    files = []
+    # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
+    # reads only the byte ranges its tree names.
+    jobs: list[tuple[Path, Any]] = []
     if plan.zero_stage in (0, 1, 2):
         for src in plan.source_model_files:
             tree = dict(cache.tree(src))
             tree["dp_world_size"] = plan.world_size
             if plan.zero_stage:
                 tree["param_shapes"] = _shapes_tree(plan)
-            files.append(write_torch_tree(tag_dir / src.name, tree))
+            jobs.append((tag_dir / src.name, tree))
     if plan.zero_stage in (1, 2):
         src0 = cache.tree(plan.source_optim_files[0])
         for r in plan.ranks:
             assert r.optim_file is not None
-            files.append(write_torch_tree(tag_dir / r.optim_file, _zero12_optim_tree(plan, r, src0, cache)))
+            jobs.append((tag_dir / r.optim_file, _zero12_optim_tree(plan, r, src0, cache)))
     if plan.zero_stage == 3:
         src_models = [cache.tree(p) for p in plan.source_model_files]
         src0 = cache.tree(plan.source_optim_files[0])
         for r in plan.ranks:
             assert r.model_file is not None and r.optim_file is not None
-            files.append(write_torch_tree(tag_dir / r.model_file, _zero3_model_tree(plan, r, src_models, cache)))
-            files.append(write_torch_tree(tag_dir / r.optim_file, _zero3_optim_tree(plan, r, src0, cache)))
-    return files
+            jobs.append((tag_dir / r.model_file, _zero3_model_tree(plan, r, src_models, cache)))
+            jobs.append((tag_dir / r.optim_file, _zero3_optim_tree(plan, r, src0, cache)))
+    if workers <= 1 or len(jobs) <= 1:
+        for path, tree in jobs:
+            yield write_torch_tree(path, tree)
+        return
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dsckpt-write") as pool:
+        futures = [pool.submit(write_torch_tree, path, tree) for path, tree in jobs]
+        try:
+            for fut in futures:
+                yield fut.result()
+        finally:  # on an error: start no other file; the pool waits for those being written
+            for fut in futures:
+                fut.cancel()
 
 
 def _zero12_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], cache: Any) -> dict[str, Any]:
@@ -909,15 +974,11 @@ def _sample_windows(a: Piece, b: Piece) -> list[tuple[int, int]]:
 
 
 class _ByteReader:
-    """Raw bytes of element ranges of a piece, read with ``os.pread`` (no torch for contiguous refs)."""
-
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+    """Raw bytes of element ranges of a piece, read through :meth:`TensorRef.read_numpy` (``pread``,
+    CRC-checked, no torch) for contiguous refs."""
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        pass
 
     def read(self, piece: Piece, start: int, numel: int, item: int, cache: Any) -> bytes:
         out = bytearray()
@@ -934,17 +995,5 @@ class _ByteReader:
                 continue
             if first + (hi - lo) > ref.numel or ref.storage_offset + first + (hi - lo) > ref.storage.numel:
                 raise CorruptCheckpointError(f"{f.file}: {_fmt_key(f.key)} is shorter than its metadata says")
-            path = Path(ref.storage.path)
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            offset = ref.storage.file_offset + (ref.storage_offset + first) * item
-            want = (hi - lo) * item
-            while want:
-                chunk = os.pread(fd, want, offset)
-                if not chunk:
-                    raise CorruptCheckpointError(f"{path}: file ends inside storage {ref.storage.key!r}; it is truncated")
-                out += chunk
-                offset += len(chunk)
-                want -= len(chunk)
+            out += ref.read_numpy(first, hi - lo).data.cast("B")
         return bytes(out)

@@ -10,6 +10,9 @@ writes with ``"checkpoint_serialization": false``) with a restricted unpickler:
 * tensors are not read: each becomes a :class:`TensorRef` that knows where its bytes are in the file.
   ``TensorRef.read()`` reads exactly the elements asked for with ``pread``; storages saved on a GPU
   are read to CPU like any other;
+* every byte read of a zip record is checked against the record's CRC-32 while it is read
+  (:mod:`dsckpt.crc`; ``StorageRef.check``); :func:`finish_checks` completes the checks of records
+  read only partly. Legacy non-zip files carry no CRCs (``StorageRef.crc32 is None``);
 * parsing does not import torch: dtypes are names (:mod:`dsckpt.dtypes`), and ``torch.Size``,
   torch dtypes and devices in the pickle become :class:`TorchSize`, :class:`TorchDtype` and
   :class:`TorchDevice`. :func:`materialize` turns them into the real torch objects, and
@@ -26,6 +29,7 @@ import math
 import os
 import pickle
 import struct
+import types
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import crc
 from .dtypes import DTYPES, dtype_info
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
@@ -52,6 +57,7 @@ __all__ = [
     "load",
     "walk_tensors",
     "materialize",
+    "finish_checks",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -72,6 +78,9 @@ class DeepSpeedObject:
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
+            if any(not isinstance(k, str) or k.startswith("__") for k in state):
+                # A dunder attribute (``__reduce_ex__`` ...) would change how the stand-in behaves.
+                raise pickle.UnpicklingError(f"refusing state with special attributes for {self.ds_name}")
             self.__dict__.update(state)
         else:
             self.__dict__["_state"] = state
@@ -103,9 +112,16 @@ class DeepSpeedEnum(DeepSpeedObject):
         return hash((self.ds_module, self.ds_name, self.value))
 
 
+class _ReadOnlyClass(type):
+    """Stand-in classes are shared by every load: a pickle's BUILD must not set attributes on them."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"stand-in class {cls.__name__} is read-only")
+
+
 def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepSpeedObject]:
-    cls = type(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
-    return cls
+    cls = _ReadOnlyClass(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
+    return cls  # type: ignore[return-value]
 
 
 _STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
@@ -144,11 +160,14 @@ class TorchSize(tuple):  # type: ignore[type-arg]
         return f"torch.Size({list(self)})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TorchDtype:
     """A pickled ``torch.<name>`` dtype (e.g. ``DynamicLossScaler.dtype``)."""
 
     name: str
+
+    def __setstate__(self, state: Any) -> None:  # shared by every load: see _refuse_build
+        raise pickle.UnpicklingError("refusing to set the state of an allow-listed torch dtype")
 
     def __repr__(self) -> str:
         return f"torch.{self.name}"
@@ -191,7 +210,12 @@ def to_torch_value(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class StorageRef:
-    """Where one pickled storage's bytes are: ``nbytes`` bytes at ``file_offset`` in ``path``."""
+    """Where one pickled storage's bytes are: ``nbytes`` bytes at ``file_offset`` in ``path``.
+
+    In a zip-format file the storage is the start of a record (``record``, ``record_nbytes`` bytes,
+    stored CRC-32 ``crc32``) and ``check`` is the record's shared read-time check (None when
+    ``DSCKPT_NO_CRC`` is set). Legacy (non-zip) files store no CRC: ``crc32`` is None.
+    """
 
     path: Path
     key: str
@@ -199,6 +223,10 @@ class StorageRef:
     numel: int
     file_offset: int
     location: str
+    record: str | None = None
+    record_nbytes: int | None = None
+    crc32: int | None = None
+    check: crc.RecordCheck | None = field(default=None, compare=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,6 +289,14 @@ class TensorRef:
                 f"{self.storage.path}: asked for elements [{start}, {start + numel}) of a tensor "
                 f"with {total} elements; the checkpoint metadata does not match its tensors"
             )
+        # Checked before any buffer is allocated: a corrupt shape may claim 1e12 elements.
+        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if total else 0
+        if self.storage_offset < 0 or any(st < 0 for st in self.stride) or \
+                self.storage_offset + span > self.storage.numel:
+            raise CorruptCheckpointError(
+                f"{self.storage.path}: a tensor of shape {list(self.shape)} at offset {self.storage_offset} "
+                f"runs past the end of its storage {self.storage.key!r} ({self.storage.numel} elements); "
+                "the file is corrupt")
         return numel
 
     def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,6 +341,8 @@ class TensorRef:
     def _read_strided(self) -> torch.Tensor:
         import torch
 
+        self._check_range(0, None)
+
         if self.numel == 0:
             return torch.empty(self.shape, dtype=self.dtype)
         span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
@@ -342,6 +380,8 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -
                     "the file is truncated — the save was probably interrupted"
                 )
             got += n
+    if storage.check is not None:
+        storage.check.update(first * itemsize, view[:nbytes])
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,16 +390,46 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -
 _STORAGE_DTYPES: dict[str, str] = {d.storage: d.name for d in DTYPES.values()} | {"UntypedStorage": "uint8"}
 
 
-@dataclass(frozen=True)
+# Allow-listed objects are shared by every load, so none of them may be changed by a pickle's BUILD
+# opcode (which writes into ``__dict__`` or calls ``setattr``): a BUILD on the shared FloatStorage
+# marker once turned every later float32 storage into int8. Hence slots and frozen classes, and
+# plain functions wrapped in :class:`_ReadOnlyCallable`.
+
+
+def _refuse_build(self: Any, state: Any) -> None:
+    raise pickle.UnpicklingError(f"refusing to set the state of the allow-listed {type(self).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
 class _StorageType:
     dtype: str
 
+    __setstate__ = _refuse_build
 
+
+@dataclass(frozen=True, slots=True)
 class _TensorType:
     """Marker for ``torch.Tensor`` / ``torch.nn.Parameter`` used as ``new_type`` in rebuild calls."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    name: str
+
+    __setstate__ = _refuse_build
+
+
+class _ReadOnlyCallable:
+    __slots__ = ("_fn",)
+    _fn: Callable[..., Any]
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("allow-listed callables are read-only")
+
+    __setstate__ = _refuse_build
 
 
 def _rebuild_tensor_v2(
@@ -398,6 +468,14 @@ def _safe_reconstructor(cls: Any, base: Any, state: Any) -> Any:
         raise pickle.UnpicklingError(f"copyreg._reconstructor called with {cls!r}")
     obj = cls.__new__(cls)
     return obj
+
+
+def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    # numpy pickles bytes (the Mersenne Twister key of np.random.get_state(), saved in HF Trainer
+    # rng_state_*.pth) as _codecs.encode(str, "latin1") for protocol-2 compatibility.
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1") or errors != "strict":
+        raise pickle.UnpicklingError(f"_codecs.encode called with {type(obj).__name__}, {encoding!r}")
+    return obj.encode("latin1")
 
 
 def _numpy_globals() -> dict[tuple[str, str], Any]:
@@ -447,6 +525,7 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("builtins", "complex"): complex,
         ("builtins", "bytearray"): bytearray,
         ("__builtin__", "set"): set,
+        ("_codecs", "encode"): _codecs_encode,
     }
     for name, dtype in _STORAGE_DTYPES.items():
         allowed[("torch", name)] = _StorageType(dtype)
@@ -458,7 +537,7 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         allowed.update(_numpy_globals())
     except ImportError:  # numpy is a dependency, but reading must not break without it
         pass
-    return allowed
+    return {k: _ReadOnlyCallable(v) if isinstance(v, types.FunctionType) else v for k, v in allowed.items()}
 
 
 _ALLOWED = _build_allowed()
@@ -521,15 +600,20 @@ def load(path: str | os.PathLike[str]) -> Any:
 def _load_zip(path: Path) -> Any:
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise CorruptCheckpointError(f"{path}: the zip archive holds {', '.join(dup)} more than once; it is "
+                                         "corrupt (torch never writes a record twice)")
         pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise CorruptCheckpointError(f"{path}: zip archive without a single data.pkl; not a torch checkpoint")
         prefix = pkl[0][: -len("data.pkl")]
         byteorder = prefix + "byteorder"
-        if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+        if byteorder in names and _read_member(zf, byteorder, path).strip() not in (b"little", b""):
             raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
         infos = {i.filename: i for i in zf.infolist()}
-        data = zf.read(pkl[0])
+        data = _read_member(zf, pkl[0], path)
+    checked = crc.checks_enabled()
 
     with open(path, "rb") as raw:
 
@@ -546,11 +630,16 @@ def _load_zip(path: Path) -> Any:
             header = raw.read(30)
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
                 raise CorruptCheckpointError(f"{path}: bad zip entry header for data/{key}")
+            flags, local_crc = struct.unpack("<H", header[6:8])[0], struct.unpack("<I", header[14:18])[0]
+            if not flags & 0x08 and local_crc != info.CRC:  # torch's writer leaves it 0 (bit 3: data descriptor)
+                raise CorruptCheckpointError(crc.local_header_message(path, info.filename, info.CRC, local_crc))
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             offset = info.header_offset + 30 + name_len + extra_len
             dtype = storage_type.dtype
             count = int(numel) if numel is not None else info.file_size // DTYPES[dtype].itemsize
-            ref = StorageRef(path, str(key), dtype, count, offset, str(location))
+            check = crc.RecordCheck(path, info.filename, info.CRC, info.file_size, offset) if checked else None
+            ref = StorageRef(path, str(key), dtype, count, offset, str(location), info.filename, info.file_size,
+                             info.CRC, check)
             if ref.nbytes > info.file_size:
                 raise CorruptCheckpointError(f"{path}: storage data/{key} is shorter than its tensors")
             return ref
@@ -564,6 +653,18 @@ def _load_zip(path: Path) -> Any:
             return cache[key]
 
         return _Unpickler(io.BytesIO(data), path=path, resolve_storage=resolve_cached).load()
+
+
+def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
+    """A small record (the pickle, ``byteorder``), read whole; :mod:`zipfile` checks its CRC-32."""
+    try:
+        return zf.read(name)
+    except zipfile.BadZipFile as e:
+        if "CRC" not in str(e):
+            raise
+        raise CorruptCheckpointError(
+            f"{path}: record '{name}' fails its CRC32 check; the file is damaged (bit rot or a bad copy) "
+            "— restore it from a backup or use another tag") from e
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -712,3 +813,12 @@ def materialize(obj: Any) -> Any:
         return t
 
     return map_structure(read, obj)
+
+
+def finish_checks(obj: Any) -> int:
+    """Complete the CRC-32 checks of every zip record that tensors of the loaded tree ``obj`` were
+    read from (bytes not yet read are read now; records never read are left alone).
+
+    Raises :class:`CorruptCheckpointError` naming every damaged record. Returns the number of
+    records verified."""
+    return crc.finish(ref.storage.check for _, ref in walk_tensors(obj))

@@ -26,8 +26,9 @@ from dsckpt.state_dict_files import TargetKind
 FIXTURES = all_fixtures()
 REAL_FP16_BN = [f for f in FIXTURES if f.meta.get("dtype") == "fp16" and (f.dir / "source_fp32.safetensors").exists()
                 and ("bnoverflow" in f.name or "cpuforced" in f.name)]
+# TinyNet fixtures only: the chunking test diffs against another TinyNet checkpoint (HF Trainer models share no names)
 ZERO_MULTI_RANK = [f for f in FIXTURES if f.meta["stage"] in (1, 2, 3) and f.meta["dp_world_size"] > 1
-                   and f.meta.get("pp_size", 1) == 1]
+                   and f.meta.get("pp_size", 1) == 1 and f.meta.get("client") is None]
 
 
 def _fx(name):

@@ -36,7 +36,14 @@ def test_info_json_matches_recorded_facts(fx):
     assert s["params"]["numel_trainable"] == sum(truth[f"param/{n}"].numel() for n in unique if n in m["trainable"])
     assert s["params"]["numel_frozen"] == sum(truth[f"param/{n}"].numel() for n in unique if n in m["frozen"])
     assert sorted(b["name"] for b in s["buffers"]) == sorted(m["buffers"])
-    assert s["health"] == {"ok": True, "problems": []}
+    legacy = fx.name.endswith("_legacy")  # written with "checkpoint_serialization": false
+    assert s["health"]["ok"] is True and s["health"]["problems"] == []
+    assert [f["crc32"] for f in s["files"]] == [not legacy] * len(s["files"])
+    if legacy:
+        assert len(s["health"]["notes"]) == 1
+        assert s["health"]["notes"][0].startswith("no CRC (legacy format): bit rot cannot be detected in ")
+    else:
+        assert s["health"]["notes"] == []
     expected_files = sorted(f.split("/", 1)[1] for f in m["files"] if f.startswith(m["tag"] + "/"))
     assert sorted(f["name"] for f in s["files"]) == expected_files
     for f in s["files"]:

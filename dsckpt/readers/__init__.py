@@ -17,8 +17,28 @@ __all__ = ["read_checkpoint", "FileCache"]
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
-                    cache: FileCache | None = None) -> LogicalCheckpoint:
-    """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model."""
+                    cache: FileCache | None = None, allow_mixed_saves: bool = False) -> LogicalCheckpoint:
+    """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model.
+
+    Rank files that do not all come from one save are refused (:mod:`.same_save`) unless
+    ``allow_mixed_saves`` (``verify`` lists the disagreements instead)."""
+    cache = cache if cache is not None else FileCache()
+    logical = _read(path, tag, cache)
+    if not allow_mixed_saves:
+        _check_one_save(logical, cache)
+    return logical
+
+
+def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
+    from .same_save import file_facts, same_save_problems
+
+    facts = file_facts(ckpt.files, {f: cache.tree(f) for f in ckpt.files}, ckpt.tag_dir)
+    problems = same_save_problems(facts)
+    if problems:
+        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': " + "; ".join(f"{fact}: {msg}" for fact, msg in problems))
+
+
+def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:
     from .pipeline import read_pipeline
     from .stage0 import read_stage0
     from .zero3 import read_zero3
@@ -26,7 +46,6 @@ def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
 
     root, tag_name, tag_dir = find_tag_dir(path, tag)
     files = classify_files(root, tag_name, tag_dir)
-    cache = cache if cache is not None else FileCache()
     if files.layer_files:
         return read_pipeline(files, cache)
     if files.dp_mp_to_zero3_model_states:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import safe_load
+from .. import crc, safe_load
 from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
@@ -42,7 +42,20 @@ class FileCache:
         return obj
 
     def forget(self, path: Path) -> None:
-        self._trees.pop(path, None)
+        """Drop a parsed file, first completing the CRC-32 checks of what was read from it."""
+        tree = self._trees.pop(path, None)
+        if tree is not None:
+            safe_load.finish_checks(tree)
+
+    def finish_checks(self) -> int:
+        """Complete the CRC-32 checks of every zip record read through this cache: records read only
+        partly have their other bytes read now (see :mod:`dsckpt.crc`). Every command calls this
+        before it reports success or moves an output into place.
+
+        Raises :class:`CorruptCheckpointError` naming every damaged record. Returns the number of
+        records verified."""
+        return crc.finish(ref.storage.check for tree in self._trees.values()
+                          for _, ref in safe_load.walk_tensors(tree))
 
 
 def format_key(key: tuple[Any, ...]) -> str:

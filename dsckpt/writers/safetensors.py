@@ -76,17 +76,25 @@ class ShardPlan:
 
 def plan_shards(specs: Sequence[TensorSpec], max_shard_nbytes: int | None,
                 *, prefix: str = "model") -> ShardPlan:
-    """Cut ``specs`` (in order) into shards of at most ``max_shard_nbytes`` (a larger tensor gets a
-    shard of its own), named like Hugging Face: one shard -> ``model.safetensors``, else
-    ``model-00001-of-0000N.safetensors``."""
-    shards: list[list[TensorSpec]] = [[]]
+    """Cut ``specs`` into shards of at most ``max_shard_nbytes``, exactly as huggingface_hub's
+    ``split_torch_state_dict_into_shards`` does (and so ``save_pretrained``): tensors in order fill
+    the current shard until the next would overflow it; a tensor larger than the limit gets a shard
+    of its own, placed when it is met, and the current shard goes on after it. One shard ->
+    ``model.safetensors``, else ``model-00001-of-0000N.safetensors``."""
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
     size = 0
     for spec in specs:
-        if max_shard_nbytes is not None and shards[-1] and size + spec.nbytes > max_shard_nbytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
+        if max_shard_nbytes is not None and spec.nbytes > max_shard_nbytes:
+            shards.append([spec])
+            continue
+        if max_shard_nbytes is not None and size + spec.nbytes > max_shard_nbytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
         size += spec.nbytes
+    if current or not shards:
+        shards.append(current)
     n = len(shards)
     names: tuple[str, ...]
     if n == 1:
@@ -132,15 +140,22 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names")
     with atomic_file(path) as f:
-        f.write(_header(specs, metadata))
+        header = _header(specs, metadata)
+        f.write(header)
         f.flush()
         fd = f.fileno()
+        pos = kicked = len(header)
         for spec in specs:
             written = 0
             for t in produce_chunks(spec):
                 data = _chunk_bytes(t, spec)
                 if len(data):
-                    written += _write_all(fd, data)
+                    n = _write_all(fd, data)
+                    written += n
+                    pos += n
+                    if pos - kicked >= WRITEBACK_KICK_NBYTES:
+                        _start_writeback(fd, kicked, pos)
+                        kicked = pos
             if written != spec.nbytes:
                 raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec} ({spec.nbytes} bytes)")
             if on_tensor is not None:
@@ -172,6 +187,21 @@ def _whole(produce: Callable[[TensorSpec], Chunk]) -> Callable[[TensorSpec], Ite
     return chunks
 
 
+# Every this many bytes written, ask the kernel to start writing them to disk.
+WRITEBACK_KICK_NBYTES = 16 << 20
+
+
+def _start_writeback(fd: int, start: int, end: int) -> None:
+    """Start asynchronous write-back of bytes ``[start, end)`` of ``fd``.
+
+    Without it a file smaller than the dirty-page limit (10% of RAM: 12.8 GB on a 128 GB host) is
+    written to disk only by the final fsync, after all the reading and converting: the disk idles,
+    then the CPU does. Linux: ``POSIX_FADV_DONTNEED`` on dirty pages starts their write-back and drops
+    only pages already clean (the previous kick's), so the fsync has little left to wait for."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+
 def _write_all(fd: int, data: memoryview) -> int:
     # os.write, not the buffered file: the bytes go straight from the tensor to the kernel.
     done = 0
@@ -199,11 +229,13 @@ def write_sharded_chunks(directory: Path, plan: ShardPlan,
         written.append(write_safetensors_chunks(directory / filename, shard, produce_chunks, metadata=metadata,
                                                 on_tensor=on_tensor))
     if len(plan.filenames) > 1:
-        index = {"metadata": {"total_size": plan.total_nbytes, **(metadata or {})},
+        # As save_pretrained writes it: {"metadata": {"total_size": <tensor bytes>, ...}, "weight_map": ...},
+        # keys sorted.
+        index = {"metadata": {**(metadata or {}), "total_size": plan.total_nbytes},
                  "weight_map": plan.name_to_file}
         index_path = directory / "model.safetensors.index.json"
         with atomic_file(index_path) as f:
-            f.write(json.dumps(index, indent=2, sort_keys=False).encode("utf-8") + b"\n")
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
         written.append(index_path)
     return written
 

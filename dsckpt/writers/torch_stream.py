@@ -21,6 +21,11 @@ Bytes move through a few small reused buffers: a reader thread does ``os.preadv`
 and ``zlib.crc32``, the calling thread ``os.write`` s and starts write-back every
 :data:`WRITEBACK_KICK_NBYTES`. Peak memory: :data:`BUFFERS` x :data:`COPY_CHUNK_NBYTES`, whatever
 the size of the tensors.
+
+Source bytes are checked while they are copied: an extent of a source zip record carries the
+record's :class:`~dsckpt.crc.RecordCheck`, and the one CRC computed per extent serves both the
+source check and the output entry's CRC (combined with :func:`~dsckpt.crc.crc32_combine`), so
+checking costs no second pass.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..atomic import atomic_file
+from ..crc import RecordCheck, crc32_combine
 from ..dtypes import DTYPES
 from ..errors import CorruptCheckpointError
 
@@ -76,11 +82,16 @@ def element_nbytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Extent:
-    """``nbytes`` bytes at ``file_offset`` of ``path``; with ``path=None``, ``nbytes`` zero bytes."""
+    """``nbytes`` bytes at ``file_offset`` of ``path``; with ``path=None``, ``nbytes`` zero bytes.
+
+    ``record``: the CRC check of the source zip record these bytes lie in (they start
+    ``record_offset`` bytes into it); what is copied is accounted to it."""
 
     path: Path | None
     file_offset: int
     nbytes: int
+    record: RecordCheck | None = field(default=None, compare=False)
+    record_offset: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,7 +218,8 @@ class _TreePickler(_PurePickler):
         storage = getattr(obj, "storage", None)
         if storage is not None and hasattr(storage, "file_offset") and hasattr(obj, "storage_offset"):
             dtype = dtype_name(storage)
-            extents = (Extent(Path(storage.path), int(storage.file_offset), int(storage.numel) * element_nbytes(dtype)),)
+            extents = (Extent(Path(storage.path), int(storage.file_offset), int(storage.numel) * element_nbytes(dtype),
+                              getattr(storage, "check", None)),)
             st = self._storage(("ref", storage.path, storage.key), dtype, int(storage.numel), extents)
             return _rebuild(st, obj.storage_offset, obj.shape, obj.stride, obj.requires_grad, obj.attrs)
         if self._tensor_type is not None and isinstance(obj, self._tensor_type):
@@ -325,9 +337,13 @@ class _ZipStream:
                 for _, extents, _ in storages:
                     crc = 0
                     for ext in extents:
+                        ext_crc = 0
                         for part in self._read(ext, free, stop):
-                            crc = zlib.crc32(part, crc)
+                            ext_crc = zlib.crc32(part, ext_crc)
                             filled.put(part)
+                        if ext.record is not None:  # the source record's check (raises on a mismatch)
+                            ext.record.add_crc(ext.record_offset, ext_crc, ext.nbytes)
+                        crc = crc32_combine(crc, ext_crc, ext.nbytes)
                     filled.put(_EndOfEntry(crc))
             except BaseException as e:  # noqa: BLE001 -- handed to the writer thread, which raises it
                 filled.put(_Failed(e))

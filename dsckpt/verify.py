@@ -1,0 +1,174 @@
+"""``verify``: audit a whole DeepSpeed checkpoint without converting it.
+
+One pass over the metadata of every file, then one streaming pass over every stored tensor byte:
+
+* **files** — every rank file present (the readers refuse an incomplete set), and all of them from the
+  same save: tag, world sizes, global step/samples, DeepSpeed version and config, ZeRO stage,
+  partition counts, loss scaler, optimizer hyper-parameters and Adam step counts agree across files;
+* **records** — every zip record's CRC32 (legacy non-zip files have none: said, not failed);
+* **partitions** — sizes and padding consistent with ``param_shapes`` and DeepSpeed's rules (the
+  readers check this while building the logical checkpoint);
+* **bindings** — every optimizer-side tensor's owner proven (:mod:`dsckpt.binding`);
+* **values** — every 16-bit copy equals its fp32 master rounded, no inf/NaN, no fp32 master beyond
+  fp16's range in an fp16 run (the checks of :mod:`dsckpt.scan`, in the same pass).
+
+A problem is reported, not raised: the report lists them all. What cannot be read at all (missing
+rank files, partitions that contradict ``param_shapes``, unparseable files) raises as in every
+command.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .readers import FileCache, read_checkpoint
+from .readers.same_save import file_facts, same_save_problems
+
+__all__ = ["Area", "Problem", "VerifyReport", "verify"]
+
+
+class Area(enum.Enum):
+    FILES = "files"
+    RECORDS = "records"
+    PARTITIONS = "partitions"
+    BINDINGS = "bindings"
+    VALUES = "values"
+
+
+@dataclass(frozen=True)
+class Problem:
+    area: Area
+    where: str
+    message: str
+
+    def describe(self) -> str:
+        return f"{self.where}: {self.message}" if self.where else self.message
+
+    def to_dict(self) -> dict[str, str]:
+        return {"area": self.area.value, "where": self.where, "message": self.message}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    target: Path
+    tag: str
+    files: tuple[Path, ...]
+    records_checked: int
+    nbytes_read: int
+    stored_tensors: int
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": str(self.target), "tag": self.tag, "ok": self.ok,
+            "files": [str(f) for f in self.files], "records_checked": self.records_checked,
+            "nbytes_read": self.nbytes_read, "stored_tensors": self.stored_tensors,
+            "areas": [a.value for a in Area],
+            "problems": [p.to_dict() for p in self.problems], "notes": list(self.notes),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Records: checked while the value pass reads them, the rest in the same sweep
+
+
+class _RecordAudit:
+    """Every zip record of the checkpoint's files checked once: the records the value pass reads are
+    checked as their bytes go by (their :class:`~dsckpt.crc.RecordCheck` collects instead of raising),
+    then every record not verified that way (integer tensors, the pickle's small companions) is read."""
+
+    def __init__(self, files: tuple[Path, ...], cache: FileCache) -> None:
+        from .safe_load import walk_tensors
+
+        self.files = files
+        self.problems: list[str] = []
+        self.checks: dict[Path, list[Any]] = {}
+        for f in files:
+            seen: dict[int, Any] = {}
+            for _, ref in walk_tensors(cache.tree(f)):
+                check = ref.storage.check
+                if check is not None and id(check) not in seen:
+                    check.sink = self.problems
+                    seen[id(check)] = check
+            self.checks[f] = list(seen.values())
+        self.records_checked = 0
+        self.extra_nbytes = 0
+        self.legacy: list[Path] = []
+
+    def finish(self) -> list[tuple[str, str]]:
+        from . import crc
+
+        crc.finish(c for cs in self.checks.values() for c in cs)
+        for f in self.files:
+            verified = [c for c in self.checks[f] if c.done]
+            self.records_checked += sum(1 for c in verified if c.ok)
+            report = crc.check_file_records(f, skip=(c.record for c in verified))
+            if not report.has_crc:
+                self.legacy.append(f)
+                continue
+            self.records_checked += report.records - len(report.problems)
+            self.extra_nbytes += report.nbytes_checked
+            self.problems += [p.message for p in report.problems]
+        return [(_where(m), m) for m in dict.fromkeys(self.problems)]
+
+    def notes(self, root: Path) -> list[str]:
+        if not self.legacy:
+            return []
+        names = ", ".join(str(f.relative_to(root)) for f in self.legacy)
+        return [f"no CRC (legacy non-zip format): bit rot cannot be detected in {names}"]
+
+
+def _where(message: str) -> str:
+    """``file record`` from a CRC message (``'{path}: record '{name}' ...'``)."""
+    path, _, rest = message.partition(": ")
+    record = rest.split("'")[1] if rest.startswith("record '") else ""
+    return f"{Path(path).name} {record}".strip()
+
+
+# --------------------------------------------------------------------------------------------
+# The audit
+
+
+def verify(path: str | os.PathLike[str], *, tag: str | None = None,
+           on_progress: Callable[[int], None] | None = None, workers: int | None = None) -> VerifyReport:
+    """Audit the checkpoint at ``path``; see the module docstring. Reads every stored byte once;
+    ``workers`` threads read and check in parallel (see :func:`dsckpt.scan.run_scan`)."""
+    from .scan import Check, plan_scan, run_scan
+    from .state_dict_files import TargetKind
+
+    cache = FileCache()
+    ckpt = read_checkpoint(path, tag=tag, cache=cache, allow_mixed_saves=True)
+    problems: list[Problem] = []
+    notes: list[str] = []
+
+    # same save (every other command refuses a mixed set; verify lists what disagrees)
+    trees = {f: cache.tree(f) for f in ckpt.files}
+    facts = file_facts(ckpt.files, trees, ckpt.tag_dir)
+    problems += [Problem(Area.FILES, fact, msg) for fact, msg in same_save_problems(facts)]
+
+    # bindings
+    for amb in ckpt.ambiguities:
+        problems.append(Problem(Area.BINDINGS, ", ".join(amb.names), amb.describe()))
+
+    # one streaming pass: values (scan's checks) with every record's CRC checked as its bytes go by
+    audit = _RecordAudit(ckpt.files, cache)
+    plan = plan_scan(ckpt, trees, cache.tensor, target=ckpt.root, target_kind=TargetKind.DEEPSPEED)
+    report = run_scan(plan, cache, on_progress=on_progress, workers=workers)
+    problems += [Problem(Area.RECORDS, where, msg) for where, msg in audit.finish()]
+    for f in report.findings:
+        problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
+    notes += audit.notes(ckpt.tag_dir)
+    notes += ckpt.notes
+    assert Check.MISMATCH in report.checks
+    return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
+                        report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes))

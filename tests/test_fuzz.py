@@ -1,0 +1,145 @@
+"""The fuzzed corpus (tests/fuzz.py) given to every command: success with correct data or one clear
+error line -- never a traceback, exit 70, hang or unbounded memory. And the bugs it found, one test each.
+
+``DSCKPT_FUZZ_SCALE=5 pytest tests/test_fuzz.py`` runs a larger corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURES
+from fuzz import WRONG_ALLOWED
+
+from dsckpt.cli import main
+from dsckpt.errors import CorruptCheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_GB = 6  # RLIMIT_AS of the fuzz process: a 1e12-element allocation would fail, not swap
+
+
+def test_fuzzed_corpus_is_refused_cleanly_or_read_correctly():
+    scale = os.environ.get("DSCKPT_FUZZ_SCALE", "1")
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz.py"), "--json", "--scale", scale,
+                          "--memory-gb", str(MEMORY_GB)], capture_output=True, text=True, timeout=900, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("failures", "wrong")}, indent=1))
+    assert summary["cases"] >= 1000 * float(scale)
+    assert summary["failures"] == [], json.dumps(summary["failures"][:10], indent=1)
+    caught_categories = [o for o in summary["wrong"] if o["category"] not in WRONG_ALLOWED]
+    assert caught_categories == [], json.dumps(caught_categories[:10], indent=1)
+    for category in ("truncate", "zero-length", "flip:pickle", "folder-for-file", "absurd-size",
+                     "zip-remove-entry", "mixed-saves", "safetensors:offsets-overlap", "index:not-json"):
+        assert summary["by_category"][category].get("refused"), category
+
+
+# --------------------------------------------------------------------------------------------
+# Bugs the corpus found
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def _one_line(res, code: int, *phrases: str) -> None:
+    assert res.exit_code == code, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsckpt: error: "), res.stderr
+    for p in phrases:
+        assert p in lines[0], lines[0]
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    shutil.copytree(FIXTURES / name / "ckpt", tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("content", [b"global_step3\x00x", b"../../etc", b"\xff\xfe", b"/abs"])
+def test_latest_that_is_not_a_tag_name_is_corrupt_not_exit_70(tmp_path, content):
+    ckpt = _copy(tmp_path, "s2_bf16_w2_2groups")
+    (ckpt / "latest").write_bytes(content)
+    _one_line(_run("info", str(ckpt)), 3, "latest", "does not hold a tag folder name", "--tag")
+
+
+def test_zip_record_stored_twice_is_refused(tmp_path):
+    ckpt = _copy(tmp_path, "s2_bf16_w2_2groups")
+    victim = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(victim) as zf:
+        entries = [(i, zf.read(i)) for i in zf.infolist()]
+    with pytest.warns(UserWarning), zipfile.ZipFile(victim, "w") as zf:
+        for info, data in entries:
+            zf.writestr(info, data)
+        zf.writestr(entries[-2][0].filename, entries[-2][1][::-1])
+    _one_line(_run("to-fp32", str(ckpt), str(tmp_path / "o.safetensors")), 3, victim.name, "more than once")
+
+
+def test_mixed_rank_files_from_two_saves_are_refused(tmp_path):
+    ckpt = _copy(tmp_path, "s3_fp32_w2")
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(FIXTURES / "s3_fp16_w2_cpuforced" / "ckpt" / "global_step3" / name, ckpt / "global_step3" / name)
+    _one_line(_run("to-fp32", str(ckpt), str(tmp_path / "o.safetensors")), 3, name, "different saves")
+
+
+def test_absurd_tensor_shape_is_refused_before_any_allocation(tmp_path):
+    from dataclasses import replace
+
+    from dsckpt import safe_load
+
+    path = FIXTURES / "s2_bf16_w2_2groups" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"
+    _, ref = safe_load.walk_tensors(safe_load.load(path))[0]
+    huge = replace(ref, shape=(10**12,), stride=(1,))
+    for read in (huge.read_numpy, huge.read, huge.load):
+        with pytest.raises(CorruptCheckpointError, match="runs past the end of its storage"):
+            read()
+
+
+def _safetensors(tmp_path: Path) -> tuple[Path, dict, bytes]:
+    path = tmp_path / "m.safetensors"
+    assert _run("to-fp32", "-q", str(FIXTURES / "s2_fp32_w2_legacy" / "ckpt"), str(path)).exit_code == 0
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return path, json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _write(path: Path, header: str, body: bytes) -> None:
+    raw = header.encode() + b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+@pytest.mark.parametrize("edit", ["negative-offsets", "overlap", "duplicate-name", "metadata-list"])
+def test_malformed_safetensors_headers_are_refused(tmp_path, edit):
+    path, header, body = _safetensors(tmp_path)
+    names = [k for k in header if k != "__metadata__"]
+    a, b = header[names[0]], header[names[1]]
+    if edit == "negative-offsets":  # would read the header's own bytes as tensor data
+        a["data_offsets"] = [x - 8 for x in a["data_offsets"]]
+    elif edit == "overlap":
+        b["data_offsets"] = a["data_offsets"]
+        b["shape"], b["dtype"] = a["shape"], a["dtype"]
+    elif edit == "metadata-list":
+        header["__metadata__"] = [1]
+    text = json.dumps(header)
+    if edit == "duplicate-name":
+        text = text[:-1] + f', {json.dumps(names[0])}: {json.dumps(b)}}}'
+    _write(path, text, body)
+    _one_line(_run("scan", str(path)), 3, "m.safetensors", "not a readable .safetensors file")
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], {"x": 5}, {"x": "/etc/passwd"}, {"x": "../m.safetensors"}])
+def test_broken_safetensors_index_is_refused(tmp_path, weight_map):
+    out = tmp_path / "shards"
+    assert _run("to-fp32", "-q", "--max-shard-size", "300B", str(FIXTURES / "s0_fp32_w1" / "ckpt"),
+                str(out)).exit_code == 0
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _one_line(_run("scan", str(out)), 3, "model.safetensors.index.json", "unreadable index")
