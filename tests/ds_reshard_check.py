@@ -78,9 +78,24 @@ else:
     dev = torch.device("cpu")
 
 
+from deepspeed.comm import comm as ds_comm  # noqa: E402
+
+NATIVE_ALL_GATHER = ds_comm.cdb.all_gather_function
+
+
+def use_gloo_safe_all_gather(stage):
+    """DeepSpeed 0.18.9's ZeRO-1/2 step all-gathers into a flat buffer with autograd history through
+    all_gather_into_tensor, which gloo implements by copying into torch.split views: autograd refuses that
+    ("Output 0 of Split is a view and is being modified inplace", torch 2.8 and 2.13). On CPU, take the path
+    DeepSpeed itself takes without all_gather_into_tensor (dist.all_gather into narrow views): same values."""
+    fallback = dev.type == "cpu" and deepspeed.__version__ == "0.18.9" and stage in (1, 2)
+    ds_comm.cdb.all_gather_function = None if fallback else NATIVE_ALL_GATHER
+
+
 def build(name):
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
+    use_gloo_safe_all_gather(spec["stage"])
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     model = fm.build_model(spec).to(dev)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fm.model_parameters(model, spec), config=cfg)
@@ -130,6 +145,30 @@ def check_flat_partitions(engine, truth, problems):
                     problems.append(f"flat partition {key} of '{n}' (group {gi}) differs from the source")
 
 
+def check_stage0_masters(engine, truth, problems):
+    """Stage-0 FP16_UnfusedOptimizer / FP16_Optimizer: each fp32 master and its Adam moments."""
+    opt = engine.optimizer
+    base = opt.optimizer
+    name_of = {id(q): n for n, q in engine.module.named_parameters()}
+    if hasattr(opt, "fp32_groups_flat"):  # fused: one flat master per group, params packed in order
+        pairs = []
+        for plist, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            st, off = base.state[flat], 0
+            for q in plist:
+                k = q.numel()
+                pairs.append((q, {"param": flat.data[off:off + k], "exp_avg": st["exp_avg"][off:off + k],
+                                  "exp_avg_sq": st["exp_avg_sq"][off:off + k]}))
+                off += k
+    else:
+        pairs = [(q, {"param": m.data, "exp_avg": base.state[m]["exp_avg"], "exp_avg_sq": base.state[m]["exp_avg_sq"]})
+                 for plist, masters in zip(opt.fp16_groups, opt.fp32_groups) for q, m in zip(plist, masters)]
+    for q, got in pairs:
+        n = name_of[id(q)]
+        for key, t in got.items():
+            if not torch.equal(t.detach().float().cpu().view(q.shape), truth[f"{key}/{n}"]):
+                problems.append(f"stage-0 {key} of '{n}' differs from the source")
+
+
 def check_one(name, ckpt_dir):
     problems = []
     spec, cfg, engine = build(name)
@@ -145,7 +184,7 @@ def check_one(name, ckpt_dir):
         # Link the optimizer-state fragments for the fragment API (the fixture generator does the same).
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-    # DeepSpeed <= 0.18 wraps stage-0 bf16 in BF16_Optimizer: partitioned like ZeRO-1, with the fragment API
+    # DeepSpeed 0.10.3-0.16.9 wrap stage-0 bf16 in BF16_Optimizer: partitioned like ZeRO-1, with the fragment API
     bf16_opt = type(opt).__name__ == "BF16_Optimizer"
     round_robin = bool(cfg["zero_optimization"].get("round_robin_gradients"))
     params = dict(module.named_parameters())
@@ -164,6 +203,8 @@ def check_one(name, ckpt_dir):
                     problems.append(f"{key} of '{n}' differs from the source (fragment API)")
     if stage in (1, 2) or bf16_opt:
         check_flat_partitions(engine, truth, problems)
+    if stage == 0 and not bf16_opt and hasattr(opt, "fp32_groups"):
+        check_stage0_masters(engine, truth, problems)
     # module weights, frozen params, buffers
     if stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
