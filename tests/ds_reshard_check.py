@@ -84,11 +84,9 @@ NATIVE_ALL_GATHER = ds_comm.cdb.all_gather_function
 
 
 def use_gloo_safe_all_gather(stage):
-    """DeepSpeed 0.18.9's ZeRO-1/2 step all-gathers into a flat buffer with autograd history through
-    all_gather_into_tensor, which gloo implements by copying into torch.split views: autograd refuses that
-    ("Output 0 of Split is a view and is being modified inplace", torch 2.8 and 2.13). On CPU, take the path
-    DeepSpeed itself takes without all_gather_into_tensor (dist.all_gather into narrow views): same values."""
-    fallback = dev.type == "cpu" and deepspeed.__version__ == "0.18.9" and stage in (1, 2)
+    """DeepSpeed 0.12.6 and 0.18.9 ZeRO-1/2 steps cannot all_gather_into_tensor over gloo; on CPU take
+    DeepSpeed's own dist.all_gather fallback, as the fixtures were made (fixture_models.GLOO_ALL_GATHER_FALLBACK)."""
+    fallback = dev.type == "cpu" and deepspeed.__version__ in fm.GLOO_ALL_GATHER_FALLBACK and stage in (1, 2)
     ds_comm.cdb.all_gather_function = None if fallback else NATIVE_ALL_GATHER
 
 
