@@ -1,0 +1,253 @@
+"""Checkpoints of older DeepSpeed releases (0.10.3, 0.14.5, 0.16.9, 0.18.9).
+
+Default suite: the committed ``ds<ver>_*`` fixtures cover every release in
+``fixture_models.OLD_DS_RELEASES`` at stages 0-3 (less the runs ``OLD_DS_NOT_RUN`` names), and the
+release differences the readers handle are pinned here by value. Exact reads of each old fixture by
+info / to-fp32 / scan / verify / reshard / diff / repair come from the suite's tests parametrized over
+``conftest.all_fixtures()``, which includes them.
+
+Opt-in (``olddeepspeed`` marker): checkpoints resharded by dsckpt load in the release that wrote them.
+
+    DSCKPT_OLD_DS_VENVS=/work/venvs pytest -m olddeepspeed tests/test_old_deepspeed.py
+
+Skipped unless ``DSCKPT_OLD_DS_VENVS`` names a folder holding one venv per release (``LOADER_VENVS``; how
+they were made: tests/fixtures/README.md, "Older DeepSpeed releases"). For each release and target world
+size, every ``ds<ver>_*`` fixture is resharded with dsckpt (this interpreter), then one
+``<venv>/bin/deepspeed --num_gpus N tests/ds_reshard_check.py`` launch loads each result with plain
+``engine.load_checkpoint()`` and compares fp32 masters, Adam moments, module weights, frozen params,
+buffers and counters with the fixture's truth exactly, then trains one more step.
+``DSCKPT_OLD_DS_RESULTS=<file.json>`` also writes every per-fixture result there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES, all_fixtures, ids
+
+from dsckpt import open_checkpoint
+from dsckpt.model import Kind, Role
+
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+REPO = Path(__file__).resolve().parent.parent
+VENVS = os.environ.get("DSCKPT_OLD_DS_VENVS")
+
+# release -> venv that loads its checkpoints. DeepSpeed <= 0.15 cannot load_checkpoint under torch >= 2.6
+# (torch.load's weights_only default refuses the pickled LossScaler/ZeroStageEnum), so 0.14.5 loads with
+# torch 2.2.2; 0.10.3 needs a torch of its era anyway (it imports `log` from torch.distributed.elastic).
+LOADER_VENVS = {"0.10.3": "ds0103", "0.14.5": "ds0145t222", "0.16.9": "ds0169", "0.18.9": "ds0189"}
+# target world sizes per release: every fixture to 1 rank, and the 2-rank ones to 3.
+TARGETS = (1, 3)
+
+OLD = [f for f in all_fixtures() if f.name.startswith("ds0")]
+
+
+def _fixture_models():
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        import fixture_models
+    finally:
+        sys.path.remove(str(FIXTURES))
+    return fixture_models
+
+
+# ---------------------------------------------------------------- default suite: what the fixtures cover
+
+def test_every_old_release_has_its_fixtures_written_by_itself():
+    fm = _fixture_models()
+    assert len(fm.OLD_DS_RELEASES) >= 4
+    assert all(v.startswith(("0.10.", "0.11.", "0.12.", "0.13.", "0.14.", "0.15.", "0.16.", "0.17.", "0.18."))
+               for v in fm.OLD_DS_RELEASES)
+    want = {f"{fm.old_ds_prefix(v)}_{b}" for v in fm.OLD_DS_RELEASES for b in fm.OLD_DS_RUNS
+            if (v, b) not in fm.OLD_DS_NOT_RUN}
+    assert {f.name for f in OLD} == want
+    for fx in OLD:
+        release = fm.FIXTURES[fx.name]["ds"]
+        assert fx.meta["ds_version"] == release, fx.name
+        # what the files themselves say, not only what the generator recorded
+        assert open_checkpoint(fx.ckpt).logical.ds_version == release, fx.name
+    for v in fm.OLD_DS_RELEASES:
+        stages = {f.meta["stage"] for f in OLD if f.meta["ds_version"] == v}
+        dtypes = {f.meta["dtype"] for f in OLD if f.meta["ds_version"] == v}
+        # DeepSpeed 0.10.3 and 0.12.6 cannot train at stage 0 on CPU (fixture_models.OLD_DS_NOT_RUN says why)
+        assert stages == ({1, 2, 3} if v in ("0.10.3", "0.12.6") else {0, 1, 2, 3}), v
+        assert dtypes == {"fp32", "bf16"}, v
+
+
+def _bn_buffer_dtypes(fx) -> dict[str, str]:
+    c = open_checkpoint(fx.ckpt)
+    return {e.name: e.stored_dtype for e in c.entries if e.kind is Kind.BUFFER and e.name.startswith("bn.running")}
+
+
+@pytest.mark.parametrize("fx", [f for f in OLD if f.meta["dtype"] == "bf16"],
+                         ids=ids([f for f in OLD if f.meta["dtype"] == "bf16"]))
+def test_old_releases_store_bn_buffers_in_bf16_and_they_read_exactly(fx):
+    """DeepSpeed <= 0.18.9 casts the whole module, buffers included, to bf16 (0.19.8 keeps them fp32)."""
+    assert _bn_buffer_dtypes(fx) == {"bn.running_mean": "bfloat16", "bn.running_var": "bfloat16"}
+    c = open_checkpoint(fx.ckpt)
+    truth = fx.truth()
+    for name in ("bn.running_mean", "bn.running_var"):
+        got = c.tensor(name)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, truth[f"buffer/{name}"]), name
+
+
+def test_current_release_keeps_bn_buffers_fp32():
+    """The contrast that makes the test above mean something: DeepSpeed 0.19.8, same model, bf16."""
+    fx = next(f for f in all_fixtures() if f.name == "s1_bf16_w3")
+    assert _bn_buffer_dtypes(fx) == {"bn.running_mean": "float32", "bn.running_var": "float32"}
+
+
+@pytest.mark.parametrize(("name", "wrapper", "layout"), [
+    ("ds0145_s0_bf16_w2", "BF16_Optimizer", "stage0-bf16-optimizer"),
+    ("ds0169_s0_bf16_w2", "BF16_Optimizer", "stage0-bf16-optimizer"),
+    ("ds0189_s0_bf16_w2", "FP16_UnfusedOptimizer", None),
+    ("s0_bf16_w2", "FP16_UnfusedOptimizer", None),
+])
+def test_stage0_bf16_wrapper_by_release(name, wrapper, layout):
+    """Stage-0 bf16: BF16_Optimizer (partitioned, ZeRO-1 files) up to 0.16.9, FP16_UnfusedOptimizer from 0.18.9."""
+    fx = next(f for f in all_fixtures() if f.name == name)
+    c = open_checkpoint(fx.ckpt).logical
+    assert fx.meta["optimizer_wrapper"] == wrapper
+    assert c.zero_stage == 0
+    assert c.optimizer_wrapper == wrapper
+    if layout is not None:
+        assert c.layout == layout
+    optim_files = sorted(p.name for p in c.files if "optim_states" in p.name)
+    assert optim_files == (["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                            "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"] if layout else [])
+
+
+def test_frozen_params_held_by_the_0189_stage0_optimizer_have_masters():
+    """DeepSpeed 0.18.9's FP16_UnfusedOptimizer keeps requires_grad=False params it is given (0.19.8 drops
+    them): fp32 masters, zero moments, and a master moved by the init step's weight decay. The file cannot say
+    they were frozen, so they read as optimizer-owned, with the master the release itself holds."""
+    fx = next(f for f in all_fixtures() if f.name == "ds0189_s0_bf16_w2")
+    held = fx.meta["frozen_in_optimizer"]
+    assert held == ["frozen.weight", "frozen.bias"]
+    c = open_checkpoint(fx.ckpt)
+    truth = fx.truth()
+    for name in held:
+        e = c.logical.entry(name)
+        assert e.trainable
+        master = c.tensor(name, role=Role.MASTER)
+        assert torch.equal(master, truth[f"param/{name}"])
+        # weight decay (0.01 x lr 1e-2) in the zero-grad init step: the master is no longer the bf16 value ...
+        assert not torch.equal(master, truth[f"lowp/{name}"].float())
+        assert torch.equal(master.bfloat16(), truth[f"lowp/{name}"])  # ... but still rounds to it
+        assert torch.equal(c.tensor(name, role=Role.EXP_AVG), torch.zeros_like(master))
+    contrast = next(f for f in all_fixtures() if f.name == "s0_bf16_w2")
+    assert contrast.meta.get("frozen_in_optimizer", []) == []
+    assert not open_checkpoint(contrast.ckpt).logical.entry("frozen.weight").trainable
+
+
+# ---------------------------------------------------------------- opt-in: load in the release that wrote them
+
+needs_venvs = [
+    pytest.mark.olddeepspeed,
+    pytest.mark.skipif(not VENVS, reason="set DSCKPT_OLD_DS_VENVS to the folder of the old-DeepSpeed venvs"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reshard(src: Path, out: Path, world_size: int) -> None:
+    cache = FileCache()
+    ckpt = read_checkpoint(src, cache=cache)
+    run_reshard(plan_reshard(ckpt, world_size, facts=read_source_facts(ckpt, cache)), out, cache=cache)
+
+
+def _needs_ipex_shim(venv: Path) -> bool:
+    """DeepSpeed <= 0.13 refuses DS_ACCELERATOR=cpu without intel_extension_for_pytorch."""
+    src = next(venv.glob("lib/python*/site-packages/deepspeed/accelerator/real_accelerator.py"), None)
+    return src is not None and "CPU_Accelerator requires intel_extension_for_pytorch" in src.read_text()
+
+
+def _cases() -> list[tuple[str, int]]:
+    releases = sorted({f.meta["ds_version"] for f in OLD})
+    return [(v, w) for v in releases for w in TARGETS]
+
+
+@pytest.fixture(scope="module")
+def results_file():
+    results: list[dict] = []
+    yield results
+    out = os.environ.get("DSCKPT_OLD_DS_RESULTS")
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+@needs_venvs[0]
+@needs_venvs[1]
+@pytest.mark.parametrize(("release", "world"), _cases(), ids=lambda x: str(x))
+def test_old_release_loads_resharded(tmp_path, results_file, release, world):
+    venv = Path(VENVS or "") / LOADER_VENVS.get(release, "?")
+    if not (venv / "bin" / "deepspeed").exists():
+        pytest.skip(f"no DeepSpeed {release} venv at {venv}")
+    fixtures = [f for f in OLD if f.meta["ds_version"] == release
+                and (world == 1 or f.meta["dp_world_size"] > 1)]
+    pairs = []
+    for fx in fixtures:
+        out = tmp_path / f"{fx.name}_to{world}"
+        reshard(fx.ckpt, out, world)
+        pairs.append(f"{fx.name}={out}")
+    # negative control, so that a checker which compares nothing cannot pass: the first fixture once more,
+    # resharded, with one fp32 master element moved by 1.0 in the rank-0 file
+    control = tmp_path / f"{fixtures[0].name}_to{world}_tampered"
+    reshard(fixtures[0].ckpt, control, world)
+    _tamper_first_master(control)
+    pairs.append(f"{fixtures[0].name}={control}")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    if _needs_ipex_shim(venv):
+        env["PYTHONPATH"] += os.pathsep + str(REPO / "tests" / "fixtures" / "old_ds_shim")
+    result = tmp_path / "result.json"
+    proc = subprocess.run(
+        [str(venv / "bin" / "deepspeed"), "--num_gpus", str(world), "--master_port", str(_free_port()),
+         str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result), *pairs],
+        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    log = "\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL")))
+    got = json.loads(result.read_text()) if result.exists() else []
+    assert got, log or (proc.stdout[-3000:] + proc.stderr[-3000:])
+    tampered = [r for r in got if r["ckpt"] == str(control)]
+    got = [r for r in got if r["ckpt"] != str(control)]
+    for r in got:
+        src = next(f for f in fixtures if f.name == r["fixture"])
+        results_file.append({"release": release, "loaded_with": venv.name, "fixture": r["fixture"],
+                             "from_ranks": src.meta["dp_world_size"], "to_ranks": world, "ok": r["ok"],
+                             "problems": r["problems"]})
+    failed = [r for r in got if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    assert {r["fixture"] for r in got} == {f.name for f in fixtures}
+    assert len(tampered) == 1 and not tampered[0]["ok"], tampered
+    assert any("differs from the source" in m for m in tampered[0]["problems"]), tampered[0]["problems"]
+    assert proc.returncode == 1, log  # 1: only the control failed
+
+
+def _tamper_first_master(ckpt: Path) -> None:
+    """Add 1.0 to element 0 of the first fp32 master partition that rank 0's files hold (our own output, so a
+    trusted full unpickle is fine here)."""
+    tag_dir = ckpt / (ckpt / "latest").read_text().strip()
+    for f in sorted(tag_dir.glob("*rank_0*_optim_states.pt")) + sorted(tag_dir.glob("mp_rank_00_model_states.pt")):
+        sd = torch.load(f, map_location="cpu", weights_only=False)
+        osd = sd.get("optimizer_state_dict") or sd.get("optimizer") or {}
+        for key in ("single_partition_of_fp32_groups", "fp32_flat_groups", "fp32_groups_flat", "fp32_groups"):
+            groups = osd.get(key)
+            if groups:
+                first = groups[0][0] if isinstance(groups[0], list) else groups[0]
+                first.view(-1)[0] += 1.0
+                torch.save(sd, f)
+                return
+    raise AssertionError(f"no fp32 master found in {tag_dir}")
