@@ -840,6 +840,8 @@ def _zero12_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], 
     osd["single_partition_of_fp32_groups"] = [_streamed(g.master, cache) for g in r.groups]
     osd["group_paddings"] = [g.padding_numel for g in r.groups]
     osd["partition_count"] = [plan.world_size] * len(r.groups)
+    # param_alignment_paddings is absent from the files of DeepSpeed 0.10.3-0.18.9 (seen in 0.10.3, 0.12.6, 0.14.5,
+    # 0.16.9, 0.18.9), whose loaders never look for it: write it only where the source has it.
     if "param_alignment_paddings" in osd0:
         osd["param_alignment_paddings"] = [list(p) for p in plan.alignment_paddings]
     osd["param_slice_mappings"] = [OrderedDict((n, _fragment_address(numel, start))

@@ -84,9 +84,9 @@ NATIVE_ALL_GATHER = ds_comm.cdb.all_gather_function
 
 
 def use_gloo_safe_all_gather(stage):
-    """DeepSpeed 0.12.6 and 0.18.9 ZeRO-1/2 steps cannot all_gather_into_tensor over gloo; on CPU take
-    DeepSpeed's own dist.all_gather fallback, as the fixtures were made (fixture_models.GLOO_ALL_GATHER_FALLBACK)."""
-    fallback = dev.type == "cpu" and deepspeed.__version__ in fm.GLOO_ALL_GATHER_FALLBACK and stage in (1, 2)
+    """Some (DeepSpeed, torch) pairs cannot all_gather_into_tensor over gloo after a partitioned step; on CPU
+    take DeepSpeed's own dist.all_gather fallback there (fixture_models.GLOO_ALL_GATHER_FALLBACK says why)."""
+    fallback = dev.type == "cpu" and fm.needs_gloo_all_gather_fallback(deepspeed.__version__, torch.__version__, stage)
     ds_comm.cdb.all_gather_function = None if fallback else NATIVE_ALL_GATHER
 
 
@@ -178,12 +178,14 @@ def check_one(name, ckpt_dir):
         return [f"load_checkpoint returned None for {ckpt_dir}"]
     module = engine.module
     opt = engine.optimizer
-    if stage in (1, 2) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        # Link the optimizer-state fragments for the fragment API (the fixture generator does the same).
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
     # DeepSpeed 0.10.3-0.16.9 wrap stage-0 bf16 in BF16_Optimizer: partitioned like ZeRO-1, with the fragment API
     bf16_opt = type(opt).__name__ == "BF16_Optimizer"
+    if (stage in (1, 2) or bf16_opt) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # Link the optimizer-state fragments for the fragment API (the fixture generator does the same). DeepSpeed
+        # links them lazily at the first step; BF16_Optimizer.load_state_dict (0.14.5, 0.16.9) re-links the params
+        # with no optimizer state, so before a step safe_get_full_optimizer_state fails on optim_fragment None.
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
     round_robin = bool(cfg["zero_optimization"].get("round_robin_gradients"))
     params = dict(module.named_parameters())
     for n in meta["trainable"]:

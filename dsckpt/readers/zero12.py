@@ -101,6 +101,8 @@ def zero12_param_entries(
         raise CorruptCheckpointError(f"{model_states}: no 'param_shapes'; not a ZeRO-1/2 model-states file")
     parts = group_partitions(optim_files, cache, keeps_padding)
     osd0 = cache.tree(optim_files[0])[OSD]
+    # None in DeepSpeed 0.10.3-0.18.9 files (seen in 0.10.3, 0.12.6, 0.14.5, 0.16.9, 0.18.9): they predate
+    # parameter_alignment, so params are packed with no padding between them
     align_pads = osd0.get("param_alignment_paddings")
     if len(param_shapes) != len(parts.partition_numel):
         raise CorruptCheckpointError(
