@@ -590,7 +590,8 @@ def load(path: str | os.PathLike[str]) -> Any:
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{p}: file not found") from e
     except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
-            TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError) as e:
+            TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError,
+            NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"; huge counts
         raise CorruptCheckpointError(
             f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {e}); "
             "it is truncated or corrupt — the save was probably interrupted"

@@ -47,7 +47,14 @@ class GroupPartitions:
 
 
 def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: bool) -> GroupPartitions:
-    trees = [cache.tree(p)[OSD] for p in optim_files]
+    trees = [cache.tree(p).get(OSD) for p in optim_files]
+    for path, t in zip(optim_files, trees):
+        groups = t.get("single_partition_of_fp32_groups") if isinstance(t, Mapping) else None
+        if not isinstance(groups, list) or not all(isinstance(r, TensorRef) for r in groups):
+            raise CorruptCheckpointError(
+                f"{path}: no list of tensors under '{OSD}.single_partition_of_fp32_groups'; the file is "
+                "damaged or not a ZeRO-1/2 optimizer file"
+            )
     n_groups = len(trees[0]["single_partition_of_fp32_groups"])
     partition_numel: list[int] = []
     stored: list[list[int]] = []
@@ -108,6 +115,12 @@ def zero12_param_entries(
         raise CorruptCheckpointError(
             f"{model_states}: {len(param_shapes)} param groups in 'param_shapes' but "
             f"{len(parts.partition_numel)} fp32 groups in {optim_files[0].name}"
+        )
+    if align_pads is not None and not (isinstance(align_pads, list) and all(
+            isinstance(p, list) and all(isinstance(x, int) and x >= 0 for x in p) for p in align_pads)):
+        raise CorruptCheckpointError(
+            f"{optim_files[0]}: 'param_alignment_paddings' is not a list of non-negative integers per group; "
+            "the file is damaged"
         )
     if align_pads is not None and [len(p) for p in align_pads] != [len(g) for g in param_shapes]:
         raise CorruptCheckpointError(
@@ -215,6 +228,16 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     module = ms.get("module") or {}
     trainable = zero12_param_entries(model_states=ms_path, optim_files=optim_files, cache=cache,
                                      keeps_padding=is_bf16_optimizer)
+    if module:
+        # Every trainable param is also in the saved module state dict (DeepSpeed saves
+        # module.state_dict(), frozen params or not): a name in 'param_shapes' without its module
+        # tensor means one of the two name lists is damaged -- legacy files have no CRC to say so.
+        for name, entry in trainable.items():
+            if entry.piece(Role.MODULE) is None:
+                raise CorruptCheckpointError(
+                    f"{ms_path}: 'param_shapes' names '{name}' but the saved module has no tensor of that "
+                    "name; the file is damaged or its parts come from different runs"
+                )
     entries = dict(trainable)
     shared = ms.get("shared_params") or {}
     buffers = set(meta.buffer_names)
