@@ -189,7 +189,7 @@ def test_safetensors_metadata(tmp_path):
         meta = f.metadata()
     assert meta["format"] == "pt"
     assert meta["source_tag"] == fx.meta["tag"]
-    assert meta["deepspeed_version"] == "0.19.8"
+    assert meta["deepspeed_version"] == fx.meta["ds_version"]  # as the files say, whatever release wrote them
     assert meta["dsckpt_version"]
 
 
