@@ -72,6 +72,7 @@ def test_every_old_release_has_its_fixtures_written_by_itself():
                for v in fm.OLD_DS_RELEASES)
     want = {f"{fm.old_ds_prefix(v)}_{b}" for v in fm.OLD_DS_RELEASES for b in fm.OLD_DS_RUNS
             if (v, b) not in fm.OLD_DS_NOT_RUN}
+    want |= {f"{fm.old_ds_prefix(v)}_{b}" for v in fm.OLD_DS_GPU_RELEASES for b in fm.OLD_DS_GPU_RUNS}
     assert {f.name for f in OLD} == want
     for fx in OLD:
         release = fm.FIXTURES[fx.name]["ds"]
@@ -79,11 +80,15 @@ def test_every_old_release_has_its_fixtures_written_by_itself():
         # what the files themselves say, not only what the generator recorded
         assert open_checkpoint(fx.ckpt).logical.ds_version == release, fx.name
     for v in fm.OLD_DS_RELEASES:
-        stages = {f.meta["stage"] for f in OLD if f.meta["ds_version"] == v}
-        dtypes = {f.meta["dtype"] for f in OLD if f.meta["ds_version"] == v}
+        cpu = [f for f in OLD if f.meta["ds_version"] == v and f.meta["device"] == "cpu"]
         # DeepSpeed 0.10.3 and 0.12.6 cannot train at stage 0 on CPU (fixture_models.OLD_DS_NOT_RUN says why)
-        assert stages == ({1, 2, 3} if v in ("0.10.3", "0.12.6") else {0, 1, 2, 3}), v
-        assert dtypes == {"fp32", "bf16"}, v
+        assert {f.meta["stage"] for f in cpu} == ({1, 2, 3} if v in ("0.10.3", "0.12.6") else {0, 1, 2, 3}), v
+        assert {f.meta["dtype"] for f in cpu} == {"fp32", "bf16"}, v
+        gpu = [f for f in OLD if f.meta["ds_version"] == v and f.meta["device"] == "cuda"]
+        if v in fm.OLD_DS_GPU_RELEASES:
+            assert {(f.meta["stage"], f.meta["dtype"]) for f in gpu} == {(s, "fp16") for s in range(4)}, v
+        else:
+            assert not gpu, v
 
 
 def test_readme_support_matrix_lists_every_old_release():
@@ -137,27 +142,36 @@ def test_stage0_bf16_wrapper_by_release(name, wrapper, layout):
                             "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"] if layout else [])
 
 
-def test_frozen_params_held_by_the_0189_stage0_optimizer_have_masters():
-    """DeepSpeed 0.18.9's FP16_UnfusedOptimizer keeps requires_grad=False params it is given (0.19.8 drops
-    them): fp32 masters, zero moments, and a master moved by the init step's weight decay. The file cannot say
-    they were frozen, so they read as optimizer-owned, with the master the release itself holds."""
-    fx = next(f for f in all_fixtures() if f.name == "ds0189_s0_bf16_w2")
+HELD = [f for f in all_fixtures() if f.meta.get("frozen_in_optimizer")]
+
+
+def test_frozen_params_held_by_the_stage0_unfused_optimizer_are_the_ones_expected():
+    """FP16_UnfusedOptimizer of 0.14.5-0.18.9 keeps the requires_grad=False params it is given; 0.19.8 drops them."""
+    assert sorted(f.name for f in HELD) == ["ds0145_s0_fp16_w1", "ds0169_s0_fp16_w1", "ds0189_s0_bf16_w2",
+                                            "ds0189_s0_fp16_w1"]
+    contrast = next(f for f in all_fixtures() if f.name == "s0_bf16_w2")  # 0.19.8, same run
+    assert contrast.meta["optimizer_wrapper"] == "FP16_UnfusedOptimizer"
+    assert contrast.meta.get("frozen_in_optimizer", []) == []
+    assert not open_checkpoint(contrast.ckpt).logical.entry("frozen.weight").trainable
+
+
+@pytest.mark.parametrize("fx", HELD, ids=ids(HELD))
+def test_frozen_params_held_by_an_old_stage0_optimizer_have_masters(fx):
+    """They get fp32 masters, zero moments, and a master moved by the zero-grad init step's weight decay. The
+    file cannot say they were frozen, so they read as optimizer-owned, with the master the release holds."""
     held = fx.meta["frozen_in_optimizer"]
     assert held == ["frozen.weight", "frozen.bias"]
     c = open_checkpoint(fx.ckpt)
     truth = fx.truth()
     for name in held:
-        e = c.logical.entry(name)
-        assert e.trainable
+        assert c.logical.entry(name).trainable
         master = c.tensor(name, role=Role.MASTER)
+        lowp = truth[f"lowp/{name}"]
         assert torch.equal(master, truth[f"param/{name}"])
-        # weight decay (0.01 x lr 1e-2) in the zero-grad init step: the master is no longer the bf16 value ...
-        assert not torch.equal(master, truth[f"lowp/{name}"].float())
-        assert torch.equal(master.bfloat16(), truth[f"lowp/{name}"])  # ... but still rounds to it
+        # weight decay (0.01 x lr 1e-2) in the init step: the master is no longer the 16-bit value ...
+        assert not torch.equal(master, lowp.float())
+        assert torch.equal(master.to(lowp.dtype), lowp)  # ... but still rounds to it
         assert torch.equal(c.tensor(name, role=Role.EXP_AVG), torch.zeros_like(master))
-    contrast = next(f for f in all_fixtures() if f.name == "s0_bf16_w2")
-    assert contrast.meta.get("frozen_in_optimizer", []) == []
-    assert not open_checkpoint(contrast.ckpt).logical.entry("frozen.weight").trainable
 
 
 # ---------------------------------------------------------------- opt-in: load in the release that wrote them
@@ -207,7 +221,8 @@ def test_old_release_loads_resharded(tmp_path, results_file, release, world):
     venv = Path(VENVS or "") / LOADER_VENVS.get(release, "?")
     if not (venv / "bin" / "deepspeed").exists():
         pytest.skip(f"no DeepSpeed {release} venv at {venv}")
-    fixtures = [f for f in OLD if f.meta["ds_version"] == release
+    # fp16 ones need a GPU (tests/gpu/check_reshard_fp16.py; results in tests/fixtures/README.md)
+    fixtures = [f for f in OLD if f.meta["ds_version"] == release and f.meta["device"] == "cpu"
                 and (world == 1 or f.meta["dp_world_size"] > 1)]
     pairs = []
     for fx in fixtures:
