@@ -547,9 +547,15 @@ _ALLOWED = _build_allowed()
 # The unpickler
 
 
-class _Unpickler(pickle.Unpickler):
+class _AllowListed:
+    """find_class / persistent_load of dsckpt's unpicklers (the C one below, and the pure-Python one
+    for legacy files)."""
+
+    _path: Path
+    _resolve_storage: Callable[[tuple], StorageRef]
+
     def __init__(self, file: Any, *, path: Path, resolve_storage: Callable[[tuple], StorageRef]) -> None:
-        super().__init__(file, encoding="utf-8")
+        super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self._path = path
         self._resolve_storage = resolve_storage
 
@@ -572,6 +578,22 @@ class _Unpickler(pickle.Unpickler):
         return self._resolve_storage(pid[1:])
 
 
+class _Unpickler(_AllowListed, pickle.Unpickler):
+    pass
+
+
+class _LegacyUnpickler(_AllowListed, pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """Pure Python: every opcode's bytes come through ``read(n)``, so :class:`_BoundedReader` refuses a
+    damaged length before anything is allocated (the C unpickler allocates BINBYTES/BYTEARRAY8 first).
+    Legacy files carry no CRC, so their pickles are the ones damage reaches."""
+
+    def _load_bytearray8(self) -> None:  # pickle's own allocates bytearray(len) before reading
+        (n,) = struct.unpack("<Q", self.read(8))  # type: ignore[attr-defined]
+        self.append(bytearray(self.read(n)))  # type: ignore[attr-defined]
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BYTEARRAY8[0]: _load_bytearray8}  # type: ignore[attr-defined,dict-item]
+
+
 def load(path: str | os.PathLike[str]) -> Any:
     """Parse a ``torch.save`` file safely; tensors come back as :class:`TensorRef`.
 
@@ -591,7 +613,7 @@ def load(path: str | os.PathLike[str]) -> Any:
         raise CorruptCheckpointError(f"{p}: file not found") from e
     except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
             TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError,
-            NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"; huge counts
+            NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"
         raise CorruptCheckpointError(
             f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {e}); "
             "it is truncated or corrupt — the save was probably interrupted"
@@ -653,7 +675,12 @@ def _load_zip(path: Path) -> Any:
                 cache[key] = resolve(args)
             return cache[key]
 
-        return _Unpickler(io.BytesIO(data), path=path, resolve_storage=resolve_cached).load()
+        stream = _BoundedReader(io.BytesIO(data), path, len(data))
+        try:
+            return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load()
+        except MemoryError as e:  # a BINBYTES length far beyond the in-memory pickle (CRC-checked, so hostile)
+            raise CorruptCheckpointError(f"{path}: data.pkl asks for more memory than it holds; the file is "
+                                         "corrupt or hostile") from e
 
 
 def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
@@ -674,7 +701,8 @@ _LEGACY_PROTOCOL = 1001
 
 def _load_legacy(path: Path) -> Any:
     """The pre-zip format: magic, protocol, sys_info, main pickle, storage keys, raw storages."""
-    with open(path, "rb") as f:
+    with open(path, "rb") as raw_file:
+        f = _BoundedReader(raw_file, path)
         plain = _PlainUnpickler(f, path)
         if plain.load() != _LEGACY_MAGIC:
             raise CorruptCheckpointError(f"{path}: not a torch checkpoint (bad magic number)")
@@ -697,7 +725,7 @@ def _load_legacy(path: Path) -> Any:
                 raise CorruptCheckpointError(f"{path}: legacy storage views are not supported")
             return placeholders[key]
 
-        obj = _Unpickler(f, path=path, resolve_storage=resolve).load()
+        obj = _LegacyUnpickler(f, path=path, resolve_storage=resolve).load()
         keys = _PlainUnpickler(f, path).load()
         offset = f.tell()
         resolved: dict[str, StorageRef] = {}
@@ -715,6 +743,45 @@ def _load_legacy(path: Path) -> Any:
     return _replace_legacy(obj, resolved)
 
 
+class _BoundedReader:
+    """A file for the unpickler that refuses reads past its end before anything is allocated: a
+    damaged or hostile length in the pickle stream (BINUNICODE8, BINBYTES8, ...; legacy files have no
+    CRC) would otherwise ask for up to 2**63 bytes."""
+
+    def __init__(self, f: Any, path: Path, size: int | None = None) -> None:
+        self._f = f
+        self._path = path
+        self._size = os.fstat(f.fileno()).st_size if size is None else size
+
+    def _check(self, n: int | None) -> None:
+        if n is not None and n > self._size - self._f.tell():
+            raise CorruptCheckpointError(
+                f"{self._path}: the pickle stream asks for {n} bytes at offset {self._f.tell()}, past the end "
+                "of the file; it is corrupt")
+
+    def read(self, n: int = -1) -> bytes:
+        self._check(n if n is not None and n >= 0 else None)
+        return self._f.read(n)
+
+    def readinto(self, b: Any) -> int:
+        return self._f.readinto(b)
+
+    def peek(self, n: int = 0) -> bytes:  # lets the C unpickler prefetch instead of calling read() per opcode
+        pos = self._f.tell()
+        data = self._f.read(max(n, 1 << 16))
+        self._f.seek(pos)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        return self._f.readline(limit)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
 @dataclass(frozen=True)
 class _LegacyStorage:
     key: str
@@ -723,7 +790,7 @@ class _LegacyStorage:
     location: str
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     """For the legacy header pickles, which hold only plain Python values."""
 
     def __init__(self, file: Any, path: Path) -> None:

@@ -203,3 +203,95 @@ def test_param_name_missing_from_the_module_is_corrupt_not_a_renamed_tensor(tmp_
     torch.save(sd, path, _use_new_zipfile_serialization=False)
     _one_line(_run("to-fp32", str(ckpt), str(tmp_path / "o.safetensors")), 3, path.name, "x" + first[1:],
               "no tensor of that name")
+
+
+def _edit_model_states(ckpt: Path, edit) -> Path:
+    import torch
+
+    path = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    legacy = not zipfile.is_zipfile(path)
+    sd = torch.load(path, map_location="cpu", weights_only=False)
+    edit(sd)
+    torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
+    return path
+
+
+def _rename_key(d, old: str, new: str):
+    return type(d)((new if k == old else k, v) for k, v in d.items())
+
+
+@pytest.mark.parametrize("where", ["module-buffer", "buffer_names", "module-param"])
+def test_a_damaged_name_in_the_module_state_dict_is_corrupt(tmp_path, where):
+    """Scale-12 fuzz: a flipped byte in a name of the legacy module state dict ('bn.running_var' ->
+    'bn.runOing_var') made a frozen param of the buffer, exit 0 with a wrong name list."""
+    pytest.importorskip("deepspeed")
+    ckpt = _copy(tmp_path, "s2_fp32_w2_legacy")
+
+    def edit(sd):
+        if where == "module-buffer":
+            sd["module"] = _rename_key(sd["module"], "bn.running_var", "bn.runOing_var")
+        elif where == "buffer_names":
+            sd["buffer_names"] = ["bn]num_batches_tracked" if b == "bn.num_batches_tracked" else b
+                                  for b in sd["buffer_names"]]
+        else:
+            sd["module"] = _rename_key(sd["module"], "fc1.weight", "fc1.we:ght")
+
+    path = _edit_model_states(ckpt, edit)
+    _one_line(_run("to-fp32", str(ckpt), str(tmp_path / "o.safetensors")), 3, path.name, "the file is damaged")
+
+
+def test_legacy_optimizer_file_without_base_state_is_corrupt(tmp_path):
+    pytest.importorskip("deepspeed")
+    ckpt = _copy(tmp_path, "s2_fp32_w2_legacy")
+    victim = _edit_optimizer_file(ckpt, 0, lambda osd: osd.pop("base_optimizer_state"))
+    _one_line(_run("scan", str(ckpt)), 3, victim.name, "base_optimizer_state")
+
+
+def test_pickle_length_past_the_end_of_a_legacy_file_is_refused_before_allocating(tmp_path):
+    """Scale-12 fuzz: a flipped length byte made the unpickler allocate far more than the file holds
+    (MemoryError, exit 70)."""
+    ckpt = _copy(tmp_path, "s2_fp32_w2_legacy")
+    victim = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    data = bytearray(victim.read_bytes())
+    at = data.index(b"X\x06\x00\x00\x00module")  # BINUNICODE 'module' (protocol 2) in the main pickle
+    data[at + 1:at + 5] = struct.pack("<I", 0xFFFFFFF0)  # a 4 GiB string in a file of a few KB
+    victim.write_bytes(bytes(data))
+    _one_line(_run("info", str(ckpt)), 3, victim.name, "asks for 4294967280 bytes", "past the end of the file")
+
+
+def test_control_characters_in_an_error_are_escaped_onto_one_line(tmp_path):
+    """Scale-12 fuzz: a carriage return inside a damaged config key split the error line."""
+    pytest.importorskip("deepspeed")
+    ckpt = _copy(tmp_path, "s2_fp32_w2_legacy")
+    path = ckpt / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    import torch
+
+    sd = torch.load(path, map_location="cpu", weights_only=False)
+    sd["ds_config"] = {("bad\rkey" if k == "train_micro_batch_size_per_gpu" else k): v
+                       for k, v in sd["ds_config"].items()}
+    torch.save(sd, path, _use_new_zipfile_serialization=False)
+    res = _run("info", str(ckpt))
+    _one_line(res, 3, "bad\\rkey")
+    assert "\r" not in res.stderr
+
+
+@pytest.mark.parametrize("opcode", [b"B", b"\x8e", b"\x96"])  # BINBYTES, BINBYTES8, BYTEARRAY8
+def test_byte_lengths_past_the_end_of_a_legacy_file_are_refused_before_allocating(tmp_path, opcode):
+    """Scale-12 fuzz under a 6 GB address-space limit: BYTEARRAY8 with a damaged length made the
+    unpickler allocate 18 GB first (exit 70, 'out of memory')."""
+    import resource
+
+    ckpt = _copy(tmp_path, "s2_fp32_w2_legacy")
+    victim = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    data = bytearray(victim.read_bytes())
+    at = data.index(b"X\x06\x00\x00\x00module")
+    size = struct.pack("<I", 0xFFFFFFF0) if opcode == b"B" else struct.pack("<Q", 1 << 40)
+    data[at:at + 11] = (opcode + size + b"\x00" * 10)[:11]
+    victim.write_bytes(bytes(data))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (min(3 << 30, hard) if hard > 0 else 3 << 30, hard))
+    try:
+        res = _run("info", str(ckpt))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    _one_line(res, 3, victim.name, "past the end of the file")

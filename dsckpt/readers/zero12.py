@@ -69,7 +69,13 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
                 )
             ref = groups[g]
             lengths.append(ref.numel)
-            pad = 0 if keeps_padding else int((t.get("group_paddings") or [0] * n_groups)[g])
+            pads = t.get("group_paddings") or [0] * n_groups
+            if not keeps_padding and not (isinstance(pads, list) and len(pads) == n_groups
+                                          and all(isinstance(x, int) and x >= 0 for x in pads)):
+                raise CorruptCheckpointError(
+                    f"{optim_files[rank]}: 'group_paddings' is not one non-negative integer per group; "
+                    "the file is damaged")
+            pad = 0 if keeps_padding else int(pads[g])
             candidates.add(ref.numel + pad)
         if len(candidates) != 1:
             raise CorruptCheckpointError(
@@ -78,11 +84,19 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
             )
         partition_numel.append(candidates.pop())
         stored.append(lengths)
-    base = trees[0]["base_optimizer_state"]
+    base = trees[0].get("base_optimizer_state")
+    if not isinstance(base, (list, Mapping)) or (
+            isinstance(base, Mapping) and not isinstance(base.get("state") or {}, Mapping)):
+        raise CorruptCheckpointError(
+            f"{optim_files[0]}: no optimizer state under '{OSD}.base_optimizer_state'; the file is damaged")
     if isinstance(base, list):  # elastic_checkpoint: per-group state, padding stripped
         moment_keys: list[tuple[Any, ...] | None] = [(OSD, "base_optimizer_state", g) for g in range(n_groups)]
     else:
-        state_keys = sorted((base.get("state") or {}).keys())
+        keys = list((base.get("state") or {}).keys())
+        if not all(isinstance(k, int) for k in keys):
+            raise CorruptCheckpointError(f"{optim_files[0]}: optimizer state keys {keys[:4]} are not param "
+                                         "indices; the file is damaged")
+        state_keys = sorted(keys)
         moment_keys = [(OSD, "base_optimizer_state", "state", state_keys[g]) if g < len(state_keys) else None
                        for g in range(n_groups)]
     return GroupPartitions(partition_numel, stored, moment_keys)
@@ -254,6 +268,7 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                                 ((Fragment(ms_path, ("frozen_param_fragments", name), 0, frag.numel, 0)),),
                                 replica=1))
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, False, tuple(pieces))
+    _check_module_names(ms_path, module, entries, trainable, buffers, shared, ms.get("frozen_param_shapes"))
     for name in frozen_shapes:
         if name not in entries and name not in shared:
             raise CorruptCheckpointError(f"{ms_path}: frozen param '{name}' has no saved value")
@@ -283,6 +298,27 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
                     if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
     )
+
+
+def _check_module_names(ms_path: Path, module: Mapping[str, Any], entries: Mapping[str, TensorEntry],
+                        trainable: Mapping[str, TensorEntry], buffers: set[str], shared: Mapping[str, Any],
+                        frozen_shapes: Any) -> None:
+    """The module state dict's names against the other name lists of the same file (legacy files have
+    no CRC, so a damaged name shows only here): a module tensor that is neither trainable, a buffer nor
+    tied is a frozen param -- stage 2 lists those in 'frozen_param_shapes'; a buffer name the module
+    lacks is legitimate only for a non-persistent buffer, never next to an unexplained module tensor."""
+    strays = [n for n in entries if n not in trainable and n not in buffers and n not in shared]
+    if isinstance(frozen_shapes, Mapping):
+        unknown = [n for n in strays if n not in frozen_shapes]
+        if unknown:
+            raise CorruptCheckpointError(
+                f"{ms_path}: module tensor '{unknown[0]}' is in neither 'param_shapes', 'frozen_param_shapes' "
+                "nor 'buffer_names'; the file is damaged or its parts come from different runs")
+    missing = [b for b in sorted(buffers) if not isinstance(module.get(b), TensorRef)]
+    if missing and strays:
+        raise CorruptCheckpointError(
+            f"{ms_path}: buffer '{missing[0]}' is not in the saved module, which holds an unlisted tensor "
+            f"'{strays[0]}'; the file is damaged or its parts come from different runs")
 
 
 def _align(osd: Mapping[str, Any], g: int) -> list[Any] | None:
