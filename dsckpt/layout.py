@@ -184,8 +184,8 @@ def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     if legacy_moe:
         raise UnsupportedCheckpointError(
             f"'{tag_dir}' holds legacy Mixture-of-Experts files without a layer id (found {legacy_moe[0]}; "
-            "DeepSpeed before 0.5 wrote them); only 'layer_{L}_expert_{E}_mp_rank_{MM}_model_states.pt' "
-            "files can be read"
+            "the old naming that DeepSpeed 0.19.8 only loads as 'old_moe_load'), which is not supported; only "
+            "'layer_{L}_expert_{E}_mp_rank_{MM}_model_states.pt' files can be read"
         )
     if len(prefixes) > 1:
         raise UnsupportedCheckpointError(

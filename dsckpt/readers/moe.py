@@ -162,10 +162,12 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         p_numel = parts.partition_numel[g]
         names = [(str(n), tuple(int(s) for s in shp)) for n, shp in shapes.items()]
         pads = [int(x) for x in align_pads[g]] if align_pads is not None else [0] * len(names)
-        ep = group_ep[g]
-        if ep is None:
+        gep = group_ep[g]
+        owners: list[tuple[int | None, list[int]]]
+        if gep is None:
             owners = [(None, list(range(world)))]
         else:
+            ep = gep
             topo = ExpertTopology(world, ep, data_before)
             owners = [(e, expert_data_parallel_ranks(e, topo)) for e in range(ep)]
             local_ids: dict[str, set[int]] = {}
@@ -209,7 +211,7 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                         pieces.append(module_piece(ms_path, name, ref))
                 else:
                     prefix = EXPERT_NAME.match(name)["prefix"]  # type: ignore[index]
-                    full = global_expert_name(name, ep_rank, layers[prefix][0] // ep)
+                    full = global_expert_name(name, ep_rank, layers[prefix][0] // layers[prefix][1])
                     if full not in expert_refs:
                         raise CorruptCheckpointError(
                             f"'{files.tag_dir}': no expert file holds '{full}' (local '{name}' of expert-parallel "
