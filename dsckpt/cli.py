@@ -28,6 +28,8 @@ from .interrupts import Terminated, signals_as_exceptions
 
 __all__ = ["main"]
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
+
 
 def _fail(message: str, code: int) -> None:
     click.echo(f"dsckpt: error: {message}", err=True)
@@ -62,6 +64,12 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except BrokenPipeError:
+            # stdout's reader went away (`dsckpt ... | head`): not an error worth a message. Point stdout
+            # at /dev/null so the interpreter's final flush does not fail again; exit as SIGPIPE would.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
         except OSError as e:
             # The environment, not a bug: unreadable input, a folder where a file should be, I/O errors.
             if os.environ.get("DSCKPT_DEBUG"):
@@ -263,8 +271,12 @@ def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
 @click.option("--nonfinite", "nonfinite_only", is_flag=True, help="Only look for inf/NaN values.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--workers", default=None, type=click.IntRange(0, 64),
+              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread).")
 @handle_errors
-def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool) -> None:
+def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
+         workers: int | None) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
@@ -277,7 +289,7 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
-        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -361,8 +373,11 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--workers", default=None, type=click.IntRange(0, 64),
+              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread).")
 @handle_errors
-def verify(ckpt: str, tag: str | None, as_json: bool) -> None:
+def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> None:
     """Audit CKPT without converting it, in one streaming pass over its data.
 
     Checks that every rank file is present and from the same save (tag, world sizes, step, config,
@@ -372,7 +387,7 @@ def verify(ckpt: str, tag: str | None, as_json: bool) -> None:
     """
     from .verify import verify as run_verify
 
-    report = run_verify(ckpt, tag=tag)
+    report = run_verify(ckpt, tag=tag, workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -465,9 +480,11 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--no-verify", is_flag=True, help="Same as --verify none.")
 @click.option("--no-hf-files", is_flag=True, help="For a Hugging Face Trainer folder: write only the DeepSpeed part.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--workers", default=None, type=click.IntRange(1, 64),
+              help="Target files written at once (default: half the cores, at most 8).")
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, no_hf_files: bool, quiet: bool) -> None:
+            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
@@ -496,7 +513,7 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
             click.echo(f"  wrote {path.name}", err=True)
 
     mode = "none" if no_verify else verify
-    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick)
+    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "

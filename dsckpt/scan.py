@@ -30,21 +30,27 @@ from __future__ import annotations
 import enum
 import heapq
 import os
-from collections.abc import Callable, Mapping
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from . import safe_load
-from .dtypes import dtype_info
+from .dtypes import DTYPES, dtype_info, from_float32, to_float32
 from .errors import CorruptCheckpointError
 from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .nonfinite import NonFinite
 from .readers.common import FileCache, format_key, lookup
 from .safe_load import TensorRef
 from .state_dict_files import TargetKind, detect_target, open_state_dict
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FP16_MAX",
@@ -58,6 +64,7 @@ __all__ = [
     "ScanPlan",
     "ScanReport",
     "count_nonfinite",
+    "default_workers",
     "stored_kind",
     "plan_scan",
     "run_scan",
@@ -67,7 +74,9 @@ __all__ = [
 ]
 
 FP16_MAX = 65504.0
-DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MB per fp32 buffer
+# 512K elements: 2 MiB per fp32 buffer, ~7 MiB for the four stored copies of a bf16 + Adam tensor, per
+# worker thread; big enough that per-chunk Python work stays small next to the bytes it checks.
+DEFAULT_CHUNK_NUMEL = 1 << 19
 MAX_INDICES = 8
 
 
@@ -90,7 +99,9 @@ class StoredKind(enum.Enum):
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
-    """``(nan, +inf, -inf)`` counts of a floating tensor (vectorised)."""
+    """``(nan, +inf, -inf)`` counts of a floating torch tensor (vectorised; torch paths only)."""
+    import torch
+
     if not t.is_floating_point():
         return 0, 0, 0
     # Any NaN/inf makes the sum NaN/inf, so a finite sum proves every value finite; one reduction
@@ -290,6 +301,9 @@ def _distinct_pieces(pieces: tuple[Piece, ...], refs: Callable[[Path, tuple[Any,
     return tuple(out)
 
 
+_REAL_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})  # torch's is_floating_point
+
+
 def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
                refs: Callable[[Path, tuple[Any, ...]], Any]) -> list[RawScan]:
     """Floating-point regions of the parsed files that no fragment of ``logical`` covers.
@@ -316,10 +330,10 @@ def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
     for path, tree in trees.items():
         views: dict[str, list[tuple[int, int, int, tuple[Any, ...], TensorRef]]] = {}
         for order, (key, ref) in enumerate(safe_load.walk_tensors(tree)):
-            if not ref.dtype.is_floating_point or ref.numel == 0 or (path, key) in covered_views:
+            if ref.dtype_name not in _REAL_FLOATING or ref.numel == 0 or (path, key) in covered_views:
                 continue
             if not ref.is_contiguous():
-                out.append(RawScan(path, key, 0, ref.numel, str(ref.dtype).removeprefix("torch.")))
+                out.append(RawScan(path, key, 0, ref.numel, ref.dtype_name))
                 continue
             views.setdefault(ref.storage.key, []).append(
                 (ref.storage_offset, ref.storage_offset + ref.numel, order, key, ref))
@@ -353,7 +367,7 @@ def _uncovered_in_storage(path: Path, views: list[tuple[int, int, int, tuple[Any
             continue
         _, i = active[0]
         vstart, _, _, key, ref = starts[i]
-        dtype = str(ref.dtype).removeprefix("torch.")
+        dtype = ref.dtype_name
         if out and out[-1].key == key and out[-1].start + out[-1].numel == lo - vstart:
             last = out.pop()
             out.append(RawScan(path, key, last.start, last.numel + hi - lo, dtype))
@@ -363,38 +377,15 @@ def _uncovered_in_storage(path: Path, views: list[tuple[int, int, int, tuple[Any
 
 
 # --------------------------------------------------------------------------------------------
-# Running
+# Running: numpy only; chunks are read and checked in worker threads (``os.preadv``, ``zlib.crc32``
+# and numpy's loops release the GIL), results are tallied here in plan order.
+
+MAX_WORKERS = 8
 
 
-class _Tally:
-    __slots__ = ("count", "nan", "posinf", "neginf", "first", "numel")
-
-    def __init__(self) -> None:
-        self.count = self.nan = self.posinf = self.neginf = self.numel = 0
-        self.first: list[int] = []
-
-    def add_positions(self, mask: torch.Tensor, base: int) -> int:
-        n = int(mask.sum())
-        if n:
-            self.count += n
-            if len(self.first) < MAX_INDICES:
-                idx = mask.nonzero().flatten()[: MAX_INDICES - len(self.first)]
-                self.first += (idx + base).tolist()
-        return n
-
-    def add_nonfinite(self, t: torch.Tensor, base: int) -> None:
-        # A finite sum proves every value finite (NaN/inf propagate): one cheap reduction per chunk.
-        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-        if bool(torch.isfinite(torch.sum(t, dtype=acc))):
-            return
-        bad = ~torch.isfinite(t)
-        if not bool(bad.any()):
-            return
-        vals = t[bad]
-        self.nan += int(torch.isnan(vals).sum())
-        self.posinf += int(torch.isposinf(vals).sum())
-        self.neginf += int(torch.isneginf(vals).sum())
-        self.add_positions(bad, base)
+def default_workers() -> int:
+    """Threads :func:`run_scan` uses when not told: one per core, at most :data:`MAX_WORKERS`."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
 @dataclass
@@ -407,6 +398,64 @@ class _Where:
     rank: int | None
     replica: int
     aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _Part:
+    """``numel`` elements from element ``src`` of ``ref``, into element ``dst`` of piece ``slot``'s
+    chunk buffer; ``lo`` is the first element's logical (or stored, for raw scans) index."""
+
+    slot: int
+    where: _Where
+    ref: Any
+    src: int
+    numel: int
+    dst: int
+    lo: int
+    overflow: bool
+
+
+@dataclass(frozen=True, eq=False)
+class _Task:
+    """One chunk ``[base, base + numel)`` of one logical tensor: every stored copy of it."""
+
+    dtypes: tuple[str, ...]  # per slot
+    parts: tuple[_Part, ...]  # in tally order: slot by slot, fragment by fragment
+    base: int
+    numel: int
+    compare: tuple[int, int] | None  # (master slot, 16-bit slot)
+    compare_wheres: tuple[tuple[_Where, int, int], ...]  # 16-bit fragments: (where, lo, hi)
+    numel_scanned: int
+
+
+@dataclass(frozen=True)
+class _Update:
+    check: Check
+    where: _Where
+    numel: int
+    count: int = 0
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    first: tuple[int, ...] = ()
+    nbytes_read: int = 0
+
+
+class _Tally:
+    __slots__ = ("count", "nan", "posinf", "neginf", "first", "numel")
+
+    def __init__(self) -> None:
+        self.count = self.nan = self.posinf = self.neginf = self.numel = 0
+        self.first: list[int] = []
+
+    def add(self, u: _Update) -> None:
+        self.numel += u.numel
+        self.count += u.count
+        self.nan += u.nan
+        self.posinf += u.posinf
+        self.neginf += u.neginf
+        if len(self.first) < MAX_INDICES:
+            self.first += u.first[: MAX_INDICES - len(self.first)]
 
 
 class _Collector:
@@ -428,105 +477,236 @@ class _Collector:
         return out
 
 
-def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None = None) -> ScanReport:
-    """Read what ``plan`` names and report findings. Memory is bounded by a few chunk buffers."""
+def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None = None,
+             workers: int | None = None) -> ScanReport:
+    """Read what ``plan`` names and report findings (the same, in the same order, whatever ``workers``).
+
+    ``workers`` threads (default :func:`default_workers`; 0 = this thread only) each read and check
+    whole chunks -- every stored copy of ``plan.chunk_numel`` elements of one tensor, CRC-32 included --
+    into buffers of their own, so memory is bounded by ``workers`` sets of chunk buffers."""
     col = _Collector()
     stored: set[tuple[Path, tuple[Any, ...]]] = set()
-    numel_scanned = nbytes_read = 0
+    totals = [0, 0]  # numel scanned, bytes read
     chunk = max(1, plan.chunk_numel)
-    buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # reused: fresh big buffers page-fault every chunk
+    workers = default_workers() if workers is None else workers
+    local = threading.local()
 
-    def tick(n: int) -> None:
-        nonlocal nbytes_read
-        nbytes_read += n
-        if on_progress is not None:
-            on_progress(n)
+    def work(task: _Task) -> list[_Update]:
+        pool = getattr(local, "pool", None)
+        if pool is None:
+            pool = local.pool = {}
+        return _run_task(task, chunk, pool)
 
+    def apply(task: _Task, updates: list[_Update]) -> None:
+        for u in updates:
+            col.get(u.check, u.where).add(u)
+            if u.nbytes_read:
+                totals[1] += u.nbytes_read
+                if on_progress is not None:
+                    on_progress(u.nbytes_read)
+        totals[0] += task.numel_scanned
+
+    tasks = _tasks(plan, cache, chunk, stored)
+    if workers <= 0:
+        for task in tasks:
+            apply(task, work(task))
+    else:
+        pending: deque[tuple[_Task, Future[list[_Update]]]] = deque()
+        with ThreadPoolExecutor(workers, thread_name_prefix="dsckpt-scan") as pool:
+            try:
+                try:
+                    for task in tasks:
+                        pending.append((task, pool.submit(work, task)))
+                        while len(pending) > 2 * workers:
+                            t, fut = pending.popleft()
+                            apply(t, fut.result())
+                except CorruptCheckpointError:
+                    while pending:  # errors of earlier chunks first, as when read one by one
+                        t, fut = pending.popleft()
+                        apply(t, fut.result())
+                    raise
+                while pending:
+                    t, fut = pending.popleft()
+                    apply(t, fut.result())
+            finally:
+                for _, fut in pending:
+                    fut.cancel()
+    cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
+    return ScanReport(plan.target, plan.target_kind, plan.checks, tuple(col.findings()), len(stored),
+                      totals[0], totals[1])
+
+
+def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
+           stored: set[tuple[Path, tuple[Any, ...]]]) -> Iterator[_Task]:
+    """The chunks to check, in plan order. Resolves every stored tensor here, in the calling thread."""
     for es in plan.entries:
-        wheres = []
+        wheres: list[list[_Where]] = []
+        refs: list[list[Any]] = []
         for piece, kind in zip(es.pieces, es.kinds):
-            per_frag = [_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases)
-                        for f in piece.fragments]
-            wheres.append(per_frag)
+            wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases)
+                           for f in piece.fragments])
+            refs.append([cache.tensor(f.file, f.key) for f in piece.fragments])
             for f in piece.fragments:
                 stored.add((f.file, f.key))
             if piece.numel != es.numel:
                 raise CorruptCheckpointError(
                     f"tensor '{es.name}': its {piece.role.value} copy has {piece.numel} elements in the files, "
                     f"its shape needs {es.numel}; the checkpoint metadata is inconsistent")
+        dtypes = tuple(p.dtype for p in es.pieces)
         for a in range(0, es.numel, chunk):
             b = min(es.numel, a + chunk)
-            bufs: list[torch.Tensor] = []
+            parts = []
             for pi, piece in enumerate(es.pieces):
-                buf = _buffer(buffers, pi, getattr(torch, piece.dtype), chunk)[: b - a]
                 for fi, f in enumerate(piece.fragments):
                     lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
-                    if lo >= hi:
-                        continue
-                    part = buf[lo - a: hi - a]
-                    cache.tensor(f.file, f.key).read(f.src_offset + lo - f.dst_offset, hi - lo, out=part)
-                    tick(part.numel() * part.element_size())
-                    w = wheres[pi][fi]
-                    col.get(Check.NONFINITE, w).add_nonfinite(part, lo)
-                    col.get(Check.NONFINITE, w).numel += hi - lo
-                    if pi in es.overflow_pieces:
-                        t = col.get(Check.FP16_OVERFLOW, w)
-                        t.numel += hi - lo
-                        t.add_positions(torch.isfinite(part) & (part.abs() > FP16_MAX), lo)
-                bufs.append(buf)
-                numel_scanned += b - a
+                    if lo < hi:
+                        parts.append(_Part(pi, wheres[pi][fi], refs[pi][fi], f.src_offset + lo - f.dst_offset,
+                                           hi - lo, lo - a, lo, pi in es.overflow_pieces))
+            compare_wheres: list[tuple[_Where, int, int]] = []
             if es.compare is not None:
-                _compare(es, bufs, a, col, wheres)
+                li = es.compare[1]
+                for fi, f in enumerate(es.pieces[li].fragments):
+                    lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
+                    if lo < hi:
+                        compare_wheres.append((wheres[li][fi], lo, hi))
+            yield _Task(dtypes, tuple(parts), a, b - a, es.compare, tuple(compare_wheres),
+                        (b - a) * len(es.pieces))
     for r in plan.raw:
         stored.add((r.file, r.key))
         ref = _tree_ref(cache, r)
         w = _Where(None, r.file, r.key, StoredKind.OTHER, r.dtype, None, 0, ())
         for a in range(0, r.numel, chunk):
             n = min(chunk, r.numel - a)
-            part = ref.read(r.start + a, n, out=_buffer(buffers, -1, ref.dtype, chunk)[:n])
-            tick(part.numel() * part.element_size())
-            t = col.get(Check.NONFINITE, w)
-            t.numel += n
-            t.add_nonfinite(part, r.start + a)
-            numel_scanned += n
-    cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
-    return ScanReport(plan.target, plan.target_kind, plan.checks, tuple(col.findings()), len(stored),
-                      numel_scanned, nbytes_read)
+            yield _Task((r.dtype,), (_Part(0, w, ref, r.start + a, n, 0, r.start + a, False),), r.start + a, n,
+                        None, (), n)
 
 
-def _buffer(pool: dict[tuple[int, torch.dtype], torch.Tensor], slot: int, dtype: torch.dtype,
-            numel: int) -> torch.Tensor:
-    buf = pool.get((slot, dtype))
+def _buffer(pool: dict[Any, np.ndarray], key: Any, dtype: str, numel: int) -> np.ndarray:
+    buf = pool.get((key, dtype))
     if buf is None:
-        buf = pool[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+        buf = pool[(key, dtype)] = np.empty(numel, dtype=dtype)
     return buf
+
+
+def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray]) -> list[_Update]:
+    """Read and check one chunk (in a worker thread): the tally updates, in tally order."""
+    bufs = [_buffer(pool, slot, DTYPES[d].numpy, chunk)[: task.numel] for slot, d in enumerate(task.dtypes)]
+    out: list[_Update] = []
+    for p in task.parts:
+        part = bufs[p.slot][p.dst: p.dst + p.numel]
+        _read_into(p.ref, p.src, p.numel, part)
+        dtype = task.dtypes[p.slot]
+        nan, posinf, neginf, first = _nonfinite(part, dtype, pool, chunk)
+        out.append(_Update(Check.NONFINITE, p.where, p.numel, nan + posinf + neginf, nan, posinf, neginf,
+                           tuple(int(i) + p.lo for i in first), part.nbytes))
+        if p.overflow:
+            count, first = _fp16_overflow(part)
+            out.append(_Update(Check.FP16_OVERFLOW, p.where, p.numel, count, first=tuple(int(i) + p.lo for i in first)))
+    if task.compare is not None:
+        mi, li = task.compare
+        differ = _differ(bufs[mi], bufs[li], task.dtypes[li], pool, chunk)
+        for where, lo, hi in task.compare_wheres:
+            if differ is None:
+                out.append(_Update(Check.MISMATCH, where, hi - lo))
+            else:
+                d = differ[lo - task.base: hi - task.base]
+                first = np.flatnonzero(d)[:MAX_INDICES]
+                out.append(_Update(Check.MISMATCH, where, hi - lo, int(np.count_nonzero(d)),
+                                   first=tuple(int(i) + lo for i in first)))
+    return out
+
+
+def _read_into(ref: Any, start: int, numel: int, out: np.ndarray) -> None:
+    if isinstance(ref, TensorRef) and not ref.is_contiguous():
+        import torch  # strided stored tensors only (never written by DeepSpeed): torch gathers them
+
+        got = ref.read(start, numel).contiguous()
+        out.view(np.uint8)[:] = got.reshape(-1).view(torch.uint8).numpy()
+        return
+    ref.read_numpy(start, numel, out=out)
+
+
+# The exponent bits of each IEEE type: a value is inf/NaN exactly when all of them are set.
+_EXPONENT = {"bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00), "float32": ("<u4", 0x7F800000)}
+
+
+def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray],
+               chunk: int) -> tuple[int, int, int, np.ndarray]:
+    """``(nan, +inf, -inf, first indices)`` of a chunk of stored ``dtype`` bytes (see :mod:`dsckpt.dtypes`).
+
+    Proving a chunk finite costs one AND and one max over its exponent bits (no float conversion,
+    no mask); only a chunk that holds inf/NaN is counted exactly."""
+    none = np.empty(0, dtype=np.intp)
+    exp = _EXPONENT.get(dtype)
+    if exp is not None:
+        view, mask = exp
+        bits = x.view(view)
+        tmp = _buffer(pool, "exponent", view, chunk)[: len(bits)]
+        np.bitwise_and(bits, mask, out=tmp)
+        if int(tmp.max()) != mask:
+            return 0, 0, 0, none
+        f = to_float32(x, dtype)
+    elif x.dtype.kind in "fc":
+        with np.errstate(all="ignore"):
+            if np.isfinite(np.sum(x)):
+                return 0, 0, 0, none
+        f = x
+    else:
+        return 0, 0, 0, none
+    bad = ~np.isfinite(f)
+    vals = f[bad]
+    if vals.dtype.kind == "c":
+        nan = int(np.count_nonzero(np.isnan(vals)))
+        posinf = int(np.count_nonzero((vals.real == np.inf) | (vals.imag == np.inf)))
+        neginf = len(vals) - nan - posinf
+    else:
+        nan = int(np.count_nonzero(np.isnan(vals)))
+        posinf = int(np.count_nonzero(vals == np.inf))
+        neginf = int(np.count_nonzero(vals == -np.inf))
+    return nan, posinf, neginf, np.flatnonzero(bad)[:MAX_INDICES]
+
+
+def _fp16_overflow(x: np.ndarray) -> tuple[int, np.ndarray]:
+    """Finite float32 values with ``|x| > FP16_MAX``: count and first indices."""
+    with np.errstate(invalid="ignore"):
+        if x.max() <= FP16_MAX and x.min() >= -FP16_MAX:  # a NaN fails both: counted below
+            return 0, np.empty(0, dtype=np.intp)
+        over = np.isfinite(x) & (np.abs(x) > FP16_MAX)
+    return int(np.count_nonzero(over)), np.flatnonzero(over)[:MAX_INDICES]
+
+
+def _differ(master: np.ndarray, lowp: np.ndarray, lowp_dtype: str, pool: dict[Any, np.ndarray],
+            chunk: int) -> np.ndarray | None:
+    """Where the stored 16-bit values differ from the fp32 master rounded to ``lowp_dtype`` (all three
+    finite), or None when the chunk is proven equal bit for bit (the common case: no mask is built)."""
+    n = len(master)
+    rounded = _buffer(pool, "rounded", "<u2", chunk)[:n]
+    if lowp_dtype == "bfloat16":
+        # from_float32's round to nearest even, in place in a reused buffer; NaN masters may come out
+        # wrong here, which only sends the chunk to the exact comparison below.
+        u = master.view(np.uint32)
+        t = _buffer(pool, "round", "<u4", chunk)[:n]
+        np.right_shift(u, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, 0x7FFF, out=t)
+        np.add(t, u, out=t)
+        np.right_shift(t, 16, out=t)
+        np.copyto(rounded, t, casting="unsafe")
+    else:
+        with np.errstate(over="ignore"):
+            np.copyto(rounded.view(np.float16), master, casting="unsafe")
+    if np.array_equal(rounded, lowp.view(np.uint16)):
+        return None
+    r = to_float32(from_float32(master, lowp_dtype), lowp_dtype)
+    lo = to_float32(lowp, lowp_dtype)
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(master) & np.isfinite(r) & np.isfinite(lo) & (r != lo)
 
 
 def _tree_ref(cache: FileCache, r: RawScan) -> TensorRef:
     obj = lookup(cache.tree(r.file), r.key, r.file)
     assert isinstance(obj, TensorRef), "plan_scan only plans raw scans of tensors"
     return obj
-
-
-def _compare(es: EntryScan, bufs: list[torch.Tensor], base: int, col: _Collector,
-             wheres: list[list[_Where]]) -> None:
-    assert es.compare is not None
-    mi, li = es.compare
-    master, lowp = bufs[mi], bufs[li]
-    rounded = master.to(lowp.dtype)
-    differ = None
-    if not torch.equal(rounded, lowp):  # equal (hence no NaN either): nothing to report, skip the masks
-        ok = torch.isfinite(master) & torch.isfinite(rounded) & torch.isfinite(lowp)
-        differ = ok & (rounded != lowp)
-    piece = es.pieces[li]
-    for fi, f in enumerate(piece.fragments):
-        lo, hi = max(base, f.dst_offset), min(base + len(lowp), f.dst_offset + f.numel)
-        if lo >= hi:
-            continue
-        t = col.get(Check.MISMATCH, wheres[li][fi])
-        t.numel += hi - lo
-        if differ is not None:
-            t.add_positions(differ[lo - base: hi - base], lo)
 
 
 # --------------------------------------------------------------------------------------------

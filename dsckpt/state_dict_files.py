@@ -17,16 +17,19 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from . import safe_load
-from .dtypes import dtype_info
+from .dtypes import DTYPES, dtype_info
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, dtype_name, lookup
 from .safe_load import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "TargetKind",
@@ -41,9 +44,8 @@ __all__ = [
 INDEX_NAME = "model.safetensors.index.json"
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
 
 
@@ -79,9 +81,16 @@ class SafetensorsRef:
 
     path: Path
     name: str
-    dtype: torch.dtype
+    dtype_name: str  # "float32", "bfloat16", ...
     shape: tuple[int, ...]
     file_offset: int  # absolute byte offset of the first element
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype (imports torch; use :attr:`dtype_name` on torch-free paths)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def numel(self) -> int:
@@ -89,24 +98,42 @@ class SafetensorsRef:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * dtype_info(self.dtype).itemsize
+        return self.numel * dtype_info(self.dtype_name).itemsize
 
     def is_contiguous(self) -> bool:
         return True
 
     def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
+        numel = self._check_range(start, numel)
+        if out is None:
+            out = torch.empty(numel, dtype=self.dtype)
+        if numel:
+            self._read_bytes(start, numel, out.view(torch.uint8).numpy().data.cast("B"))
+        return out
+
+    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
+        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`)."""
+        numel = self._check_range(start, numel)
+        if out is None:
+            out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
+        if numel:
+            self._read_bytes(start, numel, out.reshape(-1).view(np.uint8).data.cast("B"))
+        return out
+
+    def _check_range(self, start: int, numel: int | None) -> int:
         total = self.numel
         if numel is None:
             numel = total - start
         if start < 0 or numel < 0 or start + numel > total:
             raise CorruptCheckpointError(f"{self.path}: asked for elements [{start}, {start + numel}) of "
                                          f"'{self.name}', which has {total}")
-        if out is None:
-            out = torch.empty(numel, dtype=self.dtype)
-        if numel == 0:
-            return out
-        itemsize = out.element_size()
-        view = out.view(torch.uint8).numpy().data.cast("B")
+        return numel
+
+    def _read_bytes(self, start: int, numel: int, view: memoryview) -> None:
+        itemsize = dtype_info(self.dtype_name).itemsize
         nbytes, offset = numel * itemsize, self.file_offset + start * itemsize
         with open(self.path, "rb", buffering=0) as f:
             got = 0
@@ -116,7 +143,6 @@ class SafetensorsRef:
                     raise CorruptCheckpointError(f"{self.path}: file ends inside tensor '{self.name}'; "
                                                  "it is truncated")
                 got += n
-        return out
 
     def load(self) -> torch.Tensor:
         return self.read().view(self.shape)
@@ -231,7 +257,7 @@ def _torch_root(tree: Any) -> tuple[tuple[Any, ...], Any]:
 
 def _entry(name: str, file: Path, key: tuple[Any, ...], ref: Any) -> TensorEntry:
     kind = Kind.BUFFER if is_bn_buffer_name(name) else Kind.PARAM
-    piece = Piece(Role.MODULE, dtype_name(ref.dtype), (Fragment(file, key, 0, ref.numel, 0),))
+    piece = Piece(Role.MODULE, dtype_name(ref.dtype_name), (Fragment(file, key, 0, ref.numel, 0),))
     return TensorEntry(name, tuple(ref.shape), kind, kind is Kind.PARAM, (piece,))
 
 

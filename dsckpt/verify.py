@@ -140,8 +140,9 @@ def _where(message: str) -> str:
 
 
 def verify(path: str | os.PathLike[str], *, tag: str | None = None,
-           on_progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Audit the checkpoint at ``path``; see the module docstring. Reads every stored byte once."""
+           on_progress: Callable[[int], None] | None = None, workers: int | None = None) -> VerifyReport:
+    """Audit the checkpoint at ``path``; see the module docstring. Reads every stored byte once;
+    ``workers`` threads read and check in parallel (see :func:`dsckpt.scan.run_scan`)."""
     from .scan import Check, plan_scan, run_scan
     from .state_dict_files import TargetKind
 
@@ -162,11 +163,12 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     # one streaming pass: values (scan's checks) with every record's CRC checked as its bytes go by
     audit = _RecordAudit(ckpt.files, cache)
     plan = plan_scan(ckpt, trees, cache.tensor, target=ckpt.root, target_kind=TargetKind.DEEPSPEED)
-    report = run_scan(plan, cache, on_progress=on_progress)
+    report = run_scan(plan, cache, on_progress=on_progress, workers=workers)
     problems += [Problem(Area.RECORDS, where, msg) for where, msg in audit.finish()]
     for f in report.findings:
         problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
     notes += audit.notes(ckpt.tag_dir)
+    notes += ckpt.notes
     assert Check.MISMATCH in report.checks
     return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
                         report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes))

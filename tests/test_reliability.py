@@ -303,3 +303,18 @@ def test_every_command_leaves_every_input_byte_identical(tmp_path, cmd, fixture)
     assert res.exit_code in (0, 1, 3), res.output  # pipeline reshard is refused (3)
     assert "Traceback" not in res.output
     assert tree_digest(fx) == before
+
+
+@pytest.mark.parametrize("argv", [["info", "--json", "--tensors"], ["verify", "--json"], ["scan", "--json"]],
+                         ids=["info", "verify", "scan"])
+def test_a_closed_stdout_is_a_quiet_exit_141_not_an_error(argv):
+    """`dsckpt ... | head`: the reader of stdout went away before the command wrote."""
+    ckpt = FIXTURES / "s3_bf16_w3_subgroups" / "ckpt"
+    r, w = os.pipe()
+    os.close(r)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "dsckpt.cli", *argv, str(ckpt)], stdout=w,
+                          stderr=subprocess.PIPE, env=env, timeout=120)
+    os.close(w)
+    assert proc.returncode == 141
+    assert proc.stderr == b""

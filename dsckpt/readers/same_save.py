@@ -81,20 +81,63 @@ def _model_facts(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 def same_save_problems(named_facts: Iterable[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
     """``(fact, message)`` for every fact on which the files disagree, naming which file holds which
-    value. Pure: facts in, problems out."""
-    by_fact: dict[str, dict[str, list[str]]] = {}
+    value (for nested values such as ``ds_config``: the first entries that differ). Pure."""
+    by_fact: dict[str, dict[str, tuple[Any, list[str]]]] = {}
     for name, facts in named_facts:
         for key, value in facts.items():
             shown = json.dumps(value, sort_keys=True, default=str)
-            by_fact.setdefault(key, {}).setdefault(shown, []).append(name)
+            by_fact.setdefault(key, {}).setdefault(shown, (value, []))[1].append(name)
     problems = []
     for key, values in by_fact.items():
         if len(values) < 2:
             continue
-        parts = [f"{v if len(v) <= 60 else v[:57] + '...'} in {', '.join(files)}" for v, files in values.items()]
-        problems.append((key, f"files disagree ({'; '.join(parts)}); they come from different saves — "
-                                "restore the odd ones from the same save, or pick another tag with --tag"))
+        groups = list(values.values())
+        paths = _differing_paths([v for v, _ in groups])
+        if paths:
+            parts = ["; ".join(f"{key}.{p} = {_short(_at(v, p))}" for p in paths[:3]) + f" in {', '.join(files)}"
+                     for v, files in groups]
+        else:
+            parts = [f"{_short(v)} in {', '.join(files)}" for v, files in groups]
+        problems.append((key, f"files disagree ({' | '.join(parts)}); they come from different saves — "
+                              "restore the odd ones from the same save, or pick another tag with --tag"))
     return problems
+
+
+_ABSENT = object()
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value} if prefix else {}
+
+
+def _differing_paths(values: list[Any]) -> list[str]:
+    """Dotted paths at which nested dicts differ (empty unless every value is a dict)."""
+    if not all(isinstance(v, dict) for v in values):
+        return []
+    flats = [_flat(v) for v in values]
+    keys = sorted(set().union(*flats))
+    return [k for k in keys if len({json.dumps(f.get(k, "<absent>"), sort_keys=True, default=str)
+                                     for f in flats}) > 1]
+
+
+def _at(value: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def _short(value: Any) -> str:
+    if value is _ABSENT:
+        return "absent"
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def file_facts(files: Iterable[Path], trees: Mapping[Path, Any], tag_dir: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -162,6 +162,34 @@ def zero12_param_entries(
     return entries
 
 
+def flat_order_note(path: Path, g: int, shapes: Mapping[str, Any], module: Any,
+                    align: list[Any] | None) -> str | None:
+    """Cross-check the order ``param_shapes[g]`` gives (it decides which master elements belong to which
+    name; under ``round_robin_gradients`` it is not module order) against a second record of it:
+    DeepSpeed 0.19.8 saves the module's params as views into the group's flat buffer, so each view's
+    ``storage_offset`` is its param's position in the flat group. Returns a note when they disagree.
+
+    Not an error: DeepSpeed ignores these offsets on load, and a checkpoint resharded to another size
+    under ``round_robin_gradients`` keeps its old module layout with the new order. For 16-bit runs the
+    order is proven by value instead (``verify``: every master rounds to its name's 16-bit copy)."""
+    if not isinstance(module, Mapping):
+        return None
+    found = [module.get(n) for n in shapes]
+    refs = [r for r in found if isinstance(r, TensorRef)]
+    if not refs or len(refs) != len(found):
+        return None
+    if len({(r.storage.path, r.storage.key) for r in refs}) != 1:
+        return None  # separate tensors (older layouts): nothing to compare with
+    offset = 0
+    for i, (name, ref) in enumerate(zip(shapes, refs)):
+        if ref.storage_offset != offset:
+            return (f"{path.name}: param_shapes[{g}] puts '{name}' at element {offset} of its flat group, the "
+                    f"saved module tensor views element {ref.storage_offset}: the flat order is not confirmed "
+                    "by the module's layout")
+        offset += ref.numel + (int(align[i]) if align is not None else 0)
+    return None
+
+
 def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     ms_path = files.mp_to_model_states[0]
     ms = cache.tree(ms_path)
@@ -224,4 +252,11 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         optimizer_wrapper=wrapper,
         entries=tuple(order_like_module(entries, list(module))),
         files=tuple(files.all_files()), ds_config=meta.ds_config,
+        notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
+                    if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
     )
+
+
+def _align(osd: Mapping[str, Any], g: int) -> list[Any] | None:
+    pads = osd.get("param_alignment_paddings")
+    return pads[g] if isinstance(pads, list) and g < len(pads) else None

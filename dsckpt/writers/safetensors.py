@@ -140,15 +140,22 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names")
     with atomic_file(path) as f:
-        f.write(_header(specs, metadata))
+        header = _header(specs, metadata)
+        f.write(header)
         f.flush()
         fd = f.fileno()
+        pos = kicked = len(header)
         for spec in specs:
             written = 0
             for t in produce_chunks(spec):
                 data = _chunk_bytes(t, spec)
                 if len(data):
-                    written += _write_all(fd, data)
+                    n = _write_all(fd, data)
+                    written += n
+                    pos += n
+                    if pos - kicked >= WRITEBACK_KICK_NBYTES:
+                        _start_writeback(fd, kicked, pos)
+                        kicked = pos
             if written != spec.nbytes:
                 raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec} ({spec.nbytes} bytes)")
             if on_tensor is not None:
@@ -178,6 +185,21 @@ def _whole(produce: Callable[[TensorSpec], Chunk]) -> Callable[[TensorSpec], Ite
         return (t,)
 
     return chunks
+
+
+# Every this many bytes written, ask the kernel to start writing them to disk.
+WRITEBACK_KICK_NBYTES = 16 << 20
+
+
+def _start_writeback(fd: int, start: int, end: int) -> None:
+    """Start asynchronous write-back of bytes ``[start, end)`` of ``fd``.
+
+    Without it a file smaller than the dirty-page limit (10% of RAM: 12.8 GB on a 128 GB host) is
+    written to disk only by the final fsync, after all the reading and converting: the disk idles,
+    then the CPU does. Linux: ``POSIX_FADV_DONTNEED`` on dirty pages starts their write-back and drops
+    only pages already clean (the previous kick's), so the fsync has little left to wait for."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
 
 def _write_all(fd: int, data: memoryview) -> int:
