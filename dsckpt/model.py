@@ -130,6 +130,7 @@ class MoeLayout:
     layers: tuple[tuple[str, int, int], ...]
     data_before_expert: bool
     expert_files: tuple[Path, ...]
+    expp_optim_files: tuple[Path, ...] = ()  # stage 0: per expert-parallel rank optimizer files
 
     @property
     def ep_sizes(self) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ stage_1_and_2.py:3651-3787, stage3.py:3540-3620, bf16_optimizer.py:655-690):
 * stage 3, per rank: ``fp32_flat_groups`` and the inner Adam state per *sub-group* (sub-groups are
   re-formed for the new size), ``partition_count``; model-states ``frozen_param_fragments``
   re-partitioned, placeholders and buffers copied;
-* stage 0: only ``dp_world_size``.
+* stage 0: only ``dp_world_size`` (MoE: expert and ``expp_rank_*`` files copied).
 * MoE (ZeRO-1/2, :mod:`dsckpt.readers.moe`): the expert-parallel size is kept; each expert group is
   re-partitioned over the new expert-data-parallel size (``world / ep_size``, its
   ``partition_count``), every target rank holding its expert-parallel rank's experts under their
@@ -461,9 +461,15 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
     )
     if ckpt.zero_stage == 0:
         models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
+        notes = ["stage 0: nothing is partitioned; only the recorded dp_world_size changes"]
+        copied: tuple[Path, ...] = ()
+        if ckpt.moe is not None:  # expp_rank_{R} files belong to expert-parallel ranks, which are kept
+            _expert_groups(ckpt, world_size)
+            copied = (*ckpt.moe.expert_files, *ckpt.moe.expp_optim_files)
+            notes.append(f"Mixture of Experts: expert-parallel size kept at {', '.join(map(str, ckpt.moe.ep_sizes))}; "
+                         f"the {len(copied)} expert and expert-parallel optimizer files are copied unchanged")
         return ReshardPlan(**common, source_model_files=models, param_shapes=(), subgroup_to_group=(),
-                           alignment_paddings=(), ranks=(),
-                           notes=("stage 0: nothing is partitioned; only the recorded dp_world_size changes",))
+                           alignment_paddings=(), ranks=(), notes=tuple(notes), copied_model_files=copied)
     if ckpt.zero_stage == 3:
         return _plan_zero3(ckpt, world_size, facts, common)
     if ckpt.moe is not None and facts.round_robin:

@@ -10,7 +10,7 @@ this rank's expert-parallel rank with the fixture's ep_size and DeepSpeed's own 
 global expert ``ep_rank * num_local_experts + l``.
 
 * fp32 master + Adam moments of every param this rank holds, through ``safe_get_full_fp32_param`` /
-  ``safe_get_full_optimizer_state`` and through the optimizer's own flat partitions gathered over each
+  ``safe_get_full_optimizer_state`` (stage 0 fp32: the param and the torch optimizer's state) and, for ZeRO, through the optimizer's own flat partitions gathered over each
   group's ZeRO process group (all ranks for dense groups, the expert-data-parallel group for expert
   groups) and cut at DeepSpeed's live param offsets;
 * module (16-bit) weights, the expert-parallel rank DeepSpeed assigned, Adam step, global_steps/samples;
@@ -61,9 +61,14 @@ def check_one(name, ckpt_dir):
     if load_path is None:
         return [f"load_checkpoint returned None for {ckpt_dir}"]
     opt = engine.optimizer
-    # groups >= 1 (the expert groups) are never linked for the fragment API in 0.19.8 (generate_moe.py does the same)
-    opt._hp_optimizer_states_linked = False
-    opt._lazy_init_hp_params_optimizer_state()
+    stage = spec["stage"]
+    base = opt
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    if stage:
+        # groups >= 1 (the expert groups) are never linked for the fragment API in 0.19.8 (as in generate_moe.py)
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
     layer = engine.module.moe
     ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
     n_local = layer.num_local_experts
@@ -78,8 +83,12 @@ def check_one(name, ckpt_dir):
     for n, q in engine.module.named_parameters():
         g = global_name(n)
         seen.add(g)
-        got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
-               "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
+        if stage == 0:  # fp32 without ZeRO: the param is the master, the torch optimizer holds the moments
+            st = base.state[q]
+            got = {"param": q.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"], "lowp": q.data}
+        else:
+            got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+                   "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
         for key, t in got.items():
             want = truth[f"{key}/{g}"]
             if t is None or not torch.equal(t.detach().cpu().to(want.dtype), want):
@@ -89,9 +98,10 @@ def check_one(name, ckpt_dir):
     if seen != expected:
         problems.append(f"rank holds {sorted(seen ^ expected)} unlike expert-parallel rank {ep_rank}")
     # the optimizer's own flat partitions, gathered over each group's ZeRO process group
-    inner = opt.optimizer
-    for gi, (plist, offs, part) in enumerate(zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
-                                                 opt.single_partition_of_fp32_groups)):
+    inner = base
+    flat_groups = zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
+                      opt.single_partition_of_fp32_groups) if stage else []
+    for gi, (plist, offs, part) in enumerate(flat_groups):
         pg = opt.real_dp_process_group[gi]
         size = dist.get_world_size(group=pg)
         flats = {}
@@ -108,7 +118,6 @@ def check_one(name, ckpt_dir):
     for attr in ("global_steps", "global_samples", "skipped_steps"):
         if getattr(engine, attr) != meta[attr]:
             problems.append(f"{attr} {getattr(engine, attr)} != {meta[attr]}")
-    base = inner
     steps = sorted({float(s["step"]) for s in base.state.values() if "step" in s})
     if steps != meta["optimizer_step"]:
         problems.append(f"Adam step {steps} != {meta['optimizer_step']}")

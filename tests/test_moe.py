@@ -208,12 +208,18 @@ def test_reshard_keeps_experts_moments_and_expert_parallel_size(fx, tmp_path):
     assert up.dp_world_size == world and up.moe is not None and up.moe.ep_sizes == (ep,)
     _reshard(tmp_path / "up", tmp_path / "back", fx.meta["dp_world_size"])
     truth = fx.truth()
+    stage0 = fx.meta["stage"] == 0  # fp32 without ZeRO: the module weights are the masters
     for path in (tmp_path / "up", tmp_path / "back"):
         c = open_checkpoint(path)
         for name in fx.meta["params"]:
-            for role, key in ((Role.MASTER, "param"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq"),
-                              (Role.MODULE, "lowp")):
+            for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), (Role.EXP_AVG, "exp_avg"),
+                              (Role.EXP_AVG_SQ, "exp_avg_sq"), (Role.MODULE, "lowp")):
                 assert torch.equal(c.tensor(name, role=role), truth[f"{key}/{name}"]), (path.name, name, role)
+    if stage0:  # the expp_rank_{R} files belong to expert-parallel ranks: copied, one per ep rank
+        tag = fx.meta["tag"]
+        got = sorted(p.name for p in (tmp_path / "up" / tag).glob("expp_rank_*"))
+        assert got == [f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep)]
+        return
     # the saved size again: the files DeepSpeed wrote (test_reshard's same-size test compares them all)
     from dsckpt import safe_load
 
@@ -250,6 +256,24 @@ def test_reshard_dry_run_names_expert_files(tmp_path):
 # --- refusals --------------------------------------------------------------------------------------
 
 
+def test_stage0_moe_in_16_bit_is_refused(tmp_path):
+    """Stage-0 MoE in bf16/fp16 keeps FP16_*Optimizer state in the expp_rank_* files: not read yet. The
+    real fp32 stage-0 save, its config switched to bf16, must be refused, not read as fp32."""
+    from dsckpt import safe_load, safe_save
+
+    fx = _fx("moe_s0_fp32_w2_ep2")
+    ckpt = copy_fixture(fx, tmp_path)
+    ms = ckpt / fx.meta["tag"] / "mp_rank_00_model_states.pt"
+    tree = safe_load.materialize(safe_load.load(ms))
+    tree["ds_config"]["bf16"] = {"enabled": True}
+    safe_save.save(tree, ms)
+    r = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert r.exit_code == 3
+    err = r.stderr.strip()
+    assert "\n" not in err and "saved without ZeRO" in err and "in 16-bit precision" in err
+    assert "only fp32 ones, or MoE trained with ZeRO stage 1 or 2, can be read yet" in err
+
+
 def test_zero3_autoep_checkpoint_is_refused(tmp_path):
     """DeepSpeed 0.19.8 refuses native MoE at ZeRO-3 (engine.py _validate_zero3_moe_compatibility); only
     AutoEP layers train there, and their checkpoints (``ds_autoep_layers``) are not read."""
@@ -272,7 +296,8 @@ def test_zero3_autoep_checkpoint_is_refused(tmp_path):
 
 # target world size -> (fixture, chain of world sizes before it); one launch per target size.
 DS_MOE_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
-    4: [("moe_s2_bf16_w2_ep2", ())],  # expert-data-parallel 1 -> 2
+    # expert-data-parallel 1 -> 2; stage 0: the expp_rank_{0,1} files serve two ranks each
+    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ())],
     2: [("moe_s1_bf16_w4_ep2", ()), ("moe_s2_fp32_w2_ep1", (3,))],  # 2 -> 1; ep 1 via 3 ranks
 }
 NEGATIVE = f"{EXPERT}3.weight"  # planted into a resharded copy: the check must catch it

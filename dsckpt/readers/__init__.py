@@ -60,9 +60,9 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
     _refuse_autoep(cache.tree(files.mp_to_model_states[0]), files.mp_to_model_states[0])
     _refuse_tensor_parallel(max(files.mp_world_size, meta.mp_world_size or 1), files)
     if files.layer_expert_to_files or files.ep_mp_to_expp_optim_states:
-        from .moe import read_moe_zero12
+        from .moe import read_moe
 
-        return read_moe_zero12(files, cache)
+        return read_moe(files, cache)
     if files.dp_mp_to_optim_states:
         return read_zero12(files, cache)
     ms = cache.tree(files.mp_to_model_states[0])

@@ -19,8 +19,13 @@ expert file (the copy is the master rounded to 16 bits, or equal in fp32 runs); 
 not agree the checkpoint is refused instead of exporting wrong values (a few damaged elements are
 left to ``scan``/``repair``).
 
-Not read: MoE without ZeRO (``expp_rank_*`` optimizer files), MoE with ``BF16_Optimizer``; ZeRO-3
-refuses native MoE in 0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
+Stage 0 (no ZeRO, engine.py ``_save_moe_checkpoint``): ``expp_rank_{R}_mp_rank_00_optim_states.pt``
+holds ``{"optimizer": state_dict()}`` of expert-parallel rank R's engine (dense group + R's local
+experts, written by its expert-data-parallel rank 0); only fp32 is read (the module copies are the
+masters; the torch state indices are bound by shape and module order, as for dense stage 0).
+
+Not read: stage-0 MoE in bf16/fp16 (``FP16_*Optimizer`` in the ``expp_rank_*`` files), MoE with
+``BF16_Optimizer``; ZeRO-3 refuses native MoE in 0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
 """
 
 from __future__ import annotations
@@ -57,17 +62,25 @@ from .common import (
 )
 from .zero12 import OSD, group_partitions
 
-__all__ = ["read_moe_zero12", "refuse_moe_without_zero", "PROOF_WINDOW_NUMEL"]
+__all__ = ["read_moe", "read_moe_stage0", "read_moe_zero12", "PROOF_WINDOW_NUMEL"]
 
 PROOF_WINDOW_NUMEL = 4096  # elements compared per fragment, at its start and at its end
 _GROUP_NAME = re.compile(r"^ep_size_(\d+)$")  # groups.py: group_name = f"ep_size_{expert_parallel_size_}"
 
 
-def refuse_moe_without_zero(files: CheckpointFiles) -> UnsupportedCheckpointError:
+def refuse_moe_without_zero(files: CheckpointFiles, why: str) -> UnsupportedCheckpointError:
     return UnsupportedCheckpointError(
         f"'{files.tag_dir}' is a Mixture-of-Experts checkpoint saved without ZeRO (per expert-parallel-rank "
-        "'expp_rank_*' optimizer files); only MoE checkpoints trained with ZeRO stage 1 or 2 can be read yet"
+        f"'expp_rank_*' optimizer files) {why}; only fp32 ones, or MoE trained with ZeRO stage 1 or 2, can be "
+        "read yet"
     )
+
+
+def read_moe(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+    """Any native MoE save: stage 0 (``expp_rank_*`` optimizer files) or ZeRO-1/2."""
+    if files.ep_mp_to_expp_optim_states and not files.dp_mp_to_optim_states:
+        return read_moe_stage0(files, cache)
+    return read_moe_zero12(files, cache)
 
 
 def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
@@ -76,7 +89,9 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
     meta = metadata_from_model_states(ms)
     optim = files.dp_mp_to_optim_states
     if files.ep_mp_to_expp_optim_states or not optim:
-        raise refuse_moe_without_zero(files)
+        raise CorruptCheckpointError(
+            f"'{files.tag_dir}' holds both ZeRO optimizer files and 'expp_rank_*' files (or neither); remove the "
+            "stray files of another save or pick another tag")
     world = meta.dp_world_size or files.optim_dp_world_size
     expect_dp_ranks(files, "optimizer-state", optim, world)
     if files.optim_dp_world_size != world:
@@ -140,20 +155,7 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         raise CorruptCheckpointError(f"'{files.tag_dir}': " + "; ".join(problems))
 
     # ---- the expert files: global name -> module copy
-    expert_refs: dict[str, tuple[Path, tuple[Any, ...], TensorRef]] = {}
-    expert_order: dict[str, tuple[int, int, int]] = {}
-    prefix_experts: dict[str, set[int]] = {}
-    for (layer, expert, mp), path in sorted(files.layer_expert_to_files.items()):
-        if mp != 0:
-            continue
-        for i, (key, ref) in enumerate(cache.tree(path).items()):
-            m = EXPERT_NAME.match(str(key))
-            if not isinstance(ref, TensorRef) or m is None or int(m["id"]) != expert:
-                raise CorruptCheckpointError(
-                    f"{path}: entry '{key}' is not a tensor of expert {expert}; the file does not belong to this name")
-            expert_refs[key] = (path, (key,), ref)
-            expert_order[key] = (layer, expert, i)
-            prefix_experts.setdefault(m["prefix"], set()).add(expert)
+    expert_refs, expert_order, prefix_experts = _expert_files(files, cache)
 
     # ---- masters and moments
     entries: dict[str, TensorEntry] = {}
@@ -267,6 +269,124 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
         optimizer_step=step_of(base.get("state")), optimizer_wrapper="DeepSpeedZeroOptimizer",
+        entries=tuple(_one_rank_order(entries, list(module), expert_order)),
+        files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
+    )
+
+
+def _expert_files(files: CheckpointFiles, cache: FileCache
+                  ) -> tuple[dict[str, tuple[Path, tuple[Any, ...], TensorRef]], dict[str, tuple[int, int, int]],
+                             dict[str, set[int]]]:
+    """global expert param name -> (file, key, ref); name -> (layer, expert, position); prefix -> expert ids."""
+    refs: dict[str, tuple[Path, tuple[Any, ...], TensorRef]] = {}
+    order: dict[str, tuple[int, int, int]] = {}
+    prefix_experts: dict[str, set[int]] = {}
+    for (layer, expert, mp), path in sorted(files.layer_expert_to_files.items()):
+        if mp != 0:
+            continue
+        for i, (key, ref) in enumerate(cache.tree(path).items()):
+            m = EXPERT_NAME.match(str(key))
+            if not isinstance(ref, TensorRef) or m is None or int(m["id"]) != expert:
+                raise CorruptCheckpointError(
+                    f"{path}: entry '{key}' is not a tensor of expert {expert}; the file does not belong to this name")
+            refs[key] = (path, (key,), ref)
+            order[key] = (layer, expert, i)
+            prefix_experts.setdefault(m["prefix"], set()).add(expert)
+    return refs, order, prefix_experts
+
+
+def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+    """fp32 MoE without ZeRO: dense params from ``mp_rank_00`` (moments from ``expp_rank_0``), expert
+    params from their expert files under global names (moments from their expert-parallel rank's file)."""
+    from .stage0 import _plain, module_params_and_aliases
+
+    ms_path = files.mp_to_model_states[0]
+    ms = cache.tree(ms_path)
+    meta = metadata_from_model_states(ms)
+    cfg = meta.ds_config or {}
+    if any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16", "bfloat16")):
+        raise refuse_moe_without_zero(files, "in 16-bit precision")
+    expp = files.ep_mp_to_expp_optim_states
+    ep = len(expp)
+    if sorted(expp) != [(r, 0) for r in range(ep)]:
+        raise CorruptCheckpointError(
+            f"'{files.tag_dir}': expert-parallel optimizer files for ranks {sorted(r for r, _ in expp)}, expected "
+            f"0..{ep - 1}; the save is incomplete")
+    module: Mapping[str, Any] = ms.get("module") or {}
+    buffers = set(meta.buffer_names)
+    dense, aliases = module_params_and_aliases(module, buffers)
+    expert_refs, expert_order, prefix_experts = _expert_files(files, cache)
+    layers: dict[str, tuple[int, int]] = {}
+    for prefix, ids in prefix_experts.items():
+        if ids != set(range(len(ids))) or len(ids) % ep:
+            raise CorruptCheckpointError(
+                f"'{files.tag_dir}': MoE layer '{prefix}' has expert files {sorted(ids)}, not 0..n-1 with n a "
+                f"multiple of the {ep} expert-parallel optimizer files; the save is incomplete")
+        layers[prefix] = (len(ids), ep)
+    entries: dict[str, TensorEntry] = {}
+    ambiguous: list[str] = []
+    group_ep: list[int | None] = []
+    step = None
+    for r in range(ep):
+        path = expp[(r, 0)]
+        optimizer = cache.tree(path).get("optimizer")
+        if not isinstance(optimizer, Mapping) or "state" not in optimizer:
+            raise refuse_moe_without_zero(files, f"whose {path.name} holds no plain torch optimizer state")
+        groups = optimizer.get("param_groups") or []
+        if r == 0:
+            step = step_of(optimizer.get("state"))
+            for pg in groups:
+                m = _GROUP_NAME.match(str(pg.get("name", ""))) if isinstance(pg, Mapping) else None
+                group_ep.append((int(m[1]) if m else ep) if isinstance(pg, Mapping) and pg.get("moe") else None)
+            if any(e is not None and e != ep for e in group_ep):
+                raise UnsupportedCheckpointError(
+                    f"'{files.tag_dir}': expert groups of several expert-parallel sizes "
+                    f"{sorted(e for e in set(group_ep) if e is not None)} "
+                    "without ZeRO are not supported")
+        # this rank's module as its engine saw it: dense params, then its local experts under local names
+        local: dict[str, str] = {}
+        for prefix, (n_experts, _) in layers.items():
+            per_rank = n_experts // ep
+            for name in expert_refs:
+                m = EXPERT_NAME.match(name)
+                assert m is not None
+                if m["prefix"] == prefix and int(m["id"]) // per_rank == r:
+                    local[f"{prefix}{int(m['id']) % per_rank}{m['rest']}"] = name
+        local_names = sorted(local, key=lambda nm: expert_order[local[nm]])
+        view = {**{nm: module[nm] for nm in dense}, **{nm: expert_refs[g][2] for nm, g in local.items()}}
+        bound, amb = _plain(path, view, [*dense, *local_names], optimizer)
+        if amb:
+            ambiguous += [local.get(n, n) for a in amb for n in a.names]
+        for n, e in bound.items():
+            if n in local:
+                g = local[n]
+                epath, key, ref = expert_refs[g]
+                copy = Piece(Role.MODULE, dtype_name(ref.dtype_name), (Fragment(epath, key, 0, ref.numel, 0),))
+                moments = tuple(pc for pc in e.pieces if pc.role is not Role.MODULE)
+                entries[g] = TensorEntry(g, e.shape, Kind.PARAM, e.trainable, (copy, *moments), group=e.group)
+            elif r == 0:
+                moments = tuple(pc for pc in e.pieces if pc.role is not Role.MODULE)
+                entries[n] = TensorEntry(n, e.shape, Kind.PARAM, e.trainable,
+                                         (module_piece(ms_path, n, module[n]), *moments), group=e.group)
+    if ambiguous:
+        raise UnsupportedCheckpointError(
+            f"'{files.tag_dir}': the optimizer state of {', '.join(sorted(set(ambiguous)))} cannot be bound to one "
+            "param by shape and order (stage-0 MoE); not read rather than guessed")
+    for alias, source in aliases.items():
+        entries[alias] = alias_entry(alias, entries[source])
+    for e in buffer_entries(ms_path, module, meta.buffer_names):
+        entries[e.name] = e
+    sample = next((module[n].dtype_name for n in dense if is_floating(module[n].dtype_name)), None)
+    moe = MoeLayout(group_ep_sizes=tuple(group_ep),
+                    layers=tuple((p, n, e) for p, (n, e) in sorted(layers.items())),
+                    data_before_expert=bool(cfg.get("use_data_before_expert_parallelism", False)),
+                    expert_files=tuple(sorted(files.layer_expert_to_files.values())),
+                    expp_optim_files=tuple(expp[(r, 0)] for r in range(ep)))
+    return LogicalCheckpoint(
+        root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="moe-stage0", zero_stage=0,
+        precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,
+        pp_world_size=1, tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
+        global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper="torch optimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
     )
