@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,8 +32,17 @@ __all__ = ["main"]
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: newlines become spaces, other control characters (a damaged name can
+    hold a carriage return) are shown escaped."""
+    return _CONTROL.sub(lambda m: " " if m.group() == "\n" else repr(m.group())[1:-1], message)
+
+
 def _fail(message: str, code: int) -> None:
-    click.echo(f"dsckpt: error: {message}", err=True)
+    click.echo(f"dsckpt: error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -40,7 +50,7 @@ class _StderrNotes(logging.Handler):
     """The library's warnings (e.g. leftovers of a killed run removed) as ``dsckpt: note:`` lines."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"dsckpt: note: {record.getMessage()}", err=True)
+        click.echo(f"dsckpt: note: {one_line(record.getMessage())}", err=True)
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,7 +67,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             with signals_as_exceptions():
                 return fn(*args, **kwargs)
         except DsckptError as e:
-            _fail(str(e).replace("\n", " "), e.exit_code)
+            _fail(str(e), e.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted; no output was left behind", 130)
         except Terminated as e:

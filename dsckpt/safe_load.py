@@ -590,7 +590,8 @@ def load(path: str | os.PathLike[str]) -> Any:
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{p}: file not found") from e
     except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
-            TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError) as e:
+            TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError,
+            NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"
         raise CorruptCheckpointError(
             f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {e}); "
             "it is truncated or corrupt — the save was probably interrupted"
@@ -652,7 +653,8 @@ def _load_zip(path: Path) -> Any:
                 cache[key] = resolve(args)
             return cache[key]
 
-        return _Unpickler(io.BytesIO(data), path=path, resolve_storage=resolve_cached).load()
+        stream = _BoundedReader(io.BytesIO(data), path, len(data))
+        return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load()
 
 
 def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
@@ -673,7 +675,8 @@ _LEGACY_PROTOCOL = 1001
 
 def _load_legacy(path: Path) -> Any:
     """The pre-zip format: magic, protocol, sys_info, main pickle, storage keys, raw storages."""
-    with open(path, "rb") as f:
+    with open(path, "rb") as raw_file:
+        f = _BoundedReader(raw_file, path)
         plain = _PlainUnpickler(f, path)
         if plain.load() != _LEGACY_MAGIC:
             raise CorruptCheckpointError(f"{path}: not a torch checkpoint (bad magic number)")
@@ -712,6 +715,45 @@ def _load_legacy(path: Path) -> Any:
             resolved[ph.key] = ref
             offset = data_offset + ref.nbytes
     return _replace_legacy(obj, resolved)
+
+
+class _BoundedReader:
+    """A file for the unpickler that refuses reads past its end before anything is allocated: a
+    damaged or hostile length in the pickle stream (BINUNICODE8, BINBYTES8, ...; legacy files have no
+    CRC) would otherwise ask for up to 2**63 bytes."""
+
+    def __init__(self, f: Any, path: Path, size: int | None = None) -> None:
+        self._f = f
+        self._path = path
+        self._size = os.fstat(f.fileno()).st_size if size is None else size
+
+    def _check(self, n: int | None) -> None:
+        if n is not None and n > self._size - self._f.tell():
+            raise CorruptCheckpointError(
+                f"{self._path}: the pickle stream asks for {n} bytes at offset {self._f.tell()}, past the end "
+                "of the file; it is corrupt")
+
+    def read(self, n: int = -1) -> bytes:
+        self._check(n if n is not None and n >= 0 else None)
+        return self._f.read(n)
+
+    def readinto(self, b: Any) -> int:
+        return self._f.readinto(b)
+
+    def peek(self, n: int = 0) -> bytes:  # lets the C unpickler prefetch instead of calling read() per opcode
+        pos = self._f.tell()
+        data = self._f.read(max(n, 1 << 16))
+        self._f.seek(pos)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        return self._f.readline(limit)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
 
 
 @dataclass(frozen=True)

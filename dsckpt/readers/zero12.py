@@ -47,7 +47,14 @@ class GroupPartitions:
 
 
 def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: bool) -> GroupPartitions:
-    trees = [cache.tree(p)[OSD] for p in optim_files]
+    trees = [cache.tree(p).get(OSD) for p in optim_files]
+    for path, t in zip(optim_files, trees):
+        groups = t.get("single_partition_of_fp32_groups") if isinstance(t, Mapping) else None
+        if not isinstance(groups, list) or not all(isinstance(r, TensorRef) for r in groups):
+            raise CorruptCheckpointError(
+                f"{path}: no list of tensors under '{OSD}.single_partition_of_fp32_groups'; the file is "
+                "damaged or not a ZeRO-1/2 optimizer file"
+            )
     n_groups = len(trees[0]["single_partition_of_fp32_groups"])
     partition_numel: list[int] = []
     stored: list[list[int]] = []
@@ -62,7 +69,13 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
                 )
             ref = groups[g]
             lengths.append(ref.numel)
-            pad = 0 if keeps_padding else int((t.get("group_paddings") or [0] * n_groups)[g])
+            pads = t.get("group_paddings") or [0] * n_groups
+            if not keeps_padding and not (isinstance(pads, list) and len(pads) == n_groups
+                                          and all(isinstance(x, int) and x >= 0 for x in pads)):
+                raise CorruptCheckpointError(
+                    f"{optim_files[rank]}: 'group_paddings' is not one non-negative integer per group; "
+                    "the file is damaged")
+            pad = 0 if keeps_padding else int(pads[g])
             candidates.add(ref.numel + pad)
         if len(candidates) != 1:
             raise CorruptCheckpointError(
@@ -71,11 +84,19 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
             )
         partition_numel.append(candidates.pop())
         stored.append(lengths)
-    base = trees[0]["base_optimizer_state"]
+    base = trees[0].get("base_optimizer_state")
+    if not isinstance(base, (list, Mapping)) or (
+            isinstance(base, Mapping) and not isinstance(base.get("state") or {}, Mapping)):
+        raise CorruptCheckpointError(
+            f"{optim_files[0]}: no optimizer state under '{OSD}.base_optimizer_state'; the file is damaged")
     if isinstance(base, list):  # elastic_checkpoint: per-group state, padding stripped
         moment_keys: list[tuple[Any, ...] | None] = [(OSD, "base_optimizer_state", g) for g in range(n_groups)]
     else:
-        state_keys = sorted((base.get("state") or {}).keys())
+        keys = list((base.get("state") or {}).keys())
+        if not all(isinstance(k, int) for k in keys):
+            raise CorruptCheckpointError(f"{optim_files[0]}: optimizer state keys {keys[:4]} are not param "
+                                         "indices; the file is damaged")
+        state_keys = sorted(keys)
         moment_keys = [(OSD, "base_optimizer_state", "state", state_keys[g]) if g < len(state_keys) else None
                        for g in range(n_groups)]
     return GroupPartitions(partition_numel, stored, moment_keys)
@@ -106,6 +127,12 @@ def zero12_param_entries(
         raise CorruptCheckpointError(
             f"{model_states}: {len(param_shapes)} param groups in 'param_shapes' but "
             f"{len(parts.partition_numel)} fp32 groups in {optim_files[0].name}"
+        )
+    if align_pads is not None and not (isinstance(align_pads, list) and all(
+            isinstance(p, list) and all(isinstance(x, int) and x >= 0 for x in p) for p in align_pads)):
+        raise CorruptCheckpointError(
+            f"{optim_files[0]}: 'param_alignment_paddings' is not a list of non-negative integers per group; "
+            "the file is damaged"
         )
     if align_pads is not None and [len(p) for p in align_pads] != [len(g) for g in param_shapes]:
         raise CorruptCheckpointError(
@@ -213,6 +240,16 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     module = ms.get("module") or {}
     trainable = zero12_param_entries(model_states=ms_path, optim_files=optim_files, cache=cache,
                                      keeps_padding=is_bf16_optimizer)
+    if module:
+        # Every trainable param is also in the saved module state dict (DeepSpeed saves
+        # module.state_dict(), frozen params or not): a name in 'param_shapes' without its module
+        # tensor means one of the two name lists is damaged -- legacy files have no CRC to say so.
+        for name, entry in trainable.items():
+            if entry.piece(Role.MODULE) is None:
+                raise CorruptCheckpointError(
+                    f"{ms_path}: 'param_shapes' names '{name}' but the saved module has no tensor of that "
+                    "name; the file is damaged or its parts come from different runs"
+                )
     entries = dict(trainable)
     shared = ms.get("shared_params") or {}
     buffers = set(meta.buffer_names)
@@ -229,6 +266,7 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                                 ((Fragment(ms_path, ("frozen_param_fragments", name), 0, frag.numel, 0)),),
                                 replica=1))
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, False, tuple(pieces))
+    _check_module_names(ms_path, module, entries, trainable, buffers, shared, ms.get("frozen_param_shapes"))
     for name in frozen_shapes:
         if name not in entries and name not in shared:
             raise CorruptCheckpointError(f"{ms_path}: frozen param '{name}' has no saved value")
@@ -255,6 +293,27 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
                     if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
     )
+
+
+def _check_module_names(ms_path: Path, module: Mapping[str, Any], entries: Mapping[str, TensorEntry],
+                        trainable: Mapping[str, TensorEntry], buffers: set[str], shared: Mapping[str, Any],
+                        frozen_shapes: Any) -> None:
+    """The module state dict's names against the other name lists of the same file (legacy files have
+    no CRC, so a damaged name shows only here): a module tensor that is neither trainable, a buffer nor
+    tied is a frozen param -- stage 2 lists those in 'frozen_param_shapes'; a buffer name the module
+    lacks is legitimate only for a non-persistent buffer, never next to an unexplained module tensor."""
+    strays = [n for n in entries if n not in trainable and n not in buffers and n not in shared]
+    if isinstance(frozen_shapes, Mapping):
+        unknown = [n for n in strays if n not in frozen_shapes]
+        if unknown:
+            raise CorruptCheckpointError(
+                f"{ms_path}: module tensor '{unknown[0]}' is in neither 'param_shapes', 'frozen_param_shapes' "
+                "nor 'buffer_names'; the file is damaged or its parts come from different runs")
+    missing = [b for b in sorted(buffers) if not isinstance(module.get(b), TensorRef)]
+    if missing and strays:
+        raise CorruptCheckpointError(
+            f"{ms_path}: buffer '{missing[0]}' is not in the saved module, which holds an unlisted tensor "
+            f"'{strays[0]}'; the file is damaged or its parts come from different runs")
 
 
 def _align(osd: Mapping[str, Any], g: int) -> list[Any] | None:
