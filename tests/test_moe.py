@@ -186,6 +186,39 @@ def test_expert_master_repaired_from_fp32_source_by_global_name(tmp_path):
     assert all(torch.equal(t, original[n]) for n, t in got.items())
 
 
+def test_stage0_expert_moment_found_in_its_expert_parallel_ranks_file(tmp_path):
+    """No ZeRO: expert 3's Adam state lives in expp_rank_1 (expert-parallel rank 1 holds experts 2, 3)."""
+    fx = _fx("moe_s0_fp32_w2_ep2")
+    ckpt = copy_fixture(fx, tmp_path)
+    plant(ckpt, f"{EXPERT}3.bias", Role.EXP_AVG_SQ, 6, math.inf)
+    (f,) = scan(ckpt, nonfinite_only=True).findings
+    assert (f.name, f.kind, f.file.name, f.posinf, f.first_indices) == (
+        f"{EXPERT}3.bias", StoredKind.EXP_AVG_SQ, "expp_rank_1_mp_rank_00_optim_states.pt", 1, (6,))
+
+
+def test_stage0_fp32_expert_repaired_from_source(tmp_path):
+    """fp32 without ZeRO: the expert file's weight is the master; repair writes the source's value there."""
+    fx = _fx("moe_s0_fp32_w2_ep2")
+    ckpt = copy_fixture(fx, tmp_path)
+    name = f"{EXPERT}1.weight"
+    (changed,) = plant(ckpt, name, Role.MODULE, 9, math.nan)
+    assert changed.name == "layer_0_expert_1_mp_rank_00_model_states.pt"
+    original = fx.expected_fp32()
+    sd = {k: v.contiguous() for k, v in original.items()}
+    sd[name] = original[name] - 1.0
+    save_file(sd, str(tmp_path / "source.safetensors"))
+    plan, _ = prepare_repair(ckpt, tmp_path / "source.safetensors")
+    (patch,) = plan.patches
+    assert (patch.name, [t.role for t in patch.targets], patch.indices.tolist()) == (name, [Role.MODULE], [9])
+    run_repair(plan, tmp_path / "fixed")
+    assert scan(tmp_path / "fixed").clean
+    got = _fp32(tmp_path / "fixed", tmp_path)
+    want = original[name].clone()
+    want.view(-1)[9] = sd[name].view(-1)[9]
+    assert torch.equal(got.pop(name), want)
+    assert all(torch.equal(t, original[n]) for n, t in got.items())
+
+
 # --- reshard (library) -----------------------------------------------------------------------------
 
 
