@@ -547,9 +547,15 @@ _ALLOWED = _build_allowed()
 # The unpickler
 
 
-class _Unpickler(pickle.Unpickler):
+class _AllowListed:
+    """find_class / persistent_load of dsckpt's unpicklers (the C one below, and the pure-Python one
+    for legacy files)."""
+
+    _path: Path
+    _resolve_storage: Callable[[tuple], StorageRef]
+
     def __init__(self, file: Any, *, path: Path, resolve_storage: Callable[[tuple], StorageRef]) -> None:
-        super().__init__(file, encoding="utf-8")
+        super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self._path = path
         self._resolve_storage = resolve_storage
 
@@ -570,6 +576,22 @@ class _Unpickler(pickle.Unpickler):
         if typename != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id type {typename!r}")
         return self._resolve_storage(pid[1:])
+
+
+class _Unpickler(_AllowListed, pickle.Unpickler):
+    pass
+
+
+class _LegacyUnpickler(_AllowListed, pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """Pure Python: every opcode's bytes come through ``read(n)``, so :class:`_BoundedReader` refuses a
+    damaged length before anything is allocated (the C unpickler allocates BINBYTES/BYTEARRAY8 first).
+    Legacy files carry no CRC, so their pickles are the ones damage reaches."""
+
+    def _load_bytearray8(self) -> None:  # pickle's own allocates bytearray(len) before reading
+        (n,) = struct.unpack("<Q", self.read(8))  # type: ignore[attr-defined]
+        self.append(bytearray(self.read(n)))  # type: ignore[attr-defined]
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BYTEARRAY8[0]: _load_bytearray8}  # type: ignore[attr-defined,dict-item]
 
 
 def load(path: str | os.PathLike[str]) -> Any:
@@ -654,7 +676,11 @@ def _load_zip(path: Path) -> Any:
             return cache[key]
 
         stream = _BoundedReader(io.BytesIO(data), path, len(data))
-        return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load()
+        try:
+            return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load()
+        except MemoryError as e:  # a BINBYTES length far beyond the in-memory pickle (CRC-checked, so hostile)
+            raise CorruptCheckpointError(f"{path}: data.pkl asks for more memory than it holds; the file is "
+                                         "corrupt or hostile") from e
 
 
 def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
@@ -699,7 +725,7 @@ def _load_legacy(path: Path) -> Any:
                 raise CorruptCheckpointError(f"{path}: legacy storage views are not supported")
             return placeholders[key]
 
-        obj = _Unpickler(f, path=path, resolve_storage=resolve).load()
+        obj = _LegacyUnpickler(f, path=path, resolve_storage=resolve).load()
         keys = _PlainUnpickler(f, path).load()
         offset = f.tell()
         resolved: dict[str, StorageRef] = {}
@@ -764,7 +790,7 @@ class _LegacyStorage:
     location: str
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     """For the legacy header pickles, which hold only plain Python values."""
 
     def __init__(self, file: Any, path: Path) -> None:

@@ -273,3 +273,25 @@ def test_control_characters_in_an_error_are_escaped_onto_one_line(tmp_path):
     res = _run("info", str(ckpt))
     _one_line(res, 3, "bad\\rkey")
     assert "\r" not in res.stderr
+
+
+@pytest.mark.parametrize("opcode", [b"B", b"\x8e", b"\x96"])  # BINBYTES, BINBYTES8, BYTEARRAY8
+def test_byte_lengths_past_the_end_of_a_legacy_file_are_refused_before_allocating(tmp_path, opcode):
+    """Scale-12 fuzz under a 6 GB address-space limit: BYTEARRAY8 with a damaged length made the
+    unpickler allocate 18 GB first (exit 70, 'out of memory')."""
+    import resource
+
+    ckpt = _copy(tmp_path, "s2_fp32_w2_legacy")
+    victim = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    data = bytearray(victim.read_bytes())
+    at = data.index(b"X\x06\x00\x00\x00module")
+    size = struct.pack("<I", 0xFFFFFFF0) if opcode == b"B" else struct.pack("<Q", 1 << 40)
+    data[at:at + 11] = (opcode + size + b"\x00" * 10)[:11]
+    victim.write_bytes(bytes(data))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (min(3 << 30, hard) if hard > 0 else 3 << 30, hard))
+    try:
+        res = _run("info", str(ckpt))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    _one_line(res, 3, victim.name, "past the end of the file")
