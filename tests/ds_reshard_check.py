@@ -49,8 +49,11 @@ if args.force_cpu_fp16:
     CPU_Accelerator.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
 
 import deepspeed  # noqa: E402
+from ds_launch import gloo_only  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 
 deepspeed.init_distributed()
 rank = dist.get_rank()

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
-
 from conftest import all_fixtures, ids
+from ds_launch import DEEPSPEED, run_deepspeed
+from safetensors.torch import load_file, save_file
+from scan_helpers import copy_fixture, plant
+
 from dsckpt.api import to_fp32
 from dsckpt.checkpoint import open_checkpoint
 from dsckpt.cli import main
@@ -32,10 +30,8 @@ from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.repair import prepare_repair, run_repair
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.scan import Check, StoredKind, scan
-from scan_helpers import copy_fixture, plant
 
 REPO = Path(__file__).resolve().parent.parent
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 MOE = [f for f in all_fixtures() if "moe" in f.meta]
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts."
 
@@ -336,11 +332,6 @@ DS_MOE_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
 NEGATIVE = f"{EXPERT}3.weight"  # planted into a resharded copy: the check must catch it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ds_moe_runs(tmp_path_factory):
@@ -363,11 +354,8 @@ def ds_moe_runs(tmp_path_factory):
             plant(bad, NEGATIVE, Role.MASTER, 0, 12.5)
             pairs.append(f"moe_s1_bf16_w4_ep2={bad}")
         result = base / f"result_{world}.json"
-        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-        proc = subprocess.run(
-            [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(_free_port()),
-             str(REPO / "tests" / "ds_moe_reshard_check.py"), "--result", str(result), *pairs],
-            check=False, cwd=base, env=env, capture_output=True, text=True, timeout=900)
+        proc = run_deepspeed("ds_moe_reshard_check.py", ["--result", str(result), *pairs], world=world, cwd=base,
+                             timeout=900)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
         runs[world] = (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
                        "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:])
