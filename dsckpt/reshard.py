@@ -21,7 +21,11 @@ stage_1_and_2.py:3651-3787, stage3.py:3540-3620, bf16_optimizer.py:655-690):
 * stage 3, per rank: ``fp32_flat_groups`` and the inner Adam state per *sub-group* (sub-groups are
   re-formed for the new size), ``partition_count``; model-states ``frozen_param_fragments``
   re-partitioned, placeholders and buffers copied;
-* stage 0: only ``dp_world_size``.
+* stage 0: only ``dp_world_size`` (MoE: expert and ``expp_rank_*`` files copied).
+* MoE (ZeRO-1/2, :mod:`dsckpt.readers.moe`): the expert-parallel size is kept; each expert group is
+  re-partitioned over the new expert-data-parallel size (``world / ep_size``, its
+  ``partition_count``), every target rank holding its expert-parallel rank's experts under their
+  local names (:mod:`dsckpt.expert_parallel`); the ``layer_*_expert_*`` files are copied.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .expert_parallel import (
+    EXPERT_NAME,
+    ExpertTopology,
+    expert_data_parallel_rank,
+    expert_parallel_rank,
+    global_expert_name,
+)
 from .hf import HfFilesPlan, copy_files, plan_resume_files
 from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .partition import (
@@ -116,6 +127,7 @@ class GroupPartition:
     exp_avg_sq: FlatSpec
     slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
     ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
+    partition_count: int | None = None  # MoE expert group: the expert-data-parallel size (else the world size)
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,7 @@ class ReshardPlan:
     ranks: tuple[RankPlan, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
     hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
+    copied_model_files: tuple[Path, ...] = ()  # MoE expert files, rewritten unchanged
 
     @property
     def has_work(self) -> bool:
@@ -241,10 +254,12 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         state = (base or {}).get("state") or {}
         param_groups = (base or {}).get("param_groups") or []
         counts = osd0.get("partition_count")
-        if isinstance(counts, list) and any(int(c) != ckpt.dp_world_size for c in counts):
+        if ckpt.moe is None and isinstance(counts, list) and any(int(c) != ckpt.dp_world_size for c in counts):
             problems.append(f"partition_count {counts} (MoE expert groups partitioned over fewer ranks)")
-    if ms0.get("num_experts") is not None:
+    if ckpt.moe is None and ms0.get("num_experts") is not None:
         problems.append("Mixture-of-Experts layers ('num_experts' in the model states)")
+    if ckpt.moe is not None and bool((zcfg or {}).get("round_robin_gradients", False)):
+        problems.append("Mixture-of-Experts with round_robin_gradients")
     extra_keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s} - ADAM_STATE_KEYS)
     if extra_keys:
         problems.append(f"optimizer state keys {extra_keys} (only Adam/AdamW's step, exp_avg, exp_avg_sq "
@@ -377,6 +392,8 @@ def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
     """Facts recoverable from the logical model alone (flat order from the fragment positions)."""
     groups: dict[int, list[tuple[int, int, str]]] = {}
     for e in ckpt.entries:
+        if ckpt.moe is not None and not _held_by_ep_rank_0(ckpt, e.name):
+            continue  # param_shapes lists local expert names, which are expert-parallel rank 0's global ones
         if e.kind is Kind.PARAM and e.trainable and e.tied_to is None and e.group is not None:
             m = e.piece(Role.MASTER)
             first = m.fragments[0] if m and m.fragments else None
@@ -393,6 +410,27 @@ def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
         sub_group_size=int(cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)) if ckpt.zero_stage == 3 else None,
         param_ds_ids=tuple((n, i) for i, n in enumerate(names)) if ckpt.zero_stage == 3 else (),
     )
+
+
+def _held_by_ep_rank_0(ckpt: LogicalCheckpoint, name: str) -> bool:
+    m = EXPERT_NAME.match(name)
+    if m is None or ckpt.moe is None:
+        return True
+    return int(m["id"]) < ckpt.moe.local_experts(m["prefix"])
+
+
+def _expert_groups(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
+    """Per param group: its expert-parallel size (kept), or None for a dense group; refuses target
+    sizes the expert-parallel size does not divide."""
+    if ckpt.moe is None:
+        return []
+    bad = sorted({ep for ep in ckpt.moe.group_ep_sizes if ep is not None and world % ep})
+    if bad:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' to {world} ranks: its experts are split over expert-parallel "
+            f"size {bad[0]}, which must divide the new world size, and changing the expert-parallel size is "
+            f"not supported; pick a multiple of {bad[0]}")
+    return list(ckpt.moe.group_ep_sizes)
 
 
 def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None,
@@ -423,11 +461,19 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts
     )
     if _partition_stage(ckpt) == 0:
         models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
+        notes = ["stage 0: nothing is partitioned; only the recorded dp_world_size changes"]
+        copied: tuple[Path, ...] = ()
+        if ckpt.moe is not None:  # expp_rank_{R} files belong to expert-parallel ranks, which are kept
+            _expert_groups(ckpt, world_size)
+            copied = (*ckpt.moe.expert_files, *ckpt.moe.expp_optim_files)
+            notes.append(f"Mixture of Experts: expert-parallel size kept at {', '.join(map(str, ckpt.moe.ep_sizes))}; "
+                         f"the {len(copied)} expert and expert-parallel optimizer files are copied unchanged")
         return ReshardPlan(**common, source_model_files=models, param_shapes=(), subgroup_to_group=(),
-                           alignment_paddings=(), ranks=(),
-                           notes=("stage 0: nothing is partitioned; only the recorded dp_world_size changes",))
+                           alignment_paddings=(), ranks=(), notes=tuple(notes), copied_model_files=copied)
     if ckpt.zero_stage == 3:
         return _plan_zero3(ckpt, world_size, facts, common)
+    if ckpt.moe is not None and facts.round_robin:
+        raise UnsupportedCheckpointError(_refusal_message(ckpt, ["Mixture-of-Experts with round_robin_gradients"]))
     return _plan_zero12(ckpt, world_size, facts, common)
 
 
@@ -465,6 +511,7 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
     bf16_opt = ckpt.optimizer_wrapper == "BF16_Optimizer"
     elem = _element_nbytes(ckpt.precision)
     src_world = ckpt.dp_world_size
+    group_ep = _expert_groups(ckpt, world)
     param_shapes = []
     all_paddings = []
     # per group: (names in target flat order, offsets, layout, names in bit16 order)
@@ -486,7 +533,10 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
         numels = [by_name[nm].numel for nm in flat]
         pads = param_alignment_paddings(numels, elem, enabled=facts.parameter_alignment and not bf16_opt)
-        layout = zero12_group_layout(numels, world, alignment_paddings=pads)
+        ep = group_ep[g] if g < len(group_ep) else None
+        # An expert group is partitioned over the expert-data-parallel group only (its alignment too:
+        # stage_1_and_2.py uses the size of real_dp_process_group[g]).
+        layout = zero12_group_layout(numels, world // ep if ep else world, alignment_paddings=pads)
         param_shapes.append(tuple((nm, by_name[nm].shape) for nm in flat))
         all_paddings.append(tuple(pads))
         group_layouts.append((flat, layout, original, pads))
@@ -495,16 +545,22 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
     for r in range(world):
         groups = []
         for g, (flat, layout, original, pads) in enumerate(group_layouts):
+            ep = group_ep[g] if g < len(group_ep) else None
+            k, resolve = r, (lambda nm: nm)
+            if ep:
+                topo = ExpertTopology(world, ep, ckpt.moe.data_before_expert if ckpt.moe else False)
+                k = expert_data_parallel_rank(r, topo)
+                resolve = _global_namer(ckpt, expert_parallel_rank(r, topo))
             p_numel = layout.partition_numel
-            p_start = r * p_numel
-            padding = (bf16_optimizer_group_padding(layout, r) if bf16_opt else layout.rank_padding(r))
-            stored = p_numel if bf16_opt else p_numel - layout.rank_padding(r)
+            p_start = k * p_numel
+            padding = (bf16_optimizer_group_padding(layout, k) if bf16_opt else layout.rank_padding(k))
+            stored = p_numel if bf16_opt else p_numel - layout.rank_padding(k)
             role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
             for nm, off, numel in zip(flat, layout.param_offsets, layout.param_numels):
                 lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
                 if lo >= hi:
                     continue
-                entry = by_name[nm]
+                entry = by_name[resolve(nm)]
                 for role, lst in role_copies.items():
                     piece = entry.piece(role)
                     if piece is None:
@@ -522,6 +578,7 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
                 exp_avg=FlatSpec(p_numel, "float32", _coalesce(role_copies[Role.EXP_AVG])),
                 exp_avg_sq=FlatSpec(p_numel, "float32", _coalesce(role_copies[Role.EXP_AVG_SQ])),
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
+                partition_count=layout.world_size if ep else None,
             ))
         ranks.append(RankPlan(r, _optim_name(r, common["bf16_prefixed_optim"]), None, tuple(groups)))
     models = tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
@@ -529,9 +586,29 @@ def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common
     if facts.round_robin and not bf16_opt:
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
                      "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
+    copied: tuple[Path, ...] = ()
+    if ckpt.moe is not None:
+        copied = ckpt.moe.expert_files
+        sizes = ", ".join(f"{ep} (expert-data-parallel {src_world // ep} -> {world // ep})"
+                          for ep in ckpt.moe.ep_sizes)
+        notes.append(f"Mixture of Experts: expert-parallel size kept at {sizes}; the {len(copied)} expert files "
+                     "are copied unchanged")
     return ReshardPlan(**common, source_model_files=models, param_shapes=tuple(param_shapes),
                        subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
-                       ranks=tuple(ranks), notes=tuple(notes))
+                       ranks=tuple(ranks), notes=tuple(notes), copied_model_files=copied)
+
+
+def _global_namer(ckpt: LogicalCheckpoint, ep_rank: int) -> Callable[[str], str]:
+    """Local expert name (``param_shapes``) -> the entry's global name on expert-parallel rank ``ep_rank``."""
+    moe = ckpt.moe
+    assert moe is not None
+
+    def resolve(name: str) -> str:
+        m = EXPERT_NAME.match(name)
+        if m is None:
+            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{name}' sits in an expert group but is no expert param")
+        return global_expert_name(name, ep_rank, moe.local_experts(m["prefix"]))
+    return resolve
 
 
 def _plan_zero3(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common: dict[str, Any]) -> ReshardPlan:
@@ -616,6 +693,8 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
                 lines.append(f"    ... {len(g.master.copies) - max_copies} more ranges")
         for name, spec in r.frozen_fragments:
             lines.append(f"  frozen {name}: {spec.numel} elements ({spec.copied_numel} copied)")
+    if plan.copied_model_files:
+        lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.zero_stage == 0:
         lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
                      + f" with dp_world_size={plan.world_size}")
@@ -697,11 +776,13 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
             return 0
 
     models = [size(p) for p in plan.source_model_files]
+    copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
     scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)
     files = len(plan.source_model_files) + 2 * len(plan.ranks) + 3
     hf = plan.hf_files.nbytes if plan.hf_files is not None else 0
-    return plan.copied_nbytes + model_nbytes + scripts + hf + (64 << 10) * files
+    files += len(plan.copied_model_files)
+    return plan.copied_nbytes + model_nbytes + copied + scripts + hf + (64 << 10) * files
 
 
 def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
@@ -771,10 +852,15 @@ def _fragment_address(numel: int, start: int) -> Any:
     return obj
 
 
-def _shapes_tree(plan: ReshardPlan) -> list[OrderedDict[str, Any]]:
+def _shapes_tree(plan: ReshardPlan, like: Any = None) -> list[OrderedDict[str, Any]]:
+    """``param_shapes`` as DeepSpeed writes them: ``torch.Size`` values, except where the source holds
+    plain tuples (0.19.8 ``_save_moe_checkpoint`` passes the state through ``clone_tensors_for_torch_save``,
+    which rebuilds every tuple, ``torch.Size`` included, as a tuple)."""
     from .writers.torch_stream import Size
 
-    return [OrderedDict((n, Size(s)) for n, s in group) for group in plan.param_shapes]
+    as_tuple = isinstance(like, list) and any(
+        isinstance(g, Mapping) and any(type(v) is tuple for v in g.values()) for g in like)
+    return [OrderedDict((n, tuple(s) if as_tuple else Size(s)) for n, s in group) for group in plan.param_shapes]
 
 
 def default_workers() -> int:
@@ -795,8 +881,10 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) 
             tree = dict(cache.tree(src))
             tree["dp_world_size"] = plan.world_size
             if plan.zero_stage:
-                tree["param_shapes"] = _shapes_tree(plan)
+                tree["param_shapes"] = _shapes_tree(plan, tree.get("param_shapes"))
             jobs.append((tag_dir / src.name, tree))
+        for src in plan.copied_model_files:
+            jobs.append((tag_dir / src.name, dict(cache.tree(src))))
     if plan.zero_stage in (1, 2):
         src0 = cache.tree(plan.source_optim_files[0])
         for r in plan.ranks:
@@ -839,7 +927,7 @@ def _zero12_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], 
     osd["base_optimizer_state"] = {**base0, "state": state}
     osd["single_partition_of_fp32_groups"] = [_streamed(g.master, cache) for g in r.groups]
     osd["group_paddings"] = [g.padding_numel for g in r.groups]
-    osd["partition_count"] = [plan.world_size] * len(r.groups)
+    osd["partition_count"] = [g.partition_count or plan.world_size for g in r.groups]
     # param_alignment_paddings is absent from the files of DeepSpeed 0.10.3-0.18.9 (seen in 0.10.3, 0.12.6, 0.14.5,
     # 0.16.9, 0.18.9), whose loaders never look for it: write it only where the source has it.
     if "param_alignment_paddings" in osd0:

@@ -50,8 +50,10 @@ if args.force_cpu_fp16:
 
 import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from ds_launch import gloo_only  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 if getattr(sys.modules.get("oneccl_bindings_for_pytorch"), "DSCKPT_STUB", False):
     # DeepSpeed <= 0.13 on CPU with tests/fixtures/old_ds_shim on PYTHONPATH: no 'ccl' backend, use gloo
     from deepspeed.accelerator import get_accelerator

@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import FIXTURES, all_fixtures, ids
+from ds_launch import run_deepspeed
 
 from dsckpt import open_checkpoint
 from dsckpt.model import Kind, Role
-
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 
@@ -182,12 +180,6 @@ needs_venvs = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reshard(src: Path, out: Path, world_size: int) -> None:
     cache = FileCache()
     ckpt = read_checkpoint(src, cache=cache)
@@ -237,15 +229,12 @@ def test_old_release_loads_resharded(tmp_path, results_file, release, world):
     pairs.append(f"{fixtures[0].name}={control}")
     # one torch-extensions cache per release: DeepSpeed's CPU ops (shm_comm) built by one release break another
     ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO),
-               TORCH_EXTENSIONS_DIR=str(ext.parent / f"{ext.name}_{venv.name}"))
+    env = {"TORCH_EXTENSIONS_DIR": str(ext.parent / f"{ext.name}_{venv.name}"), "PYTHONPATH": str(REPO)}
     if _needs_ipex_shim(venv):
         env["PYTHONPATH"] += os.pathsep + str(REPO / "tests" / "fixtures" / "old_ds_shim")
     result = tmp_path / "result.json"
-    proc = subprocess.run(
-        [str(venv / "bin" / "deepspeed"), "--num_gpus", str(world), "--master_port", str(_free_port()),
-         str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result), *pairs],
-        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_deepspeed("ds_reshard_check.py", ["--result", str(result), *pairs], world=world, cwd=tmp_path,
+                         timeout=1500, launcher=venv / "bin" / "deepspeed", env=env)
     log = "\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL")))
     got = json.loads(result.read_text()) if result.exists() else []
     assert got, log or (proc.stdout[-3000:] + proc.stderr[-3000:])
