@@ -148,6 +148,45 @@ class Bench:
         return s
 
 
+def main_cases(args: argparse.Namespace, big: Path, facts: dict, work: Path,
+               to_half: int) -> list[tuple[str, list[str], Path | None, Path | None]]:
+    """(name, argv, checkpoint to warm first, output to remove) of the measurements taken in every round."""
+    files = [str(p) for p in tag_files(big)]
+    out_blocks = math.ceil(facts["big"]["output_bytes"] / (16 * MiB))
+    streams = 8
+    per_stream = math.ceil(facts["big"]["pt_bytes"] / streams / (16 * MiB))
+    floor_out, floor_dir = work / "floor.bin", work / "floor"
+    ours, resh, copied = work / "ours.safetensors", work / "resharded", work / "copied"
+    reshard = [DSCKPT, "reshard", str(big), str(resh), "-n", str(to_half), "-q"]
+    return [
+        ("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], big, ours),
+        ("write floor (dd conv=fsync, output size)", ["dd", "if=/dev/zero", f"of={floor_out}", "bs=16M",
+                                                      f"count={out_blocks}", "conv=fsync", "status=none"], None,
+         floor_out),
+        ("scan --nonfinite", [DSCKPT, "scan", "--nonfinite", "-q", str(big)], big, None),
+        ("verify", [DSCKPT, "verify", str(big)], big, None),
+        ("read floor (cat, page cache)", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], big, None),
+        (f"reshard {args.ranks}->{to_half}", reshard, big, resh),
+        (f"reshard {args.ranks}->{to_half} --verify none", [*reshard, "--verify", "none"], big, resh),
+        ("cp -r", ["cp", "-r", str(big), str(copied)], big, copied),
+        # the durable copy: what reshard promises (every file fsync'd before the rename)
+        ("cp -r + sync", ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(big), str(copied)], big, copied),
+        (f"write floor ({streams} dd streams, checkpoint size)",
+         ["sh", "-c", (f'mkdir -p "$1" && for i in $(seq {streams}); do dd if=/dev/zero of="$1/$i" bs=16M '
+          f'count={per_stream} conv=fsync status=none & done; wait'), "sh", str(floor_dir)], None, floor_dir),
+    ]
+
+
+def run_cases(b: Bench, cases: list, only: tuple[str, ...] | None, rounds: int) -> None:
+    """Every case once per round, the order reversed every other round (noise spreads over all cases)."""
+    cases = [c for c in cases if only is None or c[0].startswith(only)]
+    for r in range(rounds):
+        for name, argv, warm, output in (cases if r % 2 == 0 else cases[::-1]):
+            if name == "to-fp32" and r == 0 and name in b.samples:
+                continue  # round 1's sample is the one taken beside zero_to_fp32
+            b.once(name, argv, warm=warm, output=output)
+
+
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out).resolve()
     work = out / "tmp"
@@ -156,8 +195,12 @@ def run(args: argparse.Namespace) -> None:
     work.mkdir()
     st = args.stage
     big, small = out / f"zero{st}-{args.params.lower()}", out / f"zero{st}-{args.small.lower()}"
-    gen = {"big": generate(args.params, st, args.ranks, big), "small": generate(args.small, st, args.ranks, small)}
-    facts = {"big": checkpoint_facts(big), "small": checkpoint_facts(small)}
+    only = tuple(args.only.split(",")) if args.only else None  # a partial run: these main cases, nothing else
+    gen = {"big": generate(args.params, st, args.ranks, big)}
+    facts = {"big": checkpoint_facts(big)}
+    if only is None:
+        gen["small"] = generate(args.small, st, args.ranks, small)
+        facts["small"] = checkpoint_facts(small)
     for k, f in facts.items():
         f["pt_bytes"] = sum(p.stat().st_size for p in tag_files(big if k == "big" else small))
     log(f"facts: {facts}")
@@ -167,6 +210,11 @@ def run(args: argparse.Namespace) -> None:
     to_half = max(1, args.ranks // 2)
 
     ours, theirs = work / "ours.safetensors", work / "zero_to_fp32"
+    if only is not None:
+        run_cases(b, main_cases(args, big, facts, work, to_half), only, args.rounds)
+        b.save(to_half=to_half, partial=list(only), complete=True)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     # the anchor, once (it is the slow side): timed, and its output compared with dsckpt's bit for bit
     b.once("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], warm=big, output=ours, keep=True)
     ds_args = [PY, "-m", "deepspeed.utils.zero_to_fp32", str(big), str(theirs)]
@@ -194,32 +242,13 @@ def run(args: argparse.Namespace) -> None:
     log(f"dsckpt vs zero_to_fp32 ({ds_out.name}): {check}")
     b.save(check=check, anchor_output=ds_out.name, to_half=to_half)
 
-    files = [str(p) for p in tag_files(big)]
-    nblocks = math.ceil(facts["big"]["output_bytes"] / (16 * MiB))
-    floor_out = work / "floor.bin"
-    resh, copied = work / "resharded", work / "copied"
-    cases = [
-        ("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], big, ours),
-        ("write floor (dd conv=fsync, output size)", ["dd", "if=/dev/zero", f"of={floor_out}", "bs=16M",
-                                                      f"count={nblocks}", "conv=fsync", "status=none"], None,
-         floor_out),
-        ("scan --nonfinite", [DSCKPT, "scan", "--nonfinite", "-q", str(big)], big, None),
-        ("verify", [DSCKPT, "verify", str(big)], big, None),
-        ("read floor (cat, page cache)", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], big, None),
-        (f"reshard {args.ranks}->{to_half}", [DSCKPT, "reshard", str(big), str(resh), "-n", str(to_half), "-q"], big,
-         resh),
-        ("cp -r", ["cp", "-r", str(big), str(copied)], big, copied),
-    ]
     t0 = time.time()
-    for r in range(args.rounds):
-        for name, argv, warm, output in (cases if r % 2 == 0 else cases[::-1]):
-            if name == "to-fp32" and r == 0:
-                continue  # round 1's sample is the one taken beside zero_to_fp32 above
-            b.once(name, argv, warm=warm, output=output)
+    run_cases(b, main_cases(args, big, facts, work, to_half), None, args.rounds)
     nbytes = {"scan": json_of([DSCKPT, "scan", "--nonfinite", "--json", "-q", str(big)])["nbytes_read"],
               "verify": json_of([DSCKPT, "verify", "--json", str(big)])["nbytes_read"]}
     b.save(nbytes=nbytes)
 
+    resh = work / "resharded"
     curve = [0, 1, 2, 4, 8, 16] if args.curve else []
     for w in curve:
         b.once(f"to-fp32 --workers {w}", [DSCKPT, "to-fp32", str(big), str(ours), "-q", "--workers", str(w)],
@@ -280,6 +309,18 @@ def render(reports: list[dict], note: str = "") -> str:
         rows.append((f"{st} {rname} ranks (default `--verify quick`)",
                      f"{fmt_s(rs)}, {fmt_mb(med(rep, rname, 'maxrss_bytes'))}", f"cp -r {fmt_s(cp)}",
                      f"{rs / cp:.2f}× cp -r", f"≤ {RESHARD_VS_CP}×", verdict(rs / cp <= RESHARD_VS_CP)))
+        if "cp -r + sync" in rep["samples"]:
+            cps = med(rep, "cp -r + sync")
+            rows.append((f"{st} {rname} vs a durable copy (every output file is fsync'd)", fmt_s(rs),
+                         f"cp -r + sync {fmt_s(cps)}", f"{rs / cps:.2f}× cp -r + sync", "", ""))
+        par = next((k for k in rep["samples"] if k.startswith("write floor (8 dd")), None)
+        if par:
+            pw = med(rep, par)
+            rows.append((f"{st} {rname} vs writing the checkpoint's size, fsync'd, 8 streams", fmt_s(rs),
+                         f"dd ×8 {fmt_s(pw)} ({f['pt_bytes'] / pw / 1e9:.1f} GB/s)", f"{rs / pw:.2f}×", "", ""))
+        if f"{rname} --verify none" in rep["samples"]:
+            rows.append((f"{st}   the same without the read-back check (`--verify none`)",
+                         fmt_s(med(rep, f"{rname} --verify none")), "", "", "", ""))
     table = ["| measurement | dsckpt | reference | ratio | target | result |", "|---|---|---|---|---|---|",
              *[f"| {' | '.join(r)} |" for r in rows]]
 
@@ -337,6 +378,18 @@ def render(reports: list[dict], note: str = "") -> str:
     ])
 
 
+def merge_reports(reports: list[dict]) -> list[dict]:
+    """One report per stage, by stage: a partial run's (``--only``) samples join the stage's full run."""
+    full = {r["stage"]: r for r in reports if not r.get("partial")}
+    for r in reports:
+        if r.get("partial"):
+            base = full[r["stage"]]
+            for name, samples in r["samples"].items():
+                base["samples"][name] = samples  # ratios stay within one run
+            base.setdefault("extra_runs", []).append({"date": r["date"], "cases": r["partial"]})
+    return [full[k] for k in sorted(full)]
+
+
 def write_section(results: Path, key: str, text: str) -> None:
     """Replace this script's part of results.md (between its markers), keeping the rest."""
     begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
@@ -359,6 +412,8 @@ def main() -> None:
     r.add_argument("--ranks", type=int, default=8)
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--no-curve", dest="curve", action="store_false")
+    r.add_argument("--only", default=None, help="comma-separated name prefixes of the main cases: run just those "
+                   "(no anchor, no curves, no small checkpoint); `report` merges the file with the stage's full one")
     r.add_argument("--out", default=str(HERE / "out" / "scale"))
     r.add_argument("--report", required=True)
     rp = sub.add_parser("report")
@@ -369,7 +424,7 @@ def main() -> None:
     if args.cmd == "run":
         run(args)
     else:
-        text = render(sorted((json.loads(Path(p).read_text()) for p in args.reports), key=lambda x: x["stage"]), args.machine_note)
+        text = render(merge_reports([json.loads(Path(p).read_text()) for p in args.reports]), args.machine_note)
         write_section(args.results, SECTION, text)
         print(text)
 
