@@ -34,8 +34,8 @@ def main() -> None:
 
     import importlib
 
-    import torch
     import deepspeed
+    import torch
 
     # Collectives through gloo: DeepSpeed's CPU shared-memory op would be JIT-compiled first (minutes on a fresh
     # host) and leaves its buffers in /dev/shm after every run (see tests/ds_launch.py).

@@ -272,6 +272,18 @@ def verdict(ok: bool) -> str:
     return "**PASS**" if ok else "**FAIL**"
 
 
+def write_section(results: Path, key: str, text: str) -> None:
+    """Replace this script's part of results.md (between its markers), keeping the rest."""
+    begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
+    old = results.read_text() if results.exists() else ""
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old.rstrip() + ("\n\n" if old else "") + block
+    results.write_text(new)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -411,7 +423,7 @@ def main() -> None:
     import torch
 
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
 
         ds_version = deepspeed.__version__
     except Exception:  # noqa: BLE001
@@ -443,7 +455,7 @@ def main() -> None:
         "",
     ]
     text = "\n".join(lines)
-    args.results.write_text(text)
+    write_section(args.results, "run", text)  # bench/scale.py owns another section of the file
     print(text)
 
 

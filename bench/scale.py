@@ -52,6 +52,7 @@ from run import (
     remove,
     verdict,
     warm_cache,
+    write_section,
 )
 
 MiB = 1024 * 1024
@@ -360,6 +361,9 @@ def render(reports: list[dict], note: str = "") -> str:
         "",
         (f"Measured {reports[0]['date']}: medians of {reports[0]['rounds']} interleaved rounds; "
         "each ratio compares numbers from the same run on the same machine."),
+        *[f"ZeRO-{r['stage']}: the rows of {', '.join(f'`{c}`' for c in x['cases'])} come from a later run "
+          f"({x['date']}, same kind of host, fresh checkpoint) that measured them together with the durable floors."
+          for r in reports for x in r.get("extra_runs", [])],
         "",
         f"Machine: {m['cpus']} CPU cores ({m['processor']}), {m['mem_gib']} GiB RAM, local disk {m['disk_gb']} GB, "
         f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}"
@@ -388,18 +392,6 @@ def merge_reports(reports: list[dict]) -> list[dict]:
                 base["samples"][name] = samples  # ratios stay within one run
             base.setdefault("extra_runs", []).append({"date": r["date"], "cases": r["partial"]})
     return [full[k] for k in sorted(full)]
-
-
-def write_section(results: Path, key: str, text: str) -> None:
-    """Replace this script's part of results.md (between its markers), keeping the rest."""
-    begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
-    old = results.read_text() if results.exists() else ""
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    if begin in old and end in old:
-        new = old[:old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
-    else:
-        new = old.rstrip() + ("\n\n" if old else "") + block
-    results.write_text(new)
 
 
 def main() -> None:
