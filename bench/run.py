@@ -97,15 +97,35 @@ def remove(path: Path | None) -> None:
         path.unlink()
 
 
+# Where GNU time is missing (the GPU hosts), a few lines of Python in a bare interpreter (``-S``, only ``os``;
+# ~9 MB resident) fork the command and read its rusage from ``wait4``: the same small-parent argument holds.
+_RUSAGE_WRAPPER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{ru.ru_maxrss} {ru.ru_utime} {ru.ru_stime}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measure(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Sample:
     # Peak RSS comes from GNU time, not from os.wait4 here: Linux carries a process's RSS
     # high-water mark across fork+exec, so a child forked from this (large) Python process would
     # report at least this process's RSS. GNU time is small, so its child's figure is the command's.
     with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rss:
         full_env = {**os.environ, **env}
+        if os.access(TIME, os.X_OK):
+            wrapped = [TIME, "-f", "%M %U %S", "-o", rss.name, *argv]
+        else:
+            wrapped = [PY, "-S", "-c", _RUSAGE_WRAPPER, rss.name, *argv]
         t0 = time.perf_counter()
-        p = subprocess.run([TIME, "-f", "%M %U %S", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, stderr=err,
-                           env=full_env, cwd=cwd)
+        p = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=err, env=full_env, cwd=cwd)
         wall = time.perf_counter() - t0
         if p.returncode != 0:
             err.seek(0)
@@ -252,6 +272,18 @@ def verdict(ok: bool) -> str:
     return "**PASS**" if ok else "**FAIL**"
 
 
+def write_section(results: Path, key: str, text: str) -> None:
+    """Replace this script's part of results.md (between its markers), keeping the rest."""
+    begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
+    old = results.read_text() if results.exists() else ""
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old.rstrip() + ("\n\n" if old else "") + block
+    results.write_text(new)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -262,8 +294,6 @@ def main() -> None:
                     help="folder holding an older dsckpt package (e.g. from `git archive`), timed as [before]")
     args = ap.parse_args()
 
-    if not os.access(TIME, os.X_OK):
-        sys.exit(f"{TIME} (GNU time) is needed to measure peak RSS; install the 'time' package")
     missing = [k for k in ("zero2-200m", "zero3-200m") if not CKPTS[k].exists()]
     if missing:
         sys.exit(f"missing checkpoints {missing}; generate them first (see bench/README.md)")
@@ -393,7 +423,7 @@ def main() -> None:
     import torch
 
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
 
         ds_version = deepspeed.__version__
     except Exception:  # noqa: BLE001
@@ -425,7 +455,7 @@ def main() -> None:
         "",
     ]
     text = "\n".join(lines)
-    args.results.write_text(text)
+    write_section(args.results, "run", text)  # bench/scale.py owns another section of the file
     print(text)
 
 
