@@ -14,12 +14,16 @@ Two things made the suite hang on a fresh machine (CI ran out of its 90 minutes)
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
@@ -31,6 +35,55 @@ def gloo_only() -> None:
 
     # not ``import deepspeed.comm.torch as m``: ``deepspeed.comm`` re-exports the real ``torch`` under that name
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def report_checks(pairs: Sequence[str], check_one: Callable[[str, str], list[str]], result: str | None) -> NoReturn:
+    """Rank side of a check script: ``check_one(fixture, dir)`` on every ``FIXTURE=DIR`` pair on every rank.
+
+    The problems of all ranks are gathered; rank 0 prints ``PASS name`` / ``FAIL name: why`` and writes the
+    JSON result list to ``result``. Exits 1 if anything failed (an exception in a check counts as a problem).
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for pair in pairs:
+        name, ckpt_dir = pair.split("=", 1)
+        try:
+            problems = check_one(name, ckpt_dir)
+        except Exception as e:  # noqa: BLE001 - report and continue with the next checkpoint
+            problems = [f"{type(e).__name__}: {e}"]
+            if rank == 0:
+                traceback.print_exc()
+        gathered: list[list[str] | None] = [None] * world
+        dist.all_gather_object(gathered, problems)
+        merged = sorted({f"rank {r}: {m}" for r, ps in enumerate(gathered) for m in ps or []})
+        results.append({"fixture": name, "ckpt": ckpt_dir, "world_size": world, "ok": not merged,
+                        "problems": merged})
+        if rank == 0:
+            print(("PASS " if not merged else "FAIL ") + f"{name} -> {world} ranks ({ckpt_dir})"
+                  + ("" if not merged else ": " + "; ".join(merged[:6])), flush=True)
+    if rank == 0 and result:
+        with open(result, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    sys.exit(0 if all(r["ok"] for r in results) else 1)
+
+
+def run_check_script(script: str, pairs: Sequence[str], *, world: int, cwd: Path, timeout: float,
+                     args: Sequence[str] = (), launcher: Path = DEEPSPEED,
+                     env: dict[str, str] | None = None) -> tuple[int, list[dict], str]:
+    """Test side: run a check script (one that ends in :func:`report_checks`) on ``FIXTURE=DIR`` pairs.
+
+    Returns its exit status, its JSON result list (empty if it wrote none) and a log: the PASS/FAIL lines, or
+    the end of its output when there are none.
+    """
+    result = Path(cwd) / f"result_{world}.json"
+    proc = run_deepspeed(script, ["--result", str(result), *args, *pairs], world=world, cwd=cwd, timeout=timeout,
+                         launcher=launcher, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    results = json.loads(result.read_text()) if result.exists() else []
+    return proc.returncode, results, "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def free_port() -> int:

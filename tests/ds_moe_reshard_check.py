@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,7 @@ p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
 args = p.parse_args()
 
 import deepspeed  # noqa: E402
-from ds_launch import gloo_only  # noqa: E402
+from ds_launch import gloo_only, report_checks  # noqa: E402
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -138,25 +137,4 @@ def check_one(name, ckpt_dir):
     return problems
 
 
-results = []
-for pair in args.pairs:
-    name, ckpt_dir = pair.split("=", 1)
-    try:
-        problems = check_one(name, ckpt_dir)
-    except Exception as e:  # noqa: BLE001 - report and continue with the next checkpoint
-        problems = [f"{type(e).__name__}: {e}"]
-        if rank == 0:
-            traceback.print_exc()
-    gathered = [None] * world
-    dist.all_gather_object(gathered, problems)
-    merged = sorted({f"rank {r}: {m}" for r, ps in enumerate(gathered) for m in ps})
-    results.append({"fixture": name, "ckpt": ckpt_dir, "world_size": world, "ok": not merged, "problems": merged})
-    if rank == 0:
-        print(("PASS " if not merged else "FAIL ") + f"{name} -> {world} ranks ({ckpt_dir})"
-              + ("" if not merged else ": " + "; ".join(merged[:6])), flush=True)
-
-if rank == 0 and args.result:
-    with open(args.result, "w") as f:
-        json.dump(results, f, indent=1)
-dist.barrier()
-sys.exit(0 if all(r["ok"] for r in results) else 1)
+report_checks(args.pairs, check_one, args.result)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import all_fixtures, ids
-from ds_launch import DEEPSPEED, run_deepspeed
+from ds_launch import DEEPSPEED, run_check_script
 from safetensors.torch import load_file, save_file
 from scan_helpers import copy_fixture, plant
 
@@ -353,12 +353,7 @@ def ds_moe_runs(tmp_path_factory):
             _reshard(_fx("moe_s1_bf16_w4_ep2").ckpt, bad, 2)
             plant(bad, NEGATIVE, Role.MASTER, 0, 12.5)
             pairs.append(f"moe_s1_bf16_w4_ep2={bad}")
-        result = base / f"result_{world}.json"
-        proc = run_deepspeed("ds_moe_reshard_check.py", ["--result", str(result), *pairs], world=world, cwd=base,
-                             timeout=900)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
-        runs[world] = (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
-                       "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:])
+        runs[world] = run_check_script("ds_moe_reshard_check.py", pairs, world=world, cwd=base, timeout=900)
     return runs
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, all_fixtures, ids
-from ds_launch import run_deepspeed
+from ds_launch import run_check_script
 
 from dsckpt import open_checkpoint
 from dsckpt.model import Kind, Role
@@ -232,12 +232,9 @@ def test_old_release_loads_resharded(tmp_path, results_file, release, world):
     env = {"TORCH_EXTENSIONS_DIR": str(ext.parent / f"{ext.name}_{venv.name}"), "PYTHONPATH": str(REPO)}
     if _needs_ipex_shim(venv):
         env["PYTHONPATH"] += os.pathsep + str(REPO / "tests" / "fixtures" / "old_ds_shim")
-    result = tmp_path / "result.json"
-    proc = run_deepspeed("ds_reshard_check.py", ["--result", str(result), *pairs], world=world, cwd=tmp_path,
-                         timeout=1500, launcher=venv / "bin" / "deepspeed", env=env)
-    log = "\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL")))
-    got = json.loads(result.read_text()) if result.exists() else []
-    assert got, log or (proc.stdout[-3000:] + proc.stderr[-3000:])
+    rc, got, log = run_check_script("ds_reshard_check.py", pairs, world=world, cwd=tmp_path, timeout=1500,
+                                    launcher=venv / "bin" / "deepspeed", env=env)
+    assert got, log
     tampered = [r for r in got if r["ckpt"] == str(control)]
     got = [r for r in got if r["ckpt"] != str(control)]
     for r in got:
@@ -250,7 +247,7 @@ def test_old_release_loads_resharded(tmp_path, results_file, release, world):
     assert {r["fixture"] for r in got} == {f.name for f in fixtures}
     assert len(tampered) == 1 and not tampered[0]["ok"], tampered
     assert any("differs from the source" in m for m in tampered[0]["problems"]), tampered[0]["problems"]
-    assert proc.returncode == 1, log  # 1: only the control failed
+    assert rc == 1, log  # 1: only the control failed
 
 
 def _tamper_first_master(ckpt: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import all_fixtures, fixtures_where, ids, tree_digest
-from ds_launch import DEEPSPEED, run_deepspeed
+from ds_launch import DEEPSPEED, run_check_script
 
 from dsckpt import safe_load
 from dsckpt.cli import main
@@ -208,14 +208,8 @@ def ds_runs(tmp_path_factory):
                 reshard(src, out, step)
                 src = out
             pairs.append(f"{name}={src}")
-        result = base / f"result_{world}.json"
-        proc = run_deepspeed(
-            "ds_reshard_check.py",
-            ["--result", str(result), *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else []), *pairs],
-            world=world, cwd=base, timeout=900)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
-        runs[world] = (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
-                       "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:])
+        fp16 = ["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else []
+        runs[world] = run_check_script("ds_reshard_check.py", pairs, args=fp16, world=world, cwd=base, timeout=900)
     return runs
 
 
