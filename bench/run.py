@@ -272,6 +272,26 @@ def verdict(ok: bool) -> str:
     return "**PASS**" if ok else "**FAIL**"
 
 
+def machine_facts(path: Path) -> dict:
+    """What the results tables say about the machine (``path``: where the outputs were written)."""
+    import socket
+
+    import torch
+
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - any failure to import it: report "?"
+        ds_version = "?"
+    disk = shutil.disk_usage(path)
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "disk_gb": round(disk.total / 1e9), "disk_free_gb": round(disk.free / 1e9), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__, "deepspeed": ds_version,
+            "host": socket.gethostname()}
+
+
 def write_section(results: Path, key: str, text: str) -> None:
     """Replace this script's part of results.md (between its markers), keeping the rest."""
     begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
@@ -420,20 +440,10 @@ def main() -> None:
         rows.append(("baseline: `python -c 'import torch'`", fmt_s(by["python -c 'import torch'"].wall_s),
                      fmt_mb(torch_rss), "peak RSS of the import alone", "", ""))
 
-    import torch
-
-    try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
-    except Exception:  # noqa: BLE001
-        ds_version = "?"
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    disk = shutil.disk_usage(OUT)
-    machine = (f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), {mem_gib:.0f} GiB RAM, "
-               f"disk {disk.total / 1e9:.0f} GB ({disk.free / 1e9:.0f} GB free), Linux {platform.release()}, "
-               f"Python {platform.python_version()}, torch {torch.__version__}, deepspeed {ds_version}; "
-               f"shared with other jobs")
+    m = machine_facts(OUT)
+    machine = (f"{m['cpus']} CPU cores ({m['processor']}), {m['mem_gib']} GiB RAM, "
+               f"disk {m['disk_gb']} GB ({m['disk_free_gb']} GB free), Linux {m['kernel']}, "
+               f"Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}; shared with other jobs")
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} by `bench/run.py --rounds {args.rounds}`"
         + (f" (to-fp32 with `--workers {args.workers}`)" if args.workers is not None else "")

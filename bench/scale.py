@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -48,6 +47,7 @@ from run import (
     compare_outputs,
     fmt_mb,
     fmt_s,
+    machine_facts,
     measure,
     remove,
     verdict,
@@ -103,22 +103,6 @@ def json_of(argv: list[str]) -> dict:
     if proc.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout)
-
-
-def machine(out: Path) -> dict:
-    import torch
-
-    try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
-    except ImportError:
-        ds_version = "?"
-    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
-            "disk_gb": round(shutil.disk_usage(out).total / 1e9), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__, "deepspeed": ds_version,
-            "host": socket.gethostname()}
 
 
 class Bench:
@@ -207,7 +191,7 @@ def run(args: argparse.Namespace) -> None:
     log(f"facts: {facts}")
     b = Bench(Path(args.report), {
         "stage": st, "ranks": args.ranks, "rounds": args.rounds, "params": args.params, "small": args.small,
-        "generate_s": gen, "facts": facts, "machine": machine(out), "date": time.strftime("%Y-%m-%d %H:%M %Z")})
+        "generate_s": gen, "facts": facts, "machine": machine_facts(out), "date": time.strftime("%Y-%m-%d %H:%M %Z")})
     to_half = max(1, args.ranks // 2)
 
     ours, theirs = work / "ours.safetensors", work / "zero_to_fp32"
@@ -218,26 +202,11 @@ def run(args: argparse.Namespace) -> None:
         return
     # the anchor, once (it is the slow side): timed, and its output compared with dsckpt's bit for bit
     b.once("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], warm=big, output=ours, keep=True)
-    ds_args = [PY, "-m", "deepspeed.utils.zero_to_fp32", str(big), str(theirs)]
-    try:
-        import huggingface_hub  # noqa: F401  # zero_to_fp32 --safe_serialization imports it
-
-        ds_args.append("--safe_serialization")
-        ds_out = theirs / "model.safetensors"
-    except ImportError:
-        ds_out = theirs / "pytorch_model.bin"
-    b.once("zero_to_fp32", ds_args, warm=big, output=theirs, keep=True)
-    if ds_out.suffix == ".safetensors":
-        check = compare_outputs(ours, ds_out)
-    else:
-        import torch
-        from safetensors.torch import load_file
-
-        a, d = load_file(str(ours)), torch.load(ds_out, map_location="cpu", weights_only=True)
-        check = "identical" if a.keys() == d.keys() and all(
-            a[k].dtype == d[k].dtype and torch.equal(a[k].view(-1).view(torch.uint8), d[k].contiguous().view(-1).view(
-                torch.uint8)) for k in a) else "DIFFERENT"
-        del a, d
+    # --safe_serialization (like for like) imports huggingface_hub: bench/scale_gpu.sh installs it
+    ds_out = theirs / "model.safetensors"
+    b.once("zero_to_fp32", [PY, "-m", "deepspeed.utils.zero_to_fp32", str(big), str(theirs), "--safe_serialization"],
+           warm=big, output=theirs, keep=True)
+    check = compare_outputs(ours, ds_out)
     remove(ours)
     remove(theirs)
     log(f"dsckpt vs zero_to_fp32 ({ds_out.name}): {check}")
