@@ -28,6 +28,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from .errors import NotEnoughSpaceError, OutputBusyError, OutputWriteError, Usag
 __all__ = [
     "atomic_file",
     "atomic_dir",
+    "background_fsync",
     "check_can_write",
     "claim_output",
     "scratch_dir",
@@ -131,8 +133,12 @@ def _write_errors(target: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_file(target: str | os.PathLike[str]) -> Iterator[BinaryIO]:
-    """Yield a binary file that becomes ``target`` only if the block completes."""
+def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[BinaryIO]:
+    """Yield a binary file that becomes ``target`` only if the block completes.
+
+    ``fsync=False`` skips the fsyncs of the file and of its folder: ``target`` still appears complete
+    or not at all to every process, but a power loss or kernel crash soon after may leave it empty
+    or partial (the kernel writes it back later, as after ``cp``)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
@@ -140,9 +146,11 @@ def atomic_file(target: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        if fsync:
+            _fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -150,18 +158,19 @@ def atomic_file(target: str | os.PathLike[str]) -> Iterator[BinaryIO]:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[Path]:
     """Yield an empty temporary directory that replaces ``target`` only if the block completes.
 
     An existing ``target`` (allowed by :func:`check_can_write`) is moved aside first and removed
-    once the new one is in place.
+    once the new one is in place. Every file is fsync'd before the rename, unless ``fsync=False``
+    (see :func:`atomic_file`: atomic, not crash-durable).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
     try:
         yield tmp
-        for p in tmp.rglob("*"):
+        for p in tmp.rglob("*") if fsync else ():
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
@@ -170,12 +179,59 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
             old = target.with_name(f"{_temp_prefix(target)}old")
             os.replace(target, old)
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        if fsync:
+            _fsync_dir(target.parent)
         if old is not None:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+FSYNC_THREADS = 8  # files fsync'd at once by background_fsync: the disk queues their write-back together
+
+
+@contextlib.contextmanager
+def background_fsync(folder: Path, *, enabled: bool = True) -> Iterator[None]:
+    """fsync every file under ``folder`` in background threads while the block runs; leaving the block
+    waits for them and raises the first fsync error. For the end of an :func:`atomic_dir` block: the
+    disk finishes writing the files while the caller checks them, instead of after.
+
+    If the block raises (a failed check, a signal), its error propagates at once: the threads are
+    daemons, so a slow disk delays neither the cleanup nor the exit."""
+    files = [p for p in folder.rglob("*") if p.is_file()] if enabled else []
+    if not files:
+        yield
+        return
+    todo = list(reversed(files))
+    errors: list[OSError] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                path = todo.pop()
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                with lock:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=run, name="dsckpt-fsync", daemon=True)
+               for _ in range(min(FSYNC_THREADS, len(files)))]
+    for t in threads:
+        t.start()
+    yield
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 @contextlib.contextmanager

@@ -497,9 +497,13 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--workers", default=None, type=click.IntRange(1, 64),
               help="Target files written at once (default: half the cores, at most 8).")
+@click.option("--no-fsync", is_flag=True,
+              help="Do not wait for OUT to reach the disk before renaming it into place. OUT still appears "
+                   "complete or not at all, but a power loss or system crash soon after may leave it "
+                   "incomplete (the kernel writes it later, as after cp). Faster; the default is durable.")
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None) -> None:
+            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, no_fsync: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
@@ -528,11 +532,13 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
             click.echo(f"  wrote {path.name}", err=True)
 
     mode = "none" if no_verify else verify
-    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers)
+    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers,
+                         fsync=not no_fsync)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
+    synced = "; not fsync'd (--no-fsync): run sync before relying on it after a crash" if no_fsync else ""
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
-               f"{len(result.files)} files to {result.output}/{result.tag}{verified}")
+               f"{len(result.files)} files to {result.output}/{result.tag}{verified}{synced}")
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))

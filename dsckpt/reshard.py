@@ -722,7 +722,8 @@ class Verify(enum.Enum):
 
 def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
                 verify: Verify | str | bool = Verify.QUICK,
-                on_file: Callable[[Path], None] | None = None, workers: int | None = None) -> ReshardResult:
+                on_file: Callable[[Path], None] | None = None, workers: int | None = None,
+                fsync: bool = True) -> ReshardResult:
     """Write the resharded checkpoint as a new save dir ``out`` (``latest`` + ``<tag>/``).
 
     Every target file is streamed storage by storage from byte ranges of the source files through one
@@ -736,8 +737,11 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
 
     ``workers`` target files are written at once (default :func:`default_workers`; each has a reader
     thread of its own), so that copying and CRC-32 checking use several cores where the disk allows.
+
+    Every file is fsync'd before OUT is renamed into place; ``fsync=False`` skips that (OUT still
+    appears complete or not at all, but a power loss soon after may leave it incomplete).
     """
-    from .atomic import atomic_dir, claim_output
+    from .atomic import atomic_dir, background_fsync, claim_output
     from .readers import FileCache
 
     mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
@@ -747,10 +751,11 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
         raise UsageError(f"output '{out}' overlaps the input '{plan.source_root}'; choose a new folder")
     cache = cache if cache is not None else FileCache()
     written: list[Path] = []
-    with claim_output(out, force=force, nbytes=output_nbytes_bound(plan)), atomic_dir(out) as tmp:
+    with claim_output(out, force=force, nbytes=output_nbytes_bound(plan)), atomic_dir(out, fsync=fsync) as tmp:
         tag_dir = tmp / plan.tag
         tag_dir.mkdir(parents=True)
-        for f in _write_files(plan, tag_dir, cache, workers=default_workers() if workers is None else workers):
+        for f in _write_files(plan, tag_dir, cache, workers=default_workers() if workers is None else workers,
+                              writeback=fsync):
             written.append(f)
             if on_file is not None:
                 on_file(f)
@@ -759,8 +764,9 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
             if (plan.source_root / script).is_file():
                 shutil.copy2(plan.source_root / script, tmp / script)
         hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
-        checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
-        cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
+        with background_fsync(tmp, enabled=fsync):  # the disk finishes the write-back while we verify
+            checked = 0 if mode is Verify.NONE else _verify(plan, tmp, cache, full=mode is Verify.FULL)
+            cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
     return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value,
                          tuple(out / f.relative_to(tmp) for f in hf))
 
@@ -869,8 +875,10 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) -> Iterator[Path]:
-    """Write every target file, ``workers`` at a time; yields their paths in plan order."""
+def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int,
+                 writeback: bool = True) -> Iterator[Path]:
+    """Write every target file, ``workers`` at a time; yields their paths in plan order. Not fsync'd
+    here: :func:`run_reshard` fsyncs them all at once while it verifies."""
     from .writers.torch_stream import write_torch_tree
 
     # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
@@ -899,10 +907,10 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) 
             jobs.append((tag_dir / r.optim_file, _zero3_optim_tree(plan, r, src0, cache)))
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
-            yield write_torch_tree(path, tree)
+            yield write_torch_tree(path, tree, fsync=False, writeback=writeback)
         return
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dsckpt-write") as pool:
-        futures = [pool.submit(write_torch_tree, path, tree) for path, tree in jobs]
+        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback) for path, tree in jobs]
         try:
             for fut in futures:
                 yield fut.result()

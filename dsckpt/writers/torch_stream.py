@@ -272,8 +272,9 @@ class _Entry:
 class _ZipStream:
     """Stored (uncompressed) zip entries written sequentially to ``fd``; CRCs patched in place."""
 
-    def __init__(self, fd: int, buffer_nbytes: int) -> None:
+    def __init__(self, fd: int, buffer_nbytes: int, *, writeback: bool = True) -> None:
         self.fd = fd
+        self.writeback = writeback and hasattr(os, "posix_fadvise")
         self.pos = 0
         self.entries: list[_Entry] = []
         self.bufs = [memoryview(bytearray(buffer_nbytes)) for _ in range(BUFFERS)]
@@ -292,7 +293,7 @@ class _ZipStream:
             n = os.write(self.fd, view)
             view = view[n:]
             self.pos += n
-        if self.pos - self._kicked >= WRITEBACK_KICK_NBYTES and hasattr(os, "posix_fadvise"):
+        if self.writeback and self.pos - self._kicked >= WRITEBACK_KICK_NBYTES:
             # Start writing back what is already written (Linux: DONTNEED on dirty pages starts
             # asynchronous writeback and drops only pages that are already clean), so that the disk
             # works while we copy and the final fsync has little left to wait for.
@@ -425,19 +426,22 @@ class _ZipStream:
 
 
 def write_torch_tree(path: str | os.PathLike[str], tree: Any, *,
-                     buffer_nbytes: int | None = None) -> Path:
+                     buffer_nbytes: int | None = None, fsync: bool = True, writeback: bool = True) -> Path:
     """Write ``tree`` to ``path`` atomically in ``torch.save``'s zip format, one storage at a time.
 
     Tensor leaves are described in the module docstring. Storages are written in the order the
     pickle first meets them, as ``torch.save`` does. Memory: :data:`BUFFERS` buffers of ``buffer_nbytes`` (default :data:`COPY_CHUNK_NBYTES`).
+    ``fsync=False``: the file is not fsync'd before its rename (:func:`~dsckpt.atomic.atomic_file`; the
+    caller fsyncs it later, or it is not crash-durable). ``writeback=False``: the kernel's write-back is
+    not started every :data:`WRITEBACK_KICK_NBYTES` (it only serves an fsync to come).
     """
     path = Path(path)
     buf = io.BytesIO()
     pickler = _TreePickler(buf)
     pickler.dump(tree)
     prefix = "archive"
-    with atomic_file(path) as f:
-        z = _ZipStream(f.fileno(), buffer_nbytes or COPY_CHUNK_NBYTES)
+    with atomic_file(path, fsync=fsync) as f:
+        z = _ZipStream(f.fileno(), buffer_nbytes or COPY_CHUNK_NBYTES, writeback=writeback)
         try:
             z.add_bytes(f"{prefix}/data.pkl", buf.getvalue())
             z.add_bytes(f"{prefix}/.format_version", b"1")
