@@ -134,8 +134,10 @@ class Bench:
 
 
 def main_cases(args: argparse.Namespace, big: Path, facts: dict, work: Path,
-               to_half: int) -> list[tuple[str, list[str], Path | None, Path | None]]:
-    """(name, argv, checkpoint to warm first, output to remove) of the measurements taken in every round."""
+               to_half: int) -> list[tuple[str, list[str], Path | None, Path | None, dict[str, str] | None]]:
+    """(name, argv, checkpoint to warm first, output to remove, environment) of the measurements taken in
+    every round. With ``--baseline-src``, ``scan`` and ``reshard`` also run from that dsckpt source
+    (``[before]``), interleaved with the others."""
     files = [str(p) for p in tag_files(big)]
     out_blocks = math.ceil(facts["big"]["output_bytes"] / (16 * MiB))
     streams = 8
@@ -143,33 +145,43 @@ def main_cases(args: argparse.Namespace, big: Path, facts: dict, work: Path,
     floor_out, floor_dir = work / "floor.bin", work / "floor"
     ours, resh, copied = work / "ours.safetensors", work / "resharded", work / "copied"
     reshard = [DSCKPT, "reshard", str(big), str(resh), "-n", str(to_half), "-q"]
-    return [
-        ("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], big, ours),
+    scan = [DSCKPT, "scan", "--nonfinite", "-q", str(big)]
+    before = {"PYTHONPATH": str(Path(args.baseline_src).resolve())} if args.baseline_src else None
+    cases = [
+        ("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], big, ours, None),
         ("write floor (dd conv=fsync, output size)", ["dd", "if=/dev/zero", f"of={floor_out}", "bs=16M",
                                                       f"count={out_blocks}", "conv=fsync", "status=none"], None,
-         floor_out),
-        ("scan --nonfinite", [DSCKPT, "scan", "--nonfinite", "-q", str(big)], big, None),
-        ("verify", [DSCKPT, "verify", str(big)], big, None),
-        ("read floor (cat, page cache)", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], big, None),
-        (f"reshard {args.ranks}->{to_half}", reshard, big, resh),
-        (f"reshard {args.ranks}->{to_half} --verify none", [*reshard, "--verify", "none"], big, resh),
-        ("cp -r", ["cp", "-r", str(big), str(copied)], big, copied),
+         floor_out, None),
+        ("scan --nonfinite", scan, big, None, None),
+        ("scan --nonfinite [before]", scan, big, None, before),
+        ("verify", [DSCKPT, "verify", str(big)], big, None, None),
+        ("read floor (cat, page cache)", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], big, None, None),
+        (f"reshard {args.ranks}->{to_half}", reshard, big, resh, None),
+        (f"reshard {args.ranks}->{to_half} [before]", reshard, big, resh, before),
+        (f"reshard {args.ranks}->{to_half} --verify none", [*reshard, "--verify", "none"], big, resh, None),
+        # atomic (rename) but not crash-durable: what cp -r gives
+        (f"reshard {args.ranks}->{to_half} --no-fsync", [*reshard, "--no-fsync"], big, resh, None),
+        ("cp -r", ["cp", "-r", str(big), str(copied)], big, copied, None),
         # the durable copy: what reshard promises (every file fsync'd before the rename)
-        ("cp -r + sync", ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(big), str(copied)], big, copied),
+        ("cp -r + sync", ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(big), str(copied)], big, copied, None),
         (f"write floor ({streams} dd streams, checkpoint size)",
          ["sh", "-c", (f'mkdir -p "$1" && for i in $(seq {streams}); do dd if=/dev/zero of="$1/$i" bs=16M '
-          f'count={per_stream} conv=fsync status=none & done; wait'), "sh", str(floor_dir)], None, floor_dir),
+          f'count={per_stream} conv=fsync status=none & done; wait'), "sh", str(floor_dir)], None, floor_dir, None),
     ]
+    return [c for c in cases if not c[0].endswith("[before]") or before is not None]
 
 
 def run_cases(b: Bench, cases: list, only: tuple[str, ...] | None, rounds: int) -> None:
     """Every case once per round, the order reversed every other round (noise spreads over all cases)."""
-    cases = [c for c in cases if only is None or c[0].startswith(only)]
+    def wanted(name: str) -> bool:  # a prefix, or an exact name ending in "$"
+        return only is None or any(name == o[:-1] if o.endswith("$") else name.startswith(o) for o in only)
+
+    cases = [c for c in cases if wanted(c[0])]
     for r in range(rounds):
-        for name, argv, warm, output in (cases if r % 2 == 0 else cases[::-1]):
+        for name, argv, warm, output, env in (cases if r % 2 == 0 else cases[::-1]):
             if name == "to-fp32" and r == 0 and name in b.samples:
                 continue  # round 1's sample is the one taken beside zero_to_fp32
-            b.once(name, argv, warm=warm, output=output)
+            b.once(name, argv, warm=warm, output=output, env=env)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -196,8 +208,9 @@ def run(args: argparse.Namespace) -> None:
 
     ours, theirs = work / "ours.safetensors", work / "zero_to_fp32"
     if only is not None:
+        b.save(to_half=to_half, partial=list(only))  # a run cut short still merges with the stage's full one
         run_cases(b, main_cases(args, big, facts, work, to_half), only, args.rounds)
-        b.save(to_half=to_half, partial=list(only), complete=True)
+        b.save(complete=True)
         shutil.rmtree(work, ignore_errors=True)
         return
     # the anchor, once (it is the slow side): timed, and its output compared with dsckpt's bit for bit
@@ -269,6 +282,10 @@ def render(reports: list[dict], note: str = "") -> str:
                      f"{fmt_s(sc)}, {fmt_mb(rss)}", f"cat {fmt_s(rd)} ({f['pt_bytes'] / rd / 1e9:.1f} GB/s)",
                      f"{gbps:.1f} GB/s", f"≥ {SCAN_GBPS:.0f} GB/s, RSS ≤ {SCAN_RSS / 1e6:.0f} MB",
                      verdict(gbps >= SCAN_GBPS and rss <= SCAN_RSS)))
+        if "scan --nonfinite [before]" in rep["samples"]:
+            sb = med(rep, "scan --nonfinite [before]")
+            rows.append((f"{st}   the same with the code before the block-wise check (`[before]`)",
+                         fmt_s(sb), "", f"{rep['nbytes']['scan'] / sb / 1e9:.1f} GB/s", "", ""))
         ve = med(rep, "verify")
         vg = rep["nbytes"]["verify"] / ve / 1e9
         rows.append((f"{st} verify (every record's CRC + consistency), {rep['nbytes']['verify'] / 1e9:.1f} GB",
@@ -279,6 +296,16 @@ def render(reports: list[dict], note: str = "") -> str:
         rows.append((f"{st} {rname} ranks (default `--verify quick`)",
                      f"{fmt_s(rs)}, {fmt_mb(med(rep, rname, 'maxrss_bytes'))}", f"cp -r {fmt_s(cp)}",
                      f"{rs / cp:.2f}× cp -r", f"≤ {RESHARD_VS_CP}×", verdict(rs / cp <= RESHARD_VS_CP)))
+        if f"{rname} [before]" in rep["samples"]:
+            rb = med(rep, f"{rname} [before]")
+            rows.append((f"{st}   the same with the code before (each file fsync'd as it was closed)", fmt_s(rb),
+                         f"cp -r {fmt_s(cp)}", f"{rb / cp:.2f}× cp -r", "", ""))
+        if f"{rname} --no-fsync" in rep["samples"]:
+            nf = med(rep, f"{rname} --no-fsync")
+            rows.append((f"{st} {rname} `--no-fsync` (atomic rename, not crash-durable)",
+                         f"{fmt_s(nf)}, {fmt_mb(med(rep, f'{rname} --no-fsync', 'maxrss_bytes'))}",
+                         f"cp -r {fmt_s(cp)}", f"{nf / cp:.2f}× cp -r", f"≤ {RESHARD_VS_CP}×",
+                         verdict(nf / cp <= RESHARD_VS_CP)))
         if "cp -r + sync" in rep["samples"]:
             cps = med(rep, "cp -r + sync")
             rows.append((f"{st} {rname} vs a durable copy (every output file is fsync'd)", fmt_s(rs),
@@ -307,6 +334,17 @@ def render(reports: list[dict], note: str = "") -> str:
             cells.append(f"{fmt_mb(a)} → {fmt_mb(z)}")
         mem.append(f"| {cmd} | " + " | ".join(cells) + f" | {verdict(flat)} |")
 
+    rounds = []  # every round of the later runs, so that a median's spread shows
+    for rep in reports:
+        names = [n for x in rep.get("extra_runs", []) for n in x.get("names", [])]
+        if names:
+            rounds += [f"ZeRO-{rep['stage']}, every round of the later run (wall time, in the order measured):", "",
+                       "| case | rounds | median |", "|---|---|---|"]
+            for n in names:
+                walls = " / ".join(f"{x['wall_s']:.2f}" for x in rep["samples"][n])
+                rounds.append(f"| {n} | {walls} s | {fmt_s(med(rep, n))} |")
+            rounds.append("")
+
     curve_cmds = ("to-fp32", "scan", "verify", "reshard")
     curves = []
     for rep in reports:
@@ -331,7 +369,8 @@ def render(reports: list[dict], note: str = "") -> str:
         (f"Measured {reports[0]['date']}: medians of {reports[0]['rounds']} interleaved rounds; "
         "each ratio compares numbers from the same run on the same machine."),
         *[f"ZeRO-{r['stage']}: the rows of {', '.join(f'`{c}`' for c in x['cases'])} come from a later run "
-          f"({x['date']}, same kind of host, fresh checkpoint) that measured them together with the durable floors."
+          f"({x['date']}, {x.get('rounds', r['rounds'])} interleaved rounds, same kind of host, fresh checkpoint "
+          "written by DeepSpeed just before); ratios compare cases of that run only."
           for r in reports for x in r.get("extra_runs", [])],
         "",
         f"Machine: {m['cpus']} CPU cores ({m['processor']}), {m['mem_gib']} GiB RAM, local disk {m['disk_gb']} GB, "
@@ -347,6 +386,7 @@ def render(reports: list[dict], note: str = "") -> str:
         "",
         *mem,
         "",
+        *rounds,
         *curves,
     ])
 
@@ -359,7 +399,8 @@ def merge_reports(reports: list[dict]) -> list[dict]:
             base = full[r["stage"]]
             for name, samples in r["samples"].items():
                 base["samples"][name] = samples  # ratios stay within one run
-            base.setdefault("extra_runs", []).append({"date": r["date"], "cases": r["partial"]})
+            base.setdefault("extra_runs", []).append({"date": r["date"], "cases": r["partial"], "rounds": r["rounds"],
+                                                      "names": sorted(r["samples"])})
     return [full[k] for k in sorted(full)]
 
 
@@ -375,6 +416,8 @@ def main() -> None:
     r.add_argument("--no-curve", dest="curve", action="store_false")
     r.add_argument("--only", default=None, help="comma-separated name prefixes of the main cases: run just those "
                    "(no anchor, no curves, no small checkpoint); `report` merges the file with the stage's full one")
+    r.add_argument("--baseline-src", default=None, help="a folder holding another dsckpt package (e.g. from "
+                   "`git archive main dsckpt`): scan and reshard also run from it, as `[before]` cases")
     r.add_argument("--out", default=str(HERE / "out" / "scale"))
     r.add_argument("--report", required=True)
     rp = sub.add_parser("report")
