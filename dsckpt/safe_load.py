@@ -31,7 +31,6 @@ import pickle
 import struct
 import types
 import zipfile
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -322,21 +321,15 @@ class TensorRef:
         _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out.view(torch.uint8).numpy()))
         return out
 
-    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None,
-                   each: Callable[[int, int], None] | None = None, block_numel: int = 0) -> np.ndarray:
+    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
         """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
-        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). Contiguous tensors only.
-
-        With ``each``, the elements are read ``block_numel`` at a time and ``each(lo, hi)`` is called
-        as soon as ``out[lo:hi]`` holds them, while those bytes are still in the CPU's cache. The
-        record's CRC-32 is accounted for once, for the whole range, after the last block."""
+        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). Contiguous tensors only."""
         numel = self._check_range(start, numel)
         if not self.is_contiguous():
             raise ValueError(f"{self!r} is strided; read it with read()")
         if out is None:
             out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
-        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out), each=each,
-                    block_numel=block_numel)
+        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out))
         return out
 
     def load(self) -> torch.Tensor:
@@ -365,10 +358,8 @@ def _byte_view(array: np.ndarray) -> memoryview:
     return array.reshape(-1).view(np.uint8).data.cast("B")
 
 
-def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview, *,
-                each: Callable[[int, int], None] | None = None, block_numel: int = 0) -> None:
-    """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes), in blocks
-    of ``block_numel`` elements when ``each`` is given (see :meth:`TensorRef.read_numpy`)."""
+def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -> None:
+    """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes)."""
     itemsize = storage.itemsize
     if first + numel > storage.numel:
         raise CorruptCheckpointError(
@@ -379,29 +370,18 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview, *
         return
     nbytes = numel * itemsize
     offset = storage.file_offset + first * itemsize
-    step = nbytes if each is None or block_numel <= 0 else block_numel * itemsize
-    check = storage.check if storage.check is not None and not storage.check.done else None
-    crc32 = 0
     with open(storage.path, "rb", buffering=0) as f:
-        pos = 0
-        while pos < nbytes:
-            end = min(nbytes, pos + step)
-            got = pos
-            while got < end:
-                n = os.preadv(f.fileno(), [view[got:end]], offset + got)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
-                        "the file is truncated — the save was probably interrupted"
-                    )
-                got += n
-            if check is not None:
-                crc32 = zlib.crc32(view[pos:end], crc32)
-            if each is not None:
-                each(pos // itemsize, end // itemsize)
-            pos = end
-    if check is not None:
-        check.add_crc(first * itemsize, crc32, nbytes)
+        got = 0
+        while got < nbytes:
+            n = os.preadv(f.fileno(), [view[got:nbytes]], offset + got)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
+                    "the file is truncated — the save was probably interrupted"
+                )
+            got += n
+    if storage.check is not None:
+        storage.check.update(first * itemsize, view[:nbytes])
 
 
 # --------------------------------------------------------------------------------------------

@@ -608,12 +608,9 @@ def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray]) -> list[_Upd
     out: list[_Update] = []
     for p in task.parts:
         part = bufs[p.slot][p.dst: p.dst + p.numel]
+        _read_into(p.ref, p.src, p.numel, part)
         dtype = task.dtypes[p.slot]
-        if _read_checked(p.ref, p.src, p.numel, part, dtype, pool, chunk):
-            nan, posinf, neginf, first = _nonfinite(part, dtype, pool, chunk)
-        else:
-            nan = posinf = neginf = 0
-            first = _NO_INDICES
+        nan, posinf, neginf, first = _nonfinite(part, dtype, pool, chunk)
         if p.padding:
             if nan + posinf + neginf:
                 logger.info("%s %s: non-finite leftover bytes in stage-3 partition padding (ignored)",
@@ -639,65 +636,43 @@ def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray]) -> list[_Upd
     return out
 
 
-# Each part is read and proven finite in blocks of this many bytes: the block is checked right after
-# ``pread`` put it in the CPU's cache (L2: 512 KiB to 2 MiB a core), so the CRC pass and the exponent
-# check read it from there instead of from memory (a whole 2 MiB fp32 part, plus its exponent buffer,
-# does not stay in L2).
-READ_BLOCK_NBYTES = 256 << 10
-
-
-def _read_checked(ref: Any, start: int, numel: int, out: np.ndarray, dtype: str, pool: dict[Any, np.ndarray],
-                  chunk: int) -> bool:
-    """Read ``numel`` elements from ``start`` of ``ref`` into ``out``; False when every value read is
-    proven finite (True: some block may hold inf/NaN, count them with :func:`_nonfinite`)."""
+def _read_into(ref: Any, start: int, numel: int, out: np.ndarray) -> None:
     if isinstance(ref, TensorRef) and not ref.is_contiguous():
         import torch  # strided stored tensors only (never written by DeepSpeed): torch gathers them
 
         got = ref.read(start, numel).contiguous()
         out.view(np.uint8)[:] = got.reshape(-1).view(torch.uint8).numpy()
-        return _may_be_nonfinite(out, dtype, pool, chunk)
-    suspect = False
-
-    def each(lo: int, hi: int) -> None:
-        nonlocal suspect
-        if not suspect:
-            suspect = _may_be_nonfinite(out[lo:hi], dtype, pool, chunk)
-
-    ref.read_numpy(start, numel, out=out, each=each, block_numel=max(1, READ_BLOCK_NBYTES // out.itemsize))
-    return suspect
+        return
+    ref.read_numpy(start, numel, out=out)
 
 
 # The exponent bits of each IEEE type: a value is inf/NaN exactly when all of them are set.
 _EXPONENT = {"bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00), "float32": ("<u4", 0x7F800000)}
-_NO_INDICES = np.empty(0, dtype=np.intp)
-
-
-def _may_be_nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray], chunk: int) -> bool:
-    """False when every value of ``x`` (stored ``dtype`` bytes, at most ``chunk`` elements) is finite.
-
-    For the IEEE types one AND and one max over the exponent bits (no float conversion, no mask)."""
-    exp = _EXPONENT.get(dtype)
-    if exp is not None:
-        view, mask = exp
-        bits = x.view(view)
-        tmp = _buffer(pool, "exponent", view, chunk)[: len(bits)]
-        np.bitwise_and(bits, mask, out=tmp)
-        return len(tmp) > 0 and int(tmp.max()) == mask
-    if x.dtype.kind in "fc":
-        with np.errstate(all="ignore"):
-            return not np.isfinite(np.sum(x))
-    return False
 
 
 def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray],
                chunk: int) -> tuple[int, int, int, np.ndarray]:
     """``(nan, +inf, -inf, first indices)`` of a chunk of stored ``dtype`` bytes (see :mod:`dsckpt.dtypes`).
 
-    Proving a chunk finite costs :func:`_may_be_nonfinite`; only a chunk that holds inf/NaN is
-    counted exactly."""
-    if not _may_be_nonfinite(x, dtype, pool, chunk):
-        return 0, 0, 0, _NO_INDICES
-    f = to_float32(x, dtype) if dtype in _EXPONENT else x
+    Proving a chunk finite costs one AND and one max over its exponent bits (no float conversion,
+    no mask); only a chunk that holds inf/NaN is counted exactly."""
+    none = np.empty(0, dtype=np.intp)
+    exp = _EXPONENT.get(dtype)
+    if exp is not None:
+        view, mask = exp
+        bits = x.view(view)
+        tmp = _buffer(pool, "exponent", view, chunk)[: len(bits)]
+        np.bitwise_and(bits, mask, out=tmp)
+        if int(tmp.max()) != mask:
+            return 0, 0, 0, none
+        f = to_float32(x, dtype)
+    elif x.dtype.kind in "fc":
+        with np.errstate(all="ignore"):
+            if np.isfinite(np.sum(x)):
+                return 0, 0, 0, none
+        f = x
+    else:
+        return 0, 0, 0, none
     bad = ~np.isfinite(f)
     vals = f[bad]
     if vals.dtype.kind == "c":

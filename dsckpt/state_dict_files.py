@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,16 +113,14 @@ class SafetensorsRef:
             self._read_bytes(start, numel, out.view(torch.uint8).numpy().data.cast("B"))
         return out
 
-    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None,
-                   each: Callable[[int, int], None] | None = None, block_numel: int = 0) -> np.ndarray:
+    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
         """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
-        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). ``each`` and ``block_numel``: as for
-        :meth:`dsckpt.safe_load.TensorRef.read_numpy`."""
+        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`)."""
         numel = self._check_range(start, numel)
         if out is None:
             out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
         if numel:
-            self._read_bytes(start, numel, out.reshape(-1).view(np.uint8).data.cast("B"), each, block_numel)
+            self._read_bytes(start, numel, out.reshape(-1).view(np.uint8).data.cast("B"))
         return out
 
     def _check_range(self, start: int, numel: int | None) -> int:
@@ -134,25 +132,17 @@ class SafetensorsRef:
                                          f"'{self.name}', which has {total}")
         return numel
 
-    def _read_bytes(self, start: int, numel: int, view: memoryview,
-                    each: Callable[[int, int], None] | None = None, block_numel: int = 0) -> None:
+    def _read_bytes(self, start: int, numel: int, view: memoryview) -> None:
         itemsize = dtype_info(self.dtype_name).itemsize
         nbytes, offset = numel * itemsize, self.file_offset + start * itemsize
-        step = nbytes if each is None or block_numel <= 0 else block_numel * itemsize
         with open(self.path, "rb", buffering=0) as f:
-            pos = 0
-            while pos < nbytes:
-                end = min(nbytes, pos + step)
-                got = pos
-                while got < end:
-                    n = os.preadv(f.fileno(), [view[got:end]], offset + got)
-                    if n == 0:
-                        raise CorruptCheckpointError(f"{self.path}: file ends inside tensor '{self.name}'; "
-                                                     "it is truncated")
-                    got += n
-                if each is not None:
-                    each(pos // itemsize, end // itemsize)
-                pos = end
+            got = 0
+            while got < nbytes:
+                n = os.preadv(f.fileno(), [view[got:nbytes]], offset + got)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{self.path}: file ends inside tensor '{self.name}'; "
+                                                 "it is truncated")
+                got += n
 
     def load(self) -> torch.Tensor:
         return self.read().view(self.shape)

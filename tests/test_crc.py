@@ -228,29 +228,6 @@ def test_scan_fails_on_a_flipped_bit_in_the_fp32_master(tmp_path):
     _assert_crc_error(_run("scan", ckpt, "--nonfinite", "--json"), path, record)
 
 
-def test_blocked_read_accounts_the_crc_once_and_hands_over_every_block(tmp_path):
-    ckpt = _copy(ZERO2, tmp_path)
-    path = _tag_dir(ckpt) / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    part = safe_load.load(path)[OSD]["single_partition_of_fp32_groups"][0]
-    blocks: list[tuple[int, int]] = []
-    got = part.read_numpy(each=lambda lo, hi: blocks.append((lo, hi)), block_numel=7)
-    assert blocks == [(lo, min(lo + 7, part.numel)) for lo in range(0, part.numel, 7)]
-    assert (got == safe_load.load(path)[OSD]["single_partition_of_fp32_groups"][0].read_numpy()).all()
-    check = part.storage.check
-    assert check is not None and check.done and check.ok
-
-
-@pytest.mark.parametrize("block_nbytes", [4, 1 << 20], ids=["one-element-blocks", "whole-part"])
-def test_scan_in_small_blocks_fails_on_a_flipped_bit(tmp_path, monkeypatch, block_nbytes):
-    from dsckpt import scan
-
-    monkeypatch.setattr(scan, "READ_BLOCK_NBYTES", block_nbytes)
-    ckpt = _copy(ZERO2, tmp_path)
-    path = _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    record = _flip_in_tensor(path, FP32_PARTITION, byte=4 * 30 + 2)
-    _assert_crc_error(_run("scan", ckpt, "--nonfinite", "-q", "--workers", "2"), path, record)
-
-
 @pytest.mark.parametrize("verify", ["quick", "none"])
 def test_reshard_fails_on_a_flipped_bit_and_leaves_no_output(tmp_path, verify):
     ckpt = _copy(ZERO2, tmp_path)

@@ -150,42 +150,6 @@ def test_chunked_reading_gives_the_same_findings(tmp_path):
     assert [(f.rank, f.first_indices) for f in whole.findings] == [(0, (2, 30)), (1, (64,))]
 
 
-@pytest.mark.parametrize("block_nbytes", [4, 36, 1 << 20], ids=["one-fp32", "nine-fp32", "whole-part"])
-@pytest.mark.parametrize("fx_name", ["ds0189_s2_bf16_w2", "ds0189_s3_bf16_w2"])
-def test_blocked_reading_gives_the_same_findings(tmp_path, monkeypatch, fx_name, block_nbytes):
-    """Parts are read and proven finite block by block (scan.READ_BLOCK_NBYTES): a value in any block,
-    of any dtype, is found with the same counts and indices, and every byte is still read once."""
-    from dsckpt import scan as scan_module
-
-    fx = next(f for f in FIXTURES if f.name == fx_name)
-    ckpt = copy_fixture(fx, tmp_path)
-    logical = open_target(ckpt)[0]
-    big = max((e for e in logical.entries if e.tied_to is None), key=lambda e: e.numel)
-    last = big.numel - 1
-    plant(ckpt, big.name, Role.MASTER, 1, math.inf)
-    plant(ckpt, big.name, Role.MASTER, last, math.nan)
-    plant(ckpt, big.name, Role.EXP_AVG_SQ, last // 2, -math.inf)
-    has_module = any(p.role is Role.MODULE for p in big.pieces)  # bf16 module copy: ZeRO-2 files only
-    if has_module:
-        plant(ckpt, big.name, Role.MODULE, last, math.nan)
-    whole = scan(ckpt)
-    monkeypatch.setattr(scan_module, "READ_BLOCK_NBYTES", block_nbytes)
-    blocked = scan(ckpt)
-    assert blocked.findings == whole.findings
-    assert (blocked.nbytes_read, blocked.numel_scanned) == (whole.nbytes_read, whole.numel_scanned)
-    by_kind: dict[str, list[int]] = {}
-    for f in blocked.findings:
-        assert f.check is Check.NONFINITE and f.name == big.name
-        totals = by_kind.setdefault(f.kind.value, [0, 0, 0, 0])
-        totals[:] = [totals[0] + f.nan, totals[1] + f.posinf, totals[2] + f.neginf, totals[3]]
-        totals[3] += len(f.first_indices)
-    expected = {"fp32 master": [1, 1, 0, 2], "exp_avg_sq": [0, 0, 1, 1]}
-    if has_module:
-        expected["param"] = [1, 0, 0, 1]
-    assert by_kind == expected
-    assert sorted(i for f in blocked.findings if f.kind is StoredKind.MASTER for i in f.first_indices) == [1, last]
-
-
 def _state_dict_with_inf() -> dict[str, torch.Tensor]:
     sd = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "bn.running_var": torch.ones(5),
           "bn.num_batches_tracked": torch.tensor(3)}
