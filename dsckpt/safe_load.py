@@ -321,15 +321,19 @@ class TensorRef:
         _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out.view(torch.uint8).numpy()))
         return out
 
-    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
+    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None,
+                   fd: int | None = None) -> np.ndarray:
         """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
-        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). Contiguous tensors only."""
+        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). Contiguous tensors only.
+
+        ``fd``: a descriptor of this file, open for reading, to read with (``pread`` keeps no file
+        position, so threads may share one); by default the file is opened for this read only."""
         numel = self._check_range(start, numel)
         if not self.is_contiguous():
             raise ValueError(f"{self!r} is strided; read it with read()")
         if out is None:
             out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
-        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out))
+        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out), fd=fd)
         return out
 
     def load(self) -> torch.Tensor:
@@ -358,8 +362,9 @@ def _byte_view(array: np.ndarray) -> memoryview:
     return array.reshape(-1).view(np.uint8).data.cast("B")
 
 
-def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -> None:
-    """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes)."""
+def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview, *, fd: int | None = None) -> None:
+    """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes), through
+    ``fd`` if given (else the file is opened for this read)."""
     itemsize = storage.itemsize
     if first + numel > storage.numel:
         raise CorruptCheckpointError(
@@ -370,16 +375,22 @@ def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview) -
         return
     nbytes = numel * itemsize
     offset = storage.file_offset + first * itemsize
-    with open(storage.path, "rb", buffering=0) as f:
+    own = fd is None
+    if fd is None:
+        fd = os.open(storage.path, os.O_RDONLY)
+    try:
         got = 0
         while got < nbytes:
-            n = os.preadv(f.fileno(), [view[got:nbytes]], offset + got)
+            n = os.preadv(fd, [view[got:nbytes]], offset + got)
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
                     "the file is truncated — the save was probably interrupted"
                 )
             got += n
+    finally:
+        if own:
+            os.close(fd)
     if storage.check is not None:
         storage.check.update(first * itemsize, view[:nbytes])
 

@@ -113,14 +113,16 @@ class SafetensorsRef:
             self._read_bytes(start, numel, out.view(torch.uint8).numpy().data.cast("B"))
         return out
 
-    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
+    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None,
+                   fd: int | None = None) -> np.ndarray:
         """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
-        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`)."""
+        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). ``fd``: as for
+        :meth:`dsckpt.safe_load.TensorRef.read_numpy`."""
         numel = self._check_range(start, numel)
         if out is None:
             out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
         if numel:
-            self._read_bytes(start, numel, out.reshape(-1).view(np.uint8).data.cast("B"))
+            self._read_bytes(start, numel, out.reshape(-1).view(np.uint8).data.cast("B"), fd)
         return out
 
     def _check_range(self, start: int, numel: int | None) -> int:
@@ -132,17 +134,23 @@ class SafetensorsRef:
                                          f"'{self.name}', which has {total}")
         return numel
 
-    def _read_bytes(self, start: int, numel: int, view: memoryview) -> None:
+    def _read_bytes(self, start: int, numel: int, view: memoryview, fd: int | None = None) -> None:
         itemsize = dtype_info(self.dtype_name).itemsize
         nbytes, offset = numel * itemsize, self.file_offset + start * itemsize
-        with open(self.path, "rb", buffering=0) as f:
+        own = fd is None
+        if fd is None:
+            fd = os.open(self.path, os.O_RDONLY)
+        try:
             got = 0
             while got < nbytes:
-                n = os.preadv(f.fileno(), [view[got:nbytes]], offset + got)
+                n = os.preadv(fd, [view[got:nbytes]], offset + got)
                 if n == 0:
                     raise CorruptCheckpointError(f"{self.path}: file ends inside tensor '{self.name}'; "
                                                  "it is truncated")
                 got += n
+        finally:
+            if own:
+                os.close(fd)
 
     def load(self) -> torch.Tensor:
         return self.read().view(self.shape)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from conftest import all_fixtures, fixtures_where, ids
 from dsckpt import safe_load
 from dsckpt.cli import main
+from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Precision, Role
 from dsckpt.scan import Check, StoredKind, open_target, plan_scan, prepare_scan, run_scan, scan
 from scan_helpers import copy_fixture, plant
@@ -148,6 +149,35 @@ def test_chunked_reading_gives_the_same_findings(tmp_path):
     assert chunked.findings == whole.findings
     # 165 trainable elements padded to 168 over 4 ranks: 42 per rank, embed.weight first
     assert [(f.rank, f.first_indices) for f in whole.findings] == [(0, (2, 30)), (1, (64,))]
+
+
+@pytest.mark.parametrize("max_open", [1, 32], ids=["one-file-open", "default"])
+@pytest.mark.parametrize("workers", [0, 3])
+def test_scan_threads_keep_files_open_and_close_them_all(tmp_path, monkeypatch, workers, max_open):
+    """Each scan thread opens a file once for all its reads (scan.MAX_OPEN_FILES at most) and every
+    descriptor is closed when the scan ends, also when it fails."""
+    import os
+
+    from dsckpt import scan as scan_module
+
+    monkeypatch.setattr(scan_module, "MAX_OPEN_FILES", max_open)
+    fx = next(f for f in FIXTURES if f.name == "ds0189_s3_bf16_w2")
+    ckpt = copy_fixture(fx, tmp_path)
+    plant(ckpt, open_target(ckpt)[0].entries[0].name, Role.MASTER, 0, math.nan)
+    expected = scan(ckpt).findings
+    fds = set(os.listdir("/proc/self/fd"))
+    plan, cache = prepare_scan(ckpt)
+    assert run_scan(plan, cache, workers=workers).findings == expected
+    assert set(os.listdir("/proc/self/fd")) == fds
+    path = next(iter(plan.entries)).pieces[0].fragments[0].file
+    data = bytearray(path.read_bytes())
+    ref = cache.tensor(path, next(iter(plan.entries)).pieces[0].fragments[0].key)
+    data[ref.storage.file_offset + 5] ^= 0x10  # a flipped bit: the CRC check fails mid-scan
+    path.write_bytes(bytes(data))
+    plan, cache = prepare_scan(ckpt)
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+        run_scan(plan, cache, workers=workers)
+    assert set(os.listdir("/proc/self/fd")) == fds
 
 
 def _state_dict_with_inf() -> dict[str, torch.Tensor]:
