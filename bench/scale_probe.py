@@ -1,12 +1,10 @@
 """Probes behind the scale numbers (issue 12), run on the host right after ``scale.py run`` wrote a checkpoint.
 
-    python3 bench/scale_probe.py CKPT --report probe.json [--baseline-src DIR] [--blocks 65536,1048576,4194304]
+    python3 bench/scale_probe.py CKPT --report probe.json [--baseline-src DIR]
 
 * the host: CPU model and caches, NUMA nodes, the memory cgroup's limit, transparent huge pages;
 * ``scan --nonfinite --workers 0`` (one thread does everything) with this code and with ``--baseline-src``:
   CPU seconds per GB, to compare the work one byte costs at ZeRO-2 and ZeRO-3;
-* ``scan --nonfinite`` with ``dsckpt.scan.READ_BLOCK_NBYTES`` set to each of ``--blocks`` (the default
-  workers; a block of 4 MiB or more reads every 2 MiB part whole, as the code before did), interleaved;
 * one ``reshard`` to half the ranks with its phases timed: writing the files, verifying, and the
   background fsync that overlaps the verification (``dsckpt.atomic.background_fsync``).
 
@@ -28,14 +26,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from run import DSCKPT, PY, measure, remove, warm_cache  # noqa: E402
-
-_BLOCKED_SCAN = """
-import sys
-import dsckpt.scan
-dsckpt.scan.READ_BLOCK_NBYTES = int(sys.argv[1])
-from dsckpt.cli import main
-main(sys.argv[2:], prog_name="dsckpt")
-"""
 
 _TIMED_RESHARD = """
 import json, sys, time, contextlib
@@ -88,9 +78,8 @@ def main() -> None:
     ap.add_argument("ckpt", type=Path)
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--baseline-src", type=Path, default=None)
-    ap.add_argument("--blocks", default="65536,1048576,4194304")
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--no-one-thread", dest="one_thread", action="store_false", help="skip the --workers 0 scans")
     args = ap.parse_args()
     ckpt = args.ckpt.resolve()
     out: dict[str, object] = {"host": host_facts(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "samples": {}}
@@ -106,19 +95,16 @@ def main() -> None:
               file=sys.stderr, flush=True)
 
     scan = ["scan", "--nonfinite", "-q", str(ckpt)]
-    once("scan --workers 0", [DSCKPT, *scan, "--workers", "0"])
-    if args.baseline_src is not None:
+    if args.one_thread:
+        once("scan --workers 0", [DSCKPT, *scan, "--workers", "0"])
+    if args.one_thread and args.baseline_src is not None:
         once("scan --workers 0 [before]", [DSCKPT, *scan, "--workers", "0"],
              {"PYTHONPATH": str(args.baseline_src.resolve())})
-    blocks = [int(b) for b in args.blocks.split(",") if b]
-    for r in range(args.rounds):
-        for b in (blocks if r % 2 == 0 else blocks[::-1]):
-            once(f"scan, block {b >> 10} KiB", [PY, "-c", _BLOCKED_SCAN, str(b), *scan])
-
     resh = ckpt.parent / "probe-resharded"
     marks_file = ckpt.parent / "probe-marks.json"
     remove(resh)
-    once("reshard, phases timed", [PY, "-c", _TIMED_RESHARD, str(marks_file), "reshard", str(ckpt), str(resh),
+    # -P: not the current folder first on sys.path (a source checkout there would shadow the installed dsckpt)
+    once("reshard, phases timed", [PY, "-P", "-c", _TIMED_RESHARD, str(marks_file), "reshard", str(ckpt), str(resh),
                                    "-n", str(max(1, args.ranks // 2)), "-q"])
     out["reshard_phases"] = json.loads(marks_file.read_text())
     remove(resh)
