@@ -238,6 +238,15 @@ def build_cases(commands: set[str], workers: int | None, baseline: Path | None) 
         if "scan" not in commands:
             c.skip = "'dsckpt scan' does not exist yet (not in 'dsckpt --help')"
     cases += [scan, scan3]
+    if baseline is not None:  # scan, verify and reshard before/after, in the same rounds
+        before = {"PYTHONPATH": str(baseline)}
+        for key in ("zero2-200m", "zero3-200m"):
+            ckpt = CKPTS[key]
+            cases.append(Case(f"scan {key} [before]", lambda c=ckpt: [PY, "-m", "dsckpt.cli", "scan", str(c), "-q"],
+                              warm=ckpt, env=before, cwd=baseline))
+            cases.append(Case(f"verify {key}", lambda c=ckpt: [DSCKPT, "verify", str(c)], warm=ckpt))
+            cases.append(Case(f"verify {key} [before]", lambda c=ckpt: [PY, "-m", "dsckpt.cli", "verify", str(c)],
+                              warm=ckpt, env=before, cwd=baseline))
 
     reshard_out = WORK / "resharded"
     cp_out = WORK / "copied"
@@ -246,6 +255,10 @@ def build_cases(commands: set[str], workers: int | None, baseline: Path | None) 
     if "reshard" not in commands:
         reshard.skip = "'dsckpt reshard' does not exist yet (not in 'dsckpt --help')"
     cases.append(reshard)
+    if baseline is not None:
+        cases.append(Case("reshard zero2-200m 2->4 [before]", lambda: [
+            PY, "-m", "dsckpt.cli", "reshard", str(scan_ckpt), str(reshard_out), *reshard_args()],
+            warm=scan_ckpt, output=reshard_out, env={"PYTHONPATH": str(baseline)}, cwd=baseline))
     cases.append(Case("cp -r zero2-200m", lambda: ["cp", "-r", str(scan_ckpt), str(cp_out)], warm=scan_ckpt,
                       output=cp_out))
     for i in range(5):
@@ -342,7 +355,7 @@ def main() -> None:
 
     scan_bytes: dict[str, int] = {}
     for c in active:
-        if c.name.startswith("scan "):
+        if c.name.startswith("scan ") and not c.name.endswith("[before]"):
             key = c.name.split()[1]
             rep = subprocess.run([DSCKPT, "scan", str(CKPTS[key]), "--json", "-q"], capture_output=True, text=True)
             scan_bytes[key] = int(json.loads(rep.stdout)["nbytes_read"])
@@ -431,6 +444,14 @@ def main() -> None:
         ratio = rc.wall_s / by["cp -r zero2-200m"].wall_s  # type: ignore[union-attr]
         rows.append(("reshard zero2-200m vs cp -r", fmt_s(rc.wall_s), fmt_s(by["cp -r zero2-200m"].wall_s),  # type: ignore[union-attr]
                      f"{ratio:.2f}× cp -r", "≤ 2× cp -r", verdict(ratio <= 2)))
+    for a in ("scan zero2-200m", "scan zero3-200m", "verify zero2-200m", "verify zero3-200m",
+              "reshard zero2-200m 2->4"):
+        b = f"{a} [before]"
+        if have(a, b):
+            rows.append((f"  {a}: now vs before ({args.baseline_src.name if args.baseline_src else ''})",
+                         f"{fmt_s(by[a].wall_s)} (CPU {fmt_s(by[a].cpu_s)}), {fmt_mb(by[a].maxrss_bytes)}",
+                         f"{fmt_s(by[b].wall_s)} (CPU {fmt_s(by[b].cpu_s)}), {fmt_mb(by[b].maxrss_bytes)}",
+                         f"{by[a].wall_s / by[b].wall_s:.2f}× time", "not slower", ""))
     helps = [s.wall_s for c in cases if c.name.startswith("dsckpt --help") for s in c.samples]
     if helps:
         med = statistics.median(helps)
@@ -445,7 +466,9 @@ def main() -> None:
                f"disk {m['disk_gb']} GB ({m['disk_free_gb']} GB free), Linux {m['kernel']}, "
                f"Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}; shared with other jobs")
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} by `bench/run.py --rounds {args.rounds}`"
+        f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} by `bench/run.py --rounds {args.rounds}"
+        + (f" --only '{args.only}'" if args.only else "")
+        + (f" --baseline-src {args.baseline_src}" if args.baseline_src else "") + "`"
         + (f" (to-fp32 with `--workers {args.workers}`)" if args.workers is not None else "")
         + f": medians of {args.rounds} interleaved rounds, {elapsed:.0f} s in all.",
         "",
@@ -464,6 +487,11 @@ def main() -> None:
         *[f"| {' | '.join(r)} |" for r in rows],
         "",
     ]
+    paired = [c for c in cases if c.samples and (f"{c.name} [before]" in by or c.name.endswith("[before]"))]
+    if paired:  # every round of the before/after pairs, in the order they ran
+        lines += ["Every round (wall time):", "", "| case | rounds | median |", "|---|---|---|",
+                  *[f"| {c.name} | {' / '.join(f'{x.wall_s:.2f}' for x in c.samples)} s | {fmt_s(c.wall_s)} |"
+                    for c in sorted(paired, key=lambda c: c.name)], ""]
     text = "\n".join(lines)
     write_section(args.results, "run", text)  # bench/scale.py owns another section of the file
     print(text)

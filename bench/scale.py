@@ -284,7 +284,7 @@ def render(reports: list[dict], note: str = "") -> str:
                      verdict(gbps >= SCAN_GBPS and rss <= SCAN_RSS)))
         if "scan --nonfinite [before]" in rep["samples"]:
             sb = med(rep, "scan --nonfinite [before]")
-            rows.append((f"{st}   the same with the code before the block-wise check (`[before]`)",
+            rows.append((f"{st}   the same with the code before this change (`[before]`, same rounds)",
                          fmt_s(sb), "", f"{rep['nbytes']['scan'] / sb / 1e9:.1f} GB/s", "", ""))
         ve = med(rep, "verify")
         vg = rep["nbytes"]["verify"] / ve / 1e9
@@ -315,7 +315,8 @@ def render(reports: list[dict], note: str = "") -> str:
             pw = med(rep, par)
             rows.append((f"{st} {rname} vs writing the checkpoint's size, fsync'd, 8 streams", fmt_s(rs),
                          f"dd ×8 {fmt_s(pw)} ({f['pt_bytes'] / pw / 1e9:.1f} GB/s)", f"{rs / pw:.2f}×", "", ""))
-        if f"{rname} --verify none" in rep["samples"]:
+        if f"{rname} --verify none" in rep["samples"] and \
+                rep["source"][f"{rname} --verify none"] == rep["source"][rname]:
             rows.append((f"{st}   the same without the read-back check (`--verify none`)",
                          fmt_s(med(rep, f"{rname} --verify none")), "", "", "", ""))
     table = ["| measurement | dsckpt | reference | ratio | target | result |", "|---|---|---|---|---|---|",
@@ -338,7 +339,8 @@ def render(reports: list[dict], note: str = "") -> str:
     for rep in reports:
         names = [n for x in rep.get("extra_runs", []) for n in x.get("names", [])]
         if names:
-            rounds += [f"ZeRO-{rep['stage']}, every round of the later run (wall time, in the order measured):", "",
+            rounds += [(f"ZeRO-{rep['stage']}, every round of the later runs (wall time, in the order measured; "
+                        "every second round runs the cases in reverse):"), "",
                        "| case | rounds | median |", "|---|---|---|"]
             for n in names:
                 walls = " / ".join(f"{x['wall_s']:.2f}" for x in rep["samples"][n])
@@ -368,7 +370,7 @@ def render(reports: list[dict], note: str = "") -> str:
         "",
         (f"Measured {reports[0]['date']}: medians of {reports[0]['rounds']} interleaved rounds; "
         "each ratio compares numbers from the same run on the same machine."),
-        *[f"ZeRO-{r['stage']}: the rows of {', '.join(f'`{c}`' for c in x['cases'])} come from a later run "
+        *[f"ZeRO-{r['stage']}: the rows of {', '.join(f'`{c.rstrip(chr(36))}`' for c in x['cases'])} come from a later run "
           f"({x['date']}, {x.get('rounds', r['rounds'])} interleaved rounds, same kind of host, fresh checkpoint "
           "written by DeepSpeed just before); ratios compare cases of that run only."
           for r in reports for x in r.get("extra_runs", [])],
@@ -394,12 +396,17 @@ def render(reports: list[dict], note: str = "") -> str:
 def merge_reports(reports: list[dict]) -> list[dict]:
     """One report per stage, by stage: a partial run's (``--only``) samples join the stage's full run."""
     full = {r["stage"]: r for r in reports if not r.get("partial")}
+    for r in full.values():
+        r["source"] = {name: r["date"] for name in r["samples"]}  # which run each case's samples come from
     for r in reports:
         if r.get("partial"):
             base = full[r["stage"]]
             for name, samples in r["samples"].items():
                 base["samples"][name] = samples  # ratios stay within one run
-            base.setdefault("extra_runs", []).append({"date": r["date"], "cases": r["partial"], "rounds": r["rounds"],
+                base["source"][name] = r["date"]
+            # rounds completed by every case (a run cut short by its time limit has fewer than asked for)
+            done = min(len(v) for v in r["samples"].values())
+            base.setdefault("extra_runs", []).append({"date": r["date"], "cases": r["partial"], "rounds": done,
                                                       "names": sorted(r["samples"])})
     return [full[k] for k in sorted(full)]
 
