@@ -492,10 +492,17 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--workers", default=None, type=click.IntRange(1, 64),
               help="Target files written at once (default: half the cores, at most 8).")
+@click.option("--zero-stage", "zero_stage", type=click.IntRange(1, 3), default=None,
+              help="Write the checkpoint for this ZeRO stage (1, 2 or 3; default: the input's).")
+@click.option("--sub-group-size", "sub_group_size", type=click.IntRange(min=1), default=None,
+              help="ZeRO-3 target: zero_optimization.sub_group_size of the new run (default: the input's "
+                   "at stage 3, else DeepSpeed's default 1e9).")
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None) -> None:
-    """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
+            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
+            sub_group_size: int | None) -> None:
+    """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
+    (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
     counts, loss scaler, scheduler and client state carried over exactly. CKPT is never modified.
@@ -507,11 +514,12 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
     Trainer then keeps its seeded RNG, as it does whenever the file is missing).
     """
     from .readers import FileCache, read_checkpoint
-    from .reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
+    from .reshard import describe_plan, describe_target_config, plan_reshard, read_source_facts, run_reshard
 
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
-    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
+    plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
+                        facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -526,8 +534,11 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
     result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
-    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
+    stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
+    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks{stages}: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}")
+    if plan.changes_layout:
+        click.echo("resume with: " + describe_target_config(plan))
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))

@@ -27,36 +27,28 @@ stage_1_and_2.py:3651-3787, stage3.py:3540-3620, bf16_optimizer.py:655-690):
 from __future__ import annotations
 
 import enum
+import json
 import logging
+import math
 import os
 import shutil
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .ds_writers import LayoutPlan, SourceFacts, Target, build_jobs, plan_layout
+from .ds_writers.common import fmt_key as _fmt_key
+from .ds_writers.plan import rank_of as _rank_of
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
-from .partition import (
-    DEFAULT_SUB_GROUP_SIZE,
-    bf16_optimizer_group_padding,
-    param_alignment_paddings,
-    round_robin_order,
-    zero3_partition_numel,
-    zero3_sub_groups,
-    zero12_group_layout,
-    zero12_param_slice_mappings,
-)
+from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from .partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
-    "RangeCopy",
-    "FlatSpec",
-    "GroupPartition",
-    "RankPlan",
     "SourceFacts",
+    "Target",
     "ReshardPlan",
     "ReshardResult",
     "Verify",
@@ -65,6 +57,8 @@ __all__ = [
     "run_reshard",
     "output_nbytes_bound",
     "describe_plan",
+    "describe_target_config",
+    "default_workers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,105 +73,8 @@ ZERO_TO_FP32_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # The plan
 
 
-@dataclass(frozen=True)
-class RangeCopy:
-    """``numel`` elements at ``src_offset`` of the flat tensor ``key`` in ``file`` go to
-    ``dst_offset`` of the target tensor."""
-
-    file: Path
-    key: tuple[Any, ...]
-    src_offset: int
-    numel: int
-    dst_offset: int
-
-
-@dataclass(frozen=True)
-class FlatSpec:
-    """One 1-D target tensor: ``numel`` elements of ``dtype``, zero except where ``copies`` write."""
-
-    numel: int
-    dtype: str
-    copies: tuple[RangeCopy, ...]
-
-    @property
-    def copied_numel(self) -> int:
-        return sum(c.numel for c in self.copies)
-
-
-@dataclass(frozen=True)
-class GroupPartition:
-    """One target rank's share of one param group (stage 1/2) or fp32 sub-group (stage 3)."""
-
-    group: int
-    partition_numel: int  # padded partition length: the Adam moments' length
-    padding_numel: int  # the ``group_paddings`` entry written for this rank (stage 1/2)
-    master: FlatSpec  # fp32 master as stored (ZeRO-1/2 strips the padding)
-    exp_avg: FlatSpec
-    exp_avg_sq: FlatSpec
-    slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
-    ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    rank: int
-    optim_file: str | None
-    model_file: str | None  # stage 3: this rank's model-states file
-    groups: tuple[GroupPartition, ...]
-    frozen_fragments: tuple[tuple[str, FlatSpec], ...] = ()  # stage 3
-
-
-@dataclass(frozen=True)
-class SourceFacts:
-    """Layout facts a plan needs beyond the logical model (see :func:`read_source_facts`).
-
-    ``group_flat_order``: per source group (stage 1/2) or sub-group (stage 3), the trainable param
-    names in flat-buffer order (``param_shapes``). ``subgroup_to_group``: the optimizer param group
-    of each stage-3 sub-group. ``param_ds_ids``: stage 3, each param's ``ds_id``.
-    """
-
-    group_flat_order: tuple[tuple[str, ...], ...]
-    subgroup_to_group: tuple[int, ...]
-    round_robin: bool = False
-    parameter_alignment: bool = False
-    sub_group_size: int | None = DEFAULT_SUB_GROUP_SIZE
-    param_ds_ids: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class ReshardPlan:
-    source_root: Path
-    source_tag_dir: Path
-    tag: str
-    layout: str
-    zero_stage: int
-    optimizer_wrapper: str
-    precision: Precision
-    source_world_size: int
-    world_size: int
-    source_model_files: tuple[Path, ...]  # mp_rank_00 (stage 0-2) or one per source rank (stage 3)
-    source_optim_files: tuple[Path, ...]
-    bf16_prefixed_optim: bool
-    param_shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # target, flat order
-    subgroup_to_group: tuple[int, ...]
-    alignment_paddings: tuple[tuple[int, ...], ...]
-    ranks: tuple[RankPlan, ...]
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
-
-    @property
-    def has_work(self) -> bool:
-        return self.world_size != self.source_world_size
-
-    @property
-    def copied_nbytes(self) -> int:
-        total = 0
-        for r in self.ranks:
-            for g in r.groups:
-                total += 4 * (g.master.numel + g.exp_avg.numel + g.exp_avg_sq.numel)
-            for _, spec in r.frozen_fragments:
-                total += 2 * spec.numel
-        return total
+ReshardPlan = LayoutPlan
+"""The plan :func:`run_reshard` carries out (a :class:`~dsckpt.ds_writers.LayoutPlan`)."""
 
 
 @dataclass(frozen=True)
@@ -277,15 +174,15 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
             raise CorruptCheckpointError(
                 f"{optim_files[0]}: sub-group {sub_to_group.index(-1)} belongs to no optimizer param group")
         sub_group_size = (zcfg or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-        module = ms0.get("module") or {}
-        buffers = set(ms0.get("buffer_names") or ())
-        tied = set((ms0.get("shared_params") or {}).keys())
-        ds_names = [n for n in module if n not in buffers and n not in tied]
-        ds_ids = tuple((n, i) for i, n in enumerate(ds_names))
     else:
         sub_to_group = list(range(len(flat_order)))
         sub_group_size = None
-        ds_ids = ()
+    # ZeRO-3's ds_id: a param's position among the module's own params (tied aliases and buffers
+    # left out), the order DeepSpeed partitions them in (stage3.py:1174).
+    module = ms0.get("module") or {}
+    buffers = set(ms0.get("buffer_names") or ())
+    tied = set((ms0.get("shared_params") or {}).keys())
+    ds_ids = tuple((n, i) for i, n in enumerate(n for n in module if n not in buffers and n not in tied))
     return SourceFacts(
         group_flat_order=flat_order,
         subgroup_to_group=tuple(sub_to_group),
@@ -330,45 +227,6 @@ def _refusal_message(ckpt: LogicalCheckpoint, problems: list[str]) -> str:
 # --------------------------------------------------------------------------------------------
 # Planning (pure)
 
-
-def _element_nbytes(precision: Precision) -> int:
-    return 4 if precision is Precision.FP32 else 2
-
-
-def _copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: int, name: str) -> tuple[RangeCopy, ...]:
-    """Where elements ``[elem_start, elem_start + numel)`` of a logical tensor are stored."""
-    if piece is None or numel <= 0:
-        return ()
-    out = []
-    end = elem_start + numel
-    covered = 0
-    for f in piece.fragments:
-        lo = max(elem_start, f.dst_offset)
-        hi = min(end, f.dst_offset + f.numel)
-        if lo < hi:
-            out.append(RangeCopy(f.file, f.key, f.src_offset + (lo - f.dst_offset), hi - lo,
-                                 dst_offset + (lo - elem_start)))
-            covered += hi - lo
-    if covered != numel:
-        raise CorruptCheckpointError(
-            f"tensor '{name}': its {piece.role.value} copy covers {covered} of elements "
-            f"[{elem_start}, {end}); the checkpoint's fragments are incomplete")
-    return tuple(out)
-
-
-def _coalesce(copies: Sequence[RangeCopy]) -> tuple[RangeCopy, ...]:
-    """Merge ranges that continue each other in both source and target (fewer, larger reads)."""
-    out: list[RangeCopy] = []
-    for c in copies:
-        last = out[-1] if out else None
-        if (last is not None and last.file == c.file and last.key == c.key
-                and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
-            out[-1] = RangeCopy(c.file, c.key, last.src_offset, last.numel + c.numel, last.dst_offset)
-        else:
-            out.append(c)
-    return tuple(out)
-
-
 def _entries_by_name(ckpt: LogicalCheckpoint) -> dict[str, TensorEntry]:
     return {e.name: e for e in ckpt.entries}
 
@@ -391,44 +249,45 @@ def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
         round_robin=bool(cfg.get("round_robin_gradients", False)),
         parameter_alignment=bool(cfg.get("parameter_alignment", False)),
         sub_group_size=int(cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)) if ckpt.zero_stage == 3 else None,
-        param_ds_ids=tuple((n, i) for i, n in enumerate(names)) if ckpt.zero_stage == 3 else (),
+        param_ds_ids=tuple((n, i) for i, n in enumerate(names)),
     )
 
 
-def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, facts: SourceFacts | None = None,
+def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | None = None,
+                 sub_group_size: int | None = None, facts: SourceFacts | None = None,
                  hf_files: bool = True) -> ReshardPlan:
-    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks. No tensor I/O.
+    """Decide every byte range of the checkpoint resharded to ``world_size`` ranks and ZeRO stage
+    ``zero_stage`` (default: the source's). No tensor I/O.
 
-    ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt`` and its
-    ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param group).
-    When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) and ``hf_files``, the
-    plan also carries the Trainer's files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
+    ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's
+    default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
+    and its ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param
+    group). When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) and ``hf_files``,
+    the plan also carries the Trainer's files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
     listed from the folder, nothing opened), RNG states mapped to the new rank count.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
+    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
+        raise UsageError(f"--zero-stage must be 1, 2 or 3, got {zero_stage!r}")
+    if sub_group_size is not None and (not isinstance(sub_group_size, int) or sub_group_size < 1):
+        raise UsageError(f"--sub-group-size must be a positive integer, got {sub_group_size!r}")
     problems = _refusals_from_logical(ckpt)
     if problems:
         raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
     facts = facts if facts is not None else _derive_facts(ckpt)
+    stage = ckpt.zero_stage if zero_stage is None else zero_stage
+    if sub_group_size is not None and stage != 3:
+        raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
     optim = tuple(p for p in ckpt.files if "optim_states" in p.name)
-    bf16_prefix = any(p.name.startswith("bf16_") for p in optim)
-    optim_sorted = tuple(sorted(optim, key=_rank_of))
     common: dict[str, Any] = dict(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
-        zero_stage=ckpt.zero_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
-        source_world_size=ckpt.dp_world_size, world_size=world_size, source_optim_files=optim_sorted,
-        bf16_prefixed_optim=bf16_prefix,
+        precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
+        source_optim_files=tuple(sorted(optim, key=_rank_of)),
+        bf16_prefixed_optim=any(p.name.startswith("bf16_") for p in optim),
         hf_files=_plan_hf_files(ckpt, world_size) if hf_files else None,
     )
-    if ckpt.zero_stage == 0:
-        models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
-        return ReshardPlan(**common, source_model_files=models, param_shapes=(), subgroup_to_group=(),
-                           alignment_paddings=(), ranks=(),
-                           notes=("stage 0: nothing is partitioned; only the recorded dp_world_size changes",))
-    if ckpt.zero_stage == 3:
-        return _plan_zero3(ckpt, world_size, facts, common)
-    return _plan_zero12(ckpt, world_size, facts, common)
+    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size), facts, common)
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
@@ -438,157 +297,13 @@ def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | No
                              tag_dirs=frozenset(list_tags(ckpt.root)) | {ckpt.tag})
 
 
-def _rank_of(path: Path) -> int:
-    import re
-
-    m = re.search(r"zero_pp_rank_(\d+)_", path.name)
-    return int(m[1]) if m else -1
-
-
-def _optim_name(rank: int, bf16_prefix: bool) -> str:
-    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _plan_zero12(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common: dict[str, Any]) -> ReshardPlan:
-    by_name = _entries_by_name(ckpt)
-    bf16_opt = ckpt.optimizer_wrapper == "BF16_Optimizer"
-    elem = _element_nbytes(ckpt.precision)
-    src_world = ckpt.dp_world_size
-    param_shapes = []
-    all_paddings = []
-    # per group: (names in target flat order, offsets, layout, names in bit16 order)
-    group_layouts = []
-    for g, src_flat in enumerate(facts.group_flat_order):
-        n = len(src_flat)
-        original: list[str]
-        flat: list[str]
-        if facts.round_robin and not bf16_opt:
-            original = [""] * n
-            for pos, idx in enumerate(round_robin_order(n, src_world)):
-                original[idx] = src_flat[pos]
-            flat = [original[i] for i in round_robin_order(n, world)]
-        else:
-            original = list(src_flat)
-            flat = list(src_flat)
-        for name in flat:
-            if name not in by_name:
-                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
-        numels = [by_name[nm].numel for nm in flat]
-        pads = param_alignment_paddings(numels, elem, enabled=facts.parameter_alignment and not bf16_opt)
-        layout = zero12_group_layout(numels, world, alignment_paddings=pads)
-        param_shapes.append(tuple((nm, by_name[nm].shape) for nm in flat))
-        all_paddings.append(tuple(pads))
-        group_layouts.append((flat, layout, original, pads))
-
-    ranks = []
-    for r in range(world):
-        groups = []
-        for g, (flat, layout, original, pads) in enumerate(group_layouts):
-            p_numel = layout.partition_numel
-            p_start = r * p_numel
-            padding = (bf16_optimizer_group_padding(layout, r) if bf16_opt else layout.rank_padding(r))
-            stored = p_numel if bf16_opt else p_numel - layout.rank_padding(r)
-            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
-            for nm, off, numel in zip(flat, layout.param_offsets, layout.param_numels):
-                lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
-                if lo >= hi:
-                    continue
-                entry = by_name[nm]
-                for role, lst in role_copies.items():
-                    piece = entry.piece(role)
-                    if piece is None:
-                        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
-                    lst.extend(_copies(piece, lo - off, hi - lo, lo - p_start, nm))
-            offsets_by_name = dict(zip(flat, layout.param_offsets))
-            orig_numels = [by_name[nm].numel for nm in original]
-            use_offsets = any(pads)
-            maps = zero12_param_slice_mappings(
-                orig_numels, p_start, p_numel,
-                [offsets_by_name[nm] for nm in original] if use_offsets else None)
-            groups.append(GroupPartition(
-                group=g, partition_numel=p_numel, padding_numel=padding,
-                master=FlatSpec(stored, "float32", _coalesce(role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(p_numel, "float32", _coalesce(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(p_numel, "float32", _coalesce(role_copies[Role.EXP_AVG_SQ])),
-                slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
-            ))
-        ranks.append(RankPlan(r, _optim_name(r, common["bf16_prefixed_optim"]), None, tuple(groups)))
-    models = tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
-    notes = []
-    if facts.round_robin and not bf16_opt:
-        notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
-                     "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
-    return ReshardPlan(**common, source_model_files=models, param_shapes=tuple(param_shapes),
-                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
-                       ranks=tuple(ranks), notes=tuple(notes))
-
-
-def _plan_zero3(ckpt: LogicalCheckpoint, world: int, facts: SourceFacts, common: dict[str, Any]) -> ReshardPlan:
-    by_name = _entries_by_name(ckpt)
-    n_groups = max(facts.subgroup_to_group, default=-1) + 1
-    group_params: list[list[str]] = [[] for _ in range(n_groups)]
-    for s, sub_names in enumerate(facts.group_flat_order):
-        group_params[facts.subgroup_to_group[s]].extend(sub_names)
-    target_subgroups: list[list[str]] = []
-    sub_to_group: list[int] = []
-    for g, group_names in enumerate(group_params):
-        for idx in zero3_sub_groups([by_name[n].numel for n in group_names], world, facts.sub_group_size):
-            target_subgroups.append([group_names[i] for i in idx])
-            sub_to_group.append(g)
-    ds_ids = dict(facts.param_ds_ids)
-    ranks = []
-    for r in range(world):
-        groups = []
-        for t, names in enumerate(target_subgroups):
-            offset = 0
-            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
-            for nm in names:
-                e = by_name[nm]
-                per = zero3_partition_numel(e.numel, world)
-                lo, hi = r * per, min((r + 1) * per, e.numel)
-                if lo < hi:
-                    for role, lst in role_copies.items():
-                        piece = e.piece(role)
-                        if piece is None:
-                            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
-                        lst.extend(_copies(piece, lo, hi - lo, offset, nm))
-                offset += per
-            ds_id = (f"{ds_ids[names[0]]}_{ds_ids[names[-1]]}"
-                     if names and names[0] in ds_ids and names[-1] in ds_ids else None)
-            groups.append(GroupPartition(
-                group=t, partition_numel=offset, padding_numel=0,
-                master=FlatSpec(offset, "float32", _coalesce(role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(offset, "float32", _coalesce(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(offset, "float32", _coalesce(role_copies[Role.EXP_AVG_SQ])),
-                ds_id=ds_id,
-            ))
-        frozen = []
-        for e in ckpt.entries:
-            if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None:
-                per = zero3_partition_numel(e.numel, world)
-                lo, hi = r * per, min((r + 1) * per, e.numel)
-                piece = e.piece(Role.MODULE)
-                dtype = piece.dtype if piece else "float32"
-                frozen.append((e.name, FlatSpec(per, dtype, _copies(piece, lo, max(0, hi - lo), 0, e.name))))
-        ranks.append(RankPlan(r, _optim_name(r, common["bf16_prefixed_optim"]),
-                              f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", tuple(groups), tuple(frozen)))
-    models = tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
-                           and p.name.endswith("_model_states.pt")), key=_rank_of))
-    shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in target_subgroups)
-    notes = []
-    if len(target_subgroups) != len(facts.group_flat_order):
-        notes.append(f"ZeRO-3 sub-groups re-formed for {world} ranks: {len(facts.group_flat_order)} -> "
-                     f"{len(target_subgroups)} (sub_group_size counts per-rank partition sizes)")
-    return ReshardPlan(**common, source_model_files=models, param_shapes=shapes,
-                       subgroup_to_group=tuple(sub_to_group), alignment_paddings=(), ranks=tuple(ranks),
-                       notes=tuple(notes))
-
-
 def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     """Human-readable lines: per target rank and group, sizes, padding and source ranges."""
     lines = [
-        f"reshard {plan.source_tag_dir} (ZeRO stage {plan.zero_stage}, {plan.precision.value}, "
-        f"{plan.optimizer_wrapper}) from {plan.source_world_size} to {plan.world_size} ranks, tag '{plan.tag}'",
+        f"reshard {plan.source_tag_dir} (ZeRO stage {plan.from_stage}, {plan.precision.value}, "
+        f"{plan.from_wrapper}) from {plan.source_world_size} to {plan.world_size} ranks"
+        + (f", to ZeRO stage {plan.zero_stage} ({plan.optimizer_wrapper})" if plan.changes_layout else "")
+        + f", tag '{plan.tag}'",
     ]
     lines += [f"note: {n}" for n in plan.notes]
     for r in plan.ranks:
@@ -605,6 +320,8 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
                 lines.append(f"    ... {len(g.master.copies) - max_copies} more ranges")
         for name, spec in r.frozen_fragments:
             lines.append(f"  frozen {name}: {spec.numel} elements ({spec.copied_numel} copied)")
+    if plan.changes_layout:
+        lines.append("resume with: " + describe_target_config(plan))
     if plan.zero_stage == 0:
         lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
                      + f" with dp_world_size={plan.world_size}")
@@ -614,8 +331,30 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     return lines
 
 
-def _fmt_key(key: tuple[Any, ...]) -> str:
-    return "".join(f"[{k!r}]" for k in key[1:]) if key and key[0] == OSD else "".join(f"[{k!r}]" for k in key)
+def describe_target_config(plan: ReshardPlan) -> str:
+    """What the DeepSpeed config of the resumed run must hold for the files of ``plan`` to load."""
+    z = {"stage": plan.zero_stage}
+    if plan.zero_stage == 3:
+        z["sub_group_size"] = plan.sub_group_size
+    precision = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true}'}.get(plan.precision.value)
+    parts = [f'"zero_optimization": {json.dumps(z)}' + (f", {precision}" if precision else "")]
+    if plan.zero_stage in (1, 2):
+        rr = any(n.startswith("round_robin_gradients") for n in plan.notes)
+        aligned = any(any(p) for p in plan.alignment_paddings)
+        if rr or aligned:
+            parts.append("with " + " and ".join(k for k, on in (("round_robin_gradients", rr),
+                                                                  ("parameter_alignment", aligned)) if on) + " true")
+    if plan.optimizer_wrapper == "BF16_Optimizer":
+        parts.append('BF16_Optimizer: "data_types": {"grad_accum_dtype": "fp32"} at stage 1')
+    elif plan.from_wrapper == "BF16_Optimizer":
+        parts.append('no "data_types.grad_accum_dtype": "fp32" (that selects BF16_Optimizer)')
+    if plan.from_stage == 3 and plan.zero_stage != 3:
+        parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad)")
+    elif plan.from_stage != 3 and plan.zero_stage == 3:
+        parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
+                     "optimizer files recorded one)")
+    parts.append(f"train_batch_size for {plan.world_size} ranks")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -687,83 +426,14 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
 
     models = [size(p) for p in plan.source_model_files]
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
+    if plan.from_stage == 3 and plan.zero_stage != 3:  # the module is rebuilt in full: at most fp32 per element
+        model_nbytes += 4 * sum(math.prod(shape) for group in plan.param_shapes for _, shape in group)
+        model_nbytes += sum(4 * spec.numel * plan.source_world_size for _, spec in plan.ranks[0].frozen_fragments) \
+            if plan.ranks else 0
     scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)
     files = len(plan.source_model_files) + 2 * len(plan.ranks) + 3
     hf = plan.hf_files.nbytes if plan.hf_files is not None else 0
     return plan.copied_nbytes + model_nbytes + scripts + hf + (64 << 10) * files
-
-
-def _streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
-    """The target tensor of ``spec`` as source byte ranges with zero runs between them."""
-    from .writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
-
-    item = element_nbytes(spec.dtype)
-    extents: list[Extent] = []
-    pos = 0  # elements of the target covered so far
-
-    def add(ext: Extent) -> None:
-        last = extents[-1] if extents else None
-        if last is not None and last.path == ext.path and last.record is ext.record and (
-                ext.path is None or last.file_offset + last.nbytes == ext.file_offset):
-            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes, last.record,
-                                 last.record_offset)
-        else:
-            extents.append(ext)
-
-    for c in sorted(spec.copies, key=lambda c: c.dst_offset):
-        ref = cache.tensor(c.file, c.key)
-        if dtype_name(ref) != spec.dtype:
-            raise CorruptCheckpointError(f"{c.file}: {_fmt_key(c.key)} is {dtype_name(ref)}, expected {spec.dtype}")
-        if not ref.is_contiguous():
-            raise UnsupportedCheckpointError(
-                f"{c.file}: {_fmt_key(c.key)} is stored non-contiguously; flat ZeRO partitions never are")
-        first = ref.storage_offset + c.src_offset
-        if c.src_offset < 0 or c.src_offset + c.numel > ref.numel or first + c.numel > ref.storage.numel:
-            raise CorruptCheckpointError(
-                f"{c.file}: {_fmt_key(c.key)} has {ref.numel} elements, but the checkpoint's metadata places "
-                f"elements [{c.src_offset}, {c.src_offset + c.numel}) in it; the metadata does not match")
-        assert c.dst_offset >= pos and c.dst_offset + c.numel <= spec.numel, "overlapping copy ranges"
-        if c.dst_offset > pos:
-            add(Extent(None, 0, (c.dst_offset - pos) * item))
-        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item,
-                   ref.storage.check, first * item))
-        pos = c.dst_offset + c.numel
-    if pos < spec.numel:
-        add(Extent(None, 0, (spec.numel - pos) * item))
-    return StreamedTensor(spec.dtype, (spec.numel,), tuple(extents), dict(attrs or {}))
-
-
-def _own_copy(value: Any) -> Any:
-    """A storage of its own for a small per-group state value such as Adam's ``step``: torch's
-    ``Optimizer.load_state_dict`` keeps ``step`` tensors as loaded, so one pickled storage shared by
-    several groups would be incremented once per group and step."""
-    from .safe_load import TensorRef
-    from .writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
-
-    if not isinstance(value, TensorRef):
-        return value
-    if not value.is_contiguous():
-        return value.load().clone()
-    item = element_nbytes(dtype_name(value))
-    ext = Extent(Path(value.storage.path), value.storage.file_offset + value.storage_offset * item,
-                 value.numel * item, value.storage.check, value.storage_offset * item)
-    return StreamedTensor(dtype_name(value), tuple(value.shape), (ext,), dict(value.attrs))
-
-
-def _fragment_address(numel: int, start: int) -> Any:
-    from .safe_load import stand_in_class
-
-    cls = stand_in_class("deepspeed.utils.tensor_fragment", "fragment_address")
-    assert cls is not None
-    obj = cls.__new__(cls)
-    obj.__dict__.update(numel=numel, start=start)
-    return obj
-
-
-def _shapes_tree(plan: ReshardPlan) -> list[OrderedDict[str, Any]]:
-    from .writers.torch_stream import Size
-
-    return [OrderedDict((n, Size(s)) for n, s in group) for group in plan.param_shapes]
 
 
 def default_workers() -> int:
@@ -776,28 +446,12 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) 
     """Write every target file, ``workers`` at a time; yields their paths in plan order."""
     from .writers.torch_stream import write_torch_tree
 
+    from .readers import read_checkpoint
+
     # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
     # reads only the byte ranges its tree names.
-    jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage in (0, 1, 2):
-        for src in plan.source_model_files:
-            tree = dict(cache.tree(src))
-            tree["dp_world_size"] = plan.world_size
-            if plan.zero_stage:
-                tree["param_shapes"] = _shapes_tree(plan)
-            jobs.append((tag_dir / src.name, tree))
-    if plan.zero_stage in (1, 2):
-        src0 = cache.tree(plan.source_optim_files[0])
-        for r in plan.ranks:
-            assert r.optim_file is not None
-            jobs.append((tag_dir / r.optim_file, _zero12_optim_tree(plan, r, src0, cache)))
-    if plan.zero_stage == 3:
-        src_models = [cache.tree(p) for p in plan.source_model_files]
-        src0 = cache.tree(plan.source_optim_files[0])
-        for r in plan.ranks:
-            assert r.model_file is not None and r.optim_file is not None
-            jobs.append((tag_dir / r.model_file, _zero3_model_tree(plan, r, src_models, cache)))
-            jobs.append((tag_dir / r.optim_file, _zero3_optim_tree(plan, r, src0, cache)))
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    jobs = build_jobs(plan, ckpt, tag_dir, cache)
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
             yield write_torch_tree(path, tree)
@@ -810,68 +464,6 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) 
         finally:  # on an error: start no other file; the pool waits for those being written
             for fut in futures:
                 fut.cancel()
-
-
-def _zero12_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], cache: Any) -> dict[str, Any]:
-    osd0 = src0[OSD]
-    base0 = osd0["base_optimizer_state"]
-    state_keys = sorted(base0["state"].keys())
-    state: dict[Any, Any] = {}
-    for g in r.groups:
-        src_state = base0["state"][state_keys[g.group]]
-        new = {}
-        for k, v in src_state.items():
-            new[k] = (_streamed(g.exp_avg, cache) if k == "exp_avg" else
-                      _streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
-        state[state_keys[g.group]] = new
-    osd = dict(osd0)
-    osd["base_optimizer_state"] = {**base0, "state": state}
-    osd["single_partition_of_fp32_groups"] = [_streamed(g.master, cache) for g in r.groups]
-    osd["group_paddings"] = [g.padding_numel for g in r.groups]
-    osd["partition_count"] = [plan.world_size] * len(r.groups)
-    if "param_alignment_paddings" in osd0:
-        osd["param_alignment_paddings"] = [list(p) for p in plan.alignment_paddings]
-    osd["param_slice_mappings"] = [OrderedDict((n, _fragment_address(numel, start))
-                                               for n, start, numel in g.slice_mappings) for g in r.groups]
-    return {**src0, OSD: osd}
-
-
-def _zero3_model_tree(plan: ReshardPlan, r: RankPlan, src_models: Sequence[Mapping[str, Any]],
-                      cache: Any) -> dict[str, Any]:
-    # Stage-3 ranks keep their own buffers (BatchNorm statistics are not synchronised): a rank that
-    # existed before keeps its file's, a new rank starts from rank 0's.
-    source_rank = r.rank if r.rank < len(src_models) else 0
-    tree = dict(src_models[source_rank])
-    if r.rank > 0 and source_rank == 0:
-        tree["shared_params"] = {}  # DeepSpeed computes shared_params on rank 0 only (engine.py:5490-5528)
-    tree["dp_world_size"] = plan.world_size
-    tree["param_shapes"] = _shapes_tree(plan)
-    if tree.get("frozen_param_fragments") is not None or r.frozen_fragments:
-        tree["frozen_param_fragments"] = OrderedDict((n, _streamed(spec, cache)) for n, spec in r.frozen_fragments)
-    return tree
-
-
-def _zero3_optim_tree(plan: ReshardPlan, r: RankPlan, src0: Mapping[str, Any], cache: Any) -> dict[str, Any]:
-    osd0 = src0[OSD]
-    inner0 = osd0[OSD]
-    src_state = inner0["state"]
-    first_state = src_state[sorted(src_state.keys())[0]] if src_state else {}
-    state: dict[Any, Any] = {}
-    for g in r.groups:
-        new = {}
-        for k, v in first_state.items():
-            new[k] = (_streamed(g.exp_avg, cache) if k == "exp_avg" else
-                      _streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else _own_copy(v))
-        state[g.group] = new
-    param_groups = []
-    for gi, pg in enumerate(inner0["param_groups"]):
-        param_groups.append({**pg, "params": [t for t, owner in enumerate(plan.subgroup_to_group) if owner == gi]})
-    osd = dict(osd0)
-    osd["partition_count"] = plan.world_size
-    osd[OSD] = {**inner0, "state": state, "param_groups": param_groups}
-    osd["fp32_flat_groups"] = [_streamed(g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
-                               for g in r.groups]
-    return {**src0, OSD: osd}
 
 
 VERIFY_WINDOW_NUMEL = 64  # elements compared around each fragment boundary (quick verification)
@@ -896,6 +488,10 @@ def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any, *, full: bool) ->
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint records dp_world_size={new.dp_world_size}, "
             f"expected {plan.world_size}; nothing was written")
+    if (new.zero_stage, new.optimizer_wrapper) != (plan.zero_stage, plan.optimizer_wrapper):
+        raise CorruptCheckpointError(
+            f"verification failed: the written checkpoint reads as ZeRO stage {new.zero_stage} "
+            f"({new.optimizer_wrapper}), expected {plan.zero_stage} ({plan.optimizer_wrapper}); nothing was written")
     src_entries = _entries_by_name(src)
     new_entries = _entries_by_name(new)
     if set(src_entries) != set(new_entries):

@@ -3,9 +3,11 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus N --master_port P tests/ds_reshard_check.py \
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
     deepspeed --num_gpus N tests/ds_reshard_check.py --device cuda ...   # fp16 (see tests/gpu/)
+    ... tests/ds_reshard_check.py --zero-stage 3 [--sub-group-size 40] ...  # a stage-converted checkpoint
 
 For each pair: rebuild the fixture's model, param groups and ds_config (train_batch_size adapted to
-N ranks), ``deepspeed.initialize``, plain ``engine.load_checkpoint(dir)``, then compare with
+N ranks; with ``--zero-stage`` the ZeRO stage, and ``--sub-group-size``, replaced by the target's),
+``deepspeed.initialize``, plain ``engine.load_checkpoint(dir)``, then compare with
 ``truth.safetensors`` exactly:
 
 * fp32 master + Adam moments through ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
@@ -37,6 +39,8 @@ p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK"
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--result", default=None)
 p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
+p.add_argument("--zero-stage", type=int, default=None, help="the target ZeRO stage (default: the fixture's)")
+p.add_argument("--sub-group-size", type=int, default=None, help="ZeRO-3 sub_group_size of the target config")
 p.add_argument("--force-cpu-fp16", action="store_true",
                help="let DeepSpeed's CPU accelerator run fp16 (as tests/fixtures/generate.py does for *_cpuforced)")
 args = p.parse_args()
@@ -65,6 +69,11 @@ else:
 def build(name):
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
+    if args.zero_stage is not None:
+        spec["stage"] = args.zero_stage
+        cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": args.zero_stage}
+    if args.sub_group_size is not None:
+        cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     model = fm.build_model(spec).to(dev)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fm.model_parameters(model, spec), config=cfg)
@@ -155,7 +164,7 @@ def check_one(name, ckpt_dir):
             problems.append(f"frozen param '{n}' differs from the source")
     buffers = dict(module.named_buffers())
     expected_buffers = {n: truth[f"buffer/{n}"] for n in meta["buffers"]}
-    if stage == 3:
+    if stage == 3 and meta["stage"] == 3:
         # Stage-3 ranks keep their own (unsynchronised) BatchNorm statistics; dsckpt keeps source rank r's
         # for r < source world size and gives new ranks rank 0's. truth.safetensors holds rank 0's.
         from dsckpt import safe_load

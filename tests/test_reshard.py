@@ -193,6 +193,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(base: Path, world: int, pairs: list[str], result: Path, extra: tuple[str, ...] = ()):
+    """Run tests/ds_reshard_check.py on ``world`` CPU ranks: (exit code, results, PASS/FAIL log)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(_free_port()),
+         str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result), *extra,
+         *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else []), *pairs],
+        check=False, cwd=base, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    return (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
+            "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory):
     if not DEEPSPEED.exists():
@@ -211,16 +224,7 @@ def ds_runs(tmp_path_factory):
                 reshard(src, out, step)
                 src = out
             pairs.append(f"{name}={src}")
-        result = base / f"result_{world}.json"
-        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-        proc = subprocess.run(
-            [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(_free_port()),
-             str(REPO / "tests" / "ds_reshard_check.py"), "--result", str(result),
-             *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else []), *pairs],
-            check=False, cwd=base, env=env, capture_output=True, text=True, timeout=900)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
-        runs[world] = (proc.returncode, json.loads(result.read_text()) if result.exists() else [],
-                       "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:])
+        runs[world] = _launch(base, world, pairs, base / f"result_{world}.json")
     return runs
 
 
@@ -284,21 +288,22 @@ def test_zip64_records_load_and_verify(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", ["quick", "full"])
 def test_verification_catches_misplaced_bytes(mode, tmp_path, monkeypatch):
     """A writer bug that shifts one source range by one element must not reach the output."""
-    from dsckpt import reshard as reshard_mod
+    from dsckpt.ds_writers import common, zero3, zero12
     from dsckpt.errors import CorruptCheckpointError
     from dsckpt.writers.torch_stream import Extent, StreamedTensor
 
-    real = reshard_mod._streamed
+    real = common.streamed
 
-    def shifted(spec, cache, attrs=None):
-        t = real(spec, cache, attrs)
+    def shifted(spec, cache, attrs=None, **kw):
+        t = real(spec, cache, attrs, **kw)
         ext = [e for e in t.extents if e.path is not None]
         if t.numel < 16 or not ext:
             return t
         bad = tuple(Extent(e.path, e.file_offset + 4, e.nbytes) if e is ext[-1] else e for e in t.extents)
         return StreamedTensor(t.dtype, t.shape, bad, t.attrs)
 
-    monkeypatch.setattr(reshard_mod, "_streamed", shifted)
+    monkeypatch.setattr(zero12, "streamed", shifted)
+    monkeypatch.setattr(zero3, "streamed", shifted)
     fx = pick(stage=2, dtype="bf16")
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
