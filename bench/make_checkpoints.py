@@ -32,8 +32,14 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=-1)  # passed by the launcher
     args = ap.parse_args()
 
-    import torch
+    import importlib
+
     import deepspeed
+    import torch
+
+    # Collectives through gloo: DeepSpeed's CPU shared-memory op would be JIT-compiled first (minutes on a fresh
+    # host) and leaves its buffers in /dev/shm after every run (see tests/ds_launch.py).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     torch.manual_seed(0)
     per_layer = args.hidden * args.hidden + args.hidden

@@ -97,15 +97,35 @@ def remove(path: Path | None) -> None:
         path.unlink()
 
 
+# Where GNU time is missing (the GPU hosts), a few lines of Python in a bare interpreter (``-S``, only ``os``;
+# ~9 MB resident) fork the command and read its rusage from ``wait4``: the same small-parent argument holds.
+_RUSAGE_WRAPPER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{ru.ru_maxrss} {ru.ru_utime} {ru.ru_stime}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measure(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Sample:
     # Peak RSS comes from GNU time, not from os.wait4 here: Linux carries a process's RSS
     # high-water mark across fork+exec, so a child forked from this (large) Python process would
     # report at least this process's RSS. GNU time is small, so its child's figure is the command's.
     with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rss:
         full_env = {**os.environ, **env}
+        if os.access(TIME, os.X_OK):
+            wrapped = [TIME, "-f", "%M %U %S", "-o", rss.name, *argv]
+        else:
+            wrapped = [PY, "-S", "-c", _RUSAGE_WRAPPER, rss.name, *argv]
         t0 = time.perf_counter()
-        p = subprocess.run([TIME, "-f", "%M %U %S", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, stderr=err,
-                           env=full_env, cwd=cwd)
+        p = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=err, env=full_env, cwd=cwd)
         wall = time.perf_counter() - t0
         if p.returncode != 0:
             err.seek(0)
@@ -252,6 +272,38 @@ def verdict(ok: bool) -> str:
     return "**PASS**" if ok else "**FAIL**"
 
 
+def machine_facts(path: Path) -> dict:
+    """What the results tables say about the machine (``path``: where the outputs were written)."""
+    import socket
+
+    import torch
+
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - any failure to import it: report "?"
+        ds_version = "?"
+    disk = shutil.disk_usage(path)
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "disk_gb": round(disk.total / 1e9), "disk_free_gb": round(disk.free / 1e9), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__, "deepspeed": ds_version,
+            "host": socket.gethostname()}
+
+
+def write_section(results: Path, key: str, text: str) -> None:
+    """Replace this script's part of results.md (between its markers), keeping the rest."""
+    begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
+    old = results.read_text() if results.exists() else ""
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old.rstrip() + ("\n\n" if old else "") + block
+    results.write_text(new)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -262,8 +314,6 @@ def main() -> None:
                     help="folder holding an older dsckpt package (e.g. from `git archive`), timed as [before]")
     args = ap.parse_args()
 
-    if not os.access(TIME, os.X_OK):
-        sys.exit(f"{TIME} (GNU time) is needed to measure peak RSS; install the 'time' package")
     missing = [k for k in ("zero2-200m", "zero3-200m") if not CKPTS[k].exists()]
     if missing:
         sys.exit(f"missing checkpoints {missing}; generate them first (see bench/README.md)")
@@ -390,20 +440,10 @@ def main() -> None:
         rows.append(("baseline: `python -c 'import torch'`", fmt_s(by["python -c 'import torch'"].wall_s),
                      fmt_mb(torch_rss), "peak RSS of the import alone", "", ""))
 
-    import torch
-
-    try:
-        import deepspeed  # noqa: F401
-
-        ds_version = deepspeed.__version__
-    except Exception:  # noqa: BLE001
-        ds_version = "?"
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    disk = shutil.disk_usage(OUT)
-    machine = (f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), {mem_gib:.0f} GiB RAM, "
-               f"disk {disk.total / 1e9:.0f} GB ({disk.free / 1e9:.0f} GB free), Linux {platform.release()}, "
-               f"Python {platform.python_version()}, torch {torch.__version__}, deepspeed {ds_version}; "
-               f"shared with other jobs")
+    m = machine_facts(OUT)
+    machine = (f"{m['cpus']} CPU cores ({m['processor']}), {m['mem_gib']} GiB RAM, "
+               f"disk {m['disk_gb']} GB ({m['disk_free_gb']} GB free), Linux {m['kernel']}, "
+               f"Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}; shared with other jobs")
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} by `bench/run.py --rounds {args.rounds}`"
         + (f" (to-fp32 with `--workers {args.workers}`)" if args.workers is not None else "")
@@ -425,7 +465,7 @@ def main() -> None:
         "",
     ]
     text = "\n".join(lines)
-    args.results.write_text(text)
+    write_section(args.results, "run", text)  # bench/scale.py owns another section of the file
     print(text)
 
 

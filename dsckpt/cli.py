@@ -171,6 +171,11 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
                         if amb["values_agree"] else "exported values, trainable/frozen flags and optimizer moments "
                         "all depend on it")
                      + " — commands that depend on it refuse (exit 3)")
+    moe = s.get("moe")
+    for layer in (moe or {}).get("layers", []):
+        lines.append(f"experts      {layer['prefix']}{{0..{layer['num_experts'] - 1}}}: {layer['num_experts']} experts "
+                     f"(global ids), expert-parallel size {layer['ep_size']} ({layer['local_experts']} per rank), "
+                     f"expert-data-parallel size {layer['expert_dp_size']}")
     if s["tied"]:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:

@@ -102,6 +102,23 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "total_nbytes": sum(f["nbytes"] for f in files),
         "health": {"ok": not problems, "problems": problems, "notes": health_notes(ckpt)},
         "hf_trainer": hf_trainer_summary(ckpt.root),
+        "moe": moe_summary(ckpt),
+    }
+
+
+def moe_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:
+    """Mixture-of-Experts layout (``None`` for dense checkpoints): per MoE layer its experts and
+    expert-parallel size; expert tensors carry their global expert ids."""
+    moe = ckpt.moe
+    if moe is None:
+        return None
+    return {
+        "num_experts": moe.num_experts,
+        "layers": [{"prefix": prefix, "num_experts": n, "ep_size": ep, "local_experts": n // ep,
+                    "expert_dp_size": ckpt.dp_world_size // ep} for prefix, n, ep in moe.layers],
+        "ep_sizes": list(moe.ep_sizes),
+        "use_data_before_expert_parallelism": moe.data_before_expert,
+        "expert_files": len(moe.expert_files),
     }
 
 

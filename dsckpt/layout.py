@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import (
@@ -28,8 +28,11 @@ _ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_state
 # Very old releases wrote "...mp_rank_00optim_states.pt" (no underscore); the loader still accepts it.
 _OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-_EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
-_EXPP_OPTIM = re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+# MoE (engine.py:4362-4381): one file per MoE layer and *global* expert id, written by expert-data-
+# parallel rank 0 of each expert-parallel group; per expert-parallel rank optimizer files without ZeRO.
+_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_LEGACY_EXPERT = re.compile(r"^expert_\d+_mp_rank_\d+_model_states\.pt$")
+_EXPP_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class CheckpointFiles:
     bf16_prefixed_optim: bool
     layer_files: dict[tuple[int, int | None], Path]
     other_files: tuple[Path, ...]
+    # MoE: (moe layer, global expert id, mp rank) -> file; (expert-parallel rank, mp rank) -> file
+    layer_expert_to_files: dict[tuple[int, int, int], Path] = field(default_factory=dict)
+    ep_mp_to_expp_optim_states: dict[tuple[int, int], Path] = field(default_factory=dict)
 
     @property
     def mp_world_size(self) -> int:
@@ -58,7 +64,8 @@ class CheckpointFiles:
 
     def all_files(self) -> list[Path]:
         files = [*self.mp_to_model_states.values(), *self.dp_mp_to_zero3_model_states.values(),
-                 *self.dp_mp_to_optim_states.values(), *self.layer_files.values()]
+                 *self.dp_mp_to_optim_states.values(), *self.layer_files.values(),
+                 *self.layer_expert_to_files.values(), *self.ep_mp_to_expp_optim_states.values()]
         return sorted(files)
 
 
@@ -152,7 +159,9 @@ def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     layers: dict[tuple[int, int | None], Path] = {}
     others: list[Path] = []
     prefixes: set[bool] = set()
-    moe: list[str] = []
+    experts: dict[tuple[int, int, int], Path] = {}
+    expp: dict[tuple[int, int], Path] = {}
+    legacy_moe: list[str] = []
     for name in sorted(os.listdir(tag_dir)):
         full = tag_dir / name
         if m := _MODEL_STATES.match(name):
@@ -164,14 +173,19 @@ def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
             prefixes.add(bool(m[1]))
         elif m := _LAYER.match(name):
             layers[(int(m[1]), int(m[2]) if m[2] is not None else None)] = full
-        elif _EXPERT.match(name) or _EXPP_OPTIM.match(name):
-            moe.append(name)
+        elif m := _EXPERT.match(name):
+            experts[(int(m[1]), int(m[2]), int(m[3]))] = full
+        elif m := _EXPP_OPTIM.match(name):
+            expp[(int(m[1]), int(m[2]))] = full
+        elif _LEGACY_EXPERT.match(name):
+            legacy_moe.append(name)
         else:
             others.append(full)
-    if moe:
+    if legacy_moe:
         raise UnsupportedCheckpointError(
-            f"'{tag_dir}' is a Mixture-of-Experts checkpoint (found {moe[0]}); MoE expert files are "
-            "not supported yet"
+            f"'{tag_dir}' holds legacy Mixture-of-Experts files without a layer id (found {legacy_moe[0]}; "
+            "the old naming that DeepSpeed 0.19.8 only loads as 'old_moe_load'), which is not supported; only "
+            "'layer_{L}_expert_{E}_mp_rank_{MM}_model_states.pt' files can be read"
         )
     if len(prefixes) > 1:
         raise UnsupportedCheckpointError(
@@ -184,7 +198,7 @@ def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
         root=root, tag=tag, tag_dir=tag_dir, mp_to_model_states=model_states,
         dp_mp_to_zero3_model_states=zero3, dp_mp_to_optim_states=optim,
         bf16_prefixed_optim=bool(prefixes and prefixes.pop()), layer_files=layers,
-        other_files=tuple(others),
+        other_files=tuple(others), layer_expert_to_files=experts, ep_mp_to_expp_optim_states=expp,
     )
 
 

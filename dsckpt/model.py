@@ -25,6 +25,7 @@ __all__ = [
     "TensorEntry",
     "LogicalCheckpoint",
     "Precision",
+    "MoeLayout",
 ]
 
 
@@ -116,6 +117,37 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class MoeLayout:
+    """How a DeepSpeed MoE checkpoint spreads its experts (see :mod:`dsckpt.expert_parallel`).
+
+    ``group_ep_sizes``: per optimizer param group, the expert-parallel size of an expert group, or
+    None for a dense group. ``layers``: per MoE layer, ``(expert name prefix ("...deepspeed_experts."),
+    number of experts, expert-parallel size)``. Expert entries carry their global names; the files name
+    them by local id (optimizer side) and global id (expert files).
+    """
+
+    group_ep_sizes: tuple[int | None, ...]
+    layers: tuple[tuple[str, int, int], ...]
+    data_before_expert: bool
+    expert_files: tuple[Path, ...]
+    expp_optim_files: tuple[Path, ...] = ()  # stage 0: per expert-parallel rank optimizer files
+
+    @property
+    def ep_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({e for e in self.group_ep_sizes if e is not None}))
+
+    @property
+    def num_experts(self) -> int:
+        return sum(n for _, n, _ in self.layers)
+
+    def local_experts(self, prefix: str) -> int:
+        for p, n, ep in self.layers:
+            if p == prefix:
+                return n // ep
+        raise KeyError(prefix)
+
+
+@dataclass(frozen=True)
 class LogicalCheckpoint:
     root: Path
     tag: str
@@ -137,6 +169,7 @@ class LogicalCheckpoint:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # Bindings the files leave open (stage 0 only today); see dsckpt.binding and require_unambiguous().
     ambiguities: tuple[Ambiguity, ...] = field(default_factory=tuple)
+    moe: MoeLayout | None = None  # Mixture-of-Experts checkpoints only
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)

@@ -21,7 +21,11 @@ stage_1_and_2.py:3651-3787, stage3.py:3540-3620, bf16_optimizer.py:655-690):
 * stage 3, per rank: ``fp32_flat_groups`` and the inner Adam state per *sub-group* (sub-groups are
   re-formed for the new size), ``partition_count``; model-states ``frozen_param_fragments``
   re-partitioned, placeholders and buffers copied;
-* stage 0: only ``dp_world_size``.
+* stage 0: only ``dp_world_size`` (MoE: expert and ``expp_rank_*`` files copied).
+* MoE (ZeRO-1/2, :mod:`dsckpt.readers.moe`): the expert-parallel size is kept; each expert group is
+  re-partitioned over the new expert-data-parallel size (``world / ep_size``, its
+  ``partition_count``), every target rank holding its expert-parallel rank's experts under their
+  local names (:mod:`dsckpt.expert_parallel`); the ``layer_*_expert_*`` files are copied.
 """
 
 from __future__ import annotations
@@ -38,8 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .ds_writers import LayoutPlan, SourceFacts, Target, build_jobs, plan_layout
+from .ds_writers import (
+    LayoutPlan,
+    SourceFacts,
+    Target,
+    build_jobs,
+    plan_layout,
+    source_layout_stage,
+)
 from .ds_writers.common import fmt_key as _fmt_key
+from .ds_writers.moe import held_by_ep_rank_0
 from .ds_writers.plan import rank_of as _rank_of
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
@@ -47,18 +59,18 @@ from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from .partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
-    "SourceFacts",
-    "Target",
     "ReshardPlan",
     "ReshardResult",
+    "SourceFacts",
+    "Target",
     "Verify",
-    "read_source_facts",
-    "plan_reshard",
-    "run_reshard",
-    "output_nbytes_bound",
+    "default_workers",
     "describe_plan",
     "describe_target_config",
-    "default_workers",
+    "output_nbytes_bound",
+    "plan_reshard",
+    "read_source_facts",
+    "run_reshard",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,7 +126,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     if (ckpt.tag_dir / "offloaded_tensors").exists():
         problems.append("an 'offloaded_tensors/' folder (NVMe-swapped optimizer state)")
 
-    if ckpt.zero_stage == 0:
+    if source_layout_stage(ckpt) == 0:
         if problems:
             raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
         return SourceFacts((), ())
@@ -138,10 +150,12 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         state = (base or {}).get("state") or {}
         param_groups = (base or {}).get("param_groups") or []
         counts = osd0.get("partition_count")
-        if isinstance(counts, list) and any(int(c) != ckpt.dp_world_size for c in counts):
+        if ckpt.moe is None and isinstance(counts, list) and any(int(c) != ckpt.dp_world_size for c in counts):
             problems.append(f"partition_count {counts} (MoE expert groups partitioned over fewer ranks)")
-    if ms0.get("num_experts") is not None:
+    if ckpt.moe is None and ms0.get("num_experts") is not None:
         problems.append("Mixture-of-Experts layers ('num_experts' in the model states)")
+    if ckpt.moe is not None and bool((zcfg or {}).get("round_robin_gradients", False)):
+        problems.append("Mixture-of-Experts with round_robin_gradients")
     extra_keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s} - ADAM_STATE_KEYS)
     if extra_keys:
         problems.append(f"optimizer state keys {extra_keys} (only Adam/AdamW's step, exp_avg, exp_avg_sq "
@@ -235,6 +249,8 @@ def _derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
     """Facts recoverable from the logical model alone (flat order from the fragment positions)."""
     groups: dict[int, list[tuple[int, int, str]]] = {}
     for e in ckpt.entries:
+        if ckpt.moe is not None and not held_by_ep_rank_0(ckpt, e.name):
+            continue  # param_shapes lists local expert names, which are expert-parallel rank 0's global ones
         if e.kind is Kind.PARAM and e.trainable and e.tied_to is None and e.group is not None:
             m = e.piece(Role.MASTER)
             first = m.fragments[0] if m and m.fragments else None
@@ -276,7 +292,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if problems:
         raise UnsupportedCheckpointError(_refusal_message(ckpt, problems))
     facts = facts if facts is not None else _derive_facts(ckpt)
-    stage = ckpt.zero_stage if zero_stage is None else zero_stage
+    stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
     optim = tuple(p for p in ckpt.files if "optim_states" in p.name)
@@ -288,6 +304,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         hf_files=_plan_hf_files(ckpt, world_size) if hf_files else None,
     )
     return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size), facts, common)
+
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
@@ -320,6 +337,8 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
                 lines.append(f"    ... {len(g.master.copies) - max_copies} more ranges")
         for name, spec in r.frozen_fragments:
             lines.append(f"  frozen {name}: {spec.numel} elements ({spec.copied_numel} copied)")
+    if plan.copied_model_files:
+        lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.changes_layout:
         lines.append("resume with: " + describe_target_config(plan))
     if plan.zero_stage == 0:
@@ -425,6 +444,7 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
             return 0
 
     models = [size(p) for p in plan.source_model_files]
+    copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
     if plan.from_stage == 3 and plan.zero_stage != 3:  # the module is rebuilt in full: at most fp32 per element
         model_nbytes += 4 * sum(math.prod(shape) for group in plan.param_shapes for _, shape in group)
@@ -433,7 +453,8 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
     scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)
     files = len(plan.source_model_files) + 2 * len(plan.ranks) + 3
     hf = plan.hf_files.nbytes if plan.hf_files is not None else 0
-    return plan.copied_nbytes + model_nbytes + scripts + hf + (64 << 10) * files
+    files += len(plan.copied_model_files)
+    return plan.copied_nbytes + model_nbytes + copied + scripts + hf + (64 << 10) * files
 
 
 def default_workers() -> int:
@@ -444,9 +465,8 @@ def default_workers() -> int:
 
 def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) -> Iterator[Path]:
     """Write every target file, ``workers`` at a time; yields their paths in plan order."""
-    from .writers.torch_stream import write_torch_tree
-
     from .readers import read_checkpoint
+    from .writers.torch_stream import write_torch_tree
 
     # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
     # reads only the byte ranges its tree names.
@@ -488,9 +508,9 @@ def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any, *, full: bool) ->
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint records dp_world_size={new.dp_world_size}, "
             f"expected {plan.world_size}; nothing was written")
-    if (new.zero_stage, new.optimizer_wrapper) != (plan.zero_stage, plan.optimizer_wrapper):
+    if (source_layout_stage(new), new.optimizer_wrapper) != (plan.zero_stage, plan.optimizer_wrapper):
         raise CorruptCheckpointError(
-            f"verification failed: the written checkpoint reads as ZeRO stage {new.zero_stage} "
+            f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
             f"({new.optimizer_wrapper}), expected {plan.zero_stage} ({plan.optimizer_wrapper}); nothing was written")
     src_entries = _entries_by_name(src)
     new_entries = _entries_by_name(new)

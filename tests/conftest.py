@@ -28,6 +28,12 @@ class Fixture:
         """Names this fixture was designed to leave unbound (fixture_models.FIXTURES); empty for most."""
         return tuple(_spec(self.name).get("expect_ambiguous", ()))
 
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel size of a MoE fixture (1 otherwise): reshard keeps it, so target world
+        sizes it does not divide are refused rather than resharded."""
+        return int((self.meta.get("moe") or {}).get("ep_size", 1))
+
     def truth(self) -> dict:
         from safetensors.torch import load_file
 

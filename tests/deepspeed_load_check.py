@@ -36,7 +36,10 @@ if args.force_cpu_fp16:
     CPU_Accelerator.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
 
 import deepspeed  # noqa: E402
+from ds_launch import gloo_only  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 
 spec = fm.FIXTURES[args.fixture]
 cfg = fm.ds_config(spec)

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,25 @@ if args.force_cpu_fp16:
 
 import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from ds_launch import gloo_only, report_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
+if getattr(sys.modules.get("oneccl_bindings_for_pytorch"), "DSCKPT_STUB", False):
+    # DeepSpeed <= 0.13 on CPU with tests/fixtures/old_ds_shim on PYTHONPATH: no 'ccl' backend, use gloo
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator()._communication_backend_name = "gloo"
+    if get_accelerator().current_stream() is None:
+        # DeepSpeed 0.10.3's CPU accelerator has no streams (current_stream() is None), yet stage-3
+        # load_checkpoint ends with an all-gather whose handle calls current_stream().synchronize()
+        # (partition_parameters.py AllGatherCoalescedHandle.wait, from stage3.checkpoint_event_epilogue, after
+        # every file was read): a CPU-only crash that no checkpoint content avoids. CPU work is synchronous,
+        # so a no-op stream is exact.
+        class _NoStream:
+            def synchronize(self):
+                pass
+
+        type(get_accelerator()).current_stream = lambda self, device_index=None: _NoStream()
 
 deepspeed.init_distributed()
 rank = dist.get_rank()
@@ -66,6 +83,18 @@ else:
     dev = torch.device("cpu")
 
 
+from deepspeed.comm import comm as ds_comm  # noqa: E402
+
+NATIVE_ALL_GATHER = ds_comm.cdb.all_gather_function
+
+
+def use_gloo_safe_all_gather(stage):
+    """Some (DeepSpeed, torch) pairs cannot all_gather_into_tensor over gloo after a partitioned step; on CPU
+    take DeepSpeed's own dist.all_gather fallback there (fixture_models.GLOO_ALL_GATHER_FALLBACK says why)."""
+    fallback = dev.type == "cpu" and fm.needs_gloo_all_gather_fallback(deepspeed.__version__, torch.__version__, stage)
+    ds_comm.cdb.all_gather_function = None if fallback else NATIVE_ALL_GATHER
+
+
 def build(name):
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
@@ -74,6 +103,7 @@ def build(name):
         cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": args.zero_stage}
     if args.sub_group_size is not None:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
+    use_gloo_safe_all_gather(spec["stage"])
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     model = fm.build_model(spec).to(dev)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fm.model_parameters(model, spec), config=cfg)
@@ -86,23 +116,29 @@ def gather_flat(t):
     return torch.cat(parts)
 
 
+def _dense_offsets(groups):
+    offsets = []
+    for g in groups:
+        o, acc = [], 0
+        for q in g:
+            o.append(acc)
+            acc += q.numel()
+        offsets.append(o)
+    return offsets
+
+
 def check_flat_partitions(engine, truth, problems):
     """Stage 1/2 and BF16_Optimizer: the optimizer's own fp32 partitions and Adam moments."""
     opt = engine.optimizer
     inner = opt.optimizer
     if hasattr(opt, "round_robin_bit16_groups"):
         groups = opt.round_robin_bit16_groups
-        offsets = opt.round_robin_bit16_offsets
+        # round_robin_bit16_offsets (alignment padding) is newer than DeepSpeed 0.10.3, which packs params densely
+        offsets = getattr(opt, "round_robin_bit16_offsets", None) or _dense_offsets(groups)
         flats = opt.single_partition_of_fp32_groups
     else:  # BF16_Optimizer: bf16_groups order, no alignment padding
         groups = opt.bf16_groups
-        offsets = []
-        for g in groups:
-            o, acc = [], 0
-            for q in g:
-                o.append(acc)
-                acc += q.numel()
-            offsets.append(o)
+        offsets = _dense_offsets(groups)
         flats = opt.fp32_groups_flat_partition
     for gi, (plist, offs, part) in enumerate(zip(groups, offsets, flats)):
         full = {"param": gather_flat(part.detach().float())}
@@ -117,6 +153,30 @@ def check_flat_partitions(engine, truth, problems):
                     problems.append(f"flat partition {key} of '{n}' (group {gi}) differs from the source")
 
 
+def check_stage0_masters(engine, truth, problems):
+    """Stage-0 FP16_UnfusedOptimizer / FP16_Optimizer: each fp32 master and its Adam moments."""
+    opt = engine.optimizer
+    base = opt.optimizer
+    name_of = {id(q): n for n, q in engine.module.named_parameters()}
+    if hasattr(opt, "fp32_groups_flat"):  # fused: one flat master per group, params packed in order
+        pairs = []
+        for plist, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            st, off = base.state[flat], 0
+            for q in plist:
+                k = q.numel()
+                pairs.append((q, {"param": flat.data[off:off + k], "exp_avg": st["exp_avg"][off:off + k],
+                                  "exp_avg_sq": st["exp_avg_sq"][off:off + k]}))
+                off += k
+    else:
+        pairs = [(q, {"param": m.data, "exp_avg": base.state[m]["exp_avg"], "exp_avg_sq": base.state[m]["exp_avg_sq"]})
+                 for plist, masters in zip(opt.fp16_groups, opt.fp32_groups) for q, m in zip(plist, masters)]
+    for q, got in pairs:
+        n = name_of[id(q)]
+        for key, t in got.items():
+            if not torch.equal(t.detach().float().cpu().view(q.shape), truth[f"{key}/{n}"]):
+                problems.append(f"stage-0 {key} of '{n}' differs from the source")
+
+
 def check_one(name, ckpt_dir):
     problems = []
     spec, cfg, engine = build(name)
@@ -128,8 +188,12 @@ def check_one(name, ckpt_dir):
         return [f"load_checkpoint returned None for {ckpt_dir}"]
     module = engine.module
     opt = engine.optimizer
-    if stage in (1, 2) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        # Link the optimizer-state fragments for the fragment API (the fixture generator does the same).
+    # DeepSpeed 0.10.3-0.16.9 wrap stage-0 bf16 in BF16_Optimizer: partitioned like ZeRO-1, with the fragment API
+    bf16_opt = type(opt).__name__ == "BF16_Optimizer"
+    if (stage in (1, 2) or bf16_opt) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # Link the optimizer-state fragments for the fragment API (the fixture generator does the same). DeepSpeed
+        # links them lazily at the first step; BF16_Optimizer.load_state_dict (0.14.5, 0.16.9) re-links the params
+        # with no optimizer state, so before a step safe_get_full_optimizer_state fails on optim_fragment None.
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     round_robin = bool(cfg["zero_optimization"].get("round_robin_gradients"))
@@ -138,7 +202,7 @@ def check_one(name, ckpt_dir):
         if n in meta["tied"]:
             continue
         q = params[n]
-        if stage == 0:
+        if stage == 0 and not bf16_opt:
             continue
         if not round_robin:
             got = {"param": safe_get_full_fp32_param(q),
@@ -147,8 +211,10 @@ def check_one(name, ckpt_dir):
             for key, t in got.items():
                 if t is None or not torch.equal(t.detach().float().cpu(), truth[f"{key}/{n}"]):
                     problems.append(f"{key} of '{n}' differs from the source (fragment API)")
-    if stage in (1, 2):
+    if stage in (1, 2) or bf16_opt:
         check_flat_partitions(engine, truth, problems)
+    if stage == 0 and not bf16_opt and hasattr(opt, "fp32_groups"):
+        check_stage0_masters(engine, truth, problems)
     # module weights, frozen params, buffers
     if stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -214,25 +280,4 @@ def check_one(name, ckpt_dir):
     return problems
 
 
-results = []
-for pair in args.pairs:
-    name, ckpt_dir = pair.split("=", 1)
-    try:
-        problems = check_one(name, ckpt_dir)
-    except Exception as e:  # noqa: BLE001 - report and continue with the next checkpoint
-        problems = [f"{type(e).__name__}: {e}"]
-        if rank == 0:
-            traceback.print_exc()
-    gathered = [None] * world
-    dist.all_gather_object(gathered, problems)
-    merged = sorted({f"rank {r}: {m}" for r, ps in enumerate(gathered) for m in ps})
-    results.append({"fixture": name, "ckpt": ckpt_dir, "world_size": world, "ok": not merged, "problems": merged})
-    if rank == 0:
-        print(("PASS " if not merged else "FAIL ") + f"{name} -> {world} ranks ({ckpt_dir})"
-              + ("" if not merged else ": " + "; ".join(merged[:6])), flush=True)
-
-if rank == 0 and args.result:
-    with open(args.result, "w") as f:
-        json.dump(results, f, indent=1)
-dist.barrier()
-sys.exit(0 if all(r["ok"] for r in results) else 1)
+report_checks(args.pairs, check_one, args.result)

@@ -30,8 +30,11 @@ p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK"
 args = p.parse_args()
 
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from ds_launch import gloo_only  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
+
+gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 
 spec = hm.HF_FIXTURES[args.name]
 truth = load_file(os.path.join(HERE, "fixtures", args.name, "truth.safetensors"))

@@ -127,12 +127,12 @@ def test_tensor_parallel_is_refused_not_misread(tmp_path):
     _assert_one_line_error(res, 3, "model parallel size 2", "not supported yet")
 
 
-def test_moe_files_are_refused(tmp_path):
-    fx = fixtures_where(stage=0)[0]
+def test_legacy_moe_expert_files_are_refused(tmp_path):
+    fx = fixtures_where(stage=0, name="s0_fp32_w1")[0]
     ckpt = _copy(fx, tmp_path)
-    (_tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (_tag_dir(ckpt) / "expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
     res = _run("info", str(ckpt))
-    _assert_one_line_error(res, 3, "Mixture-of-Experts", "not supported yet")
+    _assert_one_line_error(res, 3, "legacy Mixture-of-Experts files", "not supported")
 
 
 def test_points_at_tag_folder_or_root_alike():

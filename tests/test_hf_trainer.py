@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import FIXTURES, all_fixtures, ids, tree_digest
+from ds_launch import DEEPSPEED, run_deepspeed
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, all_fixtures, ids, tree_digest
 from dsckpt import open_checkpoint, safe_load
 from dsckpt.cli import main
 from dsckpt.convert import plan_to_fp32
 from dsckpt.hf import FileRole, plan_export_files, plan_resume_files
-from dsckpt.readers import FileCache, read_checkpoint
-from dsckpt.reshard import plan_reshard, read_source_facts
+from dsckpt.readers import read_checkpoint
 from dsckpt.writers.safetensors import TensorSpec, plan_shards
 
 sys.path.insert(0, str(FIXTURES))
@@ -35,7 +32,6 @@ sys.path.remove(str(FIXTURES))
 
 HF = [f for f in all_fixtures() if f.meta.get("client") == "hf_trainer"]
 REPO = Path(__file__).resolve().parent.parent
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 MODEL_SIDE = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
@@ -366,11 +362,6 @@ def test_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
 # Real Trainer resumes (slow)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 RESUMES = [("hf_llama_z2_bf16_w2", 1, 4), ("hf_gpt2_z3_bf16_w2", 3, 2)]
 
@@ -385,16 +376,9 @@ def test_trainer_resumes_resharded_checkpoint(name, world_size, micro_batch, tmp
     r = CliRunner().invoke(main, ["reshard", str(fx.ckpt), str(out), "-n", str(world_size), "-q"])
     assert r.exit_code == 0, r.output
     report = tmp_path / "report.json"
-    from importlib.metadata import version
-
-    # DeepSpeed JIT-builds its CPU shm_comm op into TORCH_EXTENSIONS_DIR; a build by another DeepSpeed release in
-    # the shared default cache makes 0.19.8 fail with "no attribute 'vector_kernel_level'". One cache per release.
-    ext = Path.home() / ".cache" / f"torch_extensions_deepspeed_{version('deepspeed')}"
-    env = {"TORCH_EXTENSIONS_DIR": str(ext), **os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", str(world_size), "--master_port", str(_free_port()),
-                           str(REPO / "tests" / "hf_trainer_check.py"), "--name", name, "--ckpt", str(out),
-                           "--report", str(report), "--micro-batch", str(micro_batch)],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=420)
+    proc = run_deepspeed("hf_trainer_check.py", ["--name", name, "--ckpt", str(out), "--report", str(report),
+                                                 "--micro-batch", str(micro_batch)],
+                         world=world_size, cwd=tmp_path, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(report.read_text())
     saved = safe_load.materialize(safe_load.load(fx.ckpt / "rng_state_0.pth"))["cpu"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import all_fixtures, ids, tree_digest
-from test_reshard import DEEPSPEED, REPO, _launch
+from ds_launch import DEEPSPEED, REPO, run_check_script
 
 from dsckpt import safe_load
 from dsckpt.assemble import iter_tensors
@@ -166,8 +166,12 @@ def ds_stage_runs(tmp_path_factory):
             out = base / f"{name}_to{world}_s{stage}"
             convert(REPO / "tests" / "fixtures" / name / "ckpt", out, world, stage, sub)
             pairs.append(f"{name}={out}")
-        extra = ("--zero-stage", str(stage), *(("--sub-group-size", str(sub)) if sub else ()))
-        runs[(world, stage, sub)] = _launch(base, world, pairs, base / f"result_{world}_{stage}.json", extra)
+        args = ["--zero-stage", str(stage), *(("--sub-group-size", str(sub)) if sub else ()),
+                *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else [])]
+        cwd = base / f"to{world}_s{stage}_sub{sub}"
+        cwd.mkdir()
+        runs[(world, stage, sub)] = run_check_script("ds_reshard_check.py", pairs, args=args, world=world, cwd=cwd,
+                                                     timeout=900)
     return runs
 
 

@@ -58,8 +58,30 @@ from .plan import (
     rank_of,
 )
 
-__all__ = ["Target", "SourceFacts", "LayoutPlan", "RankPlan", "GroupPartition", "FlatSpec", "RangeCopy",
-           "plan_layout", "build_jobs", "target_wrapper"]
+__all__ = [
+    "FlatSpec",
+    "GroupPartition",
+    "LayoutPlan",
+    "RangeCopy",
+    "RankPlan",
+    "SourceFacts",
+    "Target",
+    "build_jobs",
+    "plan_layout",
+    "source_layout_stage",
+    "target_wrapper",
+]
+
+
+def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
+    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed 0.10.3 to 0.16.9 (written by 0.14.5 and
+    0.16.9) wrap stage-0 bf16 in BF16_Optimizer -- their bf16 grad_accum_dtype defaults to fp32 without ZeRO --
+    so the fp32 masters are partitioned in ``bf16_zero_pp_rank_*`` files like ZeRO-1, while the ds_config
+    (kept as written) says stage 0. 0.18.9 and 0.19.8 default grad_accum_dtype to bf16 and use
+    FP16_UnfusedOptimizer there."""
+    if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
+        return 1
+    return ckpt.zero_stage
 
 
 def target_wrapper(ckpt: LogicalCheckpoint, target: Target) -> str:
@@ -85,11 +107,16 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
     Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) a stage change from or to stage 0.
     """
-    src_stage = ckpt.zero_stage
+    src_stage = source_layout_stage(ckpt)
     if (src_stage == 0) != (target.zero_stage == 0):
         raise UnsupportedCheckpointError(
             f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {src_stage} to stage {target.zero_stage}: "
             "stage changes are supported between ZeRO stages 1, 2 and 3 only")
+    if ckpt.moe is not None and target.zero_stage != src_stage:
+        raise UnsupportedCheckpointError(
+            f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
+            f"{target.zero_stage}: stage changes of MoE checkpoints are not supported (DeepSpeed 0.19.8 has no "
+            "native MoE at ZeRO-3); reshard it at its own stage")
     wrapper = target_wrapper(ckpt, target)
     common = {**common, "zero_stage": target.zero_stage, "optimizer_wrapper": wrapper,
               "source_zero_stage": src_stage, "source_optimizer_wrapper": ckpt.optimizer_wrapper}
@@ -142,7 +169,7 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
 
 
 def _source_model_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
-    if ckpt.zero_stage == 3:
+    if source_layout_stage(ckpt) == 3:
         return tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
                              and p.name.endswith("_model_states.pt")), key=rank_of))
     return tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
@@ -157,7 +184,7 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     if plan.zero_stage == 0:
         from .stage0 import stage0_model_trees
 
-        return [(tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)]
+        return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)), *_copied(plan, tag_dir, cache)]
     src0 = cache.tree(plan.source_optim_files[0])
     same_family = (plan.from_stage == 3) == (plan.zero_stage == 3) and plan.from_wrapper == plan.optimizer_wrapper
     scalars = None if same_family else optimizer_scalars(src0, plan.from_stage)
@@ -166,6 +193,7 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
 
         name, tree = zero12_model_tree(plan, ckpt, cache)
         jobs.append((tag_dir / name, tree))
+        jobs += _copied(plan, tag_dir, cache)
         for r in plan.ranks:
             assert r.optim_file is not None
             jobs.append((tag_dir / r.optim_file, zero12_optim_tree(plan, r, src0, scalars, cache)))
@@ -178,3 +206,8 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
         jobs.append((tag_dir / r.model_file, zero3_model_tree(plan, r, ckpt, src_models, cache)))
         jobs.append((tag_dir / r.optim_file, zero3_optim_tree(plan, r, src0, scalars, cache)))
     return jobs
+
+
+def _copied(plan: LayoutPlan, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+    """The plan's files rewritten unchanged (MoE expert files)."""
+    return [(tag_dir / src.name, dict(cache.tree(src))) for src in plan.copied_model_files]

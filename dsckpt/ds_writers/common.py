@@ -17,8 +17,19 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .plan import FlatSpec, LayoutPlan
 
-__all__ = ["OSD", "streamed", "own_copy", "fragment_address", "zero_stage_enum", "loss_scaler",
-           "shapes_tree", "fmt_key", "OptimizerScalars", "optimizer_scalars", "target_ds_config"]
+__all__ = [
+    "OSD",
+    "OptimizerScalars",
+    "fmt_key",
+    "fragment_address",
+    "loss_scaler",
+    "optimizer_scalars",
+    "own_copy",
+    "shapes_tree",
+    "streamed",
+    "target_ds_config",
+    "zero_stage_enum",
+]
 
 OSD = "optimizer_state_dict"
 
@@ -125,10 +136,15 @@ def loss_scaler() -> Any:
     return obj
 
 
-def shapes_tree(plan: LayoutPlan) -> list[OrderedDict[str, Any]]:
+def shapes_tree(plan: LayoutPlan, like: Any = None) -> list[OrderedDict[str, Any]]:
+    """``param_shapes`` as DeepSpeed writes them: ``torch.Size`` values, except where the source ``like``
+    holds plain tuples (0.19.8 ``_save_moe_checkpoint`` passes the state through ``clone_tensors_for_torch_save``,
+    which rebuilds every tuple, ``torch.Size`` included, as a tuple)."""
     from ..writers.torch_stream import Size
 
-    return [OrderedDict((n, Size(s)) for n, s in group) for group in plan.param_shapes]
+    as_tuple = isinstance(like, list) and any(
+        isinstance(g, Mapping) and any(type(v) is tuple for v in g.values()) for g in like)
+    return [OrderedDict((n, tuple(s) if as_tuple else Size(s)) for n, s in group) for group in plan.param_shapes]
 
 
 @dataclass(frozen=True)

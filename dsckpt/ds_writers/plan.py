@@ -19,19 +19,19 @@ from ..model import Piece, Precision
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
-    "RangeCopy",
     "FlatSpec",
     "GroupPartition",
+    "LayoutPlan",
+    "RangeCopy",
     "RankPlan",
     "SourceFacts",
     "Target",
-    "LayoutPlan",
-    "range_copies",
     "coalesce",
-    "optim_file_name",
-    "model_file_name",
-    "rank_of",
     "element_nbytes",
+    "model_file_name",
+    "optim_file_name",
+    "range_copies",
+    "rank_of",
 ]
 
 ZERO_WRAPPER = "DeepSpeedZeroOptimizer"
@@ -76,6 +76,7 @@ class GroupPartition:
     exp_avg_sq: FlatSpec
     slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
     ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
+    partition_count: int | None = None  # MoE expert group: the expert-data-parallel size (else the world size)
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class LayoutPlan:
     source_zero_stage: int | None = None  # None: same as zero_stage
     source_optimizer_wrapper: str | None = None  # None: same as optimizer_wrapper
     sub_group_size: int | None = None  # stage-3 target: the sub_group_size the sub-groups were formed with
+    copied_model_files: tuple[Path, ...] = ()  # MoE expert (and stage-0 expp_rank_*) files, rewritten unchanged
 
     @property
     def from_stage(self) -> int:

@@ -40,6 +40,7 @@ from .common import (
     target_ds_config,
     zero_stage_enum,
 )
+from .moe import copied_files, expert_group_sizes, moe_note, rank_in_group
 from .plan import (
     BF16_WRAPPER,
     FlatSpec,
@@ -69,6 +70,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     """
     by_name = {e.name: e for e in ckpt.entries}
     elem = element_nbytes(ckpt.precision)
+    group_ep = expert_group_sizes(ckpt, world)
     param_shapes = []
     all_paddings = []
     group_layouts = []  # per group: (names in flat order, layout, names in bit16 order, paddings)
@@ -81,7 +83,10 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
         numels = [by_name[nm].numel for nm in flat]
         pads = param_alignment_paddings(numels, elem, enabled=parameter_alignment and not bf16_optimizer)
-        layout = zero12_group_layout(numels, world, alignment_paddings=pads)
+        ep = group_ep[g] if g < len(group_ep) else None
+        # An expert group is partitioned over the expert-data-parallel group only (its alignment too:
+        # stage_1_and_2.py uses the size of real_dp_process_group[g]).
+        layout = zero12_group_layout(numels, world // ep if ep else world, alignment_paddings=pads)
         param_shapes.append(tuple((nm, by_name[nm].shape) for nm in flat))
         all_paddings.append(tuple(pads))
         group_layouts.append((flat, layout, original, pads))
@@ -90,16 +95,18 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     for r in range(world):
         groups = []
         for g, (flat, layout, original, pads) in enumerate(group_layouts):
+            ep = group_ep[g] if g < len(group_ep) else None
+            k, resolve = rank_in_group(ckpt, world, r, ep)
             p_numel = layout.partition_numel
-            p_start = r * p_numel
-            padding = (bf16_optimizer_group_padding(layout, r) if bf16_optimizer else layout.rank_padding(r))
-            stored = p_numel if bf16_optimizer else p_numel - layout.rank_padding(r)
+            p_start = k * p_numel
+            padding = (bf16_optimizer_group_padding(layout, k) if bf16_optimizer else layout.rank_padding(k))
+            stored = p_numel if bf16_optimizer else p_numel - layout.rank_padding(k)
             role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
             for nm, off, numel in zip(flat, layout.param_offsets, layout.param_numels):
                 lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
                 if lo >= hi:
                     continue
-                entry = by_name[nm]
+                entry = by_name[resolve(nm)]
                 for role, lst in role_copies.items():
                     piece = entry.piece(role)
                     if piece is None:
@@ -116,15 +123,19 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 exp_avg=FlatSpec(p_numel, "float32", coalesce(role_copies[Role.EXP_AVG])),
                 exp_avg_sq=FlatSpec(p_numel, "float32", coalesce(role_copies[Role.EXP_AVG_SQ])),
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
+                partition_count=layout.world_size if ep else None,
             ))
         ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"]), None, tuple(groups)))
     notes = list(common.get("notes", ()))
     if round_robin and not bf16_optimizer:
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
                      "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
+    copied = copied_files(ckpt, stage0=False)
+    if ckpt.moe is not None:
+        notes.append(moe_note(ckpt, world, len(copied)))
     return LayoutPlan(**{**common, "notes": tuple(notes)}, param_shapes=tuple(param_shapes),
                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
-                      ranks=tuple(ranks))
+                      ranks=tuple(ranks), copied_model_files=copied)
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +148,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
         assert len(plan.source_model_files) == 1
         tree = dict(cache.tree(plan.source_model_files[0]))
         tree["dp_world_size"] = plan.world_size
-        tree["param_shapes"] = shapes_tree(plan)
+        tree["param_shapes"] = shapes_tree(plan, tree.get("param_shapes"))
         if plan.from_stage != plan.zero_stage:
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
@@ -234,7 +245,9 @@ def zero12_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sc
     osd["base_optimizer_state"] = {**base0, "state": state}
     osd["single_partition_of_fp32_groups"] = [streamed(g.master, cache) for g in r.groups]
     osd["group_paddings"] = [g.padding_numel for g in r.groups]
-    osd["partition_count"] = [plan.world_size] * len(r.groups)
+    osd["partition_count"] = [g.partition_count or plan.world_size for g in r.groups]
+    # param_alignment_paddings is absent from the files of DeepSpeed 0.10.3-0.18.9 (seen in 0.10.3, 0.12.6, 0.14.5,
+    # 0.16.9, 0.18.9), whose loaders never look for it: write it only where the source has it.
     if "param_alignment_paddings" in osd0:
         osd["param_alignment_paddings"] = [list(p) for p in plan.alignment_paddings]
     osd["param_slice_mappings"] = [OrderedDict((n, fragment_address(numel, start))

@@ -19,7 +19,15 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..model import Kind, LogicalCheckpoint, Role
 from ..partition import zero3_partition_numel, zero3_sub_groups
-from .common import OSD, OptimizerScalars, own_copy, shapes_tree, streamed, target_ds_config, zero_stage_enum
+from .common import (
+    OSD,
+    OptimizerScalars,
+    own_copy,
+    shapes_tree,
+    streamed,
+    target_ds_config,
+    zero_stage_enum,
+)
 from .plan import (
     FlatSpec,
     GroupPartition,

@@ -117,6 +117,7 @@ def _int_or_none(x: Any) -> int | None:
 
 
 def metadata_from_model_states(tree: Mapping[str, Any]) -> CommonMeta:
+    # checkpoint_parallel_dimensions is newer than DeepSpeed 0.18.9 (absent in 0.10.3-0.18.9 files)
     dims = tree.get("checkpoint_parallel_dimensions") or {}
     cfg = tree.get("ds_config")
     return CommonMeta(

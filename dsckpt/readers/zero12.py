@@ -122,6 +122,8 @@ def zero12_param_entries(
         raise CorruptCheckpointError(f"{model_states}: no 'param_shapes'; not a ZeRO-1/2 model-states file")
     parts = group_partitions(optim_files, cache, keeps_padding)
     osd0 = cache.tree(optim_files[0])[OSD]
+    # None in DeepSpeed 0.10.3-0.18.9 files (seen in 0.10.3, 0.12.6, 0.14.5, 0.16.9, 0.18.9): they predate
+    # parameter_alignment, so params are packed with no padding between them
     align_pads = osd0.get("param_alignment_paddings")
     if len(param_shapes) != len(parts.partition_numel):
         raise CorruptCheckpointError(
@@ -282,7 +284,10 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     base = osd0.get("base_optimizer_state")
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir,
-        layout="zero1" if stage == 1 else "zero2",
+        # DeepSpeed 0.10.3 to 0.16.9 (files of 0.14.5 and 0.16.9) wrap stage-0 bf16 in BF16_Optimizer (bf16
+        # grad_accum_dtype defaulted to fp32 without ZeRO), which writes the ZeRO-1 layout with
+        # zero_optimization.stage 0 in its config; 0.18.9 and 0.19.8 use FP16_UnfusedOptimizer there.
+        layout="zero1" if stage == 1 else "zero2" if stage == 2 else "stage0-bf16-optimizer",
         zero_stage=stage, precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,

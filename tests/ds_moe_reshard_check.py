@@ -1,0 +1,140 @@
+"""Load resharded Mixture-of-Experts checkpoints with real DeepSpeed and check them against the truth.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus N --master_port P tests/ds_moe_reshard_check.py \
+        --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
+
+The MoE twin of ``ds_reshard_check.py`` (``moe_*`` fixtures, ``moe_models.MoENet``): rebuild the model for
+this rank's expert-parallel rank with the fixture's ep_size and DeepSpeed's own MoE param groups
+(train_batch_size adapted to N ranks), plain ``engine.load_checkpoint(dir)``, then compare exactly with
+``truth.safetensors``, whose expert tensors carry *global* expert names: each rank's local expert ``l`` is
+global expert ``ep_rank * num_local_experts + l``.
+
+* fp32 master + Adam moments of every param this rank holds, through ``safe_get_full_fp32_param`` /
+  ``safe_get_full_optimizer_state`` (stage 0 fp32: the param and the torch optimizer's state) and, for ZeRO, through the optimizer's own flat partitions gathered over each
+  group's ZeRO process group (all ranks for dense groups, the expert-data-parallel group for expert
+  groups) and cut at DeepSpeed's live param offsets;
+* module (16-bit) weights, the expert-parallel rank DeepSpeed assigned, Adam step, global_steps/samples;
+
+then one more training step. Prints ``PASS``/``FAIL`` on rank 0; ``--result`` writes a JSON list.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "fixtures"))
+import fixture_models as fm  # noqa: E402
+import moe_models as mm  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("pairs", nargs="+", help="FIXTURE_NAME=RESHARDED_SAVE_DIR")
+p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+p.add_argument("--result", default=None)
+p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
+args = p.parse_args()
+
+import deepspeed  # noqa: E402
+from ds_launch import gloo_only, report_checks  # noqa: E402
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
+
+deepspeed.init_distributed()
+rank = dist.get_rank()
+world = dist.get_world_size()
+
+
+def check_one(name, ckpt_dir):
+    problems = []
+    spec = dict(fm.FIXTURES[name])
+    cfg = fm.ds_config(spec)
+    cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
+    ep = spec["ep_size"]
+    model = mm.build_moe_model(spec, rank % ep)  # values are overwritten by the load
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=mm.moe_param_groups(model), config=cfg)
+    meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))
+    truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
+    load_path, _ = engine.load_checkpoint(ckpt_dir)
+    if load_path is None:
+        return [f"load_checkpoint returned None for {ckpt_dir}"]
+    opt = engine.optimizer
+    stage = spec["stage"]
+    base = opt
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    if stage:
+        # groups >= 1 (the expert groups) are never linked for the fragment API in 0.19.8 (as in generate_moe.py)
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    layer = engine.module.moe
+    ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
+    n_local = layer.num_local_experts
+
+    def global_name(n):
+        if not n.startswith(mm.EXPERT_PREFIX):
+            return n
+        local, rest = n[len(mm.EXPERT_PREFIX):].split(".", 1)
+        return f"{mm.EXPERT_PREFIX}{ep_rank * n_local + int(local)}.{rest}"
+
+    seen = set()
+    for n, q in engine.module.named_parameters():
+        g = global_name(n)
+        seen.add(g)
+        if stage == 0:  # fp32 without ZeRO: the param is the master, the torch optimizer holds the moments
+            st = base.state[q]
+            got = {"param": q.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"], "lowp": q.data}
+        else:
+            got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+                   "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
+        for key, t in got.items():
+            want = truth[f"{key}/{g}"]
+            if t is None or not torch.equal(t.detach().cpu().to(want.dtype), want):
+                problems.append(f"{key} of '{n}' (global '{g}') differs from the source (fragment API)")
+    expected = {n for n in meta["params"] if not n.startswith(mm.EXPERT_PREFIX)
+                or int(n[len(mm.EXPERT_PREFIX):].split(".")[0]) // n_local == ep_rank}
+    if seen != expected:
+        problems.append(f"rank holds {sorted(seen ^ expected)} unlike expert-parallel rank {ep_rank}")
+    # the optimizer's own flat partitions, gathered over each group's ZeRO process group
+    inner = base
+    flat_groups = zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
+                      opt.single_partition_of_fp32_groups) if stage else []
+    for gi, (plist, offs, part) in enumerate(flat_groups):
+        pg = opt.real_dp_process_group[gi]
+        size = dist.get_world_size(group=pg)
+        flats = {}
+        for key, t in (("param", part), ("exp_avg", inner.state[part]["exp_avg"]),
+                       ("exp_avg_sq", inner.state[part]["exp_avg_sq"])):
+            pieces = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(pieces, t.detach().float().contiguous(), group=pg)
+            flats[key] = torch.cat(pieces)
+        for q, off in zip(plist, offs):
+            g = global_name(engine.param_names[q])
+            for key, flat in flats.items():
+                if not torch.equal(flat[off:off + q.numel()].view(q.shape), truth[f"{key}/{g}"]):
+                    problems.append(f"flat partition {key} of '{g}' (group {gi}, {size} ranks) differs from the source")
+    for attr in ("global_steps", "global_samples", "skipped_steps"):
+        if getattr(engine, attr) != meta[attr]:
+            problems.append(f"{attr} {getattr(engine, attr)} != {meta[attr]}")
+    steps = sorted({float(s["step"]) for s in base.state.values() if "step" in s})
+    if steps != meta["optimizer_step"]:
+        problems.append(f"Adam step {steps} != {meta['optimizer_step']}")
+    dp_rank = dist.get_rank(group=groups._get_data_parallel_group())
+    ids, tgt = mm.make_moe_batch(fm.STEPS, dp_rank)
+    loss = mm.loss_of(engine(ids), tgt)
+    engine.backward(loss)
+    engine.step()
+    if not torch.isfinite(loss):
+        problems.append(f"loss after resume is {float(loss)}")
+    steps_after = sorted({float(s["step"]) for s in base.state.values() if "step" in s})
+    if steps_after != [s + 1 for s in meta["optimizer_step"]] or engine.global_steps != meta["global_steps"] + 1:
+        problems.append(f"after one more step: Adam step {steps_after}, global_steps {engine.global_steps}")
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return problems
+
+
+report_checks(args.pairs, check_one, args.result)
