@@ -3,6 +3,7 @@ written and read back on every fixture, and resumed by real DeepSpeed on CPU ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -144,11 +145,26 @@ DS_STAGE_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (3, 3, None): ["s1_fp32_w2", "s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s2_bf16_w2_roundrobin",
                    "s2_fp16_w2_cpuforced"],
     (2, 3, 20): ["s2_fp32_w4", "s1_bf16_w3", "s2_fp32_w3_align", "s1_fp16_w3_cpuforced"],
-    (3, 2, None): ["s3_bf16_w3_subgroups", "s1_fp32_w2", "s1_bf16_w2_bf16opt", "s3_fp32_w2",
+    (3, 2, None): ["s3_bf16_w3_subgroups", "s1_fp32_w2", "s1_bf16_w2_bf16opt", "s3_fp32_w2", "s1_bf16_w3",
                    "s3_fp16_w2_cpuforced"],
     (4, 1, None): ["s3_fp32_w2", "s2_bf16_w2_2groups", "s3_bf16_w3_subgroups", "s2_fp32_w4",
                    "s2_fp16_w2_cpuforced"],
 }
+
+
+TAMPERED_CASE = (3, 3, None)  # its launch also loads a control whose exp_avg and exp_avg_sq were swapped on rank 0
+
+
+def _write_tampered(out: Path) -> None:
+    """s2_bf16_w2_2groups as ZeRO-3 on 3 ranks with rank 0's first sub-group exp_avg and exp_avg_sq
+    swapped: the check script must report exactly that, or it could not see a wrong conversion."""
+    cache = FileCache()
+    ckpt = read_checkpoint(REPO / "tests" / "fixtures" / "s2_bf16_w2_2groups" / "ckpt", cache=cache)
+    plan = plan_reshard(ckpt, 3, zero_stage=3, facts=read_source_facts(ckpt, cache))
+    r0 = plan.ranks[0]
+    g0 = dataclasses.replace(r0.groups[0], exp_avg=r0.groups[0].exp_avg_sq, exp_avg_sq=r0.groups[0].exp_avg)
+    r0 = dataclasses.replace(r0, groups=(g0, *r0.groups[1:]))
+    run_reshard(dataclasses.replace(plan, ranks=(r0, *plan.ranks[1:])), out, cache=cache, verify="none")
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +182,9 @@ def ds_stage_runs(tmp_path_factory):
             out = base / f"{name}_to{world}_s{stage}"
             convert(REPO / "tests" / "fixtures" / name / "ckpt", out, world, stage, sub)
             pairs.append(f"{name}={out}")
+        if (world, stage, sub) == TAMPERED_CASE and "s2_bf16_w2_2groups" in known:
+            _write_tampered(base / "tampered")
+            pairs.append(f"s2_bf16_w2_2groups={base / 'tampered'}")
         args = ["--zero-stage", str(stage), *(("--sub-group-size", str(sub)) if sub else ()),
                 *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else [])]
         cwd = base / f"to{world}_s{stage}_sub{sub}"
@@ -181,8 +200,17 @@ def ds_stage_runs(tmp_path_factory):
 def test_deepspeed_resumes_stage_converted_checkpoints(ds_stage_runs, case):
     rc, results, log = ds_stage_runs[case]
     assert results, log
+    control = [r for r in results if r["ckpt"].endswith("tampered")]
+    results = [r for r in results if r not in control]
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
-    assert rc == 0, log
+    if case == TAMPERED_CASE:
+        assert len(control) == 1 and not control[0]["ok"], log
+        assert {p.split(": ", 1)[1] for p in control[0]["problems"]} == {
+            f"{k} of '{n}' differs from the source (fragment API)"
+            for k in ("exp_avg", "exp_avg_sq") for n in ("embed.weight", "fc1.weight", "fc2.weight")}
+        assert rc == 1, log
+    else:
+        assert rc == 0, log
     assert {r["fixture"] for r in results} == set(DS_STAGE_CASES[case]) & {f.name for f in all_fixtures()}
     assert all(r["world_size"] == case[0] for r in results)

@@ -56,6 +56,7 @@ from .plan import (
     SourceFacts,
     Target,
     rank_of,
+    source_layout_stage,
 )
 
 __all__ = [
@@ -72,16 +73,6 @@ __all__ = [
     "target_wrapper",
 ]
 
-
-def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
-    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed 0.10.3 to 0.16.9 (written by 0.14.5 and
-    0.16.9) wrap stage-0 bf16 in BF16_Optimizer -- their bf16 grad_accum_dtype defaults to fp32 without ZeRO --
-    so the fp32 masters are partitioned in ``bf16_zero_pp_rank_*`` files like ZeRO-1, while the ds_config
-    (kept as written) says stage 0. 0.18.9 and 0.19.8 default grad_accum_dtype to bf16 and use
-    FP16_UnfusedOptimizer there."""
-    if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
-        return 1
-    return ckpt.zero_stage
 
 
 def target_wrapper(ckpt: LogicalCheckpoint, target: Target) -> str:

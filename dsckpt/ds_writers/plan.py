@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
-from ..model import Piece, Precision
+from ..model import LogicalCheckpoint, Piece, Precision
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -230,3 +230,14 @@ def optim_file_name(rank: int, bf16_prefix: bool) -> str:
 def model_file_name(rank: int) -> str:
     """A stage-3 rank's model-states file (DeepSpeed never prefixes it with ``bf16_``)."""
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
+    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed 0.10.3 to 0.16.9 (written by 0.14.5 and
+    0.16.9) wrap stage-0 bf16 in BF16_Optimizer -- their bf16 grad_accum_dtype defaults to fp32 without ZeRO --
+    so the fp32 masters are partitioned in ``bf16_zero_pp_rank_*`` files like ZeRO-1, while the ds_config
+    (kept as written) says stage 0. 0.18.9 and 0.19.8 default grad_accum_dtype to bf16 and use
+    FP16_UnfusedOptimizer there."""
+    if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
+        return 1
+    return ckpt.zero_stage

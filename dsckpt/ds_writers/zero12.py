@@ -156,9 +156,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
     assert plan.from_stage == 3, "stage-0 sources are refused before planning"
     src = dict(cache.tree(plan.source_model_files[0]))  # source rank 0: its buffers and shared_params
     module = _full_module(ckpt, src["module"], cache)
-    tree: dict[str, Any] = {}
-    for key, value in src.items():
-        tree[key] = value
+    tree = dict(src)
     tree["module"] = module
     tree["param_shapes"] = shapes_tree(plan)
     _set_frozen(tree, plan, ckpt, module)
