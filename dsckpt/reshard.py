@@ -193,7 +193,7 @@ def describe_target_config(plan: ReshardPlan) -> str:
     elif plan.from_stage != 3 and plan.zero_stage == 3:
         parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
                      "optimizer files recorded one)")
-    parts.append(f"train_batch_size for {plan.world_size} ranks")
+    parts.append(f"train_batch_size for {plan.world_size} rank{'s' if plan.world_size != 1 else ''}")
     return "; ".join(parts)
 
 
