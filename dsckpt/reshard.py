@@ -53,6 +53,7 @@ from .ds_writers import (
 from .ds_writers.common import fmt_key as _fmt_key
 from .ds_writers.moe import held_by_ep_rank_0
 from .ds_writers.plan import rank_of as _rank_of
+from .ds_writers.universal import UniversalPlan
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
 from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
@@ -61,6 +62,10 @@ from .partition import DEFAULT_SUB_GROUP_SIZE
 __all__ = [
     "ReshardPlan",
     "ReshardResult",
+    "UniversalPlan",
+    "compare_checkpoints",
+    "plan_universal_reshard",
+    "run_universal",
     "SourceFacts",
     "Target",
     "Verify",
@@ -499,7 +504,6 @@ def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any, *, full: bool) ->
     compared as bytes (bit for bit; NaN equals NaN). Returns the number of copies compared.
     """
     from .readers import FileCache, read_checkpoint
-    from .writers.torch_stream import element_nbytes
 
     src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache)
     new_cache = FileCache()
@@ -512,6 +516,16 @@ def _verify(plan: ReshardPlan, new_root: Path, src_cache: Any, *, full: bool) ->
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
             f"({new.optimizer_wrapper}), expected {plan.zero_stage} ({plan.optimizer_wrapper}); nothing was written")
+    return compare_checkpoints(src, src_cache, new, new_cache, full=full)
+
+
+def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalCheckpoint, new_cache: Any, *,
+                        full: bool) -> int:
+    """Compare every stored copy (master, moments, module) of every tensor of ``new`` with ``src``
+    (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError` listing what
+    differs. Returns the number of copies compared."""
+    from .writers.torch_stream import element_nbytes
+
     src_entries = _entries_by_name(src)
     new_entries = _entries_by_name(new)
     if set(src_entries) != set(new_entries):
@@ -602,3 +616,83 @@ class _ByteReader:
                 raise CorruptCheckpointError(f"{f.file}: {_fmt_key(f.key)} is shorter than its metadata says")
             out += ref.read_numpy(first, hi - lo).data.cast("B")
         return bytes(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Universal checkpoint folders (reshard --universal)
+
+
+def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = None) -> UniversalPlan:
+    """Plan DeepSpeed's universal folder for ``ckpt`` (:mod:`dsckpt.ds_writers.universal`). Pure.
+    ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran."""
+    from .ds_writers.universal import plan_universal
+
+    optim = tuple(sorted((p for p in ckpt.files if "optim_states" in p.name), key=_rank_of))
+    stage = source_layout_stage(ckpt)
+    if stage == 3:
+        models = tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
+                               and p.name.endswith("_model_states.pt")), key=_rank_of))
+    else:
+        models = tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
+    return plan_universal(ckpt, source_stage=stage, optimizer_files=optim, model_files=models)
+
+
+def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
+                  verify: Verify | str | bool = Verify.QUICK, on_file: Callable[[Path], None] | None = None,
+                  workers: int | None = None) -> ReshardResult:
+    """Write ``plan`` as a new save dir ``out`` holding ``latest_universal`` and the universal folder
+    ``<tag>_universal/`` (what ``ds_to_universal --output_folder out/<tag>_universal`` leaves), streamed
+    from byte ranges of the source files, re-read through :mod:`dsckpt.readers.universal` and compared
+    with the source (as :func:`run_reshard` does) before it is moved into place."""
+    from .atomic import atomic_dir, claim_output
+    from .ds_writers.universal import universal_trees
+    from .readers import FileCache, read_checkpoint
+    from .writers.torch_stream import write_torch_tree
+
+    mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
+    out = Path(out)
+    src_root = plan.source_root.resolve()
+    if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
+        raise UsageError(f"output '{out}' overlaps the input '{plan.source_root}'; choose a new folder")
+    cache = cache if cache is not None else FileCache()
+    models = sum(p.stat().st_size for p in plan.model_files)
+    nbytes = plan.copied_nbytes + models + 4 * sum(1 for _ in plan.cast_files) + (64 << 10) * (
+        len(plan.state_files) + len(plan.step_files) + len(plan.cast_files) + 2)
+    written: list[Path] = []
+    with claim_output(out, force=force, nbytes=nbytes), atomic_dir(out) as tmp:
+        folder = tmp / plan.out_tag
+        jobs = []
+        for rel, tree in universal_trees(plan, cache):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            jobs.append((folder / rel, tree))
+        n = default_workers() if workers is None else workers
+        if n <= 1:
+            done = (write_torch_tree(p, t) for p, t in jobs)
+        else:
+            pool = ThreadPoolExecutor(min(n, len(jobs)), thread_name_prefix="dsckpt-write")
+            done = (f.result() for f in [pool.submit(write_torch_tree, p, t) for p, t in jobs])
+        try:
+            for f in done:
+                written.append(f)
+                if on_file is not None:
+                    on_file(f)
+        finally:
+            if n > 1:
+                pool.shutdown(cancel_futures=True)
+        (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
+        checked = 0
+        if mode is not Verify.NONE:
+            src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+            new_cache = FileCache()
+            new = read_checkpoint(tmp, cache=new_cache)
+            if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
+                    f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step, src.global_steps):
+                raise CorruptCheckpointError(
+                    f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} ranks, "
+                    f"optimizer step {new.optimizer_step}, global step {new.global_steps}), expected universal from "
+                    f"zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, {src.global_steps}); nothing "
+                    "was written. This is a dsckpt bug: please report it")
+            checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
+            new_cache.finish_checks()
+        cache.finish_checks()
+    return ReshardResult(out, plan.out_tag, tuple(out / f.relative_to(tmp) for f in written), checked, mode.value)
