@@ -107,6 +107,10 @@ def test_info_and_scan(name):
     report = scan(UNIVERSAL / name / "ckpt")
     assert report.clean, [f.describe() for f in report.findings]
     assert report.stored_tensors > 20
+    r = CliRunner().invoke(main, ["verify", str(UNIVERSAL / name / "ckpt")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["diff", str(UNIVERSAL / name / "ckpt"), str(source(name).ckpt), "--role", "all"])
+    assert r.exit_code == 0 and " 0 different, only in A: 0, only in B: 0" in r.stdout, r.output
 
 
 def test_latest_wins_over_latest_universal(tmp_path):
