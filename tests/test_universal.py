@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FIXTURES, all_fixtures, ids
+from conftest import FIXTURES, all_fixtures
 from safetensors.torch import load_file
 
 from dsckpt import safe_load
 from dsckpt.cli import main
-from dsckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from dsckpt.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.scan import scan
 

@@ -119,9 +119,9 @@ class UniversalPlan:
         return 4 * sum(f.spec.numel for f in self.state_files)
 
     def describe(self) -> list[str]:
-        lines = [f"universal checkpoint from {self.source_tag_dir} (ZeRO stage {self.source_stage}, "
+        lines = [(f"universal checkpoint from {self.source_tag_dir} (ZeRO stage {self.source_stage}, "
                  f"{self.precision.value}, {self.optimizer_wrapper}, {self.source_world_size} ranks) "
-                 f"as '{self.out_tag}'"]
+                 f"as '{self.out_tag}'")]
         lines += [f"note: {n}" for n in self.notes]
         for f in self.state_files:
             lines.append(f"  {f.path}: float32{list(f.shape)} from "
@@ -184,14 +184,14 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     notes = ["DeepSpeed's universal loader restores trainable params and Adam state only: buffers and frozen "
              "params keep the new model's values (they are in the copied model-states files"
              + (" and zero/<name>/fp32.pt" if not zero3 else "") + ")",
-             f"load with \"checkpoint\": {{\"load_universal\": true}} under ZeRO stage "
+             "load with \"checkpoint\": {\"load_universal\": true} under ZeRO stage "
              + ("3" if zero3 else "1 or 2") + ", on any data-parallel size"]
     return UniversalPlan(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, out_tag=f"{ckpt.tag}_universal",
         source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, state_files=tuple(states), step_files=tuple(steps),
         cast_files=tuple(casts), model_files=tuple(sorted(model_files, key=rank_of)),
-        optimizer_source=sorted(optimizer_files, key=rank_of)[0], notes=tuple(notes))
+        optimizer_source=min(optimizer_files, key=rank_of), notes=tuple(notes))
 
 
 # --------------------------------------------------------------------------------------------

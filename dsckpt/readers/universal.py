@@ -43,7 +43,7 @@ from .common import (
 from .zero3 import zero3_module_side_entries
 from .zero12 import module_side_entries
 
-__all__ = ["read_universal", "STATE_FILES", "UNIVERSAL_KEYS"]
+__all__ = ["STATE_FILES", "UNIVERSAL_KEYS", "read_universal"]
 
 OSD = "optimizer_state_dict"
 STATE_FILES = {Role.MASTER: "fp32.pt", Role.EXP_AVG: "exp_avg.pt", Role.EXP_AVG_SQ: "exp_avg_sq.pt"}
@@ -99,7 +99,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     zero3 = bool(files.dp_mp_to_zero3_model_states)
     if zero3:
         ms_files = files.dp_mp_to_zero3_model_states
-        ms_path = ms_files[(0, 0)] if (0, 0) in ms_files else None
+        ms_path = ms_files.get((0, 0), None)
     else:
         ms_path = files.mp_to_model_states.get(0)
     if ms_path is None:
@@ -196,8 +196,8 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         global_steps=meta.global_steps, global_samples=meta.global_samples, optimizer_step=step,
         optimizer_wrapper=wrapper, entries=tuple(order_like_module(entries, list(module))),
         files=tuple(all_files), ds_config=meta.ds_config,
-        notes=("DeepSpeed universal checkpoint: loads with \"checkpoint\": {\"load_universal\": true} on any "
+        notes=(("DeepSpeed universal checkpoint: loads with \"checkpoint\": {\"load_universal\": true} on any "
                f"data-parallel size (saved on {world}); DeepSpeed's loader restores the trainable params and Adam "
-               "state only, not buffers or frozen params",),
+               "state only, not buffers or frozen params"),),
     )
 
