@@ -47,8 +47,9 @@ from .ds_writers.facts import (
     refusals_from_logical,
 )
 from .ds_writers.plan import rank_of as _rank_of
-from .ds_writers.readback import verify_written
-from .errors import UnsupportedCheckpointError, UsageError
+from .ds_writers.readback import compare_checkpoints, verify_written
+from .ds_writers.universal import UniversalPlan
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
 from .model import LogicalCheckpoint
 
@@ -57,14 +58,17 @@ __all__ = [
     "ReshardResult",
     "SourceFacts",
     "Target",
+    "UniversalPlan",
     "Verify",
     "default_workers",
     "describe_plan",
     "describe_target_config",
     "output_nbytes_bound",
     "plan_reshard",
+    "plan_universal_reshard",
     "read_source_facts",
     "run_reshard",
+    "run_universal",
 ]
 
 logger = logging.getLogger(__name__)
@@ -227,14 +231,8 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
     thread of its own), so that copying and CRC-32 checking use several cores where the disk allows.
     """
     from .atomic import atomic_dir, claim_output
-    from .readers import FileCache
 
-    mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
-    out = Path(out)
-    src_root = plan.source_root.resolve()
-    if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
-        raise UsageError(f"output '{out}' overlaps the input '{plan.source_root}'; choose a new folder")
-    cache = cache if cache is not None else FileCache()
+    mode, out, cache = _prepare(plan.source_root, out, verify, cache)
     written: list[Path] = []
     with claim_output(out, force=force, nbytes=output_nbytes_bound(plan)), atomic_dir(out) as tmp:
         tag_dir = tmp / plan.tag
@@ -278,6 +276,19 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
     return plan.copied_nbytes + model_nbytes + copied + scripts + hf + (64 << 10) * files
 
 
+def _prepare(source_root: Path, out: str | os.PathLike[str], verify: Verify | str | bool,
+             cache: Any) -> tuple[Verify, Path, Any]:
+    """The verification mode, the output path (refused if it overlaps the input) and the file cache."""
+    from .readers import FileCache
+
+    mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
+    out = Path(out)
+    src_root = source_root.resolve()
+    if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
+        raise UsageError(f"output '{out}' overlaps the input '{source_root}'; choose a new folder")
+    return mode, out, cache if cache is not None else FileCache()
+
+
 def default_workers() -> int:
     """Target files :func:`run_reshard` writes at once when not told: half the cores (each file has
     a writer and a reader thread), at most 8; 1 on a 2-core machine."""
@@ -287,12 +298,17 @@ def default_workers() -> int:
 def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) -> Iterator[Path]:
     """Write every target file, ``workers`` at a time; yields their paths in plan order."""
     from .readers import read_checkpoint
-    from .writers.torch_stream import write_torch_tree
 
     # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
     # reads only the byte ranges its tree names.
     ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
-    jobs = build_jobs(plan, ckpt, tag_dir, cache)
+    yield from _write_jobs(build_jobs(plan, ckpt, tag_dir, cache), workers)
+
+
+def _write_jobs(jobs: list[tuple[Path, Any]], workers: int) -> Iterator[Path]:
+    """Write ``(path, tree)`` jobs, ``workers`` at a time; yields the paths in order."""
+    from .writers.torch_stream import write_torch_tree
+
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
             yield write_torch_tree(path, tree)
@@ -305,3 +321,67 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int) 
         finally:  # on an error: start no other file; the pool waits for those being written
             for fut in futures:
                 fut.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# Universal checkpoint folders (reshard --universal)
+
+
+def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = None) -> UniversalPlan:
+    """Plan DeepSpeed's universal folder for ``ckpt`` (:mod:`dsckpt.ds_writers.universal`). Pure.
+    ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran."""
+    from .ds_writers.universal import plan_universal
+
+    optim = tuple(sorted((p for p in ckpt.files if "optim_states" in p.name), key=_rank_of))
+    stage = source_layout_stage(ckpt)
+    if stage == 3:
+        models = tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
+                               and p.name.endswith("_model_states.pt")), key=_rank_of))
+    else:
+        models = tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
+    return plan_universal(ckpt, source_stage=stage, optimizer_files=optim, model_files=models)
+
+
+def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
+                  verify: Verify | str | bool = Verify.QUICK, on_file: Callable[[Path], None] | None = None,
+                  workers: int | None = None) -> ReshardResult:
+    """Write ``plan`` as a new save dir ``out`` holding ``latest_universal`` and the universal folder
+    ``<tag>_universal/`` (what ``ds_to_universal --output_folder out/<tag>_universal`` leaves), streamed
+    from byte ranges of the source files, re-read through :mod:`dsckpt.readers.universal` and compared
+    with the source (as :func:`run_reshard` does) before it is moved into place."""
+    from .atomic import atomic_dir, claim_output
+    from .ds_writers.universal import universal_trees
+    from .readers import FileCache, read_checkpoint
+
+    mode, out, cache = _prepare(plan.source_root, out, verify, cache)
+    models = sum(p.stat().st_size for p in plan.model_files)
+    nbytes = plan.copied_nbytes + models + 4 * sum(1 for _ in plan.cast_files) + (64 << 10) * (
+        len(plan.state_files) + len(plan.step_files) + len(plan.cast_files) + 2)
+    written: list[Path] = []
+    with claim_output(out, force=force, nbytes=nbytes), atomic_dir(out) as tmp:
+        folder = tmp / plan.out_tag
+        jobs = []
+        for rel, tree in universal_trees(plan, cache):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            jobs.append((folder / rel, tree))
+        for f in _write_jobs(jobs, default_workers() if workers is None else workers):
+            written.append(f)
+            if on_file is not None:
+                on_file(f)
+        (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
+        checked = 0
+        if mode is not Verify.NONE:
+            src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+            new_cache = FileCache()
+            new = read_checkpoint(tmp, cache=new_cache)
+            if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
+                    f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step, src.global_steps):
+                raise CorruptCheckpointError(
+                    f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} ranks, "
+                    f"optimizer step {new.optimizer_step}, global step {new.global_steps}), expected universal from "
+                    f"zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, {src.global_steps}); nothing "
+                    "was written. This is a dsckpt bug: please report it")
+            checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
+            new_cache.finish_checks()
+        cache.finish_checks()
+    return ReshardResult(out, plan.out_tag, tuple(out / f.relative_to(tmp) for f in written), checked, mode.value)

@@ -15,9 +15,12 @@ module                 layout                                          reader
 :mod:`.stage0`         no ZeRO: ``mp_rank_00_model_states.pt`` only     ``readers/stage0.py``
 :mod:`.zero12`         ZeRO-1/2 and ``BF16_Optimizer`` flat partitions  ``readers/zero12.py``
 :mod:`.zero3`          ZeRO-3 per-param partitions, sub-groups          ``readers/zero3.py``
+:mod:`.universal`      universal folder: ``zero/<param>/<state>.pt``    ``readers/universal.py``
 =====================  ==============================================  ==========================
 
-(DeepSpeed's universal checkpoint folder is not written yet.) Each writer has a pure ``plan_*``
+:mod:`.universal` writes DeepSpeed's universal checkpoint folder (``ds_to_universal``'s output,
+``readers/universal.py``): one whole tensor per param and state, no partitions, so its plan
+(:class:`~.universal.UniversalPlan`) has no target world size. Each writer has a pure ``plan_*``
 function (no I/O: tested without files) and tree functions that turn a plan into the trees
 :func:`dsckpt.writers.torch_stream.write_torch_tree` streams: source tensors are referenced by byte
 range, never loaded, so writing is a torch-free byte copy with CRC checks. The one exception: a

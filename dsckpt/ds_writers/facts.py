@@ -153,6 +153,9 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}")
     if ckpt.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {ckpt.zero_stage}")
+    if ckpt.layout.startswith("universal"):
+        problems.append("a DeepSpeed universal checkpoint, which DeepSpeed loads on any rank count with "
+                        "load_universal; it is read (info, to-fp32, scan), not rewritten")
     return problems
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..model import Piece, Role
+from ..model import LogicalCheckpoint, Piece, Role
 from .common import fmt_key as _fmt_key
 from .facts import entries_by_name
 from .plan import LayoutPlan, source_layout_stage
 
-__all__ = ["VERIFY_CHUNK_NBYTES", "VERIFY_SAMPLES", "VERIFY_WINDOW_NUMEL", "verify_written"]
+__all__ = ["VERIFY_CHUNK_NBYTES", "VERIFY_SAMPLES", "VERIFY_WINDOW_NUMEL", "compare_checkpoints", "verify_written"]
 
 
 VERIFY_WINDOW_NUMEL = 64  # elements compared around each fragment boundary (quick verification)
@@ -32,7 +32,6 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
     compared as bytes (bit for bit; NaN equals NaN). Returns the number of copies compared.
     """
     from ..readers import FileCache, read_checkpoint
-    from ..writers.torch_stream import element_nbytes
 
     src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache)
     new_cache = FileCache()
@@ -45,6 +44,16 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
             f"({new.optimizer_wrapper}), expected {plan.zero_stage} ({plan.optimizer_wrapper}); nothing was written")
+    return compare_checkpoints(src, src_cache, new, new_cache, full=full)
+
+
+def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalCheckpoint, new_cache: Any, *,
+                        full: bool) -> int:
+    """Compare every stored copy (master, moments, module) of every tensor of ``new`` with ``src``
+    (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError` listing what
+    differs. Returns the number of copies compared."""
+    from ..writers.torch_stream import element_nbytes
+
     src_entries = entries_by_name(src)
     new_entries = entries_by_name(new)
     if set(src_entries) != set(new_entries):
