@@ -482,8 +482,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @main.command()
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
-@click.option("--world-size", "-n", "world_size", type=click.IntRange(min=1), required=True,
-              help="Data-parallel size the checkpoint will be resumed on.")
+@click.option("--world-size", "-n", "world_size", type=click.IntRange(min=1), default=None,
+              help="Data-parallel size the checkpoint will be resumed on (required unless --universal).")
 @tag_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
                                              "(1 if there is work).")
@@ -497,14 +497,25 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--workers", default=None, type=click.IntRange(1, 64),
               help="Target files written at once (default: half the cores, at most 8).")
+@click.option("--zero-stage", "zero_stage", type=click.IntRange(1, 3), default=None,
+              help="Write the checkpoint for this ZeRO stage (1, 2 or 3; default: the input's).")
+@click.option("--sub-group-size", "sub_group_size", type=click.IntRange(min=1), default=None,
+              help="ZeRO-3 target: zero_optimization.sub_group_size of the new run (default: the input's "
+                   "at stage 3, else DeepSpeed's default 1e9).")
+@click.option("--universal", is_flag=True,
+              help="Write DeepSpeed's universal checkpoint folder instead (what ds_to_universal writes: OUT/latest_universal "
+                   "and OUT/<tag>_universal/), which DeepSpeed loads on any rank count with "
+                   '"checkpoint": {"load_universal": true}. No --world-size.')
 @click.option("--no-fsync", is_flag=True,
               help="Do not wait for OUT to reach the disk before renaming it into place. OUT still appears "
                    "complete or not at all, but a power loss or system crash soon after may leave it "
                    "incomplete (the kernel writes it later, as after cp). Faster; the default is durable.")
 @handle_errors
-def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool, force: bool, verify: str,
-            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, no_fsync: bool) -> None:
-    """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks.
+def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_run: bool, force: bool, verify: str,
+            no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
+            sub_group_size: int | None, universal: bool, no_fsync: bool) -> None:
+    """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
+    (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
     counts, loss scaler, scheduler and client state carried over exactly. CKPT is never modified.
@@ -515,12 +526,23 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
     rank r's rng_state_r.pth; on 1 process old rank 0's becomes rng_state.pth; new ranks get none (the
     Trainer then keeps its seeded RNG, as it does whenever the file is missing).
     """
+    from .errors import UsageError
     from .readers import FileCache, read_checkpoint
-    from .reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
+    from .reshard import describe_plan, describe_target_config, plan_reshard, read_source_facts, run_reshard
 
+    if universal:
+        if world_size is not None or zero_stage is not None or sub_group_size is not None:
+            raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
+                             "stage family; drop --world-size, --zero-stage and --sub-group-size")
+        _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
+                           quiet=quiet, workers=workers, fsync=not no_fsync)
+        return
+    if world_size is None:
+        raise UsageError("missing option '--world-size' / '-n' (or write a universal checkpoint with --universal)")
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
-    plan = plan_reshard(logical, world_size, facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
+    plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
+                        facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -536,9 +558,11 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
                          fsync=not no_fsync)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
-    synced = "; not fsync'd (--no-fsync): run sync before relying on it after a crash" if no_fsync else ""
-    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks: wrote "
-               f"{len(result.files)} files to {result.output}/{result.tag}{verified}{synced}")
+    stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
+    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks{stages}: wrote "
+               f"{len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
+    if plan.changes_layout:
+        click.echo("resume with: " + describe_target_config(plan))
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))
@@ -546,6 +570,39 @@ def reshard(ckpt: str, out: str, world_size: int, tag: str | None, dry_run: bool
             for o in plan.hf_files.left_out:
                 if o.source is None and o.role.value != "rng":
                     click.echo(f"dsckpt: warning: {o.reason}", err=True)
+
+
+def _not_synced(no_fsync: bool) -> str:
+    return "; not fsync'd (--no-fsync): run sync before relying on it after a crash" if no_fsync else ""
+
+
+def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, force: bool, verify: str, quiet: bool,
+                       workers: int | None, fsync: bool = True) -> None:
+    from .readers import FileCache, read_checkpoint
+    from .reshard import plan_universal_reshard, read_source_facts, run_universal
+
+    cache = FileCache()
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache)
+    plan = plan_universal_reshard(logical, read_source_facts(logical, cache))
+    if dry_run:
+        click.echo("\n".join(plan.describe()))
+        sys.exit(1)
+
+    def tick(path: Any) -> None:
+        if not quiet:
+            click.echo(f"  wrote {path.parent.name}/{path.name}" if path.parent.name != plan.out_tag else
+                       f"  wrote {path.name}", err=True)
+
+    result = run_universal(plan, out, cache=cache, force=force, verify=verify, on_file=tick, workers=workers,
+                           fsync=fsync)
+    verified = "" if verify == "none" else f", verified {result.verified_tensors} tensors against the input ({verify})"
+    click.echo(f"wrote universal checkpoint of {plan.source_tag_dir} ({plan.source_world_size} ranks, ZeRO stage "
+               f"{plan.source_stage}): {len(result.files)} files to {result.output}/{plan.out_tag}, latest_universal"
+               f"{verified}{_not_synced(not fsync)}")
+    click.echo(f'load with: "checkpoint": {{"load_universal": true}} and ZeRO stage '
+               f"{'3' if plan.zero3 else '1 or 2'}, any data-parallel size; engine.load_checkpoint('{result.output}')")
+    click.echo("note: DeepSpeed's universal loader does not restore buffers (BatchNorm statistics) or frozen params; "
+               "they are in the folder (to-fp32 reads them) but the new engine keeps its own")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,7 +2,10 @@
 
 A user may point at the save dir (``<save_dir>/latest`` names the tag), at a tag folder, or at a
 Hugging Face Trainer ``checkpoint-N/`` folder (which is a save dir). Tags are free-form: Accelerate
-saves under ``pytorch_model``, not ``global_stepN`` (DEEPSPEED-NOTES 1.1).
+saves under ``pytorch_model``, not ``global_stepN`` (DEEPSPEED-NOTES 1.1). A DeepSpeed *universal*
+checkpoint folder (``ds_to_universal``) is a tag folder too: its copied model-states files sit beside
+``zero/``, and ``latest_universal`` in its parent names it (ds_to_universal.py:1370-1374). ``latest``
+wins where a save dir has both (ds_to_universal writes ``latest_universal`` into the original save dir).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["CheckpointFiles", "find_tag_dir", "list_tags", "classify_files"]
+__all__ = ["CheckpointFiles", "find_tag_dir", "list_tags", "classify_files", "is_universal_dir", "UNIVERSAL_DIR"]
+
+UNIVERSAL_DIR = "zero"  # ds_to_universal.py: <tag>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt
+UNIVERSAL_OPTIMIZER_STATE = "optimizer_state.pt"
 
 # DeepSpeed 0.19.8 engine.py:4319-4381, pipe/module.py:588-605.
 _MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -69,12 +75,17 @@ class CheckpointFiles:
         return sorted(files)
 
 
+def is_universal_dir(tag_dir: Path) -> bool:
+    """A DeepSpeed universal checkpoint folder: ``zero/optimizer_state.pt`` beside model-states files."""
+    return (tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE).is_file()
+
+
 def _is_tag_dir(path: Path) -> bool:
     try:
         return any(
             _MODEL_STATES.match(n) or _ZERO3_MODEL_STATES.match(n) or _LAYER.match(n)
             for n in os.listdir(path)
-        )
+        ) or is_universal_dir(path)
     except (NotADirectoryError, FileNotFoundError, PermissionError):
         return False
 
@@ -124,6 +135,8 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
         )
     latest = p / "latest"
     tags = list_tags(p)
+    if not latest.is_file() and (p / "latest_universal").is_file():
+        latest = p / "latest_universal"
     if latest.is_file():
         try:
             name = latest.read_text(encoding="utf-8").strip()
@@ -164,6 +177,8 @@ def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     legacy_moe: list[str] = []
     for name in sorted(os.listdir(tag_dir)):
         full = tag_dir / name
+        if name == UNIVERSAL_DIR and full.is_dir():
+            continue  # a universal checkpoint's per-param folders (readers/universal.py)
         if m := _MODEL_STATES.match(name):
             model_states[int(m[1])] = full
         elif m := _ZERO3_MODEL_STATES.match(name):

@@ -3,9 +3,11 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus N --master_port P tests/ds_reshard_check.py \
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
     deepspeed --num_gpus N tests/ds_reshard_check.py --device cuda ...   # fp16 (see tests/gpu/)
+    ... tests/ds_reshard_check.py --zero-stage 3 [--sub-group-size 40] ...  # a stage-converted checkpoint
 
 For each pair: rebuild the fixture's model, param groups and ds_config (train_batch_size adapted to
-N ranks), ``deepspeed.initialize``, plain ``engine.load_checkpoint(dir)``, then compare with
+N ranks; with ``--zero-stage`` the ZeRO stage, and ``--sub-group-size``, replaced by the target's),
+``deepspeed.initialize``, plain ``engine.load_checkpoint(dir)``, then compare with
 ``truth.safetensors`` exactly:
 
 * fp32 master + Adam moments through ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
@@ -14,7 +16,12 @@ N ranks), ``deepspeed.initialize``, plain ``engine.load_checkpoint(dir)``, then 
   from every rank and cut at DeepSpeed's live param offsets;
 * module (16-bit) weights, frozen params, buffers; Adam step, global_steps/samples, skipped_steps;
 
-then run one more training step. Prints ``PASS name`` / ``FAIL name: why`` on rank 0 and writes a
+then run one more training step. With ``--universal`` the directory is a universal checkpoint
+(``latest_universal``) loaded with ``"checkpoint": {"load_universal": true}``; DeepSpeed 0.19.8's
+universal loader restores only the optimizer's params, so frozen params (set to
+:data:`FROZEN_SENTINEL` before ``deepspeed.initialize``) and buffers are checked to be exactly what the
+engine held before ``load_checkpoint`` and different from the saved values: a change in DeepSpeed's
+behaviour fails the check. Prints ``PASS name`` / ``FAIL name: why`` on rank 0 and writes a
 JSON result list with ``--result``. Exit status 1 if anything failed.
 """
 import argparse
@@ -36,9 +43,13 @@ p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK"
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--result", default=None)
 p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
+p.add_argument("--zero-stage", type=int, default=None, help="the target ZeRO stage (default: the fixture's)")
+p.add_argument("--sub-group-size", type=int, default=None, help="ZeRO-3 sub_group_size of the target config")
 p.add_argument("--force-cpu-fp16", action="store_true",
                help="let DeepSpeed's CPU accelerator run fp16 (as tests/fixtures/generate.py does for *_cpuforced)")
+p.add_argument("--universal", action="store_true", help="the directories are universal checkpoints (load_universal)")
 args = p.parse_args()
+FROZEN_SENTINEL = 0.25  # exact in bf16/fp16; never a trained value
 
 if args.force_cpu_fp16:
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -94,9 +105,20 @@ def use_gloo_safe_all_gather(stage):
 def build(name):
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
+    if args.zero_stage is not None:
+        spec["stage"] = args.zero_stage
+        cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": args.zero_stage}
+    if args.sub_group_size is not None:
+        cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     use_gloo_safe_all_gather(spec["stage"])
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     model = fm.build_model(spec).to(dev)
+    if args.universal:
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
+        with torch.no_grad():
+            for q in model.parameters():
+                if not q.requires_grad:
+                    q.fill_(FROZEN_SENTINEL)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fm.model_parameters(model, spec), config=cfg)
     return spec, cfg, engine
 
@@ -168,12 +190,37 @@ def check_stage0_masters(engine, truth, problems):
                 problems.append(f"stage-0 {key} of '{n}' differs from the source")
 
 
+def check_universal_leaves_alone(meta, truth, lowp, buffers_before, buffers_after, problems):
+    """DeepSpeed 0.19.8's universal load restores no frozen param and no buffer (it skips
+    load_module_state_dict, engine.py _load_checkpoint, and only visits the optimizer's params): each is
+    exactly what the engine held before load_checkpoint, and differs from the saved value."""
+    for n in meta["frozen"]:
+        got = lowp[n].float()
+        if not torch.all(got == FROZEN_SENTINEL):
+            problems.append(f"frozen param '{n}' was changed by the universal load (DeepSpeed now restores frozen "
+                            "params? update README 'Universal checkpoints')")
+        if torch.equal(got, truth[f"param/{n}"]):
+            problems.append(f"frozen param '{n}' already held the saved value: the check proves nothing")
+    for n in meta["buffers"]:
+        after = buffers_after[n].detach().cpu()
+        if not torch.equal(after, buffers_before[n]):
+            problems.append(f"buffer '{n}' was changed by the universal load (DeepSpeed now restores buffers? update "
+                            "README 'Universal checkpoints')")
+        if torch.equal(after.to(truth[f"buffer/{n}"].dtype), truth[f"buffer/{n}"]):
+            problems.append(f"buffer '{n}' already held the saved value: the check proves nothing")
+        if rank == 0:
+            print(f"UNIVERSAL-EVIDENCE {meta['name']}: buffer {n} after load {after.flatten()[:3].tolist()} "
+                  f"(saved {truth[f'buffer/{n}'].flatten()[:3].tolist()})", flush=True)
+
+
 def check_one(name, ckpt_dir):
     problems = []
     spec, cfg, engine = build(name)
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))
     truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
     stage = spec["stage"]
+    if args.universal:
+        buffers_before = {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()}
     load_path, client = engine.load_checkpoint(ckpt_dir)
     if load_path is None:
         return [f"load_checkpoint returned None for {ckpt_dir}"]
@@ -214,14 +261,18 @@ def check_one(name, ckpt_dir):
         lowp = {n: q.data.detach().cpu().clone() for n, q in params.items()}
     for n, t in lowp.items():
         key = f"lowp/{n}"
+        if args.universal and n in meta["frozen"]:
+            continue  # not restored by a universal load: check_universal_leaves_alone
         if key in truth and not torch.equal(t, truth[key]):
             problems.append(f"module weight '{n}' differs from the source")
-    for n in meta["frozen"]:
+    if args.universal:
+        check_universal_leaves_alone(meta, truth, lowp, buffers_before, dict(module.named_buffers()), problems)
+    for n in meta["frozen"] if not args.universal else ():
         if not torch.equal(lowp[n].float(), truth[f"param/{n}"]):
             problems.append(f"frozen param '{n}' differs from the source")
     buffers = dict(module.named_buffers())
     expected_buffers = {n: truth[f"buffer/{n}"] for n in meta["buffers"]}
-    if stage == 3:
+    if stage == 3 and meta["stage"] == 3:
         # Stage-3 ranks keep their own (unsynchronised) BatchNorm statistics; dsckpt keeps source rank r's
         # for r < source world size and gives new ranks rank 0's. truth.safetensors holds rank 0's.
         from dsckpt import safe_load
@@ -229,7 +280,7 @@ def check_one(name, ckpt_dir):
         src = safe_load.load(os.path.join(args.fixtures, name, "ckpt", meta["tag"],
                                           f"zero_pp_rank_{src_rank}_mp_rank_00_model_states.pt"))
         expected_buffers = {n: src["module"][n].load() for n in meta["buffers"]}
-    for n in meta["buffers"]:
+    for n in meta["buffers"] if not args.universal else ():
         if not torch.equal(buffers[n].detach().cpu(), expected_buffers[n]):
             problems.append(f"buffer '{n}' differs from the source")
     # counters
@@ -246,6 +297,20 @@ def check_one(name, ckpt_dir):
     steps = sorted({float(s["step"]) for s in base.state.values() if "step" in s})
     if want_step is not None and steps != [want_step]:
         problems.append(f"Adam step {steps} != {want_step}")
+    if args.universal and stage == 3:
+        # DeepSpeed 0.19.8 stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3 puts the one step tensor
+        # of optimizer_state.pt into every sub-group's Adam state; torch's Adam increments it in place, once per
+        # sub-group and step. Proven here, then worked around as the README says (one tensor per sub-group).
+        states = [st for st in base.state.values() if "step" in st]
+        shared = len(states) > 1 and len({id(st["step"]) for st in states}) == 1
+        if len(states) > 1 and not shared:
+            problems.append("ZeRO-3 sub-groups no longer share one Adam step tensor after a universal load "
+                            "(DeepSpeed fixed it? update README 'Universal checkpoints')")
+        if rank == 0:
+            print(f"UNIVERSAL-EVIDENCE {name}: {len(states)} ZeRO-3 sub-groups, one shared step tensor: {shared}",
+                  flush=True)
+        for st in states:
+            st["step"] = st["step"].clone()
     if meta.get("loss_scale") is not None:
         scale = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
         if scale != float(meta["loss_scale"]):

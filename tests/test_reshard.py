@@ -273,21 +273,22 @@ def test_zip64_records_load_and_verify(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", ["quick", "full"])
 def test_verification_catches_misplaced_bytes(mode, tmp_path, monkeypatch):
     """A writer bug that shifts one source range by one element must not reach the output."""
-    from dsckpt import reshard as reshard_mod
+    from dsckpt.ds_writers import common, zero3, zero12
     from dsckpt.errors import CorruptCheckpointError
     from dsckpt.writers.torch_stream import Extent, StreamedTensor
 
-    real = reshard_mod._streamed
+    real = common.streamed
 
-    def shifted(spec, cache, attrs=None):
-        t = real(spec, cache, attrs)
+    def shifted(spec, cache, attrs=None, **kw):
+        t = real(spec, cache, attrs, **kw)
         ext = [e for e in t.extents if e.path is not None]
         if t.numel < 16 or not ext:
             return t
         bad = tuple(Extent(e.path, e.file_offset + 4, e.nbytes) if e is ext[-1] else e for e in t.extents)
         return StreamedTensor(t.dtype, t.shape, bad, t.attrs)
 
-    monkeypatch.setattr(reshard_mod, "_streamed", shifted)
+    monkeypatch.setattr(zero12, "streamed", shifted)
+    monkeypatch.setattr(zero3, "streamed", shifted)
     fx = pick(stage=2, dtype="bf16")
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)

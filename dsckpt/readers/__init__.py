@@ -10,7 +10,7 @@ from pathlib import Path
 from collections.abc import Mapping
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..layout import classify_files, find_tag_dir
+from ..layout import classify_files, find_tag_dir, is_universal_dir
 from ..model import LogicalCheckpoint
 from .common import FileCache, metadata_from_model_states
 
@@ -46,6 +46,10 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
     from .zero12 import read_zero12
 
     root, tag_name, tag_dir = find_tag_dir(path, tag)
+    if is_universal_dir(tag_dir):
+        from .universal import read_universal
+
+        return read_universal(root, tag_name, tag_dir, cache)
     files = classify_files(root, tag_name, tag_dir)
     if files.layer_files:
         return read_pipeline(files, cache)

@@ -17,7 +17,8 @@ __all__ = ["FileCache", "lookup", "dtype_name", "whole", "metadata_from_model_st
 
 
 class FileCache:
-    """Parses each checkpoint file once (pickle metadata only; tensor bytes stay on disk)."""
+    """Parses each checkpoint file once (pickle metadata only; tensor bytes stay on disk). A file's
+    tree is a dict, or a :class:`TensorRef` for a file holding one bare tensor."""
 
     def __init__(self) -> None:
         self._trees: dict[Path, Any] = {}
@@ -25,7 +26,9 @@ class FileCache:
     def tree(self, path: Path) -> Any:
         if path not in self._trees:
             obj = safe_load.load(path)
-            if not isinstance(obj, dict):
+            # A bare tensor is a whole file only in universal checkpoints (ds_to_universal's ZeRO-3
+            # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is ().
+            if not isinstance(obj, (dict, TensorRef)):
                 raise CorruptCheckpointError(
                     f"{path}: expected a dict at the top level, found {type(obj).__name__}; "
                     "this is not a DeepSpeed checkpoint file"

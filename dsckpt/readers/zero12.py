@@ -31,7 +31,7 @@ from .common import (
     step_of,
 )
 
-__all__ = ["read_zero12", "GroupPartitions", "group_partitions", "zero12_param_entries"]
+__all__ = ["read_zero12", "GroupPartitions", "group_partitions", "module_side_entries", "zero12_param_entries"]
 
 OSD = "optimizer_state_dict"
 
@@ -252,9 +252,37 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                     f"{ms_path}: 'param_shapes' names '{name}' but the saved module has no tensor of that "
                     "name; the file is damaged or its parts come from different runs"
                 )
+    entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable)
+    sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)), None)
+    wrapper = "BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer"
+    base = osd0.get("base_optimizer_state")
+    return LogicalCheckpoint(
+        root=files.root, tag=files.tag, tag_dir=files.tag_dir,
+        # DeepSpeed 0.10.3 to 0.16.9 (files of 0.14.5 and 0.16.9) wrap stage-0 bf16 in BF16_Optimizer (bf16
+        # grad_accum_dtype defaulted to fp32 without ZeRO), which writes the ZeRO-1 layout with
+        # zero_optimization.stage 0 in its config; 0.18.9 and 0.19.8 use FP16_UnfusedOptimizer there.
+        layout="zero1" if stage == 1 else "zero2" if stage == 2 else "stage0-bf16-optimizer",
+        zero_stage=stage, precision=precision_of(meta.ds_config, sample),
+        dp_world_size=world, pp_world_size=1, tp_world_size=1,
+        ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
+        optimizer_step=step_of(base.get("state") if isinstance(base, Mapping) else None),
+        optimizer_wrapper=wrapper,
+        entries=tuple(order_like_module(entries, list(module))),
+        files=tuple(files.all_files()), ds_config=meta.ds_config,
+        notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
+                    if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
+    )
+
+
+def module_side_entries(ms_path: Path, ms: Mapping[str, Any], buffer_names: tuple[str, ...],
+                        trainable: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """``trainable`` plus what a stage-1/2 model-states file holds besides them: frozen params (16-bit
+    ``module`` copy, and at stage 2 ``frozen_param_fragments``), tied aliases (``shared_params``) and
+    buffers. Also used for the copied model-states file of a universal checkpoint."""
+    module = ms.get("module") or {}
     entries = dict(trainable)
     shared = ms.get("shared_params") or {}
-    buffers = set(meta.buffer_names)
+    buffers = set(buffer_names)
     frozen_shapes = ms.get("frozen_param_shapes") or {}
     frozen_frags = ms.get("frozen_param_fragments") or {}
     for name, ref in module.items():
@@ -277,27 +305,9 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             entries[alias] = alias_entry(alias, entries[source])
         else:
             raise CorruptCheckpointError(f"{ms_path}: tied param '{alias}' points to unknown '{source}'")
-    for e in buffer_entries(ms_path, module, meta.buffer_names):
+    for e in buffer_entries(ms_path, module, buffer_names):
         entries[e.name] = e
-    sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)), None)
-    wrapper = "BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer"
-    base = osd0.get("base_optimizer_state")
-    return LogicalCheckpoint(
-        root=files.root, tag=files.tag, tag_dir=files.tag_dir,
-        # DeepSpeed 0.10.3 to 0.16.9 (files of 0.14.5 and 0.16.9) wrap stage-0 bf16 in BF16_Optimizer (bf16
-        # grad_accum_dtype defaulted to fp32 without ZeRO), which writes the ZeRO-1 layout with
-        # zero_optimization.stage 0 in its config; 0.18.9 and 0.19.8 use FP16_UnfusedOptimizer there.
-        layout="zero1" if stage == 1 else "zero2" if stage == 2 else "stage0-bf16-optimizer",
-        zero_stage=stage, precision=precision_of(meta.ds_config, sample),
-        dp_world_size=world, pp_world_size=1, tp_world_size=1,
-        ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
-        optimizer_step=step_of(base.get("state") if isinstance(base, Mapping) else None),
-        optimizer_wrapper=wrapper,
-        entries=tuple(order_like_module(entries, list(module))),
-        files=tuple(files.all_files()), ds_config=meta.ds_config,
-        notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
-                    if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
-    )
+    return entries
 
 
 def _check_module_names(ms_path: Path, module: Mapping[str, Any], entries: Mapping[str, TensorEntry],

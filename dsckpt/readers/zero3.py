@@ -10,6 +10,7 @@ concatenation of rank ``d``'s ``ceil(numel / ws)``-element piece of every param 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -27,7 +28,7 @@ from .common import (
     step_of,
 )
 
-__all__ = ["read_zero3"]
+__all__ = ["read_zero3", "zero3_module_side_entries"]
 
 OSD = "optimizer_state_dict"
 
@@ -100,6 +101,32 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                     f"needs {offset}"
                 )
 
+    entries.update(zero3_module_side_entries(ms0_path, ms0, model_paths, meta.buffer_names, entries, cache))
+    module0 = ms0.get("module") or {}
+    sample = next((ref.dtype_name for ref in (ms0.get("frozen_param_fragments") or {}).values()
+                   if isinstance(ref, TensorRef)), None)
+    if sample is None:
+        sample = next((ref.dtype_name for n, ref in module0.items()
+                       if isinstance(ref, TensorRef) and n not in meta.buffer_names), None)
+    return LogicalCheckpoint(
+        root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="zero3", zero_stage=3,
+        precision=precision_of(meta.ds_config, sample), dp_world_size=world, pp_world_size=1,
+        tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
+        global_samples=meta.global_samples, optimizer_step=step_of(inner.get("state")),
+        optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
+        entries=tuple(order_like_module(entries, list(module0))),
+        files=tuple(files.all_files()), ds_config=meta.ds_config,
+    )
+
+
+def zero3_module_side_entries(ms0_path: Path, ms0: Mapping[str, Any], model_paths: list[Path],
+                              buffer_names: tuple[str, ...], trainable: Mapping[str, TensorEntry],
+                              cache: FileCache) -> dict[str, TensorEntry]:
+    """What the stage-3 model-states files of every rank hold besides the trainable params: frozen
+    params (each rank's ``frozen_param_fragments``), tied aliases, buffers (a replica per rank). Also
+    used for the copied model-states files of a universal checkpoint."""
+    world = len(model_paths)
+    entries: dict[str, TensorEntry] = {}
     frozen_shapes = ms0.get("frozen_param_shapes") or {}
     for name, shape in frozen_shapes.items():
         shape = _shape(shape)
@@ -120,26 +147,12 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
 
     shared = ms0.get("shared_params") or {}
     for alias, source in shared.items():
-        if source not in entries:
+        if source not in trainable and source not in entries:
             raise CorruptCheckpointError(f"{ms0_path}: tied param '{alias}' points to unknown '{source}'")
-        entries[alias] = alias_entry(alias, entries[source])
+        entries[alias] = alias_entry(alias, trainable[source] if source in trainable else entries[source])
 
     module0 = ms0.get("module") or {}
     replicas = [(mp, cache.tree(mp).get("module") or {}, rank) for rank, mp in enumerate(model_paths) if rank]
-    for e in buffer_entries(ms0_path, module0, meta.buffer_names, replicas):
+    for e in buffer_entries(ms0_path, module0, buffer_names, replicas):
         entries[e.name] = e
-
-    sample = next((ref.dtype_name for ref in (ms0.get("frozen_param_fragments") or {}).values()
-                   if isinstance(ref, TensorRef)), None)
-    if sample is None:
-        sample = next((ref.dtype_name for n, ref in module0.items()
-                       if isinstance(ref, TensorRef) and n not in meta.buffer_names), None)
-    return LogicalCheckpoint(
-        root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="zero3", zero_stage=3,
-        precision=precision_of(meta.ds_config, sample), dp_world_size=world, pp_world_size=1,
-        tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
-        global_samples=meta.global_samples, optimizer_step=step_of(inner.get("state")),
-        optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
-        entries=tuple(order_like_module(entries, list(module0))),
-        files=tuple(files.all_files()), ds_config=meta.ds_config,
-    )
+    return entries

@@ -1,0 +1,207 @@
+"""DeepSpeed layout writers: the mirror of :mod:`dsckpt.readers`.
+
+Design
+------
+A reader turns one DeepSpeed layout into the :class:`~dsckpt.model.LogicalCheckpoint` (names,
+shapes, and where every stored copy of every tensor lies). A writer here turns that logical
+checkpoint plus a :class:`~.plan.Target` (ZeRO stage, data-parallel world size, optimizer wrapper,
+ZeRO-3 ``sub_group_size``, round robin / parameter alignment) into a :class:`~.plan.LayoutPlan`: the
+target's files and, for every flat tensor in them, the element ranges of source tensors that land
+where (zeros elsewhere). One module per layout, named like its reader:
+
+=====================  ==============================================  ==========================
+module                 layout                                          reader
+=====================  ==============================================  ==========================
+:mod:`.stage0`         no ZeRO: ``mp_rank_00_model_states.pt`` only     ``readers/stage0.py``
+:mod:`.zero12`         ZeRO-1/2 and ``BF16_Optimizer`` flat partitions  ``readers/zero12.py``
+:mod:`.zero3`          ZeRO-3 per-param partitions, sub-groups          ``readers/zero3.py``
+:mod:`.universal`      universal folder: ``zero/<param>/<state>.pt``    ``readers/universal.py``
+=====================  ==============================================  ==========================
+
+:mod:`.universal` writes DeepSpeed's universal checkpoint folder (``ds_to_universal``'s output,
+``readers/universal.py``): one whole tensor per param and state, no partitions, so its plan
+(:class:`~.universal.UniversalPlan`) has no target world size. Each writer has a pure ``plan_*``
+function (no I/O: tested without files) and tree functions that turn a plan into the trees
+:func:`dsckpt.writers.torch_stream.write_torch_tree` streams: source tensors are referenced by byte
+range, never loaded, so writing is a torch-free byte copy with CRC checks. The one exception: a
+ZeRO-3 source written as ZeRO-1/2 in 16-bit needs the module's 16-bit params, which only exist as
+the fp32 master there; they are cast with torch, one file's worth in memory.
+
+:func:`plan_layout` picks the writer; :func:`build_jobs` produces ``(path, tree)`` per target file.
+``dsckpt reshard`` (:mod:`dsckpt.reshard`) is only read -> :func:`plan_layout` -> write -> verify.
+
+Stage changes: the fp32 master, Adam moments and step are layout-independent in the logical
+checkpoint, so any ZeRO stage 1-3 source can be planned for any stage 1-3 target. What a layout
+stores besides them (loss scaler, ``clip_grad``, optimizer hyperparameters, client state) is carried
+over by :func:`~.common.optimizer_scalars`; what the target layout has and the source does not is
+set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` for a bf16
+``BF16_Optimizer`` source written as ZeRO). Stage 0 sources and targets are not converted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import UnsupportedCheckpointError, UsageError
+from ..model import LogicalCheckpoint, Precision
+from ..partition import DEFAULT_SUB_GROUP_SIZE, round_robin_order
+from .plan import (
+    BF16_WRAPPER,
+    ZERO3_WRAPPER,
+    ZERO_WRAPPER,
+    FlatSpec,
+    GroupPartition,
+    LayoutPlan,
+    RangeCopy,
+    RankPlan,
+    SourceFacts,
+    Target,
+    rank_of,
+    source_layout_stage,
+)
+
+__all__ = [
+    "FlatSpec",
+    "GroupPartition",
+    "LayoutPlan",
+    "RangeCopy",
+    "RankPlan",
+    "SourceFacts",
+    "Target",
+    "build_jobs",
+    "plan_layout",
+    "source_layout_stage",
+    "target_wrapper",
+]
+
+
+
+def target_wrapper(ckpt: LogicalCheckpoint, target: Target) -> str:
+    """The optimizer wrapper the target files are written for."""
+    if target.zero_stage == 0:
+        return ckpt.optimizer_wrapper
+    if target.zero_stage == 3:
+        if target.bf16_optimizer:
+            raise UsageError("BF16_Optimizer files exist for ZeRO stage 1 only (bf16_optimizer.py); drop the option")
+        return ZERO3_WRAPPER
+    wants_bf16 = (target.bf16_optimizer if target.bf16_optimizer is not None
+                  else ckpt.optimizer_wrapper == BF16_WRAPPER and target.zero_stage == 1)
+    if wants_bf16:
+        if target.zero_stage != 1 or ckpt.precision is not Precision.BF16:
+            raise UsageError("BF16_Optimizer files are written for bf16 checkpoints at ZeRO stage 1 only")
+        return BF16_WRAPPER
+    return ZERO_WRAPPER
+
+
+def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
+    """Plan every file of ``target`` from ``ckpt``. Pure: no tensor or file I/O.
+
+    ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
+    Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) a stage change from or to stage 0.
+    """
+    src_stage = source_layout_stage(ckpt)
+    if (src_stage == 0) != (target.zero_stage == 0):
+        raise UnsupportedCheckpointError(
+            f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {src_stage} to stage {target.zero_stage}: "
+            "stage changes are supported between ZeRO stages 1, 2 and 3 only")
+    if ckpt.moe is not None and target.zero_stage != src_stage:
+        raise UnsupportedCheckpointError(
+            f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
+            f"{target.zero_stage}: stage changes of MoE checkpoints are not supported (DeepSpeed 0.19.8 has no "
+            "native MoE at ZeRO-3); reshard it at its own stage")
+    wrapper = target_wrapper(ckpt, target)
+    common = {**common, "zero_stage": target.zero_stage, "optimizer_wrapper": wrapper,
+              "source_zero_stage": src_stage, "source_optimizer_wrapper": ckpt.optimizer_wrapper}
+    if target.zero_stage == 0:
+        from .stage0 import plan_stage0
+
+        return plan_stage0(ckpt, common)
+    src_bf16_opt = ckpt.optimizer_wrapper == BF16_WRAPPER
+    orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
+    models = _source_model_files(ckpt)
+    common = {**common, "source_model_files": models}
+    if target.zero_stage == 3:
+        from .zero3 import plan_zero3
+
+        sub = target.sub_group_size
+        if sub is None:
+            sub = facts.sub_group_size if src_stage == 3 else DEFAULT_SUB_GROUP_SIZE
+        return plan_zero3(ckpt, target.world_size, orders, sub_group_size=sub,
+                          param_ds_ids=dict(facts.param_ds_ids), source_subgroups=len(facts.group_flat_order),
+                          common=common)
+    from .zero12 import plan_zero12
+
+    round_robin = target.round_robin if target.round_robin is not None else (facts.round_robin and src_stage != 3)
+    alignment = (target.parameter_alignment if target.parameter_alignment is not None
+                 else facts.parameter_alignment and src_stage != 3)
+    return plan_zero12(ckpt, target.world_size, orders, round_robin=round_robin, parameter_alignment=alignment,
+                       bf16_optimizer=wrapper == BF16_WRAPPER, common=common)
+
+
+def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: int,
+                           source_bf16_optimizer: bool) -> list[list[str]]:
+    """Per optimizer param group, its trainable params in the optimizer's own order: stage-1/2 flat
+    order with round robin undone, or the stage-3 sub-groups of each group joined."""
+    if source_stage == 3:
+        n_groups = max(facts.subgroup_to_group, default=-1) + 1
+        groups: list[list[str]] = [[] for _ in range(n_groups)]
+        for s, names in enumerate(facts.group_flat_order):
+            groups[facts.subgroup_to_group[s]].extend(names)
+        return groups
+    out = []
+    for src_flat in facts.group_flat_order:
+        if facts.round_robin and not source_bf16_optimizer:
+            original = [""] * len(src_flat)
+            for pos, idx in enumerate(round_robin_order(len(src_flat), source_world)):
+                original[idx] = src_flat[pos]
+            out.append(original)
+        else:
+            out.append(list(src_flat))
+    return out
+
+
+def _source_model_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
+    if source_layout_stage(ckpt) == 3:
+        return tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
+                             and p.name.endswith("_model_states.pt")), key=rank_of))
+    return tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
+
+
+def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+    """``(path, tree)`` for every target file, in plan order. Reads source trees (pickles) through
+    ``cache``, no tensor bytes; not thread-safe (the cache is not)."""
+    from .common import optimizer_scalars
+
+    jobs: list[tuple[Path, Any]] = []
+    if plan.zero_stage == 0:
+        from .stage0 import stage0_model_trees
+
+        return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)), *_copied(plan, tag_dir, cache)]
+    src0 = cache.tree(plan.source_optim_files[0])
+    same_family = (plan.from_stage == 3) == (plan.zero_stage == 3) and plan.from_wrapper == plan.optimizer_wrapper
+    scalars = None if same_family else optimizer_scalars(src0, plan.from_stage)
+    if plan.zero_stage in (1, 2):
+        from .zero12 import zero12_model_tree, zero12_optim_tree
+
+        name, tree = zero12_model_tree(plan, ckpt, cache)
+        jobs.append((tag_dir / name, tree))
+        jobs += _copied(plan, tag_dir, cache)
+        for r in plan.ranks:
+            assert r.optim_file is not None
+            jobs.append((tag_dir / r.optim_file, zero12_optim_tree(plan, r, src0, scalars, cache)))
+        return jobs
+    from .zero3 import zero3_model_tree, zero3_optim_tree
+
+    src_models: Sequence[Any] = [cache.tree(p) for p in plan.source_model_files]
+    for r in plan.ranks:
+        assert r.model_file is not None and r.optim_file is not None
+        jobs.append((tag_dir / r.model_file, zero3_model_tree(plan, r, ckpt, src_models, cache)))
+        jobs.append((tag_dir / r.optim_file, zero3_optim_tree(plan, r, src0, scalars, cache)))
+    return jobs
+
+
+def _copied(plan: LayoutPlan, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+    """The plan's files rewritten unchanged (MoE expert files)."""
+    return [(tag_dir / src.name, dict(cache.tree(src))) for src in plan.copied_model_files]

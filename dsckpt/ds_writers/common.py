@@ -1,0 +1,199 @@
+"""Tree pieces shared by the DeepSpeed layout writers: streamed flat tensors, DeepSpeed stand-in
+objects, and the optimizer scalars a writer carries from a source of another layout.
+
+Trees are what :func:`dsckpt.writers.torch_stream.write_torch_tree` writes: dicts and lists whose
+tensor leaves are source :class:`~dsckpt.safe_load.TensorRef` s (copied whole), streamed tensors
+(byte ranges of source files and zeros) or, rarely, ``torch.Tensor`` s.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .plan import FlatSpec, LayoutPlan
+
+__all__ = [
+    "OSD",
+    "OptimizerScalars",
+    "fmt_key",
+    "fragment_address",
+    "loss_scaler",
+    "optimizer_scalars",
+    "own_copy",
+    "shapes_tree",
+    "streamed",
+    "target_ds_config",
+    "zero_stage_enum",
+]
+
+OSD = "optimizer_state_dict"
+
+
+def fmt_key(key: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in key[1:]) if key and key[0] == OSD else "".join(f"[{k!r}]" for k in key)
+
+
+def streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None, *,
+             shape: tuple[int, ...] | None = None) -> Any:
+    """The target tensor of ``spec`` as source byte ranges with zero runs between them
+    (``shape``: a view of its elements other than 1-D)."""
+    from ..writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
+
+    item = element_nbytes(spec.dtype)
+    extents: list[Extent] = []
+    pos = 0  # elements of the target covered so far
+
+    def add(ext: Extent) -> None:
+        last = extents[-1] if extents else None
+        if last is not None and last.path == ext.path and last.record is ext.record and (
+                ext.path is None or last.file_offset + last.nbytes == ext.file_offset):
+            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes, last.record,
+                                 last.record_offset)
+        else:
+            extents.append(ext)
+
+    for c in sorted(spec.copies, key=lambda c: c.dst_offset):
+        ref = cache.tensor(c.file, c.key)
+        if dtype_name(ref) != spec.dtype:
+            raise CorruptCheckpointError(f"{c.file}: {fmt_key(c.key)} is {dtype_name(ref)}, expected {spec.dtype}")
+        if not ref.is_contiguous():
+            raise UnsupportedCheckpointError(
+                f"{c.file}: {fmt_key(c.key)} is stored non-contiguously; flat ZeRO partitions never are")
+        first = ref.storage_offset + c.src_offset
+        if c.src_offset < 0 or c.src_offset + c.numel > ref.numel or first + c.numel > ref.storage.numel:
+            raise CorruptCheckpointError(
+                f"{c.file}: {fmt_key(c.key)} has {ref.numel} elements, but the checkpoint's metadata places "
+                f"elements [{c.src_offset}, {c.src_offset + c.numel}) in it; the metadata does not match")
+        assert c.dst_offset >= pos and c.dst_offset + c.numel <= spec.numel, "overlapping copy ranges"
+        if c.dst_offset > pos:
+            add(Extent(None, 0, (c.dst_offset - pos) * item))
+        add(Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, c.numel * item,
+                   ref.storage.check, first * item))
+        pos = c.dst_offset + c.numel
+    if pos < spec.numel:
+        add(Extent(None, 0, (spec.numel - pos) * item))
+    if shape is not None:
+        assert _prod(shape) == spec.numel, "shape does not match the flat tensor"
+    return StreamedTensor(spec.dtype, shape if shape is not None else (spec.numel,), tuple(extents),
+                          dict(attrs or {}))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def own_copy(value: Any) -> Any:
+    """A storage of its own for a small per-group state value such as Adam's ``step``: torch's
+    ``Optimizer.load_state_dict`` keeps ``step`` tensors as loaded, so one pickled storage shared by
+    several groups would be incremented once per group and step."""
+    from ..safe_load import TensorRef
+    from ..writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
+
+    if not isinstance(value, TensorRef):
+        return value
+    if not value.is_contiguous():
+        return value.load().clone()
+    item = element_nbytes(dtype_name(value))
+    ext = Extent(Path(value.storage.path), value.storage.file_offset + value.storage_offset * item,
+                 value.numel * item, value.storage.check, value.storage_offset * item)
+    return StreamedTensor(dtype_name(value), tuple(value.shape), (ext,), dict(value.attrs))
+
+
+def _stand_in(module: str, name: str) -> Any:
+    from ..safe_load import stand_in_class
+
+    cls = stand_in_class(module, name)
+    assert cls is not None
+    return cls
+
+
+def fragment_address(numel: int, start: int) -> Any:
+    cls = _stand_in("deepspeed.utils.tensor_fragment", "fragment_address")
+    obj = cls.__new__(cls)
+    obj.__dict__.update(numel=numel, start=start)
+    return obj
+
+
+def zero_stage_enum(stage: int) -> Any:
+    """DeepSpeed's pickled ``ZeroStageEnum`` member (runtime/zero/config.py:81-87)."""
+    return _stand_in("deepspeed.runtime.zero.config", "ZeroStageEnum")(stage)
+
+
+def loss_scaler() -> Any:
+    """The static ``LossScaler(1.0)`` DeepSpeed 0.19.8 pickles in fp32 and bf16 ZeRO optimizer files
+    (``BF16_Optimizer`` files have none)."""
+    cls = _stand_in("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+    obj = cls.__new__(cls)
+    obj.__dict__.update(cur_scale=1.0, dynamic=False)
+    return obj
+
+
+def shapes_tree(plan: LayoutPlan, like: Any = None) -> list[OrderedDict[str, Any]]:
+    """``param_shapes`` as DeepSpeed writes them: ``torch.Size`` values, except where the source ``like``
+    holds plain tuples (0.19.8 ``_save_moe_checkpoint`` passes the state through ``clone_tensors_for_torch_save``,
+    which rebuilds every tuple, ``torch.Size`` included, as a tuple)."""
+    from ..writers.torch_stream import Size
+
+    as_tuple = isinstance(like, list) and any(
+        isinstance(g, Mapping) and any(type(v) is tuple for v in g.values()) for g in like)
+    return [OrderedDict((n, tuple(s) if as_tuple else Size(s)) for n, s in group) for group in plan.param_shapes]
+
+
+@dataclass(frozen=True)
+class OptimizerScalars:
+    """What a ZeRO optimizer file holds besides its flat partitions, read from a source file of any
+    layout: carried into files of another layout.
+
+    ``param_groups``: the inner optimizer's hyperparameters per param group, ``params`` left out;
+    ``step``: Adam's step (the stored value, a 0-d tensor); ``clip_grad``: ``None`` when the source
+    does not store it (stage 3), so that the new engine keeps its configured value.
+    """
+
+    loss_scaler: Any
+    dynamic_loss_scale: Any
+    overflow: Any
+    clip_grad: Any
+    param_groups: tuple[Mapping[str, Any], ...]
+    step: Any
+    ds_version: Any
+    top: Mapping[str, Any]  # the file's other top-level keys (ds_config, ds_version ...)
+
+
+def optimizer_scalars(src0: Mapping[str, Any], source_stage: int) -> OptimizerScalars:
+    """The scalars of source rank 0's optimizer file ``src0`` (ZeRO-1/2, BF16_Optimizer or ZeRO-3)."""
+    osd = src0[OSD]
+    inner = osd[OSD] if source_stage == 3 else osd["base_optimizer_state"]
+    groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner["param_groups"])
+    steps = [s["step"] for s in inner["state"].values() if isinstance(s, Mapping) and "step" in s]
+    return OptimizerScalars(
+        loss_scaler=osd.get("loss_scaler", None) if "loss_scaler" in osd else loss_scaler(),
+        dynamic_loss_scale=osd.get("dynamic_loss_scale", False),
+        overflow=osd.get("overflow", False),
+        clip_grad=osd.get("clip_grad"),
+        param_groups=groups,
+        step=steps[0] if steps else None,
+        ds_version=osd.get("ds_version", src0.get("ds_version")),
+        top={k: v for k, v in src0.items() if k != OSD},
+    )
+
+
+def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -> Any:
+    """The recorded ``ds_config`` with the target's ZeRO stage (DeepSpeed does not read it back; it
+    tells the next reader what the files are)."""
+    if not isinstance(config, Mapping):
+        return config
+    out = dict(config)
+    z = dict(out.get("zero_optimization") or {})
+    z["stage"] = zero_stage
+    if zero_stage == 3 and sub_group_size is not None and "sub_group_size" in z:
+        z["sub_group_size"] = sub_group_size
+    out["zero_optimization"] = z
+    return out

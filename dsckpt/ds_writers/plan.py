@@ -1,0 +1,243 @@
+"""The records every DeepSpeed layout writer plans with, and the pure range arithmetic they share.
+
+A :class:`LayoutPlan` is the whole output: per target rank, which file, and for every flat tensor
+in it (fp32 master partition, Adam moments, stage-3 frozen fragments) which element ranges of which
+source tensors land where (:class:`RangeCopy`); zeros everywhere else. No tensor data, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from ..hf import HfFilesPlan
+from ..model import LogicalCheckpoint, Piece, Precision
+from ..partition import DEFAULT_SUB_GROUP_SIZE
+
+__all__ = [
+    "FlatSpec",
+    "GroupPartition",
+    "LayoutPlan",
+    "RangeCopy",
+    "RankPlan",
+    "SourceFacts",
+    "Target",
+    "coalesce",
+    "element_nbytes",
+    "model_file_name",
+    "optim_file_name",
+    "range_copies",
+    "rank_of",
+]
+
+ZERO_WRAPPER = "DeepSpeedZeroOptimizer"
+ZERO3_WRAPPER = "DeepSpeedZeroOptimizer_Stage3"
+BF16_WRAPPER = "BF16_Optimizer"
+
+
+@dataclass(frozen=True)
+class RangeCopy:
+    """``numel`` elements at ``src_offset`` of the flat tensor ``key`` in ``file`` go to
+    ``dst_offset`` of the target tensor."""
+
+    file: Path
+    key: tuple[Any, ...]
+    src_offset: int
+    numel: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class FlatSpec:
+    """One 1-D target tensor: ``numel`` elements of ``dtype``, zero except where ``copies`` write."""
+
+    numel: int
+    dtype: str
+    copies: tuple[RangeCopy, ...]
+
+    @property
+    def copied_numel(self) -> int:
+        return sum(c.numel for c in self.copies)
+
+
+@dataclass(frozen=True)
+class GroupPartition:
+    """One target rank's share of one param group (stage 1/2) or fp32 sub-group (stage 3)."""
+
+    group: int
+    partition_numel: int  # padded partition length: the Adam moments' length
+    padding_numel: int  # the ``group_paddings`` entry written for this rank (stage 1/2)
+    master: FlatSpec  # fp32 master as stored (ZeRO-1/2 strips the padding)
+    exp_avg: FlatSpec
+    exp_avg_sq: FlatSpec
+    slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
+    ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
+    partition_count: int | None = None  # MoE expert group: the expert-data-parallel size (else the world size)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    optim_file: str | None
+    model_file: str | None  # stage 3: this rank's model-states file
+    groups: tuple[GroupPartition, ...]
+    frozen_fragments: tuple[tuple[str, FlatSpec], ...] = ()  # stage 3
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    """Layout facts a plan needs beyond the logical model (see :func:`dsckpt.reshard.read_source_facts`).
+
+    ``group_flat_order``: per source group (stage 1/2) or sub-group (stage 3), the trainable param
+    names in flat-buffer order (``param_shapes``). ``subgroup_to_group``: the optimizer param group
+    of each stage-3 sub-group. ``param_ds_ids``: each param's stage-3 ``ds_id`` (its position among
+    the module's own params).
+    """
+
+    group_flat_order: tuple[tuple[str, ...], ...]
+    subgroup_to_group: tuple[int, ...]
+    round_robin: bool = False
+    parameter_alignment: bool = False
+    sub_group_size: int | None = DEFAULT_SUB_GROUP_SIZE
+    param_ds_ids: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to write: ZeRO ``zero_stage`` (0-3) on ``world_size`` data-parallel ranks.
+
+    ``sub_group_size`` is ZeRO-3's (``None``: the source's when it is stage 3, else DeepSpeed's
+    default); ``round_robin`` / ``parameter_alignment`` are the target's ``zero_optimization``
+    flags (``None``: the source's). ``bf16_optimizer``: write ``BF16_Optimizer`` files (stage 1,
+    bf16 only; ``None``: keep the source's wrapper where the target stage allows it).
+    """
+
+    zero_stage: int
+    world_size: int
+    sub_group_size: int | None = None
+    round_robin: bool | None = None
+    parameter_alignment: bool | None = None
+    bf16_optimizer: bool | None = None
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """Every file of the output save dir and every byte range in it (see the package docstring)."""
+
+    source_root: Path
+    source_tag_dir: Path
+    tag: str
+    layout: str
+    zero_stage: int  # the target's
+    optimizer_wrapper: str  # the target's
+    precision: Precision
+    source_world_size: int
+    world_size: int
+    source_model_files: tuple[Path, ...]  # mp_rank_00 (stage 0-2) or one per source rank (stage 3)
+    source_optim_files: tuple[Path, ...]
+    bf16_prefixed_optim: bool
+    param_shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # target, flat order
+    subgroup_to_group: tuple[int, ...]
+    alignment_paddings: tuple[tuple[int, ...], ...]
+    ranks: tuple[RankPlan, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
+    source_zero_stage: int | None = None  # None: same as zero_stage
+    source_optimizer_wrapper: str | None = None  # None: same as optimizer_wrapper
+    sub_group_size: int | None = None  # stage-3 target: the sub_group_size the sub-groups were formed with
+    copied_model_files: tuple[Path, ...] = ()  # MoE expert (and stage-0 expp_rank_*) files, rewritten unchanged
+
+    @property
+    def from_stage(self) -> int:
+        return self.zero_stage if self.source_zero_stage is None else self.source_zero_stage
+
+    @property
+    def from_wrapper(self) -> str:
+        return self.optimizer_wrapper if self.source_optimizer_wrapper is None else self.source_optimizer_wrapper
+
+    @property
+    def changes_layout(self) -> bool:
+        """True when the target is another ZeRO stage or optimizer wrapper than the source."""
+        return self.from_stage != self.zero_stage or self.from_wrapper != self.optimizer_wrapper
+
+    @property
+    def has_work(self) -> bool:
+        return self.world_size != self.source_world_size or self.changes_layout
+
+    @property
+    def copied_nbytes(self) -> int:
+        total = 0
+        for r in self.ranks:
+            for g in r.groups:
+                total += 4 * (g.master.numel + g.exp_avg.numel + g.exp_avg_sq.numel)
+            for _, spec in r.frozen_fragments:
+                total += 2 * spec.numel
+        return total
+
+
+def element_nbytes(precision: Precision) -> int:
+    return 4 if precision is Precision.FP32 else 2
+
+
+def range_copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: int,
+                 name: str) -> tuple[RangeCopy, ...]:
+    """Where elements ``[elem_start, elem_start + numel)`` of a logical tensor are stored."""
+    if piece is None or numel <= 0:
+        return ()
+    out = []
+    end = elem_start + numel
+    covered = 0
+    for f in piece.fragments:
+        lo = max(elem_start, f.dst_offset)
+        hi = min(end, f.dst_offset + f.numel)
+        if lo < hi:
+            out.append(RangeCopy(f.file, f.key, f.src_offset + (lo - f.dst_offset), hi - lo,
+                                 dst_offset + (lo - elem_start)))
+            covered += hi - lo
+    if covered != numel:
+        raise CorruptCheckpointError(
+            f"tensor '{name}': its {piece.role.value} copy covers {covered} of elements "
+            f"[{elem_start}, {end}); the checkpoint's fragments are incomplete")
+    return tuple(out)
+
+
+def coalesce(copies: Sequence[RangeCopy]) -> tuple[RangeCopy, ...]:
+    """Merge ranges that continue each other in both source and target (fewer, larger reads)."""
+    out: list[RangeCopy] = []
+    for c in copies:
+        last = out[-1] if out else None
+        if (last is not None and last.file == c.file and last.key == c.key
+                and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
+            out[-1] = RangeCopy(c.file, c.key, last.src_offset, last.numel + c.numel, last.dst_offset)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
+def rank_of(path: Path) -> int:
+    m = re.search(r"zero_pp_rank_(\d+)_", path.name)
+    return int(m[1]) if m else -1
+
+
+def optim_file_name(rank: int, bf16_prefix: bool) -> str:
+    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model_file_name(rank: int) -> str:
+    """A stage-3 rank's model-states file (DeepSpeed never prefixes it with ``bf16_``)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
+    """The ZeRO stage whose file layout ``ckpt`` uses. DeepSpeed 0.10.3 to 0.16.9 (written by 0.14.5 and
+    0.16.9) wrap stage-0 bf16 in BF16_Optimizer -- their bf16 grad_accum_dtype defaults to fp32 without ZeRO --
+    so the fp32 masters are partitioned in ``bf16_zero_pp_rank_*`` files like ZeRO-1, while the ds_config
+    (kept as written) says stage 0. 0.18.9 and 0.19.8 default grad_accum_dtype to bf16 and use
+    FP16_UnfusedOptimizer there."""
+    if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
+        return 1
+    return ckpt.zero_stage

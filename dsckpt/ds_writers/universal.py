@@ -1,0 +1,235 @@
+"""Universal checkpoint writer: the folder DeepSpeed's ``ds_to_universal`` writes (the mirror of
+:mod:`dsckpt.readers.universal`), planned from the logical checkpoint, streamed from byte ranges.
+
+What DeepSpeed 0.19.8 writes and its loader reads (checkpoint/ds_to_universal.py,
+checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``, runtime/base_optimizer.py
+``load_hp_checkpoint_state_from_checkpoint_dir``, runtime/zero/stage3.py
+``load_hp_checkpoint_state_from_checkpoint_dir_stage3``), by source family:
+
+ZeRO-1/2 and ``BF16_Optimizer`` sources (loaded by ZeRO-1/2 or ``BF16_Optimizer`` engines)
+  * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt = {"cat_dim": 0, "param": <fp32, param shape>}``
+    (the loader reads ``param`` and cuts it with ``cat_dim``, ``chunk(tp_world_size)[tp_rank]``);
+  * ``zero/<param>/step.pt``: the param group's Adam ``step`` tensor, bare (the loader sets each
+    group's step from it);
+  * ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other module tensor
+    (buffers, frozen params, tied aliases; never read by the loader);
+  * ``zero/optimizer_state.pt``: rank 0's ZeRO optimizer dict without ``base_optimizer_state``,
+    ``param_slice_mappings``, ``single_partition_of_fp32_groups``, plus ``param_groups`` (the loader
+    reads the loss scaler, ``clip_grad``, ``ds_version`` and the groups' hyperparameters);
+  * ``mp_rank_00_model_states.pt`` copied (global steps, LR scheduler, client state come from it).
+ZeRO-3 sources (loaded by ZeRO-3 engines)
+  * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt``: the whole param as a bare flat fp32 tensor;
+  * ``zero/optimizer_state.pt``: rank 0's whole ZeRO-3 optimizer dict (its partitions included, as
+    DeepSpeed writes it) plus ``param_groups``; the loader takes Adam's step from
+    ``["optimizer_state_dict"]["state"][0]["step"]``;
+  * every rank's ``zero_pp_rank_{d}_mp_rank_00_model_states.pt`` copied (the loader reads rank 0's).
+
+``latest_universal`` (the tag) goes beside the tag folder. Buffers and frozen params are in the
+copied model-states files (and, from ZeRO-1/2, in ``zero/<name>/fp32.pt``) although DeepSpeed's
+universal loader restores neither (README, "Universal checkpoints").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
+from ..model import Kind, LogicalCheckpoint, Precision, Role
+from .plan import FlatSpec, coalesce, range_copies, rank_of
+
+__all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_trees"]
+
+OSD = "optimizer_state_dict"
+STATES = ((Role.MASTER, "fp32"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq"))
+# ds_to_universal.py _save_optimizer_state: what a ZeRO-1/2 optimizer_state.pt leaves out
+SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """``zero/<name>/<state>.pt``: one whole fp32 param state assembled from ``spec``'s ranges."""
+
+    name: str
+    state: str  # "fp32", "exp_avg", "exp_avg_sq"
+    spec: FlatSpec
+    shape: tuple[int, ...]  # as written: the param's shape (ZeRO-1/2 source) or flat (ZeRO-3 source)
+    wrapped: bool  # {"cat_dim": 0, "param": t} (ZeRO-1/2 source) or the bare tensor (ZeRO-3 source)
+
+    @property
+    def path(self) -> str:
+        return f"{UNIVERSAL_DIR}/{self.name}/{self.state}.pt"
+
+
+@dataclass(frozen=True)
+class StepFile:
+    """``zero/<name>/step.pt``: the Adam ``step`` tensor at ``key`` of ``file`` (the param's group)."""
+
+    name: str
+    file: Path
+    key: tuple[Any, ...]
+
+    @property
+    def path(self) -> str:
+        return f"{UNIVERSAL_DIR}/{self.name}/step.pt"
+
+
+@dataclass(frozen=True)
+class CastFile:
+    """``zero/<name>/fp32.pt = {"param": <module tensor at key of file>.float()}`` (ZeRO-1/2 sources)."""
+
+    name: str
+    file: Path
+    key: tuple[Any, ...]
+    dtype: str  # the stored dtype, cast to float32
+
+    @property
+    def path(self) -> str:
+        return f"{UNIVERSAL_DIR}/{self.name}/fp32.pt"
+
+
+@dataclass(frozen=True)
+class UniversalPlan:
+    """Every file of a universal checkpoint folder (see the module docstring)."""
+
+    source_root: Path
+    source_tag_dir: Path
+    tag: str  # the source's tag
+    out_tag: str  # the universal folder's name, written into latest_universal
+    source_stage: int
+    optimizer_wrapper: str
+    precision: Precision
+    source_world_size: int
+    state_files: tuple[StateFile, ...]
+    step_files: tuple[StepFile, ...]
+    cast_files: tuple[CastFile, ...]
+    model_files: tuple[Path, ...]  # copied model-states files
+    optimizer_source: Path  # source rank 0's optimizer file
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def zero3(self) -> bool:
+        return self.source_stage == 3
+
+    @property
+    def copied_nbytes(self) -> int:
+        return 4 * sum(f.spec.numel for f in self.state_files)
+
+    def describe(self) -> list[str]:
+        lines = [(f"universal checkpoint from {self.source_tag_dir} (ZeRO stage {self.source_stage}, "
+                 f"{self.precision.value}, {self.optimizer_wrapper}, {self.source_world_size} ranks) "
+                 f"as '{self.out_tag}'")]
+        lines += [f"note: {n}" for n in self.notes]
+        for f in self.state_files:
+            lines.append(f"  {f.path}: float32{list(f.shape)} from "
+                         + ", ".join(f"{c.file.name}[{c.src_offset}:{c.src_offset + c.numel})" for c in f.spec.copies))
+        lines += [f"  {f.path}: Adam step from {f.file.name}" for f in self.step_files]
+        lines += [f"  {f.path}: {f.dtype} module copy as float32" for f in self.cast_files]
+        lines.append(f"  {UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}: from {self.optimizer_source.name}")
+        lines += [f"  copy {p.name}" for p in self.model_files]
+        return lines
+
+
+def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_files: tuple[Path, ...],
+                   model_files: tuple[Path, ...]) -> UniversalPlan:
+    """Plan the universal folder of ``ckpt``, a ZeRO-1/2/3 (or ``BF16_Optimizer``) checkpoint whose
+    files use ``source_stage``'s layout. Pure: no file is opened. ``optimizer_files`` in rank order."""
+    problems = []
+    if source_stage not in (1, 2, 3):
+        problems.append(f"ZeRO stage {source_stage} (ds_to_universal converts ZeRO-1/2/3 optimizer files)")
+    if ckpt.moe is not None:
+        problems.append("Mixture-of-Experts layers")
+    if ckpt.pp_world_size > 1 or ckpt.tp_world_size > 1 or ckpt.layout == "pipeline":
+        problems.append(f"pipeline/tensor parallel size {ckpt.pp_world_size}/{ckpt.tp_world_size}")
+    if ckpt.layout.startswith("universal"):
+        problems.append("a universal checkpoint already")
+    if not optimizer_files:
+        problems.append("no ZeRO optimizer files")
+    if problems:
+        raise UnsupportedCheckpointError(
+            f"cannot write a universal checkpoint of '{ckpt.tag_dir}': found " + "; ".join(problems))
+    zero3 = source_stage == 3
+    states: list[StateFile] = []
+    steps: list[StepFile] = []
+    casts: list[CastFile] = []
+    written: set[str] = set()
+    for e in ckpt.entries:
+        if e.kind is not Kind.PARAM or not e.trainable or e.tied_to is not None:
+            continue
+        for role, state in STATES:
+            piece = e.piece(role)
+            if piece is None:
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {role.value} values")
+            spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
+            states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
+        written.add(e.name)
+        if not zero3:
+            moments = e.piece(Role.EXP_AVG)
+            assert moments is not None
+            first = moments.fragments[0]
+            steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
+    if not zero3:  # ds_to_universal.py:1201-1215: every other module tensor, upcast
+        for e in ckpt.entries:
+            if e.name in written:
+                continue
+            piece = e.piece(Role.MODULE)
+            if piece is None or len(piece.fragments) != 1 or piece.fragments[0].src_offset != 0:
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{e.name}' has no whole module copy to write "
+                                             "zero/<name>/fp32.pt from")
+            f = piece.fragments[0]
+            casts.append(CastFile(e.name, f.file, f.key, piece.dtype))
+    notes = ["DeepSpeed's universal loader restores trainable params and Adam state only: buffers and frozen "
+             "params keep the new model's values (they are in the copied model-states files"
+             + (" and zero/<name>/fp32.pt" if not zero3 else "") + ")",
+             "load with \"checkpoint\": {\"load_universal\": true} under ZeRO stage "
+             + ("3" if zero3 else "1 or 2") + ", on any data-parallel size"]
+    return UniversalPlan(
+        source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, out_tag=f"{ckpt.tag}_universal",
+        source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
+        source_world_size=ckpt.dp_world_size, state_files=tuple(states), step_files=tuple(steps),
+        cast_files=tuple(casts), model_files=tuple(sorted(model_files, key=rank_of)),
+        optimizer_source=min(optimizer_files, key=rank_of), notes=tuple(notes))
+
+
+# --------------------------------------------------------------------------------------------
+# Trees
+
+
+def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]]:
+    """``(path relative to the universal folder, tree)`` for every file of ``plan``. Reads source trees
+    (pickles) through ``cache``, no tensor bytes."""
+    from ..writers.torch_stream import CastTensor
+    from .common import own_copy, streamed
+
+    for f in plan.state_files:
+        t = streamed(f.spec, cache, shape=f.shape)
+        yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
+    for s in plan.step_files:
+        yield s.path, own_copy(cache.tensor(s.file, s.key))
+    for c in plan.cast_files:
+        yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}
+    yield f"{UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}", optimizer_state_tree(plan, cache.tree(plan.optimizer_source))
+    for p in plan.model_files:
+        yield p.name, dict(cache.tree(p))
+
+
+def optimizer_state_tree(plan: UniversalPlan, src0: Mapping[str, Any]) -> dict[str, Any]:
+    """``zero/optimizer_state.pt`` from source rank 0's optimizer file (ds_to_universal.py
+    ``_save_optimizer_state`` / ``_save_optimizer_state_stage3``)."""
+    osd = src0.get(OSD)
+    if not isinstance(osd, Mapping):
+        raise CorruptCheckpointError(f"{plan.optimizer_source}: no '{OSD}'")
+    if plan.zero3:
+        inner = osd.get(OSD)
+        if not isinstance(inner, Mapping) or "param_groups" not in inner:
+            raise CorruptCheckpointError(f"{plan.optimizer_source}: no '{OSD}.{OSD}.param_groups'")
+        return {**osd, "param_groups": inner["param_groups"]}
+    base = osd.get("base_optimizer_state")
+    if not isinstance(base, Mapping) or "param_groups" not in base:
+        raise CorruptCheckpointError(f"{plan.optimizer_source}: no '{OSD}.base_optimizer_state.param_groups'")
+    out = {k: v for k, v in osd.items() if k not in SHARDED_KEYS}
+    out["param_groups"] = base["param_groups"]
+    return out

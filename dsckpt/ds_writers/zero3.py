@@ -1,0 +1,188 @@
+"""ZeRO-3 writer: every param cut on its own over the ranks; one model-states and one optimizer
+file per rank (the mirror of :mod:`dsckpt.readers.zero3`).
+
+Layout (DeepSpeed 0.19.8, partition_parameters.py:1690-1696, stage3.py:1210-1233, 3431-3447): a
+param's rank-``r`` piece is elements ``[r*p, (r+1)*p)`` of it, ``p = ceil(numel / ws)``, zero padded
+on the last rank(s); a rank's fp32 sub-group is the concatenation of its pieces of that sub-group's
+params. Sub-groups are formed per optimizer param group from consecutive params until their
+*partition* sizes reach ``sub_group_size``, so they change with the world size. Model-states files
+hold 0-element placeholders for params, full buffers, and each rank's 16-bit pieces of the frozen
+params (``frozen_param_fragments``); ``shared_params`` is filled on rank 0 only (engine.py:5490-5528).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from ..model import Kind, LogicalCheckpoint, Role
+from ..partition import zero3_partition_numel, zero3_sub_groups
+from .common import (
+    OSD,
+    OptimizerScalars,
+    own_copy,
+    shapes_tree,
+    streamed,
+    target_ds_config,
+    zero_stage_enum,
+)
+from .plan import (
+    FlatSpec,
+    GroupPartition,
+    LayoutPlan,
+    RangeCopy,
+    RankPlan,
+    coalesce,
+    model_file_name,
+    optim_file_name,
+    range_copies,
+)
+
+__all__ = ["plan_zero3", "zero3_model_tree", "zero3_optim_tree"]
+
+
+def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequence[str]], *,
+               sub_group_size: int | None, param_ds_ids: Mapping[str, int], source_subgroups: int,
+               common: Mapping[str, Any]) -> LayoutPlan:
+    """Plan ZeRO-3 files for ``world`` ranks. ``group_orders``: per optimizer param group, its
+    trainable params in order; ``source_subgroups``: how many (sub-)groups the source has (for a note)."""
+    by_name = {e.name: e for e in ckpt.entries}
+    target_subgroups: list[list[str]] = []
+    sub_to_group: list[int] = []
+    for g, group_names in enumerate(group_orders):
+        for name in group_names:
+            if name not in by_name:
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
+        for idx in zero3_sub_groups([by_name[n].numel for n in group_names], world, sub_group_size):
+            target_subgroups.append([group_names[i] for i in idx])
+            sub_to_group.append(g)
+    ranks = []
+    for r in range(world):
+        groups = []
+        for t, names in enumerate(target_subgroups):
+            offset = 0
+            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
+            for nm in names:
+                e = by_name[nm]
+                per = zero3_partition_numel(e.numel, world)
+                lo, hi = r * per, min((r + 1) * per, e.numel)
+                if lo < hi:
+                    for role, lst in role_copies.items():
+                        piece = e.piece(role)
+                        if piece is None:
+                            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
+                        lst.extend(range_copies(piece, lo, hi - lo, offset, nm))
+                offset += per
+            ds_id = (f"{param_ds_ids[names[0]]}_{param_ds_ids[names[-1]]}"
+                     if names and names[0] in param_ds_ids and names[-1] in param_ds_ids else None)
+            groups.append(GroupPartition(
+                group=t, partition_numel=offset, padding_numel=0,
+                master=FlatSpec(offset, "float32", coalesce(role_copies[Role.MASTER])),
+                exp_avg=FlatSpec(offset, "float32", coalesce(role_copies[Role.EXP_AVG])),
+                exp_avg_sq=FlatSpec(offset, "float32", coalesce(role_copies[Role.EXP_AVG_SQ])),
+                ds_id=ds_id,
+            ))
+        frozen = []
+        for e in ckpt.entries:
+            if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None:
+                per = zero3_partition_numel(e.numel, world)
+                lo, hi = r * per, min((r + 1) * per, e.numel)
+                piece = e.piece(Role.MODULE)
+                dtype = piece.dtype if piece else "float32"
+                frozen.append((e.name, FlatSpec(per, dtype, range_copies(piece, lo, max(0, hi - lo), 0, e.name))))
+        ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"]), model_file_name(r),
+                              tuple(groups), tuple(frozen)))
+    shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in target_subgroups)
+    notes = list(common.get("notes", ()))
+    if len(target_subgroups) != source_subgroups:
+        notes.append(f"ZeRO-3 sub-groups re-formed for {world} ranks: {source_subgroups} -> "
+                     f"{len(target_subgroups)} (sub_group_size counts per-rank partition sizes)")
+    return LayoutPlan(**{**common, "notes": tuple(notes)}, param_shapes=shapes,
+                      subgroup_to_group=tuple(sub_to_group), alignment_paddings=(), ranks=tuple(ranks),
+                      sub_group_size=sub_group_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Trees
+
+
+def zero3_model_tree(plan: LayoutPlan, r: RankPlan, ckpt: LogicalCheckpoint, src_models: Sequence[Mapping[str, Any]],
+                     cache: Any) -> dict[str, Any]:
+    """Rank ``r``'s model-states tree. ``src_models``: the source's model-states trees (one per
+    source rank at stage 3; the one ``mp_rank_00`` file at stage 1/2)."""
+    # Stage-3 ranks keep their own buffers (BatchNorm statistics are not synchronised): a rank that
+    # existed before keeps its file's, a new rank starts from rank 0's.
+    source_rank = r.rank if r.rank < len(src_models) else 0
+    tree = dict(src_models[source_rank])
+    if r.rank > 0 and source_rank == 0:
+        tree["shared_params"] = {}  # DeepSpeed computes shared_params on rank 0 only (engine.py:5490-5528)
+    if plan.from_stage != 3:
+        _partitioned_module(tree, ckpt)
+        tree["ds_config"] = target_ds_config(tree.get("ds_config"), 3, plan.sub_group_size)
+    tree["dp_world_size"] = plan.world_size
+    tree["param_shapes"] = shapes_tree(plan)
+    if tree.get("frozen_param_fragments") is not None or r.frozen_fragments:
+        tree["frozen_param_fragments"] = OrderedDict((n, streamed(spec, cache)) for n, spec in r.frozen_fragments)
+    return tree
+
+
+def _partitioned_module(tree: dict[str, Any], ckpt: LogicalCheckpoint) -> None:
+    """A ZeRO-1/2 model-states tree made ZeRO-3's: params become 0-element placeholders of their dtype
+    (buffers stay), ``frozen_param_shapes`` is listed (engine.py:5427-5446)."""
+    from ..writers.torch_stream import Size, StreamedTensor, dtype_name
+
+    by_name = {e.name: e for e in ckpt.entries}
+    module: OrderedDict[str, Any] = OrderedDict()
+    for key, ref in tree["module"].items():
+        e = by_name.get(key)
+        if e is not None and e.kind is Kind.PARAM:
+            module[key] = StreamedTensor(dtype_name(ref), (0,), ())
+        else:
+            module[key] = ref
+    tree["module"] = module
+    frozen = [e for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None]
+    tree["frozen_param_shapes"] = OrderedDict((e.name, Size(e.shape)) for e in frozen)
+    tree["frozen_param_fragments"] = OrderedDict()
+
+
+def zero3_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], scalars: OptimizerScalars | None,
+                     cache: Any) -> dict[str, Any]:
+    """Rank ``r``'s optimizer tree. ``src0``: source rank 0's optimizer tree when the source is ZeRO-3
+    (every key kept, the partitions replaced); otherwise ``scalars`` from the source."""
+    if scalars is not None:
+        src0 = _template(plan, scalars)
+    osd0 = src0[OSD]
+    inner0 = osd0[OSD]
+    src_state = inner0["state"]
+    first_state = src_state[sorted(src_state.keys())[0]] if src_state else {}
+    state: dict[Any, Any] = {}
+    for g in r.groups:
+        new = {}
+        for k, v in first_state.items():
+            new[k] = (streamed(g.exp_avg, cache) if k == "exp_avg" else
+                      streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else own_copy(v))
+        state[g.group] = new
+    param_groups = []
+    for gi, pg in enumerate(inner0["param_groups"]):
+        param_groups.append({**pg, "params": [t for t, owner in enumerate(plan.subgroup_to_group) if owner == gi]})
+    osd = dict(osd0)
+    osd["partition_count"] = plan.world_size
+    osd[OSD] = {**inner0, "state": state, "param_groups": param_groups}
+    osd["fp32_flat_groups"] = [streamed(g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
+                               for g in r.groups]
+    return {**src0, OSD: osd}
+
+
+def _template(plan: LayoutPlan, s: OptimizerScalars) -> dict[str, Any]:
+    """A rank-0 ZeRO-3 optimizer tree in DeepSpeed's key order holding the source's scalars
+    (stage3.py:3431-3447). ZeRO-3 stores no ``clip_grad``: the new engine keeps its configured one."""
+    osd = {"zero_stage": zero_stage_enum(3), "loss_scaler": s.loss_scaler,
+           "dynamic_loss_scale": s.dynamic_loss_scale, "overflow": s.overflow, "partition_count": None,
+           OSD: {"state": {0: {"step": s.step, "exp_avg": None, "exp_avg_sq": None}},
+                 "param_groups": [dict(pg) for pg in s.param_groups]},
+           "fp32_flat_groups": None}
+    top = dict(s.top)
+    top["ds_config"] = target_ds_config(top.get("ds_config"), 3, plan.sub_group_size)
+    return {OSD: osd, **top}

@@ -1,0 +1,203 @@
+"""DeepSpeed universal checkpoint folders (``ds_to_universal``, loaded with ``"checkpoint":
+{"load_universal": true}``): one folder per parameter, whole tensors, no partitions.
+
+Layout written by DeepSpeed 0.19.8 ``checkpoint/ds_to_universal.py`` (the tag folder is its
+``--output_folder``; ``latest_universal`` in the parent names it):
+
+* ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`` for every param in ``param_shapes``. From a ZeRO-1/2
+  or ``BF16_Optimizer`` source: ``{"cat_dim": 0, "param": <fp32 tensor of the param's shape>}``
+  (``merge_tp_slices``) and ``step.pt``, the group's Adam step as a bare tensor. From a ZeRO-3 source:
+  a bare flat fp32 tensor (``merge_zero3_slices``) and no ``step.pt`` (the step is in
+  ``optimizer_state.pt``).
+* ZeRO-1/2 sources also get ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other
+  module tensor (buffers, frozen params, tied aliases): the upcast 16-bit copy, integer buffers as
+  float (ds_to_universal.py:1201-1215). DeepSpeed's loader never reads them.
+* ``zero/optimizer_state.pt``: source rank 0's ZeRO optimizer dict without its partitions (ZeRO-1/2)
+  or whole (ZeRO-3, rank 0's partitions included), plus ``param_groups``.
+* the source's model-states files, copied: ``mp_rank_00_model_states.pt`` (ZeRO-1/2) or every rank's
+  ``zero_pp_rank_{d}_mp_rank_00_model_states.pt`` (ZeRO-3). They hold the buffers, frozen params and
+  tied-param names, which DeepSpeed's universal loader does not restore (it only visits the
+  optimizer's params), so dsckpt reads those from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_files, expect_dp_ranks
+from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..safe_load import DeepSpeedEnum, TensorRef
+from .common import (
+    FileCache,
+    _int_or_none,
+    is_floating,
+    metadata_from_model_states,
+    module_piece,
+    order_like_module,
+    precision_of,
+    step_of,
+)
+from .zero3 import zero3_module_side_entries
+from .zero12 import module_side_entries
+
+__all__ = ["STATE_FILES", "UNIVERSAL_KEYS", "read_universal"]
+
+OSD = "optimizer_state_dict"
+STATE_FILES = {Role.MASTER: "fp32.pt", Role.EXP_AVG: "exp_avg.pt", Role.EXP_AVG_SQ: "exp_avg_sq.pt"}
+STEP_FILE = "step.pt"
+# Keys of a per-param state dict this reader understands. Others (vocab_tensor, param_n_sub_params,
+# sub_param_shape, is_expert_param ...) describe tensor-parallel or expert slicing (universal_checkpoint.py).
+UNIVERSAL_KEYS = frozenset({"param", "cat_dim"})
+
+
+def _param_dir(tag_dir: Path, name: str) -> Path:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise CorruptCheckpointError(f"'{tag_dir}': param name {name!r} cannot be a folder of '{UNIVERSAL_DIR}/'; "
+                                     "the model-states file is damaged")
+    return tag_dir / UNIVERSAL_DIR / name
+
+
+def _state_key(path: Path, cache: FileCache) -> tuple[tuple[Any, ...], TensorRef]:
+    """Where the tensor of one per-param state file is: the file itself (ZeRO-3 source) or ``["param"]``."""
+    tree = cache.tree(path)
+    if isinstance(tree, TensorRef):
+        return (), tree
+    extra = sorted(str(k) for k in tree if k not in UNIVERSAL_KEYS)
+    if extra:
+        raise UnsupportedCheckpointError(
+            f"{path}: holds {extra}, written for tensor-parallel, vocabulary-padded or expert-parallel models "
+            "(Megatron-DeepSpeed, AutoTP, AutoEP); dsckpt reads universal checkpoints of data-parallel models only")
+    ref = tree.get("param")
+    if not isinstance(ref, TensorRef):
+        raise CorruptCheckpointError(f"{path}: no tensor under 'param'; the file is not a universal checkpoint "
+                                     "state file")
+    return ("param",), ref
+
+
+def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> LogicalCheckpoint:
+    files = classify_files(root, tag, tag_dir)
+    if files.layer_files or files.layer_expert_to_files or files.ep_mp_to_expp_optim_states:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}': a universal checkpoint of a pipeline-parallel or Mixture-of-Experts model, which is not "
+            "supported; dsckpt reads universal checkpoints of data-parallel models only")
+    if files.dp_mp_to_optim_states:
+        raise CorruptCheckpointError(
+            f"'{tag_dir}' holds both a universal '{UNIVERSAL_DIR}/' folder and ZeRO optimizer files "
+            f"({next(iter(files.dp_mp_to_optim_states.values())).name}); ds_to_universal writes no optimizer files "
+            "there, so they come from another save: remove one of the two")
+    if files.mp_world_size > 1:
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}' was saved with model parallel size {files.mp_world_size} (tensor parallelism), which is "
+            "not supported yet")
+    opt_path = tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE
+    opt = cache.tree(opt_path)
+    if not isinstance(opt, Mapping):
+        raise CorruptCheckpointError(f"{opt_path}: expected a dict, found a bare tensor")
+    zero3 = bool(files.dp_mp_to_zero3_model_states)
+    if zero3:
+        ms_files = files.dp_mp_to_zero3_model_states
+        ms_path = ms_files.get((0, 0), None)
+    else:
+        ms_path = files.mp_to_model_states.get(0)
+    if ms_path is None:
+        want = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else \
+            "mp_rank_00_model_states.pt (ZeRO-1/2) or zero_pp_rank_*_mp_rank_00_model_states.pt (ZeRO-3)"
+        raise IncompleteCheckpointError(
+            f"'{tag_dir}' has a universal '{UNIVERSAL_DIR}/' folder but no {want}: ds_to_universal copies the source's "
+            "model-states files there and DeepSpeed's loader reads them; copy them from the source checkpoint")
+    ms = cache.tree(ms_path)
+    if not isinstance(ms, Mapping):
+        raise CorruptCheckpointError(f"{ms_path}: expected a dict, found a bare tensor")
+    if ms.get("num_experts") is not None or ms.get("ds_autoep_layers"):
+        raise UnsupportedCheckpointError(f"{ms_path}: a Mixture-of-Experts model; universal checkpoints of MoE "
+                                         "models are not supported")
+    meta = metadata_from_model_states(ms)
+    param_shapes = ms.get("param_shapes")
+    if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
+        raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' list; not a ZeRO model-states file")
+
+    trainable: dict[str, TensorEntry] = {}
+    missing: list[str] = []
+    state_files: list[Path] = []
+    step_ref: TensorRef | None = None
+    module = ms.get("module") or {}
+    for g, shapes in enumerate(param_shapes):
+        for name, shape in shapes.items():
+            name = str(name)
+            shape = tuple(int(s) for s in shape)
+            numel = 1
+            for s in shape:
+                numel *= s
+            pdir = _param_dir(tag_dir, name)
+            pieces = []
+            for role, fname in STATE_FILES.items():
+                path = pdir / fname
+                if not path.is_file():
+                    missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
+                    continue
+                key, ref = _state_key(path, cache)
+                if ref.dtype_name != "float32" or ref.numel != numel:
+                    raise CorruptCheckpointError(
+                        f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
+                        f"float32[{numel}]; the file is damaged or belongs to another model")
+                pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),)))
+                state_files.append(path)
+            if not zero3:
+                step_path = pdir / STEP_FILE
+                if step_path.is_file():
+                    state_files.append(step_path)
+                    ref = cache.tree(step_path)
+                    if step_ref is None and isinstance(ref, TensorRef):
+                        step_ref = ref
+                else:
+                    missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
+                lowp = module.get(name)
+                if isinstance(lowp, TensorRef) and lowp.numel == numel:
+                    pieces.append(module_piece(ms_path, name, lowp))
+            trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=g)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise IncompleteCheckpointError(
+            f"'{tag_dir}' is a universal checkpoint missing {len(missing)} state file(s): {shown}. The conversion "
+            "was probably interrupted; run ds_to_universal (or dsckpt reshard --universal) again")
+
+    if zero3:
+        world = meta.dp_world_size or (max(d for d, _ in ms_files) + 1)
+        expect_dp_ranks(files, "ZeRO-3 model-state", ms_files, world)
+        model_paths = [ms_files[(d, 0)] for d in range(world)]
+        entries = {**trainable, **zero3_module_side_entries(ms_path, ms, model_paths, meta.buffer_names,
+                                                             trainable, cache)}
+        step = step_of((opt.get(OSD) or {}).get("state") if isinstance(opt.get(OSD), Mapping) else None)
+        stage, wrapper = 3, "DeepSpeedZeroOptimizer_Stage3"
+        sample = next((r.dtype_name for r in (ms.get("frozen_param_fragments") or {}).values()
+                       if isinstance(r, TensorRef)), None)
+    else:
+        world = meta.dp_world_size or 1
+        entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable)
+        step = _int_or_none(step_ref) if step_ref is not None else None
+        zs = opt.get("zero_stage")
+        if isinstance(zs, DeepSpeedEnum):
+            stage, wrapper = int(zs.value), "DeepSpeedZeroOptimizer"
+        else:  # BF16_Optimizer files have no zero_stage (bf16_optimizer.py:629-643)
+            stage, wrapper = int(((meta.ds_config or {}).get("zero_optimization") or {}).get("stage", 1)), \
+                "BF16_Optimizer"
+        sample = next((r.dtype_name for n, r in module.items()
+                       if isinstance(r, TensorRef) and n not in meta.buffer_names and is_floating(r.dtype_name)), None)
+
+    extra_files = sorted(p for p in (tag_dir / UNIVERSAL_DIR).glob("*/*.pt") if p not in set(state_files))
+    all_files = sorted({*files.all_files(), opt_path, *state_files, *extra_files})
+    return LogicalCheckpoint(
+        root=root, tag=tag, tag_dir=tag_dir, layout=f"universal from zero{stage}", zero_stage=stage,
+        precision=precision_of(meta.ds_config, sample),
+        dp_world_size=world, pp_world_size=1, tp_world_size=1, ds_version=meta.ds_version,
+        global_steps=meta.global_steps, global_samples=meta.global_samples, optimizer_step=step,
+        optimizer_wrapper=wrapper, entries=tuple(order_like_module(entries, list(module))),
+        files=tuple(all_files), ds_config=meta.ds_config,
+        notes=(("DeepSpeed universal checkpoint: loads with \"checkpoint\": {\"load_universal\": true} on any "
+               f"data-parallel size (saved on {world}); DeepSpeed's loader restores the trainable params and Adam "
+               "state only, not buffers or frozen params"),),
+    )
+

@@ -1,0 +1,216 @@
+"""dsckpt reshard --zero-stage: ZeRO-1/2 <-> ZeRO-3 (and BF16_Optimizer sources), planned without files,
+written and read back on every fixture, and resumed by real DeepSpeed on CPU ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import all_fixtures, ids, tree_digest
+from ds_launch import DEEPSPEED, REPO, run_check_script
+
+from dsckpt import safe_load
+from dsckpt.assemble import iter_tensors
+from dsckpt.cli import main
+from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+ZERO = [f for f in all_fixtures() if f.meta.get("pp_size", 1) == 1 and f.meta["stage"] in (1, 2, 3)
+        and (f.ckpt / f.meta["tag"]).is_dir() and not f.name.startswith(("moe", "hf_"))]
+
+
+def convert(src: Path, out: Path, world_size: int, stage: int, sub_group_size: int | None = None):
+    cache = FileCache()
+    ckpt = read_checkpoint(src, cache=cache)
+    plan = plan_reshard(ckpt, world_size, zero_stage=stage, sub_group_size=sub_group_size,
+                        facts=read_source_facts(ckpt, cache))
+    return plan, run_reshard(plan, out, cache=cache, verify="full")
+
+
+@pytest.mark.parametrize("fx", ZERO, ids=ids(ZERO))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_conversion_round_trip(fx, stage, tmp_path):
+    """Every fixture written for every stage (at another world size), then read back: the same
+    tensors, bit for bit, the layout the target stage has, and the input untouched."""
+    before = tree_digest(fx.ckpt)
+    world = fx.meta["dp_world_size"] % 4 + 1
+    plan, result = convert(fx.ckpt, tmp_path / "out", world, stage)
+    assert tree_digest(fx.ckpt) == before
+    assert result.verified_tensors > 0
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.dp_world_size, back.precision) == (stage, world, plan.precision)
+    expected = fx.expected_fp32()
+    for name, t in iter_tensors(back):
+        assert torch.equal(t, expected[name]), name
+    tag_dir = tmp_path / "out" / fx.meta["tag"]
+    assert len(list(tag_dir.glob("*optim_states.pt"))) == world
+    models = sorted(p.name for p in tag_dir.glob("*model_states.pt"))
+    if stage == 3:
+        assert models == [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    else:
+        assert models == ["mp_rank_00_model_states.pt"]
+    # Back to the source layout and size: the same tensors again.
+    convert(tmp_path / "out", tmp_path / "back", fx.meta["dp_world_size"], fx.meta["stage"])
+    for name, t in iter_tensors(read_checkpoint(tmp_path / "back")):
+        assert torch.equal(t, expected[name]), name
+
+
+def _tree(path: Path):
+    return safe_load.materialize(safe_load.load(path))
+
+
+def test_zero2_to_zero3_files_hold_what_deepspeed_writes(tmp_path):
+    fx = next(f for f in ZERO if f.name == "s2_bf16_w2_2groups")
+    plan, _ = convert(fx.ckpt, tmp_path / "out", 3, 3)
+    tag_dir = tmp_path / "out" / fx.meta["tag"]
+    ms = [_tree(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(3)]
+    osd = _tree(tag_dir / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert int(osd["zero_stage"]) == 3 and osd["partition_count"] == 3
+    assert "clip_grad" not in osd and type(osd["loss_scaler"]).__name__ == "LossScaler"
+    assert [g["params"] for g in osd["optimizer_state_dict"]["param_groups"]] == [[0], [1]]
+    assert [g["weight_decay"] for g in osd["optimizer_state_dict"]["param_groups"]] == [0.01, 0.0]
+    # embed 66 + fc1.weight 42 + fc2.weight 30 -> 22 + 14 + 10 per rank; biases/norms 7, 7, 7, 6 -> 3, 3, 3, 2
+    assert [t.numel() for t in osd["fp32_flat_groups"]] == [46, 11]
+    assert [t.ds_id for t in osd["fp32_flat_groups"]] == ["0_7", "2_8"]
+    assert ms[0]["module"]["embed.weight"].shape == (0,) and ms[0]["module"]["embed.weight"].dtype == torch.bfloat16
+    assert ms[0]["module"]["bn.running_mean"].shape == (7,)
+    assert ms[0]["shared_params"] == {"head.weight": "embed.weight"} and ms[1]["shared_params"] == {}
+    assert {k: v.numel() for k, v in ms[2]["frozen_param_fragments"].items()} == {"frozen.weight": 12,
+                                                                                  "frozen.bias": 2}
+    assert ms[0]["ds_config"]["zero_optimization"]["stage"] == 3
+    assert [list(g) for g in ms[0]["param_shapes"]] == [["embed.weight", "fc1.weight", "fc2.weight"],
+                                                        ["fc1.bias", "bn.weight", "bn.bias", "fc2.bias"]]
+    assert plan.sub_group_size == 1_000_000_000
+
+
+def test_zero3_to_zero1_module_is_rebuilt_from_the_master(tmp_path):
+    fx = next(f for f in ZERO if f.name == "s3_bf16_w3_subgroups")
+    convert(fx.ckpt, tmp_path / "out", 2, 1)
+    tag_dir = tmp_path / "out" / fx.meta["tag"]
+    ms = _tree(tag_dir / "mp_rank_00_model_states.pt")
+    truth = fx.truth()
+    assert list(ms["module"]) == list(_tree(fx.ckpt / fx.meta["tag"] / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                                      ["module"])
+    for name, t in ms["module"].items():
+        want = truth[f"buffer/{name}"] if f"buffer/{name}" in truth else truth[f"lowp/{name}"]
+        assert t.dtype == want.dtype and torch.equal(t, want), name  # DeepSpeed's 16-bit copy, bit for bit
+    assert ms["frozen_param_fragments"] is None and ms["frozen_param_shapes"] is None  # stage 1 saves none
+    osd = _tree(tag_dir / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert int(osd["zero_stage"]) == 1 and osd["partition_count"] == [2, 2] and "clip_grad" not in osd
+
+
+def test_cli_reshard_zero_stage_says_what_the_config_needs(tmp_path):
+    fx = next(f for f in ZERO if f.name == "s2_fp32_w4")
+    runner = CliRunner()
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "2", "--zero-stage", "3",
+                             "--sub-group-size", "40", "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert "to ZeRO stage 3 (DeepSpeedZeroOptimizer_Stage3)" in r.stdout
+    assert 'resume with: "zero_optimization": {"stage": 3, "sub_group_size": 40}' in r.stdout
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "2", "--zero-stage", "3",
+                             "--sub-group-size", "40", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "from 4 to 2 ranks, ZeRO stage 2 -> 3: wrote 4 files" in r.stdout
+    assert 'resume with: "zero_optimization": {"stage": 3, "sub_group_size": 40}' in r.stdout
+    assert r.stderr == ""
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "1",
+                             "--sub-group-size", "40"])
+    assert r.exit_code == 2 and "applies to a ZeRO-3 target only" in r.stderr
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "0"])
+    assert r.exit_code == 2
+
+
+def test_stage0_is_not_converted():
+    fx = next(f for f in all_fixtures() if f.name == "s0_fp32_w1")
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    with pytest.raises(UnsupportedCheckpointError, match="from ZeRO stage 0 to stage 2: stage changes are supported"):
+        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
+    with pytest.raises(UsageError, match="--zero-stage must be 1, 2 or 3"):
+        plan_reshard(ckpt, 2, zero_stage=4)
+
+
+# --- real DeepSpeed --------------------------------------------------------------------------------
+
+# One launch per (target world size, target stage, sub_group_size): source fixture names. Together
+# they cover every source -> target stage pair in fp32 and bf16 (and fp16 through the CPU-forced
+# fixtures), BF16_Optimizer sources, two param groups, frozen and tied params, BatchNorm buffers,
+# round robin and parameter alignment sources, ZeRO-3 sub-groups, and growing and shrinking.
+DS_STAGE_CASES: dict[tuple[int, int, int | None], list[str]] = {
+    (3, 3, None): ["s1_fp32_w2", "s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s2_bf16_w2_roundrobin",
+                   "s2_fp16_w2_cpuforced"],
+    (2, 3, 20): ["s2_fp32_w4", "s1_bf16_w3", "s2_fp32_w3_align", "s1_fp16_w3_cpuforced"],
+    (3, 2, None): ["s3_bf16_w3_subgroups", "s1_fp32_w2", "s1_bf16_w2_bf16opt", "s3_fp32_w2", "s1_bf16_w3",
+                   "s3_fp16_w2_cpuforced"],
+    (4, 1, None): ["s3_fp32_w2", "s2_bf16_w2_2groups", "s3_bf16_w3_subgroups", "s2_fp32_w4",
+                   "s2_fp16_w2_cpuforced"],
+}
+
+
+TAMPERED_CASE = (3, 3, None)  # its launch also loads a control whose exp_avg and exp_avg_sq were swapped on rank 0
+
+
+def _write_tampered(out: Path) -> None:
+    """s2_bf16_w2_2groups as ZeRO-3 on 3 ranks with rank 0's first sub-group exp_avg and exp_avg_sq
+    swapped: the check script must report exactly that, or it could not see a wrong conversion."""
+    cache = FileCache()
+    ckpt = read_checkpoint(REPO / "tests" / "fixtures" / "s2_bf16_w2_2groups" / "ckpt", cache=cache)
+    plan = plan_reshard(ckpt, 3, zero_stage=3, facts=read_source_facts(ckpt, cache))
+    r0 = plan.ranks[0]
+    g0 = dataclasses.replace(r0.groups[0], exp_avg=r0.groups[0].exp_avg_sq, exp_avg_sq=r0.groups[0].exp_avg)
+    r0 = dataclasses.replace(r0, groups=(g0, *r0.groups[1:]))
+    run_reshard(dataclasses.replace(plan, ranks=(r0, *plan.ranks[1:])), out, cache=cache, verify="none")
+
+
+@pytest.fixture(scope="module")
+def ds_stage_runs(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_stage")
+    known = {f.name for f in all_fixtures()}
+    runs = {}
+    for (world, stage, sub), names in DS_STAGE_CASES.items():
+        pairs = []
+        for name in names:
+            if name not in known:
+                continue
+            out = base / f"{name}_to{world}_s{stage}"
+            convert(REPO / "tests" / "fixtures" / name / "ckpt", out, world, stage, sub)
+            pairs.append(f"{name}={out}")
+        if (world, stage, sub) == TAMPERED_CASE and "s2_bf16_w2_2groups" in known:
+            _write_tampered(base / "tampered")
+            pairs.append(f"s2_bf16_w2_2groups={base / 'tampered'}")
+        args = ["--zero-stage", str(stage), *(("--sub-group-size", str(sub)) if sub else ()),
+                *(["--force-cpu-fp16"] if any("fp16" in p for p in pairs) else [])]
+        cwd = base / f"to{world}_s{stage}_sub{sub}"
+        cwd.mkdir()
+        runs[(world, stage, sub)] = run_check_script("ds_reshard_check.py", pairs, args=args, world=world, cwd=cwd,
+                                                     timeout=900)
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", sorted(DS_STAGE_CASES, key=str),
+                         ids=lambda c: f"to{c[0]}ranks_stage{c[1]}" + (f"_sub{c[2]}" if c[2] else ""))
+def test_deepspeed_resumes_stage_converted_checkpoints(ds_stage_runs, case):
+    rc, results, log = ds_stage_runs[case]
+    assert results, log
+    control = [r for r in results if r["ckpt"].endswith("tampered")]
+    results = [r for r in results if r not in control]
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    if case == TAMPERED_CASE:
+        assert len(control) == 1 and not control[0]["ok"], log
+        assert {p.split(": ", 1)[1] for p in control[0]["problems"]} == {
+            f"{k} of '{n}' differs from the source (fragment API)"
+            for k in ("exp_avg", "exp_avg_sq") for n in ("embed.weight", "fc1.weight", "fc2.weight")}
+        assert rc == 1, log
+    else:
+        assert rc == 0, log
+    assert {r["fixture"] for r in results} == set(DS_STAGE_CASES[case]) & {f.name for f in all_fixtures()}
+    assert all(r["world_size"] == case[0] for r in results)

@@ -1,0 +1,436 @@
+"""DeepSpeed universal checkpoints: reading the folders ds_to_universal writes (info, to-fp32, scan),
+writing them (reshard --universal: planned without files, compared with ds_to_universal's own output),
+and loading dsckpt's output with real DeepSpeed on another rank count."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import FIXTURES, all_fixtures
+from safetensors.torch import load_file
+
+from dsckpt import safe_load
+from dsckpt.cli import main
+from dsckpt.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.scan import scan
+
+UNIVERSAL = FIXTURES / "universal"
+UNIV = sorted(p.name for p in UNIVERSAL.iterdir() if (p / "truth.json").is_file())
+
+
+def univ_meta(name: str) -> dict:
+    return json.loads((UNIVERSAL / name / "truth.json").read_text())
+
+
+def source(name: str):
+    return next(f for f in all_fixtures() if f.name == univ_meta(name)["source_fixture"])
+
+
+def test_fixtures_exist():
+    assert UNIV == ["s1_bf16_w2_bf16opt", "s1_fp32_w2", "s2_bf16_w2_2groups", "s3_bf16_w3_subgroups"]
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", UNIV, ids=UNIV)
+@pytest.mark.parametrize("where", ["parent", "folder"])
+def test_to_fp32_equals_source_truth(name, where, tmp_path):
+    """to-fp32 of DeepSpeed's own universal folder: every param, frozen param, tied alias and buffer of the
+    source fixture's recorded truth, bit for bit and in its dtype, from the parent (latest_universal) or
+    the folder itself."""
+    meta = univ_meta(name)
+    ckpt = UNIVERSAL / name / "ckpt"
+    target = ckpt if where == "parent" else ckpt / meta["tag"]
+    out = tmp_path / "m.safetensors"
+    r = CliRunner().invoke(main, ["to-fp32", str(target), str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    got = load_file(str(out))
+    expected = source(name).expected_fp32()
+    assert sorted(got) == sorted(expected)
+    for k, t in expected.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+
+
+@pytest.mark.parametrize("name", UNIV, ids=UNIV)
+def test_reader_logical_model(name):
+    meta = univ_meta(name)
+    src = read_checkpoint(source(name).ckpt)
+    ckpt = read_checkpoint(UNIVERSAL / name / "ckpt")
+    assert ckpt.tag == meta["tag"]
+    assert ckpt.layout == f"universal from zero{meta['stage']}"
+    assert (ckpt.zero_stage, ckpt.dp_world_size, ckpt.precision) == (src.zero_stage, src.dp_world_size, src.precision)
+    assert ckpt.optimizer_wrapper == src.optimizer_wrapper
+    assert (ckpt.global_steps, ckpt.global_samples, ckpt.optimizer_step) == (3, src.global_samples, 3)
+    assert [e.name for e in ckpt.entries] == [e.name for e in src.entries]
+    assert ckpt.tied == {"head.weight": "embed.weight"}
+    assert [e.name for e in ckpt.buffers] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert sorted(e.name for e in ckpt.params if not e.trainable and e.tied_to is None) == ["frozen.bias",
+                                                                                            "frozen.weight"]
+    for e in ckpt.params:
+        if e.trainable and e.tied_to is None:
+            assert [f.file.relative_to(ckpt.tag_dir).as_posix() for p in e.pieces[:3] for f in p.fragments] == [
+                f"zero/{e.name}/{s}.pt" for s in ("fp32", "exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize("name", UNIV, ids=UNIV)
+def test_moments_equal_source_truth(name):
+    from dsckpt.assemble import read_entry
+    from dsckpt.model import Role
+
+    truth = load_file(str(source(name).dir / "truth.safetensors"))
+    cache = FileCache()
+    ckpt = read_checkpoint(UNIVERSAL / name / "ckpt", cache=cache)
+    checked = 0
+    for e in ckpt.params:
+        if e.trainable and e.tied_to is None:
+            for role, key in ((Role.MASTER, "param"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq")):
+                assert torch.equal(read_entry(e, cache, role), truth[f"{key}/{e.name}"]), (e.name, role)
+                checked += 1
+    assert checked == 21
+
+
+@pytest.mark.parametrize("name", UNIV, ids=UNIV)
+def test_info_and_scan(name):
+    meta = univ_meta(name)
+    r = CliRunner().invoke(main, ["info", str(UNIVERSAL / name / "ckpt"), "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert s["tag"] == meta["tag"] and s["health"]["ok"]
+    assert s["params"]["numel_trainable"] == 165 and s["params"]["numel_frozen"] == 40
+    assert len(s["files"]) == len([f for f in meta["files"] if f != "latest_universal"])
+    report = scan(UNIVERSAL / name / "ckpt")
+    assert report.clean, [f.describe() for f in report.findings]
+    assert report.stored_tensors > 20
+    r = CliRunner().invoke(main, ["verify", str(UNIVERSAL / name / "ckpt")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["diff", str(UNIVERSAL / name / "ckpt"), str(source(name).ckpt), "--role", "all"])
+    assert r.exit_code == 0 and " 0 different, only in A: 0, only in B: 0" in r.stdout, r.output
+
+
+def test_latest_wins_over_latest_universal(tmp_path):
+    """ds_to_universal writes latest_universal into the original save dir: 'latest' still names the tag
+    read by default, --tag picks the universal folder."""
+    save = tmp_path / "save"
+    shutil.copytree(FIXTURES / "s2_bf16_w2_2groups" / "ckpt", save)
+    shutil.copytree(UNIVERSAL / "s2_bf16_w2_2groups" / "ckpt" / "global_step3_universal", save / "global_step3_universal")
+    shutil.copy(UNIVERSAL / "s2_bf16_w2_2groups" / "ckpt" / "latest_universal", save)
+    assert read_checkpoint(save).layout == "zero2"
+    assert read_checkpoint(save, tag="global_step3_universal").layout == "universal from zero2"
+
+
+# --- malformed universal folders (hand-made damage) -------------------------------------------------
+
+def _copy(tmp_path: Path, name: str = "s2_bf16_w2_2groups") -> Path:
+    dst = tmp_path / "u"
+    shutil.copytree(UNIVERSAL / name / "ckpt", dst)
+    return dst / univ_meta(name)["tag"]
+
+
+def test_missing_state_files_are_listed_together(tmp_path):
+    tag = _copy(tmp_path)
+    (tag / "zero" / "fc1.weight" / "exp_avg.pt").unlink()
+    (tag / "zero" / "bn.bias" / "step.pt").unlink()
+    with pytest.raises(IncompleteCheckpointError, match=r"missing 2 state file\(s\): zero/fc1.weight/exp_avg.pt, "
+                                                        r"zero/bn.bias/step.pt"):
+        read_checkpoint(tag.parent)
+
+
+def test_missing_model_states_is_named(tmp_path):
+    tag = _copy(tmp_path)
+    (tag / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(IncompleteCheckpointError, match=r"has a universal 'zero/' folder but no "
+                                                        r"mp_rank_00_model_states.pt \(ZeRO-1/2\) or"):
+        read_checkpoint(tag.parent)
+
+
+def test_wrong_shape_state_file(tmp_path):
+    tag = _copy(tmp_path)
+    torch.save({"cat_dim": 0, "param": torch.zeros(5)}, tag / "zero" / "fc2.bias" / "fp32.pt")
+    with pytest.raises(CorruptCheckpointError, match=r"fc2.bias/fp32.pt: holds float32\[5\], param 'fc2.bias' of "
+                                                     r"shape \[6\] needs float32\[6\]"):
+        read_checkpoint(tag)
+
+
+def test_tensor_parallel_keys_are_refused(tmp_path):
+    tag = _copy(tmp_path)
+    torch.save({"cat_dim": 0, "vocab_tensor": True, "param": torch.zeros(11, 6)}, tag / "zero" / "embed.weight" / "fp32.pt")
+    with pytest.raises(UnsupportedCheckpointError, match=r"embed.weight/fp32.pt: holds \['vocab_tensor'\]"):
+        read_checkpoint(tag)
+
+
+def test_param_name_cannot_leave_the_folder(tmp_path):
+    tag = _copy(tmp_path)
+    ms = safe_load.materialize(safe_load.load(tag / "mp_rank_00_model_states.pt"))
+    ms["param_shapes"][0]["../evil"] = ms["param_shapes"][0].pop("fc1.weight")
+    torch.save(ms, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(CorruptCheckpointError, match=r"param name '\.\./evil' cannot be a folder of 'zero/'"):
+        read_checkpoint(tag)
+
+
+def test_unsafe_pickle_in_state_file_is_refused(tmp_path):
+    from dsckpt.errors import UnsafeCheckpointError
+
+    tag = _copy(tmp_path)
+    torch.save({"param": torch.zeros(6), "cat_dim": 0, "x": Path("a")}, tag / "zero" / "fc2.bias" / "fp32.pt")
+    with pytest.raises(UnsafeCheckpointError, match="fc2.bias/fp32.pt"):
+        read_checkpoint(tag)
+
+
+def test_cli_error_is_one_line(tmp_path):
+    tag = _copy(tmp_path)
+    (tag / "zero" / "fc1.weight" / "fp32.pt").write_bytes(b"not a zip")
+    r = CliRunner().invoke(main, ["to-fp32", str(tag.parent), str(tmp_path / "o.safetensors")])
+    assert r.exit_code == 3
+    assert r.stderr.count("\n") == 1 and "zero/fc1.weight/fp32.pt" in r.stderr
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+def write_universal(src: Path, out: Path, verify: str = "full"):
+    from dsckpt.reshard import plan_universal_reshard, read_source_facts, run_universal
+
+    cache = FileCache()
+    ckpt = read_checkpoint(src, cache=cache)
+    plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache))
+    return plan, run_universal(plan, out, cache=cache, verify=verify)
+
+
+def _same(a, b, where):
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        assert torch.is_tensor(a) and torch.is_tensor(b), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a.detach(), b.detach()), where
+        assert dict(getattr(a, "__dict__", {})) == dict(getattr(b, "__dict__", {})), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], [*where, k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, [*where, i])
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b) and vars(a) == vars(b), where
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("name", UNIV, ids=UNIV)
+def test_written_folder_equals_ds_to_universal(name, tmp_path):
+    """dsckpt's folder against DeepSpeed's own for the same source: the same files, and in each the same
+    keys (in order), dtypes, shapes, values, tensor attributes and objects (torch.load, test side only)."""
+    from conftest import tree_digest
+
+    src = source(name)
+    before = tree_digest(src.ckpt)
+    plan, result = write_universal(src.ckpt, tmp_path / "out")
+    assert tree_digest(src.ckpt) == before
+    ds = UNIVERSAL / name / "ckpt"
+    ds_files = sorted(p.relative_to(ds).as_posix() for p in ds.rglob("*") if p.is_file())
+    ours = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert ours == ds_files
+    assert (tmp_path / "out" / "latest_universal").read_text() == univ_meta(name)["tag"]
+    for rel in ds_files:
+        if rel.endswith(".pt"):
+            _same(torch.load(ds / rel, weights_only=False), torch.load(tmp_path / "out" / rel, weights_only=False), [rel])
+    assert result.verified_tensors == (26 if plan.zero3 else 33)
+
+
+@pytest.mark.parametrize("name", UNIV, ids=UNIV)
+def test_written_folder_to_fp32_is_complete(name, tmp_path):
+    write_universal(source(name).ckpt, tmp_path / "out", verify="quick")
+    r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "out"), str(tmp_path / "m.safetensors"), "-q"])
+    assert r.exit_code == 0, r.output
+    got = load_file(str(tmp_path / "m.safetensors"))
+    expected = source(name).expected_fp32()
+    assert sorted(got) == sorted(expected)  # buffers and frozen params included
+    for k, t in expected.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+
+
+def test_cli_reshard_universal(tmp_path):
+    src = FIXTURES / "s2_bf16_w2_2groups" / "ckpt"
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines()[0] == (
+        f"wrote universal checkpoint of {src}/global_step3 (2 ranks, ZeRO stage 2): 36 files to {tmp_path}/u/"
+        "global_step3_universal, latest_universal, verified 33 tensors against the input (quick)")
+    assert '"checkpoint": {"load_universal": true} and ZeRO stage 1 or 2' in r.stdout
+    assert r.stderr == ""
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 2 and "exists" in r.stderr
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "v"), "--universal", "--dry-run"])
+    assert r.exit_code == 1 and "zero/fc1.weight/fp32.pt: float32[7, 6] from" in r.stdout
+    assert not (tmp_path / "v").exists()
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "w"), "--universal", "-n", "3"])
+    assert r.exit_code == 2 and "drop --world-size" in r.stderr
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "w")])
+    assert r.exit_code == 2 and "missing option '--world-size'" in r.stderr
+
+
+def test_cli_reshard_universal_no_fsync_writes_the_same_files_without_fsync(tmp_path, monkeypatch):
+    import os
+
+    src = FIXTURES / "s2_bf16_w2_2groups" / "ckpt"
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "durable"), "--universal", "-q"])
+    assert r.exit_code == 0, r.stderr
+    files = sorted(p for p in (tmp_path / "durable").rglob("*") if p.is_file())
+    assert len(synced) >= len(files) and "--no-fsync" not in r.stdout
+    synced.clear()
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "fast"), "--universal", "-q", "--no-fsync"])
+    assert r.exit_code == 0, r.stderr
+    assert synced == [] and "not fsync'd (--no-fsync)" in r.stdout.splitlines()[0]
+    fast = sorted(p for p in (tmp_path / "fast").rglob("*") if p.is_file())
+    assert [p.relative_to(tmp_path / "fast") for p in fast] == [p.relative_to(tmp_path / "durable") for p in files]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(fast, files))
+
+
+@pytest.mark.parametrize("fixture, why", [
+    ("s0_fp32_w1", "found ZeRO stage 0"),
+    ("pp2_fp32", "pipeline parallel size"),
+    ("moe_s2_bf16_w2_ep2", "Mixture-of-Experts"),
+])
+def test_universal_refusals(fixture, why, tmp_path):
+    r = CliRunner().invoke(main, ["reshard", str(FIXTURES / fixture / "ckpt"), str(tmp_path / "u"), "--universal"])
+    assert r.exit_code == 3, r.output
+    assert why in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("args", [["--universal"], ["-n", "3"]])
+def test_universal_source_is_refused(args, tmp_path):
+    r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s1_fp32_w2" / "ckpt"), str(tmp_path / "u"), *args])
+    assert r.exit_code == 3, r.output
+    assert "found a DeepSpeed universal checkpoint, which DeepSpeed loads on any rank count" in r.stderr
+
+
+# --- planning without files -----------------------------------------------------------------------
+
+def _logical(stage: int):
+    """A hand-made logical checkpoint: one group, 'w' [2, 3] split over two ranks at element 4, frozen 'f',
+    tied 'h' -> 'w', buffer 'b'. No file exists."""
+    from dsckpt.model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+
+    o0, o1 = Path("/nowhere/zero_pp_rank_0_mp_rank_00_optim_states.pt"), Path("/nowhere/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    ms = Path("/nowhere/mp_rank_00_model_states.pt")
+
+    def split(role, key):
+        return Piece(role, "float32", (Fragment(o0, (*key, role.value) if role is not Role.MASTER else key, 2, 4, 0, 0),
+                                        Fragment(o1, (*key, role.value) if role is not Role.MASTER else key, 0, 2, 4, 1)))
+
+    m_key = ("optimizer_state_dict", "single_partition_of_fp32_groups", 0)
+    s_key = ("optimizer_state_dict", "base_optimizer_state", "state", 0)
+    w = TensorEntry("w", (2, 3), Kind.PARAM, True, (split(Role.MASTER, m_key), split(Role.EXP_AVG, s_key),
+                                                     split(Role.EXP_AVG_SQ, s_key),
+                                                     Piece(Role.MODULE, "bfloat16", (Fragment(ms, ("module", "w"), 0, 6, 0),))),
+                    group=0)
+    f = TensorEntry("f", (4,), Kind.PARAM, False, (Piece(Role.MODULE, "bfloat16", (Fragment(ms, ("module", "f"), 0, 4, 0),)),))
+    h = TensorEntry("h", (2, 3), Kind.PARAM, True, w.pieces, tied_to="w", group=0)
+    b = TensorEntry("b", (), Kind.BUFFER, False, (Piece(Role.MODULE, "int64", (Fragment(ms, ("module", "b"), 0, 1, 0),)),))
+    return LogicalCheckpoint(root=Path("/nowhere"), tag="t", tag_dir=Path("/nowhere/t"), layout=f"zero{stage}",
+                             zero_stage=stage, precision=Precision.BF16, dp_world_size=2, pp_world_size=1,
+                             tp_world_size=1, ds_version="0.19.8", global_steps=3, global_samples=24, optimizer_step=3,
+                             optimizer_wrapper="DeepSpeedZeroOptimizer", entries=(w, f, h, b), files=(o0, o1, ms)), (o0, o1, ms)
+
+
+def test_plan_zero12_source_without_files():
+    from dsckpt.ds_writers.plan import RangeCopy
+    from dsckpt.ds_writers.universal import plan_universal
+
+    ckpt, (o0, o1, ms) = _logical(2)
+    plan = plan_universal(ckpt, source_stage=2, optimizer_files=(o1, o0), model_files=(ms,))
+    assert plan.out_tag == "t_universal" and plan.optimizer_source == o0 and not plan.zero3
+    assert [f.path for f in plan.state_files] == ["zero/w/fp32.pt", "zero/w/exp_avg.pt", "zero/w/exp_avg_sq.pt"]
+    master = plan.state_files[0]
+    assert master.shape == (2, 3) and master.wrapped and master.spec.numel == 6
+    assert master.spec.copies == (RangeCopy(o0, ("optimizer_state_dict", "single_partition_of_fp32_groups", 0), 2, 4, 0),
+                                  RangeCopy(o1, ("optimizer_state_dict", "single_partition_of_fp32_groups", 0), 0, 2, 4))
+    assert plan.state_files[1].spec.copies[1].key == ("optimizer_state_dict", "base_optimizer_state", "state", 0, "exp_avg")
+    assert [(s.path, s.file, s.key) for s in plan.step_files] == [
+        ("zero/w/step.pt", o0, ("optimizer_state_dict", "base_optimizer_state", "state", 0, "step"))]
+    assert [(c.path, c.key, c.dtype) for c in plan.cast_files] == [
+        ("zero/f/fp32.pt", ("module", "f"), "bfloat16"), ("zero/h/fp32.pt", ("module", "w"), "bfloat16"),
+        ("zero/b/fp32.pt", ("module", "b"), "int64")]
+    assert plan.copied_nbytes == 3 * 6 * 4
+
+
+def test_plan_zero3_source_without_files():
+    from dsckpt.ds_writers.universal import plan_universal
+
+    ckpt, (o0, o1, ms) = _logical(3)
+    plan = plan_universal(ckpt, source_stage=3, optimizer_files=(o0, o1), model_files=(ms,))
+    assert plan.zero3 and plan.step_files == () and plan.cast_files == ()
+    assert [(f.shape, f.wrapped) for f in plan.state_files] == [((6,), False)] * 3
+
+
+def test_plan_refuses_incomplete_fragments():
+    from dataclasses import replace
+
+    from dsckpt.ds_writers.universal import plan_universal
+    from dsckpt.model import Piece
+
+    ckpt, (o0, o1, ms) = _logical(2)
+    w = ckpt.entries[0]
+    short = Piece(w.pieces[0].role, "float32", w.pieces[0].fragments[:1])
+    ckpt = replace(ckpt, entries=(replace(w, pieces=(short, *w.pieces[1:])), *ckpt.entries[1:]))
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w': its master copy covers 4 of elements \[0, 6\)"):
+        plan_universal(ckpt, source_stage=2, optimizer_files=(o0, o1), model_files=(ms,))
+
+
+# --- real DeepSpeed ---------------------------------------------------------------------------------
+
+# source fixture -> the rank count it is loaded on (each different from the source's)
+DS_UNIVERSAL_CASES = {3: ["s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s1_fp32_w2"], 2: ["s3_bf16_w3_subgroups"]}
+
+
+@pytest.fixture(scope="module")
+def ds_universal_runs(tmp_path_factory):
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_universal")
+    runs = {}
+    for world, names in DS_UNIVERSAL_CASES.items():
+        pairs = []
+        for name in names:
+            out = base / f"{name}_universal"
+            write_universal(FIXTURES / name / "ckpt", out, verify="quick")
+            pairs.append(f"{name}={out}")
+        cwd = base / f"to{world}"
+        cwd.mkdir()
+        runs[world] = run_check_script("ds_reshard_check.py", pairs, args=["--universal"], world=world, cwd=cwd,
+                                       timeout=900)
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("world", sorted(DS_UNIVERSAL_CASES), ids=lambda w: f"to{w}ranks")
+def test_deepspeed_loads_universal_output(ds_universal_runs, world):
+    """load_universal on another rank count: masters, Adam moments and step exact (fragment API and, at
+    stage 1/2, the flat partitions), module weights, global steps; frozen params and buffers left exactly as
+    the new engine held them (DeepSpeed 0.19.8 restores neither); then one more training step."""
+    rc, results, log = ds_universal_runs[world]
+    assert results, log
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    assert rc == 0, log
+    assert [r["fixture"] for r in results] == DS_UNIVERSAL_CASES[world]
+    assert all(r["world_size"] == world for r in results)
