@@ -46,7 +46,7 @@ from .ds_writers.facts import (
     refusal_message,
     refusals_from_logical,
 )
-from .ds_writers.plan import rank_of as _rank_of
+from .ds_writers.plan import source_model_files, source_optim_files
 from .ds_writers.readback import compare_checkpoints, verify_written
 from .ds_writers.universal import UniversalPlan
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
@@ -120,11 +120,11 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
-    optim = tuple(p for p in ckpt.files if "optim_states" in p.name)
+    optim = source_optim_files(ckpt)
     common: dict[str, Any] = dict(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
-        source_optim_files=tuple(sorted(optim, key=_rank_of)),
+        source_optim_files=optim,
         bf16_prefixed_optim=any(p.name.startswith("bf16_") for p in optim),
         hf_files=_plan_hf_files(ckpt, world_size) if hf_files else None,
     )
@@ -341,14 +341,8 @@ def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = 
     ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran."""
     from .ds_writers.universal import plan_universal
 
-    optim = tuple(sorted((p for p in ckpt.files if "optim_states" in p.name), key=_rank_of))
-    stage = source_layout_stage(ckpt)
-    if stage == 3:
-        models = tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
-                               and p.name.endswith("_model_states.pt")), key=_rank_of))
-    else:
-        models = tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
-    return plan_universal(ckpt, source_stage=stage, optimizer_files=optim, model_files=models)
+    return plan_universal(ckpt, source_stage=source_layout_stage(ckpt), optimizer_files=source_optim_files(ckpt),
+                          model_files=source_model_files(ckpt))
 
 
 def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,

@@ -58,8 +58,8 @@ from .plan import (
     RankPlan,
     SourceFacts,
     Target,
-    rank_of,
     source_layout_stage,
+    source_model_files,
 )
 
 __all__ = [
@@ -120,7 +120,7 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         return plan_stage0(ckpt, common)
     src_bf16_opt = ckpt.optimizer_wrapper == BF16_WRAPPER
     orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
-    models = _source_model_files(ckpt)
+    models = source_model_files(ckpt)
     common = {**common, "source_model_files": models}
     if target.zero_stage == 3:
         from .zero3 import plan_zero3
@@ -160,13 +160,6 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
         else:
             out.append(list(src_flat))
     return out
-
-
-def _source_model_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
-    if source_layout_stage(ckpt) == 3:
-        return tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
-                             and p.name.endswith("_model_states.pt")), key=rank_of))
-    return tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
 
 
 def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:

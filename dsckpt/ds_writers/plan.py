@@ -32,6 +32,9 @@ __all__ = [
     "optim_file_name",
     "range_copies",
     "rank_of",
+    "source_layout_stage",
+    "source_model_files",
+    "source_optim_files",
 ]
 
 ZERO_WRAPPER = "DeepSpeedZeroOptimizer"
@@ -241,3 +244,17 @@ def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
     if ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
         return 1
     return ckpt.zero_stage
+
+
+def source_model_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
+    """The source's model-states files a writer reads: one per rank at stage 3 (rank order), else
+    ``mp_rank_00_model_states.pt``."""
+    if source_layout_stage(ckpt) == 3:
+        return tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
+                             and p.name.endswith("_model_states.pt")), key=rank_of))
+    return tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
+
+
+def source_optim_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
+    """The source's per-rank optimizer files, in rank order."""
+    return tuple(sorted((p for p in ckpt.files if "optim_states" in p.name), key=rank_of))
