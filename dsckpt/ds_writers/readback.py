@@ -59,39 +59,35 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
     if set(src_entries) != set(new_entries):
         diff = sorted(set(src_entries) ^ set(new_entries))
         raise CorruptCheckpointError(f"verification failed: tensors differ between input and output: {diff[:5]}")
-    reader = _ByteReader()
     problems: list[str] = []
     checked = 0
-    try:
-        for name, e in src_entries.items():
-            if e.tied_to is not None:
+    for name, e in src_entries.items():
+        if e.tied_to is not None:
+            continue
+        n = new_entries[name]
+        if n.shape != e.shape:
+            problems.append(f"'{name}' has shape {list(n.shape)}, expected {list(e.shape)}")
+            continue
+        for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
+            a, b = e.piece(role), n.piece(role)
+            if a is None or b is None:
+                if (a is None) != (b is None) and role is not Role.MODULE:
+                    problems.append(f"'{name}' lost its {role.value} copy")
                 continue
-            n = new_entries[name]
-            if n.shape != e.shape:
-                problems.append(f"'{name}' has shape {list(n.shape)}, expected {list(e.shape)}")
+            if a.dtype != b.dtype or a.numel != b.numel:
+                problems.append(f"'{name}' ({role.value}) is {b.dtype}[{b.numel}], expected {a.dtype}[{a.numel}]")
                 continue
-            for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
-                a, b = e.piece(role), n.piece(role)
-                if a is None or b is None:
-                    if (a is None) != (b is None) and role is not Role.MODULE:
-                        problems.append(f"'{name}' lost its {role.value} copy")
-                    continue
-                if a.dtype != b.dtype or a.numel != b.numel:
-                    problems.append(f"'{name}' ({role.value}) is {b.dtype}[{b.numel}], expected {a.dtype}[{a.numel}]")
-                    continue
-                item = element_nbytes(a.dtype)
-                if full:
-                    step = max(1, VERIFY_CHUNK_NBYTES // item)
-                    windows = [(lo, min(step, a.numel - lo)) for lo in range(0, a.numel, step)]
-                else:
-                    windows = _sample_windows(a, b)
-                for lo, numel in windows:
-                    if reader.read(a, lo, numel, item, src_cache) != reader.read(b, lo, numel, item, new_cache):
-                        problems.append(f"'{name}' ({role.value}) differs in elements [{lo}, {lo + numel})")
-                        break
-                checked += 1
-    finally:
-        reader.close()
+            item = element_nbytes(a.dtype)
+            if full:
+                step = max(1, VERIFY_CHUNK_NBYTES // item)
+                windows = [(lo, min(step, a.numel - lo)) for lo in range(0, a.numel, step)]
+            else:
+                windows = _sample_windows(a, b)
+            for lo, numel in windows:
+                if _read_bytes(a, lo, numel, item, src_cache) != _read_bytes(b, lo, numel, item, new_cache):
+                    problems.append(f"'{name}' ({role.value}) differs in elements [{lo}, {lo + numel})")
+                    break
+            checked += 1
     if problems:
         raise CorruptCheckpointError(
             "verification failed: " + "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
@@ -120,27 +116,24 @@ def _sample_windows(a: Piece, b: Piece) -> list[tuple[int, int]]:
     return [(lo, hi - lo) for lo, hi in merged]
 
 
-class _ByteReader:
-    """Raw bytes of element ranges of a piece, read through :meth:`TensorRef.read_numpy` (``pread``,
-    CRC-checked, no torch) for contiguous refs."""
+def _read_bytes(piece: Piece, start: int, numel: int, item: int, cache: Any) -> bytes:
+    """Raw bytes of elements ``[start, start + numel)`` of a piece, read through
+    :meth:`TensorRef.read_numpy` (``pread``, CRC-checked, no torch) for contiguous refs."""
+    out = bytearray()
+    end = start + numel
+    for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
+        lo, hi = max(start, f.dst_offset), min(end, f.dst_offset + f.numel)
+        if lo >= hi:
+            continue
+        ref = cache.tensor(f.file, f.key)
+        first = f.src_offset + (lo - f.dst_offset)
+        if not ref.is_contiguous():  # strided views only (rare): torch does the gather
+            import torch
 
-    def close(self) -> None:
-        pass
-
-    def read(self, piece: Piece, start: int, numel: int, item: int, cache: Any) -> bytes:
-        out = bytearray()
-        end = start + numel
-        for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
-            lo, hi = max(start, f.dst_offset), min(end, f.dst_offset + f.numel)
-            if lo >= hi:
-                continue
-            ref = cache.tensor(f.file, f.key)
-            first = f.src_offset + (lo - f.dst_offset)
-            if not ref.is_contiguous():
-                t = ref.read(first, hi - lo)
-                out += t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
-                continue
-            if first + (hi - lo) > ref.numel or ref.storage_offset + first + (hi - lo) > ref.storage.numel:
-                raise CorruptCheckpointError(f"{f.file}: {_fmt_key(f.key)} is shorter than its metadata says")
-            out += ref.read_numpy(first, hi - lo).data.cast("B")
-        return bytes(out)
+            t = ref.read(first, hi - lo)
+            out += t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            continue
+        if first + (hi - lo) > ref.numel or ref.storage_offset + first + (hi - lo) > ref.storage.numel:
+            raise CorruptCheckpointError(f"{f.file}: {_fmt_key(f.key)} is shorter than its metadata says")
+        out += ref.read_numpy(first, hi - lo).data.cast("B")
+    return bytes(out)
