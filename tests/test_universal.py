@@ -398,6 +398,7 @@ def test_plan_refuses_incomplete_fragments():
 
 # source fixture -> the rank count it is loaded on (each different from the source's)
 DS_UNIVERSAL_CASES = {3: ["s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s1_fp32_w2"], 2: ["s3_bf16_w3_subgroups"]}
+TAMPERED = "s2_bf16_w2_2groups"  # its launch also loads a copy with fc1.weight's exp_avg and exp_avg_sq swapped
 
 
 @pytest.fixture(scope="module")
@@ -414,6 +415,14 @@ def ds_universal_runs(tmp_path_factory):
             out = base / f"{name}_universal"
             write_universal(FIXTURES / name / "ckpt", out, verify="quick")
             pairs.append(f"{name}={out}")
+            if name == TAMPERED:  # a control the check must reject: one param's two Adam moments swapped
+                control = base / "tampered"
+                shutil.copytree(out, control)
+                folder = control / (control / "latest_universal").read_text() / "zero" / "fc1.weight"
+                (folder / "exp_avg.pt").rename(folder / "swap.pt")
+                (folder / "exp_avg_sq.pt").rename(folder / "exp_avg.pt")
+                (folder / "swap.pt").rename(folder / "exp_avg_sq.pt")
+                pairs.append(f"{name}={control}")
         cwd = base / f"to{world}"
         cwd.mkdir()
         runs[world] = run_check_script("ds_reshard_check.py", pairs, args=["--universal"], world=world, cwd=cwd,
@@ -429,8 +438,18 @@ def test_deepspeed_loads_universal_output(ds_universal_runs, world):
     the new engine held them (DeepSpeed 0.19.8 restores neither); then one more training step."""
     rc, results, log = ds_universal_runs[world]
     assert results, log
+    control = [r for r in results if r["ckpt"].endswith("tampered")]
+    results = [r for r in results if r not in control]
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
-    assert rc == 0, log
+    if TAMPERED in DS_UNIVERSAL_CASES[world]:
+        assert len(control) == 1 and not control[0]["ok"], log
+        problems = {p.split(": ", 1)[1] for p in control[0]["problems"]}
+        assert {f"{k} of 'fc1.weight' differs from the source (fragment API)" for k in ("exp_avg", "exp_avg_sq")} \
+            <= problems, problems
+        assert all("'fc1.weight'" in p for p in problems), problems
+        assert rc == 1, log
+    else:
+        assert rc == 0, log
     assert [r["fixture"] for r in results] == DS_UNIVERSAL_CASES[world]
     assert all(r["world_size"] == world for r in results)
