@@ -174,7 +174,7 @@ def optimizer_scalars(src0: Mapping[str, Any], source_stage: int) -> OptimizerSc
     groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner["param_groups"])
     steps = [s["step"] for s in inner["state"].values() if isinstance(s, Mapping) and "step" in s]
     return OptimizerScalars(
-        loss_scaler=osd.get("loss_scaler", None) if "loss_scaler" in osd else loss_scaler(),
+        loss_scaler=osd["loss_scaler"] if "loss_scaler" in osd else loss_scaler(),
         dynamic_loss_scale=osd.get("dynamic_loss_scale", False),
         overflow=osd.get("overflow", False),
         clip_grad=osd.get("clip_grad"),
