@@ -4,7 +4,8 @@ written and read back on every fixture, and resumed by real DeepSpeed on CPU ran
 from __future__ import annotations
 
 import dataclasses
-import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,25 @@ def test_cli_reshard_zero_stage_says_what_the_config_needs(tmp_path):
     assert r.exit_code == 2 and "applies to a ZeRO-3 target only" in r.stderr
     r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "0"])
     assert r.exit_code == 2
+
+
+def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
+    """Stage changes and --universal stream byte ranges like plain reshard (README); only a 16-bit ZeRO-3
+    source written as ZeRO-1/2 casts its masters with torch."""
+    fx = {f.name: f.ckpt for f in ZERO}
+    code = (
+        "import sys\nfrom dsckpt.cli import main\n"
+        "def run(*a):\n    try:\n        main(list(a))\n    except SystemExit as e:\n        assert e.code in (0, None), e.code\n"
+        f"run('reshard', {str(fx['s2_bf16_w2_2groups'])!r}, {str(tmp_path / 'z3')!r}, '-n', '3', '--zero-stage', '3', '-q')\n"
+        f"run('reshard', {str(fx['s3_bf16_w3_subgroups'])!r}, {str(tmp_path / 'z2')!r}, '-n', '2', '--zero-stage', '3', '-q')\n"
+        f"run('reshard', {str(fx['s2_bf16_w2_2groups'])!r}, {str(tmp_path / 'u')!r}, '--universal', '-q')\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        f"run('reshard', {str(fx['s3_bf16_w3_subgroups'])!r}, {str(tmp_path / 'z1')!r}, '-n', '2', '--zero-stage', '1', '-q')\n"
+        "assert 'torch' in sys.modules\nprint('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("OK")
 
 
 def test_stage0_is_not_converted():
