@@ -3,12 +3,14 @@ makes it fail with exit 3 naming the file and the record, and leaves no output b
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import zipfile
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import FIXTURES, fixtures_where
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 
 from dsckpt import safe_load
 from dsckpt.cli import main
-from dsckpt.crc import RecordCheck, check_file_records, crc32_combine
+from dsckpt.crc import CRC32_IMPL, RecordCheck, check_file_records, crc32, crc32_combine
 from dsckpt.errors import CorruptCheckpointError
 
 # --------------------------------------------------------------------------------------------
@@ -99,6 +101,30 @@ FP32_PARTITION = (OSD, "single_partition_of_fp32_groups", 0)
 @given(st.binary(max_size=300), st.binary(max_size=300))
 def test_crc32_combine_equals_crc_of_concatenation(a, b):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(st.binary(max_size=5000), st.integers(0, 2**32 - 1), st.integers(0, 64))
+def test_crc32_gives_zlibs_values_from_any_start_value_and_buffer_offset(data, value, skip):
+    # the isal CRC (where installed) must agree with zlib's bit for bit, given bytes, memoryviews of
+    # numpy buffers at odd offsets, and a running value, as RecordCheck and the writers use it
+    view = memoryview(np.frombuffer(bytes(skip) + data, dtype=np.uint8)).cast("B")[skip:]
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(view, value) == zlib.crc32(data, value)
+
+
+def test_crc32_is_isal_where_installed_and_zlib_on_request():
+    import importlib.util
+    import subprocess
+    import sys
+
+    expected = "isal" if importlib.util.find_spec("isal") else "zlib"
+    assert CRC32_IMPL == expected
+    big = bytes(range(256)) * (9 << 12)  # 9 MiB, past any small-buffer path
+    assert crc32(big) == zlib.crc32(big) == 0x3CC78A40
+    got = subprocess.run([sys.executable, "-c", "from dsckpt.crc import CRC32_IMPL, crc32; print(CRC32_IMPL)"],
+                         env={**os.environ, "DSCKPT_CRC": "zlib"}, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "zlib"
 
 
 @pytest.mark.parametrize("len2", [1, 3, 64, 4095, 65536 + 7, 8 << 20])

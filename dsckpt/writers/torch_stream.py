@@ -21,7 +21,7 @@ file (``zipfile.ZipFile.testzip`` passes): stored entries, CRC-32 of every entry
 bytes like torch's own writer, zip64 records where sizes or offsets need them.
 
 Bytes move through a few small reused buffers: a reader thread does ``os.preadv`` from the source
-and ``zlib.crc32``, the calling thread ``os.write`` s and starts write-back every
+and :func:`~dsckpt.crc.crc32`, the calling thread ``os.write`` s and starts write-back every
 :data:`WRITEBACK_KICK_NBYTES`. Peak memory: :data:`BUFFERS` x :data:`COPY_CHUNK_NBYTES`, whatever
 the size of the tensors.
 
@@ -40,7 +40,6 @@ import queue
 import struct
 import sys
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..atomic import atomic_file
-from ..crc import RecordCheck, crc32_combine
+from ..crc import RecordCheck, crc32, crc32_combine
 from ..dtypes import DTYPES
 from ..errors import CorruptCheckpointError
 
@@ -368,20 +367,20 @@ class _ZipStream:
     def add_bytes(self, name: str, data: bytes) -> None:
         entry = self._begin(name, len(data))
         self._write(data)
-        self._end(entry, zlib.crc32(data), len(data))
+        self._end(entry, crc32(data), len(data))
 
     def add_chunks(self, name: str, nbytes: int, chunks: Iterator[bytes]) -> None:
         entry = self._begin(name, nbytes)
         crc = written = 0
         for data in chunks:
             self._write(data)
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             written += len(data)
         self._end(entry, crc, written)
 
     def add_storages(self, storages: list[tuple[str, tuple[Extent, ...], int]]) -> None:
         """Write ``(name, extents, nbytes)`` entries in order. A reader thread fills the buffers
-        (``os.preadv`` and ``zlib.crc32`` release the GIL) while this thread writes the previous one."""
+        (``os.preadv`` and :func:`~dsckpt.crc.crc32` release the GIL) while this thread writes the previous one."""
         filled: queue.Queue[Any] = queue.Queue()
         free: queue.Queue[memoryview] = queue.Queue()
         for b in self.bufs:
@@ -395,7 +394,7 @@ class _ZipStream:
                     for ext in extents:
                         ext_crc = 0
                         for part in self._read(ext, free, stop):
-                            ext_crc = zlib.crc32(part, ext_crc)
+                            ext_crc = crc32(part, ext_crc)
                             filled.put(part)
                         if ext.record is not None:  # the source record's check (raises on a mismatch)
                             ext.record.add_crc(ext.record_offset, ext_crc, ext.nbytes)
