@@ -33,9 +33,7 @@ import heapq
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +79,10 @@ FP16_MAX = 65504.0
 # 512K elements: 2 MiB per fp32 buffer, ~7 MiB for the four stored copies of a bf16 + Adam tensor, per
 # worker thread; big enough that per-chunk Python work stays small next to the bytes it checks.
 DEFAULT_CHUNK_NUMEL = 1 << 19
+# Without the master/16-bit comparison a chunk's stored copies are checked one after the other through
+# one buffer, so chunks twice as long fit the same memory (4 MiB of data + 4 MiB of exponent bits per
+# worker) and halve the GIL round trips per byte, which is what bounds eight threads (issue 12).
+NONFINITE_CHUNK_NUMEL = 1 << 20
 MAX_INDICES = 8
 
 
@@ -256,9 +258,13 @@ class ScanReport:
 
 def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Callable[[Path, tuple[Any, ...]], Any], *,
               target: Path, target_kind: TargetKind, nonfinite_only: bool = False,
-              chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> ScanPlan:
+              chunk_numel: int | None = None) -> ScanPlan:
     """Decide what to read. Pure: ``trees`` are the parsed files (tensors as TensorRef, no data) and
-    ``refs(file, key)`` returns the stored-tensor reference a fragment points at."""
+    ``refs(file, key)`` returns the stored-tensor reference a fragment points at. ``chunk_numel``:
+    elements per chunk (default :data:`NONFINITE_CHUNK_NUMEL` with ``nonfinite_only``, else
+    :data:`DEFAULT_CHUNK_NUMEL`)."""
+    if chunk_numel is None:
+        chunk_numel = NONFINITE_CHUNK_NUMEL if nonfinite_only else DEFAULT_CHUNK_NUMEL
     checks = (Check.NONFINITE,) if nonfinite_only else (Check.NONFINITE, Check.FP16_OVERFLOW, Check.MISMATCH)
     aliases: dict[str, list[str]] = {}
     for e in logical.entries:
@@ -540,27 +546,79 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
 
 def _run_pool(tasks: Iterator[_Task], work: Callable[[_Task], list[_Update]],
               apply: Callable[[_Task, list[_Update]], None], workers: int) -> None:
-    """``work`` the tasks in ``workers`` threads, at most ``2 * workers`` ahead; ``apply`` in task order."""
-    pending: deque[tuple[_Task, Future[list[_Update]]]] = deque()
-    with ThreadPoolExecutor(workers, thread_name_prefix="dsckpt-scan") as pool:
-        try:
+    """``work`` the tasks in ``workers`` threads and ``apply`` the results in task order, as
+    ``for t in tasks: apply(t, work(t))`` would (an error raised for a task, or by ``tasks``, is raised
+    once every earlier task is applied).
+
+    The workers take the next task themselves (under a lock: ``tasks`` runs in one thread at a time)
+    and whichever finishes the oldest pending task applies it and every finished one after it; at most
+    ``4 * workers`` are taken ahead of the oldest. The calling thread only waits. With a producer and
+    consumer in the calling thread, that thread needed the GIL for every task against eight workers
+    that each take it a dozen times a task; on the 16-core host (issue 12) it fell behind and left the
+    workers idle."""
+    claim, ordered = threading.Lock(), threading.Lock()
+    room = threading.Semaphore(4 * workers)
+    numbered = enumerate(tasks)
+    finished: dict[int, tuple[_Task | None, list[_Update] | BaseException]] = {}
+    state: dict[str, Any] = {"applied": 0, "error": None, "stop": False, "count": 0}
+
+    def halt(error: BaseException) -> None:
+        state["error"], state["stop"] = error, True
+        room.release(workers)  # wake any worker waiting for room, to see the stop
+
+    def finish(i: int, task: _Task | None, result: list[_Update] | BaseException) -> None:
+        with ordered:
+            finished[i] = (task, result)
+            while state["error"] is None and state["applied"] in finished:
+                t, r = finished.pop(state["applied"])
+                if isinstance(r, BaseException):
+                    halt(r)
+                    break
+                try:
+                    assert t is not None
+                    apply(t, r)
+                except BaseException as e:  # noqa: BLE001 - raised in the calling thread below
+                    halt(e)
+                    break
+                state["applied"] += 1
+                room.release()
+
+    def run() -> None:
+        while True:
+            room.acquire()
+            with claim:
+                if state["stop"]:
+                    return
+                try:
+                    i, task = next(numbered)
+                except StopIteration:
+                    state["stop"] = True
+                    return
+                except BaseException as e:  # noqa: BLE001 - a corrupt checkpoint found while planning a task
+                    state["stop"] = True
+                    finish(state["count"], None, e)
+                    return
+                state["count"] = i + 1
             try:
-                for task in tasks:
-                    pending.append((task, pool.submit(work, task)))
-                    while len(pending) > 2 * workers:
-                        t, fut = pending.popleft()
-                        apply(t, fut.result())
-            except CorruptCheckpointError:
-                while pending:  # errors of earlier chunks first, as when read one by one
-                    t, fut = pending.popleft()
-                    apply(t, fut.result())
-                raise
-            while pending:
-                t, fut = pending.popleft()
-                apply(t, fut.result())
-        finally:
-            for _, fut in pending:
-                fut.cancel()
+                result: list[_Update] | BaseException = work(task)
+            except BaseException as e:  # noqa: BLE001 - handed to the calling thread, in task order
+                result = e
+            finish(i, task, result)
+
+    threads = [threading.Thread(target=run, name=f"dsckpt-scan-{k}", daemon=True) for k in range(workers)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)  # a timed join keeps Ctrl-C and SIGTERM prompt
+    finally:
+        state["stop"] = True
+        room.release(workers)
+        for t in threads:
+            t.join()
+    if state["error"] is not None:
+        raise state["error"]
 
 
 def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
@@ -608,6 +666,16 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
                         r.start + a, n, None, (), n)
 
 
+def _raw_buffer(pool: dict[Any, np.ndarray], key: Any, dtype: Any, numel: int) -> np.ndarray:
+    """``numel`` elements of ``dtype`` at the start of one reused byte buffer (grown when too small),
+    for whatever dtype each use needs."""
+    nbytes = numel * np.dtype(dtype).itemsize
+    raw = pool.get(key)
+    if raw is None or raw.nbytes < nbytes:
+        raw = pool[key] = np.empty(nbytes, dtype=np.uint8)
+    return raw[:nbytes].view(dtype)
+
+
 def _buffer(pool: dict[Any, np.ndarray], key: Any, dtype: str, numel: int) -> np.ndarray:
     buf = pool.get((key, dtype))
     if buf is None:
@@ -640,14 +708,21 @@ MAX_OPEN_FILES = 32  # per scan thread
 
 
 def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray], files: _OpenFiles) -> list[_Update]:
-    """Read and check one chunk (in a worker thread): the tally updates, in tally order."""
-    bufs = [_buffer(pool, slot, DTYPES[d].numpy, chunk)[: task.numel] for slot, d in enumerate(task.dtypes)]
+    """Read and check one chunk (in a worker thread): the tally updates, in tally order.
+
+    Each stored copy gets a buffer of its own only when the copies are compared with each other;
+    otherwise every part goes through one buffer, in turn."""
+    bufs = [_buffer(pool, slot, DTYPES[d].numpy, chunk)[: task.numel] for slot, d in enumerate(task.dtypes)
+            ] if task.compare is not None else []
     out: list[_Update] = []
     for p in task.parts:
-        part = bufs[p.slot][p.dst: p.dst + p.numel]
-        _read_into(p.ref, p.src, p.numel, part, files)
         dtype = task.dtypes[p.slot]
-        nan, posinf, neginf, first = _nonfinite(part, dtype, pool, chunk)
+        if bufs:
+            part = bufs[p.slot][p.dst: p.dst + p.numel]
+        else:
+            part = _raw_buffer(pool, "part", DTYPES[dtype].numpy, p.numel)
+        _read_into(p.ref, p.src, p.numel, part, files)
+        nan, posinf, neginf, first = _nonfinite(part, dtype, pool)
         if p.padding:
             if nan + posinf + neginf:
                 logger.info("%s %s: non-finite leftover bytes in stage-3 partition padding (ignored)",
@@ -691,8 +766,7 @@ def _read_into(ref: Any, start: int, numel: int, out: np.ndarray, files: _OpenFi
 _EXPONENT = {"bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00), "float32": ("<u4", 0x7F800000)}
 
 
-def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray],
-               chunk: int) -> tuple[int, int, int, np.ndarray]:
+def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray]) -> tuple[int, int, int, np.ndarray]:
     """``(nan, +inf, -inf, first indices)`` of a chunk of stored ``dtype`` bytes (see :mod:`dsckpt.dtypes`).
 
     Proving a chunk finite costs one AND and one max over its exponent bits (no float conversion,
@@ -702,7 +776,7 @@ def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray],
     if exp is not None:
         view, mask = exp
         bits = x.view(view)
-        tmp = _buffer(pool, "exponent", view, chunk)[: len(bits)]
+        tmp = _raw_buffer(pool, "exponent", view, len(bits))
         np.bitwise_and(bits, mask, out=tmp)
         if int(tmp.max()) != mask:
             return 0, 0, 0, none
@@ -789,7 +863,7 @@ def open_target(target: str | os.PathLike[str], *, tag: str | None = None
 
 
 def prepare_scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> tuple[ScanPlan, FileCache]:
+                 chunk_numel: int | None = None) -> tuple[ScanPlan, FileCache]:
     """Open ``target`` (see :func:`open_target`), parse its files' metadata and plan the scan."""
     logical, cache, kind = open_target(target, tag=tag)
     is_st = getattr(cache, "is_safetensors", lambda _f: False)
@@ -800,7 +874,7 @@ def prepare_scan(target: str | os.PathLike[str], *, tag: str | None = None, nonf
 
 
 def scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
-         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+         chunk_numel: int | None = None,
          on_progress: Callable[[int], None] | None = None) -> ScanReport:
     """Scan ``target`` (see :func:`open_target`) and return every finding."""
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)

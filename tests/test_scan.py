@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from conftest import all_fixtures, fixtures_where, ids
+from conftest import all_fixtures, ids
 from dsckpt import safe_load
 from dsckpt.cli import main
 from dsckpt.errors import CorruptCheckpointError
@@ -138,15 +138,17 @@ def test_fp32_master_beyond_fp16_range_flagged_when_trained_in_fp16(tmp_path):
         Check.FP16_OVERFLOW, "fc2.weight", StoredKind.MASTER, 1, (0,))
 
 
-def test_chunked_reading_gives_the_same_findings(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1, 5])
+def test_chunked_reading_gives_the_same_findings(tmp_path, workers):
     fx = next(f for f in FIXTURES if f.name == "s2_fp32_w4")
     ckpt = copy_fixture(fx, tmp_path)
     for i in (2, 30, 64):
         plant(ckpt, "embed.weight", Role.MASTER, i, math.inf)
     whole = scan(ckpt)
     plan, cache = prepare_scan(ckpt)
-    chunked = run_scan(dataclasses.replace(plan, chunk_numel=7), cache)
+    chunked = run_scan(dataclasses.replace(plan, chunk_numel=7), cache, workers=workers)
     assert chunked.findings == whole.findings
+    assert (chunked.numel_scanned, chunked.nbytes_read) == (whole.numel_scanned, whole.nbytes_read)
     # 165 trainable elements padded to 168 over 4 ranks: 42 per rank, embed.weight first
     assert [(f.rank, f.first_indices) for f in whole.findings] == [(0, (2, 30)), (1, (64,))]
 
@@ -178,6 +180,71 @@ def test_scan_threads_keep_files_open_and_close_them_all(tmp_path, monkeypatch, 
     with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
         run_scan(plan, cache, workers=workers)
     assert set(os.listdir("/proc/self/fd")) == fds
+
+
+class _Boom(Exception):
+    pass
+
+
+def _pool_run(n_tasks: int, workers: int, *, fail_work_at: int | None = None, fail_tasks_at: int | None = None):
+    """Run scan's worker pool over ints with uneven work times; returns (applied, max taken ahead, error)."""
+    import random
+    import threading
+    import time
+
+    from dsckpt.scan import _run_pool
+
+    rng = random.Random(n_tasks * 31 + workers)
+    delays = [rng.choice([0, 0, 0.0005, 0.003]) for _ in range(n_tasks)]
+    lock = threading.Lock()
+    applied: list[int] = []
+    taken = [0]
+    ahead = [0]
+
+    def tasks():
+        for i in range(n_tasks):
+            if i == fail_tasks_at:
+                raise _Boom(f"tasks {i}")
+            with lock:
+                taken[0] = i + 1
+                ahead[0] = max(ahead[0], taken[0] - len(applied))
+            yield i
+
+    def work(i):
+        time.sleep(delays[i])
+        if i == fail_work_at:
+            raise _Boom(f"work {i}")
+        return [i * 10]
+
+    def apply(i, updates):
+        assert updates == [i * 10]
+        with lock:
+            applied.append(i)
+
+    try:
+        _run_pool(tasks(), work, apply, workers)
+    except _Boom as e:
+        return applied, ahead[0], str(e)
+    return applied, ahead[0], None
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_scan_pool_applies_in_task_order_and_bounds_work_ahead(workers):
+    applied, ahead, error = _pool_run(300, workers)
+    assert (applied, error) == (list(range(300)), None)
+    assert ahead <= 4 * workers + 1
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_scan_pool_raises_a_work_error_after_applying_every_earlier_task(workers):
+    applied, _, error = _pool_run(300, workers, fail_work_at=137)
+    assert (applied, error) == (list(range(137)), "work 137")
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_scan_pool_raises_a_planning_error_after_applying_every_earlier_task(workers):
+    applied, _, error = _pool_run(300, workers, fail_tasks_at=200)
+    assert (applied, error) == (list(range(200)), "tasks 200")
 
 
 def _state_dict_with_inf() -> dict[str, torch.Tensor]:
