@@ -147,27 +147,30 @@ def main_cases(args: argparse.Namespace, big: Path, facts: dict, work: Path,
     reshard = [DSCKPT, "reshard", str(big), str(resh), "-n", str(to_half), "-q"]
     scan = [DSCKPT, "scan", "--nonfinite", "-q", str(big)]
     before = {"PYTHONPATH": str(Path(args.baseline_src).resolve())} if args.baseline_src else None
+    zlib = {"DSCKPT_CRC": "zlib"}  # the standard library's CRC-32 instead of isal's (dsckpt/crc.py)
     cases = [
         ("to-fp32", [DSCKPT, "to-fp32", str(big), str(ours), "-q"], big, ours, None),
         ("write floor (dd conv=fsync, output size)", ["dd", "if=/dev/zero", f"of={floor_out}", "bs=16M",
                                                       f"count={out_blocks}", "conv=fsync", "status=none"], None,
          floor_out, None),
         ("scan --nonfinite", scan, big, None, None),
+        ("scan --nonfinite [zlib CRC]", scan, big, None, zlib),
         ("scan --nonfinite [before]", scan, big, None, before),
         ("verify", [DSCKPT, "verify", str(big)], big, None, None),
+        ("verify [zlib CRC]", [DSCKPT, "verify", str(big)], big, None, zlib),
         ("read floor (cat, page cache)", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], big, None, None),
         (f"reshard {args.ranks}->{to_half}", reshard, big, resh, None),
-        (f"reshard {args.ranks}->{to_half} [before]", reshard, big, resh, before),
-        (f"reshard {args.ranks}->{to_half} --verify none", [*reshard, "--verify", "none"], big, resh, None),
         # atomic (rename) but not crash-durable: what cp -r gives
         (f"reshard {args.ranks}->{to_half} --no-fsync", [*reshard, "--no-fsync"], big, resh, None),
         ("cp -r", ["cp", "-r", str(big), str(copied)], big, copied, None),
         # the durable copy: what reshard promises (every file fsync'd before the rename)
         ("cp -r + sync", ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(big), str(copied)], big, copied, None),
-        (f"write floor ({streams} dd streams, checkpoint size)",
-         ["sh", "-c", (f'mkdir -p "$1" && for i in $(seq {streams}); do dd if=/dev/zero of="$1/$i" bs=16M '
-          f'count={per_stream} conv=fsync status=none & done; wait'), "sh", str(floor_dir)], None, floor_dir, None),
     ]
+    if args.write_streams:
+        cases.append((f"write floor ({streams} dd streams, checkpoint size)",
+                      ["sh", "-c", (f'mkdir -p "$1" && for i in $(seq {streams}); do dd if=/dev/zero of="$1/$i" '
+                       f'bs=16M count={per_stream} conv=fsync status=none & done; wait'), "sh", str(floor_dir)],
+                      None, floor_dir, None))
     return [c for c in cases if not c[0].endswith("[before]") or before is not None]
 
 
@@ -232,13 +235,17 @@ def run(args: argparse.Namespace) -> None:
     b.save(nbytes=nbytes)
 
     resh = work / "resharded"
-    curve = [0, 1, 2, 4, 8, 16] if args.curve else []
-    for w in curve:
-        b.once(f"to-fp32 --workers {w}", [DSCKPT, "to-fp32", str(big), str(ours), "-q", "--workers", str(w)],
-               warm=big, output=ours)
-        b.once(f"scan --workers {w}", [DSCKPT, "scan", "--nonfinite", "-q", "--workers", str(w), str(big)], warm=big)
-        b.once(f"verify --workers {w}", [DSCKPT, "verify", "--workers", str(w), str(big)], warm=big)
-    for w in ([1, 2, 4, 8, 16] if args.curve else []):
+    curve = set(args.curve.split(",")) if args.curve else set()
+    for w in [0, 1, 2, 4, 8, 16] if curve - {"reshard"} else []:
+        if "to-fp32" in curve:
+            b.once(f"to-fp32 --workers {w}", [DSCKPT, "to-fp32", str(big), str(ours), "-q", "--workers", str(w)],
+                   warm=big, output=ours)
+        if "scan" in curve:
+            b.once(f"scan --workers {w}", [DSCKPT, "scan", "--nonfinite", "-q", "--workers", str(w), str(big)],
+                   warm=big)
+        if "verify" in curve:
+            b.once(f"verify --workers {w}", [DSCKPT, "verify", "--workers", str(w), str(big)], warm=big)
+    for w in ([1, 2, 4, 8, 16] if "reshard" in curve else []):
         b.once(f"reshard --workers {w}", [DSCKPT, "reshard", str(big), str(resh), "-n", str(to_half), "-q",
                                           "--workers", str(w)], warm=big, output=resh)
     # the same commands on the small checkpoint: does memory grow with the model?
@@ -282,24 +289,28 @@ def render(reports: list[dict], note: str = "") -> str:
                      f"{fmt_s(sc)}, {fmt_mb(rss)}", f"cat {fmt_s(rd)} ({f['pt_bytes'] / rd / 1e9:.1f} GB/s)",
                      f"{gbps:.1f} GB/s", f"≥ {SCAN_GBPS:.0f} GB/s, RSS ≤ {SCAN_RSS / 1e6:.0f} MB",
                      verdict(gbps >= SCAN_GBPS and rss <= SCAN_RSS)))
-        if "scan --nonfinite [before]" in rep["samples"]:
-            sb = med(rep, "scan --nonfinite [before]")
-            rows.append((f"{st}   the same with the code before this change (`[before]`, same rounds)",
-                         fmt_s(sb), "", f"{rep['nbytes']['scan'] / sb / 1e9:.1f} GB/s", "", ""))
+        for case, what in (("scan --nonfinite [zlib CRC]", "with zlib's CRC-32 (`DSCKPT_CRC=zlib`)"),
+                           ("scan --nonfinite [before]", "with the code before this change (`[before]`)")):
+            if case in rep["samples"]:
+                sb = med(rep, case)
+                same = rep.get("source", {}).get(case) == rep.get("source", {}).get("scan --nonfinite")
+                rows.append((f"{st}   the same {what}, " + ("same rounds" if same else
+                             f"in the run of {rep['source'][case]} (not comparable round for round)"),
+                             fmt_s(sb), "", f"{rep['nbytes']['scan'] / sb / 1e9:.1f} GB/s", "", ""))
         ve = med(rep, "verify")
         vg = rep["nbytes"]["verify"] / ve / 1e9
         rows.append((f"{st} verify (every record's CRC + consistency), {rep['nbytes']['verify'] / 1e9:.1f} GB",
                      f"{fmt_s(ve)}, {fmt_mb(med(rep, 'verify', 'maxrss_bytes'))}", f"cat {fmt_s(rd)}",
                      f"{vg:.1f} GB/s", f"≥ {VERIFY_GBPS:.0f} GB/s", verdict(vg >= VERIFY_GBPS)))
+        if "verify [zlib CRC]" in rep["samples"]:
+            vz = med(rep, "verify [zlib CRC]")
+            rows.append((f"{st}   the same with zlib's CRC-32 (`DSCKPT_CRC=zlib`), same rounds", fmt_s(vz), "",
+                         f"{rep['nbytes']['verify'] / vz / 1e9:.1f} GB/s", "", ""))
         rname = f"reshard {rep['ranks']}->{rep['to_half']}"
         rs, cp = med(rep, rname), med(rep, "cp -r")
         rows.append((f"{st} {rname} ranks (default `--verify quick`)",
                      f"{fmt_s(rs)}, {fmt_mb(med(rep, rname, 'maxrss_bytes'))}", f"cp -r {fmt_s(cp)}",
                      f"{rs / cp:.2f}× cp -r", f"≤ {RESHARD_VS_CP}×", verdict(rs / cp <= RESHARD_VS_CP)))
-        if f"{rname} [before]" in rep["samples"]:
-            rb = med(rep, f"{rname} [before]")
-            rows.append((f"{st}   the same with the code before (each file fsync'd as it was closed)", fmt_s(rb),
-                         f"cp -r {fmt_s(cp)}", f"{rb / cp:.2f}× cp -r", "", ""))
         if f"{rname} --no-fsync" in rep["samples"]:
             nf = med(rep, f"{rname} --no-fsync")
             rows.append((f"{st} {rname} `--no-fsync` (atomic rename, not crash-durable)",
@@ -315,10 +326,6 @@ def render(reports: list[dict], note: str = "") -> str:
             pw = med(rep, par)
             rows.append((f"{st} {rname} vs writing the checkpoint's size, fsync'd, 8 streams", fmt_s(rs),
                          f"dd ×8 {fmt_s(pw)} ({f['pt_bytes'] / pw / 1e9:.1f} GB/s)", f"{rs / pw:.2f}×", "", ""))
-        if f"{rname} --verify none" in rep["samples"] and \
-                rep["source"][f"{rname} --verify none"] == rep["source"][rname]:
-            rows.append((f"{st}   the same without the read-back check (`--verify none`)",
-                         fmt_s(med(rep, f"{rname} --verify none")), "", "", "", ""))
     table = ["| measurement | dsckpt | reference | ratio | target | result |", "|---|---|---|---|---|---|",
              *[f"| {' | '.join(r)} |" for r in rows]]
 
@@ -327,7 +334,7 @@ def render(reports: list[dict], note: str = "") -> str:
     for cmd in ("to-fp32", "scan --nonfinite", "verify", "reshard"):
         cells, flat = [], True
         for rep in reports:
-            big_name = next(k for k in rep["samples"] if k.startswith(cmd) and "--workers" not in k)
+            big_name = cmd if cmd in rep["samples"] else f"reshard {rep['ranks']}->{rep['to_half']}"
             small_name = next(k for k in rep["samples"] if k.startswith(f"small: {cmd}"))
             a, z = med(rep, small_name, "maxrss_bytes"), med(rep, big_name, "maxrss_bytes")
             largest = rep["facts"]["big"]["largest_fp32_bytes"]
@@ -335,11 +342,11 @@ def render(reports: list[dict], note: str = "") -> str:
             cells.append(f"{fmt_mb(a)} → {fmt_mb(z)}")
         mem.append(f"| {cmd} | " + " | ".join(cells) + f" | {verdict(flat)} |")
 
-    rounds = []  # every round of the later runs, so that a median's spread shows
+    rounds = []  # every round of the timed cases, so that a median's spread shows
     for rep in reports:
-        names = [n for x in rep.get("extra_runs", []) for n in x.get("names", [])]
+        names = [n for n, v in rep["samples"].items() if len(v) > 1]
         if names:
-            rounds += [(f"ZeRO-{rep['stage']}, every round of the later runs (wall time, in the order measured; "
+            rounds += [(f"ZeRO-{rep['stage']}, every round (wall time, in the order measured; "
                         "every second round runs the cases in reverse):"), "",
                        "| case | rounds | median |", "|---|---|---|"]
             for n in names:
@@ -353,12 +360,13 @@ def render(reports: list[dict], note: str = "") -> str:
         ws = sorted({int(k.rsplit(" ", 1)[1]) for k in rep["samples"] if "--workers" in k})
         if not ws:
             continue
-        curves += [f"ZeRO-{rep['stage']}, wall time by `--workers` (one run each):", "",
+        curves += [f"ZeRO-{rep['stage']}, wall time by `--workers` (one run each, in the run of {rep['date']}):", "",
                    "| command | " + " | ".join(str(w) for w in ws) + " |", "|---|" + "---|" * len(ws)]
         for cmd in curve_cmds:
             cells = [fmt_s(med(rep, f"{cmd} --workers {w}")) if f"{cmd} --workers {w}" in rep["samples"] else ""
                      for w in ws]
-            curves.append(f"| {cmd} | " + " | ".join(cells) + " |")
+            if any(cells):
+                curves.append(f"| {cmd} | " + " | ".join(cells) + " |")
         curves.append("")
 
     ckpts = "; ".join(
@@ -420,11 +428,15 @@ def main() -> None:
     r.add_argument("--small", default="200M")
     r.add_argument("--ranks", type=int, default=8)
     r.add_argument("--rounds", type=int, default=3)
-    r.add_argument("--no-curve", dest="curve", action="store_false")
+    r.add_argument("--curve", default="to-fp32,scan,verify,reshard",
+                   help="the commands whose --workers curve to measure, comma-separated (one run per count)")
+    r.add_argument("--no-curve", dest="curve", action="store_const", const="")
+    r.add_argument("--no-write-streams", dest="write_streams", action="store_false",
+                   help="leave out the 8 fsync'd dd streams (bench/host_probe.py measures durable writes)")
     r.add_argument("--only", default=None, help="comma-separated name prefixes of the main cases: run just those "
                    "(no anchor, no curves, no small checkpoint); `report` merges the file with the stage's full one")
     r.add_argument("--baseline-src", default=None, help="a folder holding another dsckpt package (e.g. from "
-                   "`git archive main dsckpt`): scan and reshard also run from it, as `[before]` cases")
+                   "`git archive main dsckpt`): scan also runs from it, as a `[before]` case")
     r.add_argument("--out", default=str(HERE / "out" / "scale"))
     r.add_argument("--report", required=True)
     rp = sub.add_parser("report")
