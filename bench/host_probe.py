@@ -83,30 +83,20 @@ def scan_worker(todo: list[tuple[Path, int]], crc_name: str) -> int:
     return bad
 
 
-def scan_threads(all_chunks: list[tuple[Path, int]], n: int, crc_name: str) -> float:
-    parts = [all_chunks[i::n] for i in range(n)]
+def start_join(workers: list) -> float:
+    """Start every thread or process, wait for all; the seconds it took."""
     t0 = time.perf_counter()
-    if n == 0:
-        scan_worker(all_chunks, crc_name)
-    else:
-        ts = [threading.Thread(target=scan_worker, args=(p, crc_name)) for p in parts]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
     return time.perf_counter() - t0
 
 
-def scan_processes(all_chunks: list[tuple[Path, int]], n: int, crc_name: str) -> float:
-    parts = [all_chunks[i::n] for i in range(n)]
-    ctx = multiprocessing.get_context("fork")
-    t0 = time.perf_counter()
-    ps = [ctx.Process(target=scan_worker, args=(p, crc_name)) for p in parts]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join()
-    return time.perf_counter() - t0
+def scan_parallel(all_chunks: list[tuple[Path, int]], n: int, crc_name: str, *, processes: bool = False) -> float:
+    """``n`` threads (or forked processes) each scanning every ``n``-th chunk."""
+    make = multiprocessing.get_context("fork").Process if processes else threading.Thread
+    return start_join([make(target=scan_worker, args=(all_chunks[i::n], crc_name)) for i in range(n)])
 
 
 def write_streams(out: Path, total: int, streams: int, mode: str) -> float:
@@ -128,14 +118,7 @@ def write_streams(out: Path, total: int, streams: int, mode: str) -> float:
         finally:
             os.close(fd)
 
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    return dt
+    return start_join([threading.Thread(target=one, args=(i,)) for i in range(streams)])
 
 
 def timed(cmd: str) -> float:
@@ -167,8 +150,8 @@ def main() -> None:
     for r in range(a.rounds):
         for crc in ("zlib", "isal"):
             for n in (1, 4, 8, 12, 16):
-                add(f"scan-like {crc} {n} threads", scan_threads(todo, n, crc))
-            add(f"scan-like {crc} 8 processes", scan_processes(todo, 8, crc))
+                add(f"scan-like {crc} {n} threads", scan_parallel(todo, n, crc))
+            add(f"scan-like {crc} 8 processes", scan_parallel(todo, 8, crc, processes=True))
     out = a.dir / "out"
     for r in range(a.rounds):
         for mode, streams in (("buffered", 8), ("buffered+fsync", 8), ("direct", 4), ("direct", 8), ("direct", 16)):
