@@ -336,6 +336,19 @@ class TensorRef:
         _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out), fd=fd)
         return out
 
+    def item(self) -> float:
+        """The value of a one-element tensor (Adam's ``step``, a loss scale) as a float, read without
+        torch and CRC-checked like every read; a complex value gives its real part."""
+        if self.numel != 1:
+            raise ValueError(f"{self!r} has {self.numel} elements; item() reads one-element tensors")
+        raw = self.read_numpy(0, 1)
+        if self.dtype_name in ("bfloat16", "float16"):
+            from .dtypes import to_float32
+
+            raw = to_float32(raw, self.dtype_name)
+        value = raw[0]
+        return float(value.real) if np.iscomplexobj(value) else float(value)
+
     def load(self) -> torch.Tensor:
         """The whole tensor, shaped, as a CPU tensor that owns its memory."""
         if self.is_contiguous():

@@ -93,7 +93,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     for s in state.values():
         if isinstance(s, Mapping) and "step" in s:
             v = s["step"]
-            steps.add(_scalar(v) if isinstance(v, TensorRef) else float(v))
+            steps.add(v.item() if isinstance(v, TensorRef) else float(v))
     if len(steps) > 1:
         problems.append(f"different Adam step counts across groups {sorted(steps)}")
     if problems:
@@ -128,21 +128,6 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         sub_group_size=int(sub_group_size) if sub_group_size is not None else None,
         param_ds_ids=ds_ids,
     )
-
-
-def _scalar(ref: Any) -> float:
-    """The value of a one-element tensor such as Adam's ``step``, read without torch."""
-    import struct
-
-    from ..writers.torch_stream import dtype_name, element_nbytes
-
-    codes = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "float16": "<e"}
-    name = dtype_name(ref)
-    if ref.numel != 1 or name not in codes or not ref.is_contiguous():
-        return float(ref.load().item())
-    raw = ref.read_numpy(0, 1).tobytes()  # through safe_load's reads: CRC-checked
-    assert len(raw) == element_nbytes(name)
-    return float(struct.unpack(codes[name], raw)[0])
 
 
 def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
 from ..safe_load import DeepSpeedObject, TensorRef
 
-__all__ = ["FileCache", "lookup", "dtype_name", "whole", "metadata_from_model_states"]
+__all__ = ["FileCache", "lookup", "dtype_name", "whole", "metadata_from_model_states", "int_or_none"]
 
 
 class FileCache:
@@ -113,9 +114,13 @@ class CommonMeta:
     pp_degree: int
 
 
-def _int_or_none(x: Any) -> int | None:
+def int_or_none(x: Any) -> int | None:
+    """A counter (``global_steps``, Adam's ``step``, a world size) stored as a number or a one-element
+    tensor, as an int; None for anything else."""
     if isinstance(x, TensorRef):
-        return int(x.read_numpy(0, 1)[0]) if x.numel == 1 and x.is_contiguous() else None
+        x = x.item() if x.numel == 1 else None
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
     return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -125,10 +130,10 @@ def metadata_from_model_states(tree: Mapping[str, Any]) -> CommonMeta:
     cfg = tree.get("ds_config")
     return CommonMeta(
         ds_version=str(tree["ds_version"]) if tree.get("ds_version") is not None else None,
-        global_steps=_int_or_none(tree.get("global_steps")),
-        global_samples=_int_or_none(tree.get("global_samples")),
-        dp_world_size=_int_or_none(tree.get("dp_world_size")),
-        mp_world_size=_int_or_none(tree.get("mp_world_size")),
+        global_steps=int_or_none(tree.get("global_steps")),
+        global_samples=int_or_none(tree.get("global_samples")),
+        dp_world_size=int_or_none(tree.get("dp_world_size")),
+        mp_world_size=int_or_none(tree.get("mp_world_size")),
         ds_config=cfg if isinstance(cfg, dict) else None,
         buffer_names=tuple(tree.get("buffer_names") or ()),
         tp_degree=int(dims.get("tp_degree", 1) or 1) if isinstance(dims, dict) else 1,
@@ -155,7 +160,7 @@ def step_of(state: Any) -> int | None:
     if isinstance(state, Mapping):
         for v in state.values():
             if isinstance(v, Mapping) and "step" in v:
-                return _int_or_none(v["step"])
+                return int_or_none(v["step"])
     return None
 
 

@@ -35,23 +35,10 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, TensorRef):
-        return _scalar(value) if value.numel == 1 else f"<tensor {list(value.shape)}>"
+        return value.item() if value.numel == 1 else f"<tensor {list(value.shape)}>"
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     return repr(value)
-
-
-def _scalar(ref: TensorRef) -> float | str:
-    if not ref.is_contiguous():
-        return "<strided scalar>"
-    import numpy as np
-
-    from ..dtypes import to_float32
-
-    raw = ref.read_numpy(0, 1)
-    if ref.dtype_name in ("bfloat16", "float16", "float32"):
-        return float(to_float32(raw, ref.dtype_name)[0])
-    return float(np.asarray(raw, dtype=np.float64)[0])
 
 
 def _optim_facts(tree: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..safe_load import DeepSpeedEnum, TensorRef
 from .common import (
     FileCache,
-    _int_or_none,
+    int_or_none,
     is_floating,
     metadata_from_model_states,
     module_piece,
@@ -177,7 +177,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     else:
         world = meta.dp_world_size or 1
         entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable)
-        step = _int_or_none(step_ref) if step_ref is not None else None
+        step = int_or_none(step_ref) if step_ref is not None else None
         zs = opt.get("zero_stage")
         if isinstance(zs, DeepSpeedEnum):
             stage, wrapper = int(zs.value), "DeepSpeedZeroOptimizer"
