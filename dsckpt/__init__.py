@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
+    "DsckptError",
+    "Kind",
+    "LogicalCheckpoint",
+    "Role",
+    "TensorEntry",
     "__version__",
     "open_checkpoint",
-    "Checkpoint",
-    "read_checkpoint",
-    "LogicalCheckpoint",
-    "TensorEntry",
-    "Role",
-    "Kind",
     "plan_to_fp32",
+    "read_checkpoint",
     "run_to_fp32",
-    "to_fp32",
     "summarize",
-    "DsckptError",
+    "to_fp32",
 ]
 
 _LAZY = {

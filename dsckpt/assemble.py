@@ -14,7 +14,7 @@ from .errors import CorruptCheckpointError
 from .model import LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
 
-__all__ = ["read_piece", "read_entry", "iter_tensors"]
+__all__ = ["iter_tensors", "read_entry", "read_piece"]
 
 
 def read_piece(piece: Piece, shape: tuple[int, ...], cache: FileCache, *, name: str = "?") -> torch.Tensor:

@@ -37,17 +37,17 @@ from typing import BinaryIO
 from .errors import NotEnoughSpaceError, OutputBusyError, OutputWriteError, UsageError
 
 __all__ = [
-    "atomic_file",
+    "WRITE_ERRNOS",
     "atomic_dir",
+    "atomic_file",
     "background_fsync",
     "check_can_write",
-    "claim_output",
-    "scratch_dir",
-    "remove_leftovers",
     "check_free_space",
-    "free_bytes",
+    "claim_output",
     "format_nbytes",
-    "WRITE_ERRNOS",
+    "free_bytes",
+    "remove_leftovers",
+    "scratch_dir",
 ]
 
 logger = logging.getLogger("dsckpt")

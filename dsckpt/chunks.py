@@ -20,7 +20,7 @@ from .model import Piece
 from .readers.common import FileCache
 from .safe_load import TensorRef
 
-__all__ = ["ChunkRead", "plan_piece_chunks", "read_chunks", "check_numel", "DEFAULT_CHUNK_NBYTES"]
+__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "check_numel", "plan_piece_chunks", "read_chunks"]
 
 # Big enough that per-call overhead vanishes (~100 reads per GB), small enough to stay in cache
 # between the read and the checks that follow it.

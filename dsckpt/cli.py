@@ -203,7 +203,7 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
                      ("ambiguous" if t["trainable"] is None else "trainable" if t["trainable"] else "frozen")]
             if t["tied_to"]:
                 flags.append(f"tied to {t['tied_to']}")
-            lines.append(f"  {t['name']:40s} {t['dtype']:9s} {str(t['shape']):16s} {', '.join(flags)}")
+            lines.append(f"  {t['name']:40s} {t['dtype']:9s} {t['shape']!s:16s} {', '.join(flags)}")
     return "\n".join(lines)
 
 
@@ -528,7 +528,13 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     """
     from .errors import UsageError
     from .readers import FileCache, read_checkpoint
-    from .reshard import describe_plan, describe_target_config, plan_reshard, read_source_facts, run_reshard
+    from .reshard import (
+        describe_plan,
+        describe_target_config,
+        plan_reshard,
+        read_source_facts,
+        run_reshard,
+    )
 
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None:

@@ -39,15 +39,15 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "OutputFormat",
     "ConvertPlan",
-    "NonFinite",
     "ConvertResult",
-    "parse_size",
+    "NonFinite",
+    "NonFiniteValuesError",
+    "OutputFormat",
     "parse_dtype",
+    "parse_size",
     "plan_to_fp32",
     "run_to_fp32",
-    "NonFiniteValuesError",
 ]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"

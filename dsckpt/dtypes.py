@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DType", "DTYPES", "dtype_info", "to_float32", "from_float32"]
+__all__ = ["DTYPES", "DType", "dtype_info", "from_float32", "to_float32"]
 
 
 @dataclass(frozen=True)

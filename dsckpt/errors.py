@@ -7,22 +7,22 @@ one exit code (see :data:`EXIT_CODES`) and prints the message on one line, with 
 from __future__ import annotations
 
 __all__ = [
-    "DsckptError",
-    "UsageError",
+    "EXIT_BAD_CHECKPOINT",
+    "EXIT_FINDINGS",
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_USAGE",
     "CheckpointNotFoundError",
-    "IncompleteCheckpointError",
     "CorruptCheckpointError",
-    "UnsupportedCheckpointError",
-    "UnsafeCheckpointError",
-    "RepairError",
+    "DsckptError",
+    "IncompleteCheckpointError",
+    "NotEnoughSpaceError",
     "OutputBusyError",
     "OutputWriteError",
-    "NotEnoughSpaceError",
-    "EXIT_OK",
-    "EXIT_FINDINGS",
-    "EXIT_USAGE",
-    "EXIT_BAD_CHECKPOINT",
-    "EXIT_INTERNAL",
+    "RepairError",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointError",
+    "UsageError",
 ]
 
 EXIT_OK = 0

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 __all__ = [
     "EXPERT_NAME",
     "ExpertTopology",
-    "expert_parallel_rank",
     "expert_data_parallel_rank",
     "expert_data_parallel_ranks",
+    "expert_parallel_rank",
     "global_expert_name",
     "local_expert_id",
 ]

@@ -38,15 +38,15 @@ from pathlib import Path
 from .errors import CorruptCheckpointError
 
 __all__ = [
-    "FileRole",
     "FileCopy",
-    "LeftOut",
+    "FileRole",
     "HfFilesPlan",
-    "is_hf_folder",
+    "LeftOut",
     "classify",
+    "copy_files",
+    "is_hf_folder",
     "plan_export_files",
     "plan_resume_files",
-    "copy_files",
 ]
 
 # transformers' save_pretrained of configs, generation configs, tokenizers and processors (5.23).

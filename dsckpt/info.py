@@ -14,7 +14,7 @@ from .layout import list_tags
 from .model import Kind, LogicalCheckpoint
 from .readers import FileCache
 
-__all__ = ["summarize", "health_problems", "health_notes"]
+__all__ = ["health_notes", "health_problems", "summarize"]
 
 NO_CRC_NOTE = "no CRC (legacy format): bit rot cannot be detected in {files}"
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["Terminated", "signals_as_exceptions", "TERMINATING_SIGNALS"]
+__all__ = ["TERMINATING_SIGNALS", "Terminated", "signals_as_exceptions"]
 
 TERMINATING_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
 

@@ -23,7 +23,7 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["CheckpointFiles", "find_tag_dir", "list_tags", "classify_files", "is_universal_dir", "UNIVERSAL_DIR"]
+__all__ = ["UNIVERSAL_DIR", "CheckpointFiles", "classify_files", "find_tag_dir", "is_universal_dir", "list_tags"]
 
 UNIVERSAL_DIR = "zero"  # ds_to_universal.py: <tag>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt
 UNIVERSAL_OPTIMIZER_STATE = "optimizer_state.pt"

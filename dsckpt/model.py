@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 __all__ = [
     "Fragment",
     "Kind",
-    "Role",
-    "Piece",
-    "TensorEntry",
     "LogicalCheckpoint",
-    "Precision",
     "MoeLayout",
+    "Piece",
+    "Precision",
+    "Role",
+    "TensorEntry",
 ]
 
 

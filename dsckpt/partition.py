@@ -17,20 +17,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_SUB_GROUP_SIZE",
     "NCCL_START_ALIGNMENT_FACTOR",
-    "Span",
     "FlatGroupLayout",
-    "zero12_group_layout",
+    "SliceMapping",
+    "Span",
+    "bf16_optimizer_group_padding",
+    "param_alignment_paddings",
+    "round_robin_order",
+    "split_by_partitions",
     "zero3_partition_numel",
     "zero3_spans",
-    "split_by_partitions",
-    "round_robin_order",
-    "param_alignment_paddings",
-    "bf16_optimizer_group_padding",
-    "SliceMapping",
-    "zero12_param_slice_mappings",
-    "DEFAULT_SUB_GROUP_SIZE",
     "zero3_sub_groups",
+    "zero12_group_layout",
+    "zero12_param_slice_mappings",
 ]
 
 NCCL_START_ALIGNMENT_FACTOR = 2

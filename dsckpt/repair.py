@@ -47,17 +47,17 @@ from .state_dict_files import TargetKind, detect_target, open_state_dict, read_s
 
 __all__ = [
     "MASTER",
-    "Policy",
     "Damage",
-    "SourceValues",
-    "PatchTarget",
     "Patch",
+    "PatchTarget",
+    "Policy",
     "RepairPlan",
     "RepairResult",
+    "SourceValues",
     "assess_damage",
-    "read_source_values",
     "plan_repair",
     "prepare_repair",
+    "read_source_values",
     "run_repair",
 ]
 

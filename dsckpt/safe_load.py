@@ -47,17 +47,17 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DeepSpeedObject",
     "DeepSpeedEnum",
-    "TorchSize",
-    "TorchDtype",
-    "TorchDevice",
+    "DeepSpeedObject",
     "StorageRef",
     "TensorRef",
-    "load",
-    "walk_tensors",
-    "materialize",
+    "TorchDevice",
+    "TorchDtype",
+    "TorchSize",
     "finish_checks",
+    "load",
+    "materialize",
+    "walk_tensors",
 ]
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from .atomic import atomic_file
 from .safe_load import DeepSpeedObject, TorchDevice, TorchDtype, TorchSize, to_torch_value
 
-__all__ = ["save", "pickle_module"]
+__all__ = ["pickle_module", "save"]
 
 
 if TYPE_CHECKING:

@@ -55,24 +55,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FP16_MAX",
     "DEFAULT_CHUNK_NUMEL",
+    "FP16_MAX",
     "Check",
-    "StoredKind",
-    "NonFinite",
-    "Finding",
     "EntryScan",
+    "Finding",
+    "NonFinite",
     "RawScan",
     "ScanPlan",
     "ScanReport",
+    "StoredKind",
     "count_nonfinite",
     "default_workers",
-    "stored_kind",
-    "plan_scan",
-    "run_scan",
     "open_target",
+    "plan_scan",
     "prepare_scan",
+    "run_scan",
     "scan",
+    "stored_kind",
 ]
 
 FP16_MAX = 65504.0
@@ -462,7 +462,7 @@ class _Update:
 
 
 class _Tally:
-    __slots__ = ("count", "nan", "posinf", "neginf", "first", "numel")
+    __slots__ = ("count", "first", "nan", "neginf", "numel", "posinf")
 
     def __init__(self) -> None:
         self.count = self.nan = self.posinf = self.neginf = self.numel = 0

@@ -32,13 +32,13 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "SafetensorsRef",
+    "StateDictCache",
     "TargetKind",
     "detect_target",
-    "SafetensorsRef",
-    "read_safetensors_header",
-    "StateDictCache",
-    "open_state_dict",
     "is_bn_buffer_name",
+    "open_state_dict",
+    "read_safetensors_header",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"

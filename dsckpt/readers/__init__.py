@@ -6,15 +6,15 @@ Raw DeepSpeed dicts never leave this package.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import classify_files, find_tag_dir, is_universal_dir
 from ..model import LogicalCheckpoint
 from .common import FileCache, metadata_from_model_states
 
-__all__ = ["read_checkpoint", "FileCache"]
+__all__ = ["FileCache", "read_checkpoint"]
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,

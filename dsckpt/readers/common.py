@@ -14,7 +14,7 @@ from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
 from ..safe_load import DeepSpeedObject, TensorRef
 
-__all__ = ["FileCache", "lookup", "dtype_name", "whole", "metadata_from_model_states", "int_or_none"]
+__all__ = ["FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
 
 
 class FileCache:

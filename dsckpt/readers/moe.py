@@ -62,7 +62,7 @@ from .common import (
 )
 from .zero12 import OSD, group_partitions
 
-__all__ = ["read_moe", "read_moe_stage0", "read_moe_zero12", "PROOF_WINDOW_NUMEL"]
+__all__ = ["PROOF_WINDOW_NUMEL", "read_moe", "read_moe_stage0", "read_moe_zero12"]
 
 PROOF_WINDOW_NUMEL = 4096  # elements compared per fragment, at its start and at its end
 _GROUP_NAME = re.compile(r"^ep_size_(\d+)$")  # groups.py: group_name = f"ep_size_{expert_parallel_size_}"

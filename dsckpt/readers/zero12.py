@@ -31,7 +31,7 @@ from .common import (
     step_of,
 )
 
-__all__ = ["read_zero12", "GroupPartitions", "group_partitions", "module_side_entries", "zero12_param_entries"]
+__all__ = ["GroupPartitions", "group_partitions", "module_side_entries", "read_zero12", "zero12_param_entries"]
 
 OSD = "optimizer_state_dict"
 

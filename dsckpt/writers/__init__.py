@@ -5,7 +5,7 @@ from typing import Any
 
 from .safetensors import ShardPlan, TensorSpec, plan_shards, write_safetensors, write_sharded
 
-__all__ = ["TensorSpec", "ShardPlan", "plan_shards", "write_safetensors", "write_sharded", "write_torch"]
+__all__ = ["ShardPlan", "TensorSpec", "plan_shards", "write_safetensors", "write_sharded", "write_torch"]
 
 
 def __getattr__(name: str) -> Any:

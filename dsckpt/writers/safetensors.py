@@ -27,8 +27,16 @@ if TYPE_CHECKING:
 #: dsckpt.dtypes) or a torch tensor of the spec's dtype.
 Chunk = Union[np.ndarray, "torch.Tensor"]
 
-__all__ = ["TensorSpec", "ShardPlan", "plan_shards", "write_safetensors", "write_sharded", "verify_safetensors",
-           "write_safetensors_chunks", "write_sharded_chunks"]
+__all__ = [
+    "ShardPlan",
+    "TensorSpec",
+    "plan_shards",
+    "verify_safetensors",
+    "write_safetensors",
+    "write_safetensors_chunks",
+    "write_sharded",
+    "write_sharded_chunks",
+]
 
 _SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
