@@ -336,9 +336,10 @@ class TensorRef:
         _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out), fd=fd)
         return out
 
-    def item(self) -> float:
-        """The value of a one-element tensor (Adam's ``step``, a loss scale) as a float, read without
-        torch and CRC-checked like every read; a complex value gives its real part."""
+    def item(self) -> int | float:
+        """The value of a one-element tensor (Adam's ``step``, a loss scale), read without torch and
+        CRC-checked like every read: an int for integer and bool dtypes (exact, as torch's ``item()``),
+        else a float (a complex value gives its real part)."""
         if self.numel != 1:
             raise ValueError(f"{self!r} has {self.numel} elements; item() reads one-element tensors")
         raw = self.read_numpy(0, 1)
@@ -347,6 +348,8 @@ class TensorRef:
 
             raw = to_float32(raw, self.dtype_name)
         value = raw[0]
+        if value.dtype.kind in "biu":
+            return int(value)
         return float(value.real) if np.iscomplexobj(value) else float(value)
 
     def load(self) -> torch.Tensor:

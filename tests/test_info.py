@@ -84,6 +84,7 @@ def test_info_reports_inconsistent_partition_as_unhealthy(tmp_path):
 
 
 def test_one_element_tensors_read_without_torch_equal_torchs_values():
+    # values and types: an int64 counter stays an exact int
     """TensorRef.item() (numpy only: Adam's step, loss scales, counters shown by `info` and checked
     before a reshard) gives torch's value for every one-element tensor of every fixture file."""
     import math
@@ -96,27 +97,31 @@ def test_one_element_tensors_read_without_torch_equal_torchs_values():
             for _, ref in safe_load.walk_tensors(safe_load.load(path)):
                 if ref.numel != 1:
                     continue
-                want = ref.load().reshape(-1)[0]
-                want = float(want.real if want.is_complex() else want)
+                want = ref.load().reshape(-1)[0].item()
                 got = ref.item()
+                assert type(got) is type(want), (path, ref, got, want)
                 assert got == want or (math.isnan(got) and math.isnan(want)), (path, ref)
                 seen[ref.dtype_name] = seen.get(ref.dtype_name, 0) + 1
     assert seen.get("float32", 0) > 50 and seen.get("int64", 0) > 0, seen
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "int32", "int64", "uint8",
-                                   "bool", "complex64"])
+                                   "bool", "complex64", "int64_past_2**53"])
 def test_item_of_every_dtype_equals_torch(tmp_path, dtype):
     # the fixtures' one-element tensors are float32 and int64 only; a plain torch.save covers the rest
     import torch
 
     from dsckpt import safe_load
 
-    t = {"bool": torch.tensor([True]), "complex64": torch.tensor([1.5 - 2j])}.get(
-        dtype, torch.tensor([-3.140625]).to(getattr(torch, dtype)))
-    torch.save({"x": t, "y": torch.tensor(7.25, dtype=getattr(torch, dtype)) if dtype != "complex64" else t},
+    special = {"bool": torch.tensor([True]), "complex64": torch.tensor([1.5 - 2j]),
+               "int64_past_2**53": torch.tensor([2**53 + 1])}  # a float would round it to 2**53
+    t = special.get(dtype, torch.tensor([-3.140625]).to(getattr(torch, dtype, None) or torch.float32))
+    torch.save({"x": t, "y": t if dtype in special else torch.tensor(7.25, dtype=getattr(torch, dtype))},
                tmp_path / "s.pt")
     tree = safe_load.load(tmp_path / "s.pt")
     for key in ("x", "y"):
-        want = tree[key].load().reshape(-1)[0]
-        assert tree[key].item() == float(want.real if want.is_complex() else want)
+        want = tree[key].load().reshape(-1)[0].item()
+        want = want.real if isinstance(want, complex) else want
+        got = tree[key].item()
+        # integers (bool as 0/1) exactly and as int, like torch's item(); floats as float
+        assert got == want and isinstance(got, float) == isinstance(want, float), (got, want)

@@ -93,7 +93,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     for s in state.values():
         if isinstance(s, Mapping) and "step" in s:
             v = s["step"]
-            steps.add(v.item() if isinstance(v, TensorRef) else float(v))
+            steps.add(float(v.item()) if isinstance(v, TensorRef) else float(v))
     if len(steps) > 1:
         problems.append(f"different Adam step counts across groups {sorted(steps)}")
     if problems:

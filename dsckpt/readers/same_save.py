@@ -35,7 +35,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, TensorRef):
-        return value.item() if value.numel == 1 else f"<tensor {list(value.shape)}>"
+        return float(value.item()) if value.numel == 1 else f"<tensor {list(value.shape)}>"
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     return repr(value)
