@@ -100,6 +100,38 @@ def ids(fixtures: list[Fixture]) -> list[str]:
     return [f.name for f in fixtures]
 
 
+def assert_no_fsync_writes_the_same_bytes(tmp_path: Path, monkeypatch, argv: list[str]) -> None:
+    """``dsckpt *argv OUT`` fsyncs every output file by default; with ``--no-fsync`` it writes the very
+    same files, with no fsync, still through the rename (no temp folder left), and says so on its first
+    stdout line."""
+    from click.testing import CliRunner
+
+    from dsckpt.cli import main
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    runner = CliRunner()
+    r = runner.invoke(main, [*argv, str(tmp_path / "durable"), "-q"])
+    assert r.exit_code == 0, r.output
+    files = sorted(p for p in (tmp_path / "durable").rglob("*") if p.is_file())
+    assert len(synced) >= len(files) and "--no-fsync" not in r.stdout
+    synced.clear()
+    r = runner.invoke(main, [*argv, str(tmp_path / "fast"), "-q", "--no-fsync"])
+    assert r.exit_code == 0, r.output
+    assert synced == []
+    assert "not fsync'd (--no-fsync)" in r.stdout.splitlines()[0] and r.stderr == ""
+    fast = sorted(p for p in (tmp_path / "fast").rglob("*") if p.is_file())
+    assert [p.relative_to(tmp_path / "fast") for p in fast] == [p.relative_to(tmp_path / "durable") for p in files]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(fast, files))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
 @pytest.fixture(autouse=True)
 def _deepspeed_on_cpu():
     """Tests that launch DeepSpeed (in subprocesses) run it on CPU ranks over gloo."""

@@ -86,6 +86,18 @@ def run_check_script(script: str, pairs: Sequence[str], *, world: int, cwd: Path
     return proc.returncode, results, "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def passed_except_controls(results: list[dict], log: str) -> tuple[list[dict], list[dict]]:
+    """Test side: ``(results, controls)`` of a :func:`run_check_script` run, asserting that it reported
+    something and that every result passed except the tampered controls (``ckpt`` ending in
+    ``tampered``), which the caller checks failed as they must."""
+    assert results, log
+    controls = [r for r in results if r["ckpt"].endswith("tampered")]
+    results = [r for r in results if r not in controls]
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    return results, controls
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import all_fixtures, fixtures_where, ids, tree_digest
+from conftest import (
+    all_fixtures,
+    assert_no_fsync_writes_the_same_bytes,
+    fixtures_where,
+    ids,
+    tree_digest,
+)
 from ds_launch import DEEPSPEED, run_check_script
 
 from dsckpt import safe_load
@@ -313,28 +319,5 @@ def test_cli_reshard_verify_modes(tmp_path):
 def test_cli_reshard_no_fsync_writes_the_same_files_without_fsync(tmp_path, monkeypatch, stage):
     """The default fsyncs every output file (and the folder) before the rename; --no-fsync writes the
     very same bytes, still through the rename, and says that it did not fsync."""
-    import os
-
     fx = pick(stage=stage)
-    synced: list[int] = []
-    real_fsync = os.fsync
-
-    def counting_fsync(fd: int) -> None:
-        synced.append(fd)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", counting_fsync)
-    runner = CliRunner()
-    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "durable"), "-n", "3", "-q"])
-    assert r.exit_code == 0, r.output
-    files = sorted(p for p in (tmp_path / "durable").rglob("*") if p.is_file())
-    assert len(synced) >= len(files) and "--no-fsync" not in r.stdout
-    synced.clear()
-    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "fast"), "-n", "3", "-q", "--no-fsync"])
-    assert r.exit_code == 0, r.output
-    assert synced == []
-    assert "not fsync'd (--no-fsync)" in r.stdout and r.stderr == ""
-    fast = sorted(p for p in (tmp_path / "fast").rglob("*") if p.is_file())
-    assert [p.relative_to(tmp_path / "fast") for p in fast] == [p.relative_to(tmp_path / "durable") for p in files]
-    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(fast, files))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+    assert_no_fsync_writes_the_same_bytes(tmp_path, monkeypatch, ["reshard", str(fx.ckpt), "-n", "3"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FIXTURES, all_fixtures
+from conftest import FIXTURES, all_fixtures, assert_no_fsync_writes_the_same_bytes
 from safetensors.torch import load_file
 
 from dsckpt import safe_load
@@ -278,28 +278,8 @@ def test_cli_reshard_universal(tmp_path):
 
 
 def test_cli_reshard_universal_no_fsync_writes_the_same_files_without_fsync(tmp_path, monkeypatch):
-    import os
-
     src = FIXTURES / "s2_bf16_w2_2groups" / "ckpt"
-    synced: list[int] = []
-    real_fsync = os.fsync
-
-    def counting_fsync(fd: int) -> None:
-        synced.append(fd)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", counting_fsync)
-    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "durable"), "--universal", "-q"])
-    assert r.exit_code == 0, r.stderr
-    files = sorted(p for p in (tmp_path / "durable").rglob("*") if p.is_file())
-    assert len(synced) >= len(files) and "--no-fsync" not in r.stdout
-    synced.clear()
-    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "fast"), "--universal", "-q", "--no-fsync"])
-    assert r.exit_code == 0, r.stderr
-    assert synced == [] and "not fsync'd (--no-fsync)" in r.stdout.splitlines()[0]
-    fast = sorted(p for p in (tmp_path / "fast").rglob("*") if p.is_file())
-    assert [p.relative_to(tmp_path / "fast") for p in fast] == [p.relative_to(tmp_path / "durable") for p in files]
-    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(fast, files))
+    assert_no_fsync_writes_the_same_bytes(tmp_path, monkeypatch, ["reshard", str(src), "--universal"])
 
 
 @pytest.mark.parametrize("fixture, why", [
@@ -436,12 +416,10 @@ def test_deepspeed_loads_universal_output(ds_universal_runs, world):
     """load_universal on another rank count: masters, Adam moments and step exact (fragment API and, at
     stage 1/2, the flat partitions), module weights, global steps; frozen params and buffers left exactly as
     the new engine held them (DeepSpeed 0.19.8 restores neither); then one more training step."""
+    from ds_launch import passed_except_controls
+
     rc, results, log = ds_universal_runs[world]
-    assert results, log
-    control = [r for r in results if r["ckpt"].endswith("tampered")]
-    results = [r for r in results if r not in control]
-    failed = [r for r in results if not r["ok"]]
-    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    results, control = passed_except_controls(results, log)
     if TAMPERED in DS_UNIVERSAL_CASES[world]:
         assert len(control) == 1 and not control[0]["ok"], log
         problems = {p.split(": ", 1)[1] for p in control[0]["problems"]}
