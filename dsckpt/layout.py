@@ -23,8 +23,9 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["UNIVERSAL_DIR", "CheckpointFiles", "classify_files", "find_tag_dir", "is_universal_dir", "list_tags"]
+__all__ = ["OSD", "UNIVERSAL_DIR", "CheckpointFiles", "classify_files", "find_tag_dir", "is_universal_dir", "list_tags"]
 
+OSD = "optimizer_state_dict"  # the optimizer files' top-level key (and ZeRO-3's inner one)
 UNIVERSAL_DIR = "zero"  # ds_to_universal.py: <tag>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt
 UNIVERSAL_OPTIMIZER_STATE = "optimizer_state.pt"
 

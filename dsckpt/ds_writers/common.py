@@ -8,6 +8,7 @@ tensor leaves are source :class:`~dsckpt.safe_load.TensorRef` s (copied whole), 
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..layout import OSD
 from .plan import FlatSpec, LayoutPlan
 
 __all__ = [
@@ -31,7 +33,6 @@ __all__ = [
     "zero_stage_enum",
 ]
 
-OSD = "optimizer_state_dict"
 
 
 def fmt_key(key: tuple[Any, ...]) -> str:
@@ -78,16 +79,9 @@ def streamed(spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None, *,
     if pos < spec.numel:
         add(Extent(None, 0, (spec.numel - pos) * item))
     if shape is not None:
-        assert _prod(shape) == spec.numel, "shape does not match the flat tensor"
+        assert math.prod(shape) == spec.numel, "shape does not match the flat tensor"
     return StreamedTensor(spec.dtype, shape if shape is not None else (spec.numel,), tuple(extents),
                           dict(attrs or {}))
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def own_copy(value: Any) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..layout import OSD
 from ..model import Kind, LogicalCheckpoint, Role, TensorEntry
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 from .moe import held_by_ep_rank_0
@@ -21,7 +22,6 @@ from .plan import SourceFacts, source_layout_stage
 
 __all__ = ["derive_facts", "entries_by_name", "read_source_facts", "refusal_message", "refusals_from_logical"]
 
-OSD = "optimizer_state_dict"
 ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 SUPPORTED_OPTIMIZERS = frozenset({"adam", "adamw"})
 
@@ -39,11 +39,12 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     ckpt.require_unambiguous("reshard", moments=True)
     files = classify_files(ckpt.root, ckpt.tag, ckpt.tag_dir)
     cfg = ckpt.ds_config or {}
-    zcfg = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), Mapping) else {}
+    z = cfg.get("zero_optimization")
+    zcfg: Mapping[str, Any] = z if isinstance(z, Mapping) else {}
     opt_cfg = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), Mapping) else None
     if opt_cfg is not None and str(opt_cfg.get("type", "")).lower() not in SUPPORTED_OPTIMIZERS:
         problems.append(f"optimizer type '{opt_cfg.get('type')}' in ds_config (only Adam/AdamW are supported)")
-    offload = (zcfg or {}).get("offload_optimizer") or {}
+    offload = zcfg.get("offload_optimizer") or {}
     if isinstance(offload, Mapping) and str(offload.get("device", "")).lower() == "nvme":
         problems.append("ZeRO-3 optimizer state offloaded to NVMe (offload_optimizer.device = nvme)")
     if (ckpt.tag_dir / "offloaded_tensors").exists():
@@ -77,7 +78,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
             problems.append(f"partition_count {counts} (MoE expert groups partitioned over fewer ranks)")
     if ckpt.moe is None and ms0.get("num_experts") is not None:
         problems.append("Mixture-of-Experts layers ('num_experts' in the model states)")
-    if ckpt.moe is not None and bool((zcfg or {}).get("round_robin_gradients", False)):
+    if ckpt.moe is not None and bool(zcfg.get("round_robin_gradients", False)):
         problems.append("Mixture-of-Experts with round_robin_gradients")
     extra_keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s} - ADAM_STATE_KEYS)
     if extra_keys:
@@ -110,7 +111,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         if -1 in sub_to_group:
             raise CorruptCheckpointError(
                 f"{optim_files[0]}: sub-group {sub_to_group.index(-1)} belongs to no optimizer param group")
-        sub_group_size = (zcfg or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+        sub_group_size = zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     else:
         sub_to_group = list(range(len(flat_order)))
         sub_group_size = None
@@ -123,8 +124,8 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     return SourceFacts(
         group_flat_order=flat_order,
         subgroup_to_group=tuple(sub_to_group),
-        round_robin=bool((zcfg or {}).get("round_robin_gradients", False)),
-        parameter_alignment=bool((zcfg or {}).get("parameter_alignment", False)),
+        round_robin=bool(zcfg.get("round_robin_gradients", False)),
+        parameter_alignment=bool(zcfg.get("parameter_alignment", False)),
         sub_group_size=int(sub_group_size) if sub_group_size is not None else None,
         param_ds_ids=ds_ids,
     )

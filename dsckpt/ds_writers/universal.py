@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
+from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
 from ..model import Kind, LogicalCheckpoint, Precision, Role
 from .plan import FlatSpec, coalesce, range_copies, rank_of
 
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_trees"]
 
-OSD = "optimizer_state_dict"
 STATES = ((Role.MASTER, "fp32"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq"))
 # ds_to_universal.py _save_optimizer_state: what a ZeRO-1/2 optimizer_state.pt leaves out
 SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
-from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_files, expect_dp_ranks
+from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_files, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..safe_load import DeepSpeedEnum, TensorRef
 from .common import (
@@ -45,7 +45,6 @@ from .zero12 import module_side_entries
 
 __all__ = ["STATE_FILES", "UNIVERSAL_KEYS", "read_universal"]
 
-OSD = "optimizer_state_dict"
 STATE_FILES = {Role.MASTER: "fp32.pt", Role.EXP_AVG: "exp_avg.pt", Role.EXP_AVG_SQ: "exp_avg_sq.pt"}
 STEP_FILE = "step.pt"
 # Keys of a per-param state dict this reader understands. Others (vocab_tensor, param_n_sub_params,

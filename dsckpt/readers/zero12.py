@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..layout import CheckpointFiles, expect_dp_ranks
+from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import split_by_partitions
 from ..safe_load import DeepSpeedEnum, TensorRef
@@ -33,7 +33,6 @@ from .common import (
 
 __all__ = ["GroupPartitions", "group_partitions", "module_side_entries", "read_zero12", "zero12_param_entries"]
 
-OSD = "optimizer_state_dict"
 
 
 class GroupPartitions:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..layout import CheckpointFiles, expect_dp_ranks
+from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
 from ..safe_load import TensorRef
@@ -30,7 +30,6 @@ from .common import (
 
 __all__ = ["read_zero3", "zero3_module_side_entries"]
 
-OSD = "optimizer_state_dict"
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
