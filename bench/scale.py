@@ -136,8 +136,8 @@ class Bench:
 def main_cases(args: argparse.Namespace, big: Path, facts: dict, work: Path,
                to_half: int) -> list[tuple[str, list[str], Path | None, Path | None, dict[str, str] | None]]:
     """(name, argv, checkpoint to warm first, output to remove, environment) of the measurements taken in
-    every round. With ``--baseline-src``, ``scan`` and ``reshard`` also run from that dsckpt source
-    (``[before]``), interleaved with the others."""
+    every round. With ``--baseline-src``, ``scan`` also runs from that dsckpt source (``[before]``),
+    interleaved with the others; ``[zlib CRC]`` cases run this code with ``DSCKPT_CRC=zlib``."""
     files = [str(p) for p in tag_files(big)]
     out_blocks = math.ceil(facts["big"]["output_bytes"] / (16 * MiB))
     streams = 8
