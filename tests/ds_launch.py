@@ -11,6 +11,16 @@ Two things made the suite hang on a fresh machine (CI ran out of its 90 minutes)
   compare checkpoints, not all-reduce speed.
 * ``subprocess.run(timeout=...)`` kills the launcher only; its rank processes lived on holding ports and locks.
   :func:`run_deepspeed` starts the launcher in its own session and kills the whole process group on timeout.
+
+A check's verdict comes from what its ranks wrote, not from the launcher's exit status. DeepSpeed 0.19.8 on CPU
+ranks sometimes crashes *after* every check has passed: a rank ends with ``terminate called without an active
+exception`` during interpreter teardown and the launcher returns 250 (seen on a 2-core AMD EPYC machine, a ZeRO-3
+load on 3 ranks, and outside the suite too). That crash is in DeepSpeed/torch teardown, not in the checkpoint under
+test. So every rank writes a done marker (:func:`mark_rank_done`) after the final barrier, i.e. after every rank
+has finished and reported every check; when the results and every rank's marker are there, they decide
+(:func:`launch_verdict`) and a launcher exit status that disagrees is only noted in the log. When any of them is
+missing, the launcher's exit status is the verdict, so a rank that died mid-check still fails the test. Nothing is
+retried: a retry can hide a real failure.
 """
 from __future__ import annotations
 
@@ -67,7 +77,38 @@ def report_checks(pairs: Sequence[str], check_one: Callable[[str, str], list[str
         with open(result, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
+    if result:
+        mark_rank_done(result)
     sys.exit(0 if all(r["ok"] for r in results) else 1)
+
+
+def mark_rank_done(result: str | os.PathLike[str]) -> None:
+    """Rank side: write ``RESULT.rank{r}.done`` once this rank has passed the check's final barrier (so every
+    rank has finished every check and rank 0 has written RESULT). Call it last, right before exiting."""
+    import torch.distributed as dist
+
+    Path(f"{os.fspath(result)}.rank{dist.get_rank()}.done").write_text(str(dist.get_world_size()))
+
+
+def ranks_done(result: str | os.PathLike[str], world: int) -> list[int]:
+    """Test side: the ranks of ``world`` that have not written their done marker for ``result``."""
+    return [r for r in range(world) if not Path(f"{os.fspath(result)}.rank{r}.done").is_file()]
+
+
+def launch_verdict(returncode: int, *, complete: bool, failed: bool) -> tuple[int, str]:
+    """Test side: ``(verdict, note)`` of a launch. With ``complete`` results (rank 0's report and every rank's
+    done marker), the verdict is 1 if a check ``failed``, else 0, whatever the launcher returned (a teardown crash
+    after the last barrier, see the module docstring); ``note`` says when the launcher disagreed. Without them the
+    launcher's status decides, and an incomplete run that still exited 0 is made a failure (-1)."""
+    if complete:
+        verdict = 1 if failed else 0
+        note = "" if returncode == verdict else (
+            f"[ds_launch] the launcher exited {returncode} after every rank had reported complete results; "
+            f"the verdict ({verdict}) comes from those results")
+        return verdict, note
+    if returncode == 0:
+        return -1, "[ds_launch] the launcher exited 0 but the ranks' results are incomplete"
+    return returncode, ""
 
 
 def run_check_script(script: str, pairs: Sequence[str], *, world: int, cwd: Path, timeout: float,
@@ -75,15 +116,20 @@ def run_check_script(script: str, pairs: Sequence[str], *, world: int, cwd: Path
                      env: dict[str, str] | None = None) -> tuple[int, list[dict], str]:
     """Test side: run a check script (one that ends in :func:`report_checks`) on ``FIXTURE=DIR`` pairs.
 
-    Returns its exit status, its JSON result list (empty if it wrote none) and a log: the PASS/FAIL lines, or
-    the end of its output when there are none.
+    Returns its verdict (:func:`launch_verdict`: 0 all passed, 1 a check failed, else the launcher's status when
+    the results are incomplete), its JSON result list (empty if it wrote none) and a log: the PASS/FAIL lines,
+    or the end of its output when there are none, plus a note when the launcher's status was overruled.
     """
     result = Path(cwd) / f"result_{world}.json"
     proc = run_deepspeed(script, ["--result", str(result), *args, *pairs], world=world, cwd=cwd, timeout=timeout,
                          launcher=launcher, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     results = json.loads(result.read_text()) if result.exists() else []
-    return proc.returncode, results, "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:]
+    complete = ([r["fixture"] for r in results] == [p.split("=", 1)[0] for p in pairs]
+                and all(r["world_size"] == world for r in results) and not ranks_done(result, world))
+    verdict, note = launch_verdict(proc.returncode, complete=complete, failed=not all(r["ok"] for r in results))
+    log = "\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:]
+    return verdict, results, log + ("\n" + note if note else "")
 
 
 def passed_except_controls(results: list[dict], log: str) -> tuple[list[dict], list[dict]]:
@@ -111,7 +157,21 @@ def run_deepspeed(script: str, args: list[str], *, world: int, cwd: Path, timeou
     On timeout the launcher and its ranks are killed together and a CompletedProcess with returncode -9 and
     the output so far is returned, so the test fails with the log instead of hanging.
     """
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
+    proc = _launch(script, args, world=world, cwd=cwd, timeout=timeout, launcher=launcher, env=env)
+    if proc.returncode != 0 and "EADDRINUSE" in proc.stderr + proc.stdout:
+        # free_port() closes its socket before the launcher binds the port, so another process can take it in
+        # between; the rendezvous then fails before any rank has run a check. Only that failure is retried, once,
+        # on a new port.
+        proc = _launch(script, args, world=world, cwd=cwd, timeout=timeout, launcher=launcher, env=env)
+        proc.stderr += "\n[ds_launch] retried once on a new port: the first master port was taken (EADDRINUSE)"
+    return proc
+
+
+def _launch(script: str, args: list[str], *, world: int, cwd: Path, timeout: float, launcher: Path,
+            env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    # the repo first, then whatever PYTHONPATH the test run had (packages installed with --target, say)
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": pythonpath, **(env or {})}
     cmd = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()),
            str(REPO / "tests" / script), *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -582,18 +582,34 @@ def summarize(outcomes: list[Outcome]) -> dict:
     }
 
 
+def _mapped_bytes() -> int:
+    """This process's virtual address space in bytes (Linux's VmSize; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=float(os.environ.get("DSCKPT_FUZZ_SCALE", "1")))
     ap.add_argument("--commands-per-case", type=int, default=2)
-    ap.add_argument("--memory-gb", type=float, default=0, help="RLIMIT_AS for this process (0: none)")
+    ap.add_argument("--memory-gb", type=float, default=0,
+                    help="RLIMIT_AS for this process, as headroom above what it has mapped once torch is imported "
+                         "(0: no limit)")
     ap.add_argument("--only", default=None, help="only categories starting with this")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.memory_gb:
         import resource
 
-        limit = int(args.memory_gb * (1 << 30))
+        # Headroom above the address space already mapped, not an absolute limit: a CUDA build of torch maps
+        # several GB of libraries at import and a many-core host reserves more thread stacks and malloc arenas, so
+        # an absolute limit that fits the 2-core CPU machine failed elsewhere before any case ran.
+        import torch  # noqa: F401
+
+        limit = _mapped_bytes() + int(args.memory_gb * (1 << 30))
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     t0 = time.monotonic()
     outcomes = run(args.scale, commands_per_case=args.commands_per_case, only=args.only)

@@ -25,7 +25,7 @@ from dsckpt.errors import CorruptCheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCALE = 4  # a few thousand cases: ~2 min on the 2-core machine
-MEMORY_GB = 6  # RLIMIT_AS of the fuzz process: a 1e12-element allocation would fail, not swap
+MEMORY_GB = 6  # RLIMIT_AS headroom of the fuzz process above torch: a 1e12-element allocation fails, not swaps
 
 
 def test_fuzzed_corpus_is_refused_cleanly_or_read_correctly():

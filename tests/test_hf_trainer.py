@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FIXTURES, all_fixtures, ids, tree_digest
-from ds_launch import DEEPSPEED, run_deepspeed
+from ds_launch import DEEPSPEED, launch_verdict, ranks_done, run_deepspeed
 from safetensors.torch import load_file
 
 from dsckpt import open_checkpoint, safe_load
@@ -379,7 +379,11 @@ def test_trainer_resumes_resharded_checkpoint(name, world_size, micro_batch, tmp
     proc = run_deepspeed("hf_trainer_check.py", ["--name", name, "--ckpt", str(out), "--report", str(report),
                                                  "--micro-batch", str(micro_batch)],
                          world=world_size, cwd=tmp_path, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the report (written after every rank's probe was gathered) and every rank's done marker decide, not the
+    # launcher's exit status alone: see ds_launch's docstring on the teardown crash
+    complete = report.is_file() and not ranks_done(report, world_size)
+    verdict, note = launch_verdict(proc.returncode, complete=complete, failed=False)
+    assert verdict == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + note
     rep = json.loads(report.read_text())
     saved = safe_load.materialize(safe_load.load(fx.ckpt / "rng_state_0.pth"))["cpu"]
     saved_cpu_rng = hashlib.sha256(saved.numpy().tobytes()).hexdigest()
@@ -401,5 +405,10 @@ def test_trainer_resumes_resharded_checkpoint(name, world_size, micro_batch, tmp
     # the linear schedule continues (DeepSpeed-side scheduler state restored): lr after step 4 is 1e-2 * 2/6
     assert rep["log"][0]["learning_rate"] == pytest.approx(1e-2 * (hm.MAX_STEPS - 4) / hm.MAX_STEPS, rel=1e-6)
     if micro_batch * world_size == hm.MICRO_BATCH * fx.meta["world_size"]:
-        # same global batch, same samples, same weights: the first resumed loss is the uninterrupted run's
-        assert rep["log"][0]["loss"] == fx.meta["trainer"]["losses"]["4"]
+        # Same global batch, same samples, same weights: the first resumed loss is the uninterrupted run's, up to
+        # how this CPU's bf16 kernels reduce a batch of 8 on one process against two batches of 4 on the machine
+        # that recorded the fixture. The loss is not dsckpt's bytes (the resumed state is, and is compared exactly
+        # above), so it gets a tolerance: 5e-4 absolute. Measured: 1.8e-5 between a 2-core AMD EPYC and the
+        # recording machine. At the step-3 weights, swapping one of the 8 samples moves the loss by 1.8e-3 to
+        # 9.7e-3 and another batch of 8 by up to 4e-2, so a wrong batch or sampler position still fails.
+        assert rep["log"][0]["loss"] == pytest.approx(fx.meta["trainer"]["losses"]["4"], abs=5e-4, rel=0)
