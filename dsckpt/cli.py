@@ -313,9 +313,12 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
                 f"{report.numel_scanned:,} values, {_human(report.nbytes_read)}; checks: {checks}")
         click.echo(head)
         if report.clean:
-            click.echo("clean: nothing found")
+            click.echo("clean: nothing found" if not report.client_state else
+                       "clean: nothing found in model or optimizer data")
         for f in report.findings:
             click.echo(f"  {f.check.value:13s} {f.describe()}")
+        for f in report.client_state:
+            click.echo(f"  note          {f.describe()}")
         if not report.clean:
             click.echo(f"{len(report.findings)} finding(s); see 'dsckpt repair' to patch inf/NaN values")
     sys.exit(0 if report.clean else 1)
@@ -411,6 +414,8 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> No
                    f"{_human(report.nbytes_read)} read")
         for note in report.notes:
             click.echo(f"  note: {note}")
+        for f in report.client_state:
+            click.echo(f"  note: {f.describe()}")
         if report.ok:
             records = "records intact" if report.records_checked else "no records with CRCs to check"
             click.echo(f"ok: files from one save, {records}, partitions consistent, bindings proven, "

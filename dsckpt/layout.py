@@ -10,6 +10,7 @@ wins where a save dir has both (ds_to_universal writes ``latest_universal`` into
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,7 +24,19 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["OSD", "UNIVERSAL_DIR", "CheckpointFiles", "classify_files", "find_tag_dir", "is_universal_dir", "list_tags"]
+__all__ = [
+    "DEEPSPEED_MODEL_STATES_KEYS",
+    "CONFIG_KEYS",
+    "OSD",
+    "UNIVERSAL_DIR",
+    "CheckpointFiles",
+    "classify_files",
+    "find_tag_dir",
+    "Owner",
+    "key_owner",
+    "is_universal_dir",
+    "list_tags",
+]
 
 OSD = "optimizer_state_dict"  # the optimizer files' top-level key (and ZeRO-3's inner one)
 UNIVERSAL_DIR = "zero"  # ds_to_universal.py: <tag>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt
@@ -40,6 +53,18 @@ _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _LEGACY_EXPERT = re.compile(r"^expert_\d+_mp_rank_\d+_model_states\.pt$")
 _EXPP_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+# The top-level keys of a model-states file that hold the model, the optimizer or DeepSpeed's own
+# bookkeeping: ``_common_checkpoint_state`` and ``_save_checkpoint`` (engine.py:5017-5038, 5383-5400 in
+# 0.19.8; DEEPSPEED-NOTES 1.3). Older releases write a subset. Left out on purpose, although DeepSpeed
+# writes them: ``lr_scheduler``, ``data_sampler`` and ``random_ltd`` — a scheduler's or sampler's state
+# (a ReduceLROnPlateau ``best`` is inf until its first step), not model data.
+DEEPSPEED_MODEL_STATES_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "num_experts", "ds_autoep_layers", "universal_checkpoint_info", "folding",
+})
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,37 @@ class CheckpointFiles:
 def is_universal_dir(tag_dir: Path) -> bool:
     """A DeepSpeed universal checkpoint folder: ``zero/optimizer_state.pt`` beside model-states files."""
     return (tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE).is_file()
+
+
+class Owner(enum.Enum):
+    """Whose value a key path of a DeepSpeed file holds (see :func:`key_owner`)."""
+
+    MODEL = "model"  # model or optimizer data, or DeepSpeed's own bookkeeping: a non-finite value is a finding
+    CLIENT_STATE = "client state"  # kept by the trainer for itself: shown apart, never a finding
+    CONFIG = "config"  # the run's configuration as the user wrote it: not checked
+
+
+# Configuration, not data, in every file DeepSpeed writes: the HF Trainer passes ``steps_per_print: inf``.
+CONFIG_KEYS = frozenset({"ds_config", "ds_version"})
+
+
+def key_owner(file_name: str, key: tuple[object, ...]) -> Owner:
+    """Who owns the value at ``key`` (a key path from the file's top level) in the file ``file_name``.
+
+    The rule, in order: a first key in :data:`CONFIG_KEYS` is configuration. In a file that DeepSpeed
+    merges ``client_state`` into — ``mp_rank_XX_model_states.pt`` or, at stage 3,
+    ``zero_pp_rank_D_mp_rank_XX_model_states.pt`` (engine.py:5400) — a first key that is not in
+    :data:`DEEPSPEED_MODEL_STATES_KEYS` is client state: Lightning's ``callbacks``/``loops``/
+    ``lr_schedulers``, anything passed as ``save_checkpoint(client_state=...)``, and DeepSpeed's own
+    ``lr_scheduler``/``data_sampler``/``random_ltd``. Everything else is the model's: optimizer,
+    pipeline-layer, expert and universal files never hold client state. Pure: no I/O."""
+    if key and isinstance(key[0], str) and key[0] in CONFIG_KEYS:
+        return Owner.CONFIG
+    if not key or not (_MODEL_STATES.match(file_name) or _ZERO3_MODEL_STATES.match(file_name)):
+        return Owner.MODEL
+    if isinstance(key[0], str) and key[0] in DEEPSPEED_MODEL_STATES_KEYS:
+        return Owner.MODEL
+    return Owner.CLIENT_STATE
 
 
 def _is_tag_dir(path: Path) -> bool:
