@@ -107,6 +107,25 @@ def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[Any],
         yield lambda spec: bar.update(getattr(spec, "nbytes", 1))
 
 
+def _run_folder(path: str, *, deepspeed_only: bool = False) -> tuple[str, dict[str, Any] | None]:
+    """``path``, or the checkpoint it means when it is a run folder (a Trainer ``output_dir``, a Lightning
+    ``dirpath``: :func:`dsckpt.layout.resolve_run_folder`), said on stderr; the choice as JSON, or None.
+    ``deepspeed_only``: resolve only what ``detect_target`` takes for a DeepSpeed checkpoint (scan, diff:
+    a folder of safetensors shards is scanned as such)."""
+    from .layout import resolve_run_folder
+
+    if deepspeed_only:
+        from .state_dict_files import TargetKind, detect_target
+
+        if detect_target(path) is not TargetKind.DEEPSPEED:
+            return path, None
+    choice = resolve_run_folder(path)
+    if choice is None:
+        return path, None
+    click.echo(f"dsckpt: {choice.describe()}", err=True)
+    return str(choice.checkpoint), choice.to_dict()
+
+
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
 
 
@@ -115,7 +134,9 @@ tag_option = click.option("--tag", default=None, help="Tag folder to read (defau
 def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
-    CKPT is a DeepSpeed save dir (holding 'latest') or a tag folder such as 'global_step100'.
+    CKPT is a DeepSpeed save dir (holding 'latest'), a tag folder such as 'global_step100', or a run
+    folder: a Trainer output_dir (the newest checkpoint-N is used) or a Lightning dirpath (last.ckpt, else
+    the only *.ckpt); the checkpoint used is said on stderr.
     Exit codes: 0 ok, 1 findings or differences, 2 usage error (also: another dsckpt is writing OUT),
     3 unreadable/unsupported/corrupt/unsafe checkpoint or OUT not writable (disk full, read-only),
     129/130/143 stopped by SIGHUP/SIGINT/SIGTERM (nothing left behind), 70 internal error.
@@ -133,8 +154,10 @@ def info(ckpt: str, tag: str | None, as_json: bool, show_tensors: bool) -> None:
     from .checkpoint import open_checkpoint
     from .info import summarize
 
+    ckpt, run = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     s = summarize(c.logical, c.cache)
+    s["run_folder"] = run
     if as_json:
         click.echo(json.dumps(s, indent=2))
     else:
@@ -243,6 +266,7 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
     from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32
 
+    ckpt, _ = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
                         max_shard_size=max_shard_size, hf_files=not no_hf_files)
@@ -302,11 +326,12 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 
     from .scan import prepare_scan, run_scan
 
+    target, run = _run_folder(target, deepspeed_only=True)
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
         report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
         checks = "inf/NaN" if nonfinite_only else "inf/NaN, fp16 overflow, master/16-bit mismatch"
         head = (f"scanned {report.target} ({report.target_kind.value}): {report.stored_tensors} stored tensors, "
@@ -365,13 +390,15 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
             return own
         return tag if tag is not None and detect_target(path) is TargetKind.DEEPSPEED else None
 
+    a, run_a = _run_folder(a, deepspeed_only=True)
+    b, run_b = _run_folder(b, deepspeed_only=True)
     plan, cache_a, cache_b = prepare_diff(a, b, tag_a=side_tag(a, tag_a), tag_b=side_tag(b, tag_b), role=role,
                                           atol=atol, rtol=rtol, strict_dtype=strict_dtype,
                                           exclude_frozen=exclude_frozen)
     with _progress(plan.nbytes, "diff", not quiet and not as_json) as tick:
         report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps({**report.to_dict(), "run_folder_a": run_a, "run_folder_b": run_b}, indent=2))
     else:
         what = ("values as to-fp32 exports them (fp32 master, else the stored copy)" if role == "value"
                 else "every stored copy both have" if role == "all" else f"the {role} copies")
@@ -405,9 +432,10 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> No
     """
     from .verify import verify as run_verify
 
+    ckpt, run = _run_folder(ckpt)
     report = run_verify(ckpt, tag=tag, workers=workers)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
         click.echo(f"verified {report.target} (tag {report.tag}): {len(report.files)} files, "
                    f"{report.records_checked} records CRC-checked, {report.stored_tensors} stored tensors, "
@@ -454,24 +482,25 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 
     if source is None and policy != "reset-bn-stats":
         raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    ckpt, run = _run_folder(ckpt)
     plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
     lines = [p.describe() for p in plan.patches]
     if not plan.has_work:
         if as_json:
-            click.echo(json.dumps({"plan": plan.to_dict(), "written": None}, indent=2))
+            click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
             click.echo(f"nothing to repair: {ckpt} holds no inf/NaN values; nothing written")
         sys.exit(0)
     if dry_run:
         if as_json:
-            click.echo(json.dumps({"plan": plan.to_dict(), "written": None}, indent=2))
+            click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
             click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
     result = run_repair(plan, out, force=force)
     if as_json:
-        click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output),
+        click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output), "run_folder": run,
                                "rewritten": [str(f) for f in result.rewritten],
                                "rescan": result.rescan.to_dict()}, indent=2))
         return
@@ -541,6 +570,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
         run_reshard,
     )
 
+    ckpt, _ = _run_folder(ckpt)
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
