@@ -527,7 +527,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "names, shapes, dtypes and values around every fragment boundary plus samples (quick), "
                    "every value (full: reads input and output once more), or nothing (none).")
 @click.option("--no-verify", is_flag=True, help="Same as --verify none.")
-@click.option("--no-hf-files", is_flag=True, help="For a Hugging Face Trainer folder: write only the DeepSpeed part.")
+@click.option("--no-hf-files", is_flag=True,
+              help="For a Hugging Face Trainer or Accelerate save_state folder: write only the DeepSpeed part.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--workers", default=None, type=click.IntRange(1, 64),
               help="Target files written at once (default: half the cores, at most 8).")
@@ -559,6 +560,10 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     so that Trainer.train(resume_from_checkpoint=OUT) works on N processes. RNG states: rank r keeps old
     rank r's rng_state_r.pth; on 1 process old rank 0's becomes rng_state.pth; new ranks get none (the
     Trainer then keeps its seeded RNG, as it does whenever the file is missing).
+
+    CKPT an Accelerate save_state folder (tag pytorch_model): scheduler*.bin, sampler*.bin and
+    custom_checkpoint_*.pkl are copied byte for byte; rank r keeps old rank r's random_states_r.pkl,
+    so that accelerator.load_state(OUT) works on N processes.
     """
     from .errors import UsageError
     from .readers import FileCache, read_checkpoint
@@ -605,7 +610,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
     if plan.hf_files is not None:
-        click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
+        click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))
         if not quiet:
             for o in plan.hf_files.left_out:
