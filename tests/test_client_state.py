@@ -131,3 +131,23 @@ def test_real_fp16_overflow_fixture_still_exits_1():
     assert r.exit_code == 1
     doc = json.loads(r.stdout)
     assert [f["name"] for f in doc["findings"]] == ["bn.running_var"] and doc["client_state_nonfinite"] == []
+
+
+# Real Lightning 2.6 DeepSpeedStrategy checkpoints, when the Lightning fixtures (branch ``lightning``) are present;
+# this file does not depend on them. Each ModelCheckpoint dirpath is given as the user knows it (a run folder).
+LIGHTNING_DIRPATHS = sorted({p.parent.parent for p in Path(__file__).parent.glob("fixtures/lightning_*/**/*.ckpt/latest")})
+
+
+@pytest.mark.skipif(not LIGHTNING_DIRPATHS, reason="no Lightning fixtures in this checkout")
+@pytest.mark.parametrize("dirpath", LIGHTNING_DIRPATHS,
+                         ids=[p.relative_to(Path(__file__).parent / "fixtures").as_posix() for p in LIGHTNING_DIRPATHS])
+def test_real_lightning_checkpoints_scan_clean_with_client_state_notes(dirpath):
+    r = CliRunner().invoke(main, ["scan", str(dirpath), "--json", "-q"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["findings"] == [] and doc["run_folder"]["kind"] == "Lightning ModelCheckpoint dirpath"
+    assert all(n["kind"] == "client state" and n["key"].startswith(("['callbacks']", "['lr_schedulers']", "['loops']"))
+               for n in doc["client_state_nonfinite"]), doc["client_state_nonfinite"]
+    assert any("['kth_value']" in n["key"] or "['best_model_score']" in n["key"] for n in doc["client_state_nonfinite"])
+    v = CliRunner().invoke(main, ["verify", str(dirpath)])
+    assert v.exit_code == 0, v.output
