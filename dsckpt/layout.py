@@ -28,19 +28,19 @@ from .errors import (
 )
 
 __all__ = [
-    "DEEPSPEED_MODEL_STATES_KEYS",
     "CONFIG_KEYS",
+    "DEEPSPEED_MODEL_STATES_KEYS",
     "OSD",
     "UNIVERSAL_DIR",
     "CheckpointFiles",
-    "classify_files",
-    "find_tag_dir",
     "Owner",
     "RunFolderChoice",
     "RunFolderKind",
     "choose_in_run_folder",
-    "key_owner",
+    "classify_files",
+    "find_tag_dir",
     "is_universal_dir",
+    "key_owner",
     "list_tags",
     "resolve_run_folder",
 ]
