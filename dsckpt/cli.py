@@ -321,6 +321,8 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
     state-dict file. Also flags fp32 masters beyond fp16's range in fp16-trained checkpoints and
     16-bit weights that disagree with their fp32 master (not with --nonfinite). Exit 1 on findings.
+    Non-finite values in client state (a trainer's callbacks, loops, schedulers) are listed as notes
+    naming their key path and do not change the exit code.
     """
     from types import SimpleNamespace
 
