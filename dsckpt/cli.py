@@ -107,6 +107,25 @@ def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[Any],
         yield lambda spec: bar.update(getattr(spec, "nbytes", 1))
 
 
+def _run_folder(path: str, *, deepspeed_only: bool = False) -> tuple[str, dict[str, Any] | None]:
+    """``path``, or the checkpoint it means when it is a run folder (a Trainer ``output_dir``, a Lightning
+    ``dirpath``: :func:`dsckpt.layout.resolve_run_folder`), said on stderr; the choice as JSON, or None.
+    ``deepspeed_only``: resolve only what ``detect_target`` takes for a DeepSpeed checkpoint (scan, diff:
+    a folder of safetensors shards is scanned as such)."""
+    from .layout import resolve_run_folder
+
+    if deepspeed_only:
+        from .state_dict_files import TargetKind, detect_target
+
+        if detect_target(path) is not TargetKind.DEEPSPEED:
+            return path, None
+    choice = resolve_run_folder(path)
+    if choice is None:
+        return path, None
+    click.echo(f"dsckpt: {choice.describe()}", err=True)
+    return str(choice.checkpoint), choice.to_dict()
+
+
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
 
 
@@ -115,7 +134,9 @@ tag_option = click.option("--tag", default=None, help="Tag folder to read (defau
 def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
-    CKPT is a DeepSpeed save dir (holding 'latest') or a tag folder such as 'global_step100'.
+    CKPT is a DeepSpeed save dir (holding 'latest'), a tag folder such as 'global_step100', or a run
+    folder: a Trainer output_dir (the newest checkpoint-N is used) or a Lightning dirpath (last.ckpt, else
+    the only *.ckpt); the checkpoint used is said on stderr.
     Exit codes: 0 ok, 1 findings or differences, 2 usage error (also: another dsckpt is writing OUT),
     3 unreadable/unsupported/corrupt/unsafe checkpoint or OUT not writable (disk full, read-only),
     129/130/143 stopped by SIGHUP/SIGINT/SIGTERM (nothing left behind), 70 internal error.
@@ -133,8 +154,10 @@ def info(ckpt: str, tag: str | None, as_json: bool, show_tensors: bool) -> None:
     from .checkpoint import open_checkpoint
     from .info import summarize
 
+    ckpt, run = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     s = summarize(c.logical, c.cache)
+    s["run_folder"] = run
     if as_json:
         click.echo(json.dumps(s, indent=2))
     else:
@@ -243,6 +266,7 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
     from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32
 
+    ckpt, _ = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
                         max_shard_size=max_shard_size, hf_files=not no_hf_files)
@@ -297,25 +321,31 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
     state-dict file. Also flags fp32 masters beyond fp16's range in fp16-trained checkpoints and
     16-bit weights that disagree with their fp32 master (not with --nonfinite). Exit 1 on findings.
+    Non-finite values in client state (a trainer's callbacks, loops, schedulers) are listed as notes
+    naming their key path and do not change the exit code.
     """
     from types import SimpleNamespace
 
     from .scan import prepare_scan, run_scan
 
+    target, run = _run_folder(target, deepspeed_only=True)
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
         report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
         checks = "inf/NaN" if nonfinite_only else "inf/NaN, fp16 overflow, master/16-bit mismatch"
         head = (f"scanned {report.target} ({report.target_kind.value}): {report.stored_tensors} stored tensors, "
                 f"{report.numel_scanned:,} values, {_human(report.nbytes_read)}; checks: {checks}")
         click.echo(head)
         if report.clean:
-            click.echo("clean: nothing found")
+            click.echo("clean: nothing found" if not report.client_state else
+                       "clean: nothing found in model or optimizer data")
         for f in report.findings:
             click.echo(f"  {f.check.value:13s} {f.describe()}")
+        for f in report.client_state:
+            click.echo(f"  note          {f.describe()}")
         if not report.clean:
             click.echo(f"{len(report.findings)} finding(s); see 'dsckpt repair' to patch inf/NaN values")
     sys.exit(0 if report.clean else 1)
@@ -362,13 +392,15 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
             return own
         return tag if tag is not None and detect_target(path) is TargetKind.DEEPSPEED else None
 
+    a, run_a = _run_folder(a, deepspeed_only=True)
+    b, run_b = _run_folder(b, deepspeed_only=True)
     plan, cache_a, cache_b = prepare_diff(a, b, tag_a=side_tag(a, tag_a), tag_b=side_tag(b, tag_b), role=role,
                                           atol=atol, rtol=rtol, strict_dtype=strict_dtype,
                                           exclude_frozen=exclude_frozen)
     with _progress(plan.nbytes, "diff", not quiet and not as_json) as tick:
         report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps({**report.to_dict(), "run_folder_a": run_a, "run_folder_b": run_b}, indent=2))
     else:
         what = ("values as to-fp32 exports them (fp32 master, else the stored copy)" if role == "value"
                 else "every stored copy both have" if role == "all" else f"the {role} copies")
@@ -402,15 +434,18 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> No
     """
     from .verify import verify as run_verify
 
+    ckpt, run = _run_folder(ckpt)
     report = run_verify(ckpt, tag=tag, workers=workers)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
         click.echo(f"verified {report.target} (tag {report.tag}): {len(report.files)} files, "
                    f"{report.records_checked} records CRC-checked, {report.stored_tensors} stored tensors, "
                    f"{_human(report.nbytes_read)} read")
         for note in report.notes:
             click.echo(f"  note: {note}")
+        for f in report.client_state:
+            click.echo(f"  note: {f.describe()}")
         if report.ok:
             records = "records intact" if report.records_checked else "no records with CRCs to check"
             click.echo(f"ok: files from one save, {records}, partitions consistent, bindings proven, "
@@ -449,24 +484,25 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 
     if source is None and policy != "reset-bn-stats":
         raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    ckpt, run = _run_folder(ckpt)
     plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
     lines = [p.describe() for p in plan.patches]
     if not plan.has_work:
         if as_json:
-            click.echo(json.dumps({"plan": plan.to_dict(), "written": None}, indent=2))
+            click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
             click.echo(f"nothing to repair: {ckpt} holds no inf/NaN values; nothing written")
         sys.exit(0)
     if dry_run:
         if as_json:
-            click.echo(json.dumps({"plan": plan.to_dict(), "written": None}, indent=2))
+            click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
             click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
     result = run_repair(plan, out, force=force)
     if as_json:
-        click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output),
+        click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output), "run_folder": run,
                                "rewritten": [str(f) for f in result.rewritten],
                                "rescan": result.rescan.to_dict()}, indent=2))
         return
@@ -493,7 +529,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "names, shapes, dtypes and values around every fragment boundary plus samples (quick), "
                    "every value (full: reads input and output once more), or nothing (none).")
 @click.option("--no-verify", is_flag=True, help="Same as --verify none.")
-@click.option("--no-hf-files", is_flag=True, help="For a Hugging Face Trainer folder: write only the DeepSpeed part.")
+@click.option("--no-hf-files", is_flag=True,
+              help="For a Hugging Face Trainer or Accelerate save_state folder: write only the DeepSpeed part.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--workers", default=None, type=click.IntRange(1, 64),
               help="Target files written at once (default: half the cores, at most 8).")
@@ -525,6 +562,10 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     so that Trainer.train(resume_from_checkpoint=OUT) works on N processes. RNG states: rank r keeps old
     rank r's rng_state_r.pth; on 1 process old rank 0's becomes rng_state.pth; new ranks get none (the
     Trainer then keeps its seeded RNG, as it does whenever the file is missing).
+
+    CKPT an Accelerate save_state folder (tag pytorch_model): scheduler*.bin, sampler*.bin and
+    custom_checkpoint_*.pkl are copied byte for byte; rank r keeps old rank r's random_states_r.pkl,
+    so that accelerator.load_state(OUT) works on N processes.
     """
     from .errors import UsageError
     from .readers import FileCache, read_checkpoint
@@ -536,6 +577,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
         run_reshard,
     )
 
+    ckpt, _ = _run_folder(ckpt)
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
@@ -570,7 +612,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
     if plan.hf_files is not None:
-        click.echo(f"copied {len(result.hf_files)} Hugging Face Trainer file(s) from {plan.hf_files.folder}: "
+        click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))
         if not quiet:
             for o in plan.hf_files.left_out:

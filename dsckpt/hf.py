@@ -15,13 +15,25 @@ list what is copied where and what is left out, and why. :func:`copy_files` copi
 (nothing is unpickled: ``training_args.bin`` is a pickled ``TrainingArguments`` object and is only
 ever copied). No torch import.
 
+An Accelerate ``save_state(output_dir)`` folder under DeepSpeed (accelerate 1.15) is a DeepSpeed save dir
+with tag ``pytorch_model`` (``pytorch_model_{i}`` for further models) and Accelerate's files beside it::
+
+    scheduler.bin, scheduler_{i}.bin               prepared torch schedulers
+    sampler.bin, sampler_{i}.bin, dl_state_dict*.bin   dataloader state (seedable sampler / stateful loader)
+    custom_checkpoint_{i}.pkl                      objects given to register_for_checkpointing
+    scaler.pt                                      GradScaler (fp16 AMP without DeepSpeed's loss scaler)
+    random_states_{process_index}.pkl              one per process, also on a single process
+
 RNG states on a new process count (:func:`plan_resume_files`): the Trainer reads
 ``rng_state_{process_index}.pth`` when ``world_size > 1`` and ``rng_state.pth`` otherwise; when the
 file is missing it logs "Didn't find an RNG file ..." and continues with the RNG seeded from
 ``TrainingArguments.seed`` (transformers ``Trainer._load_rng_state``). So: rank ``r`` keeps the
 state of old rank ``r``; on one process, old rank 0's state is written as ``rng_state.pth``; new
 ranks that had no state get no file (the Trainer's own behaviour when one is missing); states of
-ranks that no longer exist are left out.
+ranks that no longer exist are left out. Accelerate's ``load_state`` reads
+``random_states_{process_index}.pkl`` on every process (``random_states_0.pkl`` on one) and, when it is
+missing, logs "Could not load random states" and goes on (``checkpointing.load_accelerator_state``): the
+same rule, with no special single-process name.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +57,7 @@ __all__ = [
     "LeftOut",
     "classify",
     "copy_files",
+    "is_accelerate_folder",
     "is_hf_folder",
     "plan_export_files",
     "plan_resume_files",
@@ -63,17 +77,21 @@ _WEIGHTS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.
             "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json", "adapter_model.safetensors",
             "adapter_model.bin")
 _TRAINER_STATE = ("trainer_state.json", "training_args.bin")
+# Accelerate's training-loop state (accelerate/checkpointing.py: SAMPLER_NAME, dl_state_dict, save_custom_state)
+_ACCELERATE_STATE = ("custom_checkpoint_*.pkl", "sampler.bin", "sampler_*.bin", "dl_state_dict.bin",
+                     "dl_state_dict_*.bin")
 _OPTIMIZER = ("optimizer.pt", "optimizer.bin", "rank*-of-*-optimizer.pt", "scheduler.pt", "scheduler.bin",
               "scaler.pt", "scaler.bin", "optimizer_*.bin", "scheduler_*.bin")
 _DEEPSPEED = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
 _RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
-_ACCELERATE_RNG = re.compile(r"^random_states_\d+\.pkl$")
+_ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+_ACCELERATE_MARKERS = re.compile(r"^(?:random_states_\d+|custom_checkpoint_\d+)\.pkl$")
 
 
 class FileRole(enum.Enum):
     MODEL_SIDE = "model-side"  # config, generation config, tokenizer, chat template, remote code
     WEIGHTS = "weights"  # model weights the Trainer wrote (16-bit under DeepSpeed)
-    TRAINER_STATE = "trainer-state"  # trainer_state.json, training_args.bin
+    TRAINER_STATE = "trainer-state"  # trainer_state.json, training_args.bin; Accelerate's sampler / custom objects
     OPTIMIZER = "optimizer"  # optimizer / scheduler / scaler files
     RNG = "rng"
     DEEPSPEED = "deepspeed"  # latest, zero_to_fp32.py, tag folders
@@ -103,6 +121,7 @@ class HfFilesPlan:
     folder: Path
     copies: tuple[FileCopy, ...]
     left_out: tuple[LeftOut, ...]
+    client: str = "Hugging Face Trainer"  # or "Accelerate" (a save_state folder): who wrote the files
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +155,7 @@ def classify(path: Path, *, tag_dirs: frozenset[str] = frozenset()) -> FileRole:
         return FileRole.MODEL_SIDE
     if _matches(name, _WEIGHTS):
         return FileRole.WEIGHTS
-    if name in _TRAINER_STATE:
+    if name in _TRAINER_STATE or _matches(name, _ACCELERATE_STATE):
         return FileRole.TRAINER_STATE
     if _matches(name, _OPTIMIZER):
         return FileRole.OPTIMIZER
@@ -150,6 +169,15 @@ def classify(path: Path, *, tag_dirs: frozenset[str] = frozenset()) -> FileRole:
 def is_hf_folder(root: Path) -> bool:
     """``root`` (a DeepSpeed save dir) was written by the HF Trainer or holds a model config."""
     return (root / "config.json").is_file() or (root / "trainer_state.json").is_file()
+
+
+def is_accelerate_folder(root: Path) -> bool:
+    """``root`` (a DeepSpeed save dir) was written by Accelerate's ``save_state``: it holds
+    ``random_states_{i}.pkl`` or ``custom_checkpoint_{i}.pkl``."""
+    try:
+        return any(_ACCELERATE_MARKERS.match(e.name) and e.is_file() for e in os.scandir(root))
+    except OSError:
+        return False
 
 
 def _entries(root: Path) -> list[Path]:
@@ -205,28 +233,58 @@ def _dtype_updates(config: Path, dtype: str) -> tuple[tuple[str, str], ...]:
     return tuple((k, dtype) for k in ("dtype", "torch_dtype") if k in data and data[k] != dtype)
 
 
-def _rng_ranks(root: Path) -> dict[int, Path]:
-    """Old process rank -> its RNG file (``rng_state.pth`` of a single-process run is rank 0)."""
+def _rng_ranks(root: Path, pattern: re.Pattern[str]) -> dict[int, Path]:
+    """Old process rank -> its RNG file (``rng_state.pth`` of a single-process Trainer run is rank 0)."""
     out = {}
     for p in _entries(root):
-        m = _RNG.match(p.name)
+        m = pattern.match(p.name)
         if m and p.is_file():
             out[int(m[1]) if m[1] is not None else 0] = p
     return out
 
 
+def _rng_plan(rng: dict[int, Path], world_size: int, name: Callable[[int], str], single: str | None,
+              missing: str) -> tuple[list[FileCopy], list[LeftOut]]:
+    """New rank r gets old rank r's file ``name(r)``; with ``single`` (the Trainer's ``rng_state.pth``), one
+    process gets old rank 0's file under that name; ranks without a state get none (``missing`` says what
+    the client then does); states of ranks that no longer exist are left out."""
+    copies: list[FileCopy] = []
+    left: list[LeftOut] = []
+    if not rng:
+        return copies, left
+    if world_size == 1 and single is not None:
+        r0 = 0 if 0 in rng else min(rng)
+        copies.append(FileCopy(rng[r0], single, FileRole.RNG,
+                               f"rank 0's state; a single-process Trainer reads {single}" if r0 == 0
+                               else f"rank {r0}'s state (there is no rank 0 file)"))
+    else:
+        for r in range(world_size):
+            if r in rng:
+                note = "" if rng[r].name == name(r) else "single-process state, as rank 0's"
+                copies.append(FileCopy(rng[r], name(r), FileRole.RNG, note))
+            else:
+                left.append(LeftOut(None, FileRole.RNG, f"rank {r} had no RNG state: no {name(r)}, so {missing}"))
+    kept = {c.source for c in copies}
+    for r, p in sorted(rng.items()):
+        if p not in kept:
+            left.append(LeftOut(p, FileRole.RNG, f"rank {r} does not exist with {world_size} process(es)"))
+    return copies, left
+
+
 def plan_resume_files(root: str | os.PathLike[str], world_size: int, *, tag: str | None = None,
                       tag_dirs: frozenset[str] = frozenset()) -> HfFilesPlan | None:
-    """The Trainer's files of ``root`` to carry into a resharded save dir for ``world_size``
-    processes, so that ``Trainer.train(resume_from_checkpoint=OUT)`` works; ``None`` if ``root`` is
-    not a Trainer / model folder. ``tag`` is the tag folder being resharded (written by reshard);
+    """The Trainer's (or Accelerate's) files of ``root`` to carry into a resharded save dir for
+    ``world_size`` processes, so that ``Trainer.train(resume_from_checkpoint=OUT)`` (or
+    ``accelerator.load_state(OUT)``) works; ``None`` if ``root`` is neither a Trainer / model folder nor an
+    Accelerate ``save_state`` folder. ``tag`` is the tag folder being resharded (written by reshard);
     ``tag_dirs`` names every DeepSpeed tag folder. RNG states follow the rule in the module docstring.
 
     Everything except DeepSpeed's own files (written by reshard) and the RNG states is copied byte for
     byte: trainer_state.json, training_args.bin, scheduler/scaler files, config and tokenizer files,
-    the 16-bit weights, and files dsckpt does not know."""
+    the 16-bit weights, Accelerate's sampler / custom-object files, and files dsckpt does not know."""
     root = Path(root)
-    if not is_hf_folder(root):
+    accelerate = is_accelerate_folder(root)
+    if not is_hf_folder(root) and not accelerate:
         return None
     copies, left = [], []
     for p in _entries(root):
@@ -238,30 +296,19 @@ def plan_resume_files(root: str | os.PathLike[str], world_size: int, *, tag: str
         if role is FileRole.RNG:
             continue
         copies.append(FileCopy(p, p.name, role))
-    rng = _rng_ranks(root)
-    if rng:
-        if world_size == 1:
-            copies.append(FileCopy(rng[0], "rng_state.pth", FileRole.RNG,
-                                   "rank 0's state; a single-process Trainer reads rng_state.pth")
-                          if 0 in rng else FileCopy(rng[min(rng)], "rng_state.pth", FileRole.RNG,
-                                                    f"rank {min(rng)}'s state (there is no rank 0 file)"))
-        else:
-            for r in range(world_size):
-                if r in rng:
-                    note = "" if rng[r].name == f"rng_state_{r}.pth" else "single-process state, as rank 0's"
-                    copies.append(FileCopy(rng[r], f"rng_state_{r}.pth", FileRole.RNG, note))
-                else:
-                    left.append(LeftOut(None, FileRole.RNG,
-                                        f"rank {r} had no RNG state: no rng_state_{r}.pth, so the Trainer logs "
-                                        "\"Didn't find an RNG file\" and keeps its seeded RNG on that rank"))
-        kept = {c.source for c in copies if c.role is FileRole.RNG}
-        for r, p in sorted(rng.items()):
-            if p not in kept:
-                left.append(LeftOut(p, FileRole.RNG, f"rank {r} does not exist with {world_size} process(es)"))
-    if not (root / "trainer_state.json").is_file():
+    for rng, name, single, missing in (
+            (_rng_ranks(root, _RNG), "rng_state_{}.pth".format, "rng_state.pth",
+             "the Trainer logs \"Didn't find an RNG file\" and keeps its seeded RNG on that rank"),
+            (_rng_ranks(root, _ACCELERATE_RNG), "random_states_{}.pkl".format, None,
+             "Accelerate's load_state logs \"Could not load random states\" and keeps that process's RNG")):
+        more, out = _rng_plan(rng, world_size, name, single, missing)
+        copies += more
+        left += out
+    if not accelerate and not (root / "trainer_state.json").is_file():
         left.append(LeftOut(None, FileRole.TRAINER_STATE, f"'{root}' has no trainer_state.json; "
                                                           "Trainer.train(resume_from_checkpoint=OUT) needs it"))
-    return HfFilesPlan(root, tuple(copies), tuple(left))
+    client = "Accelerate" if accelerate and not is_hf_folder(root) else "Hugging Face Trainer"
+    return HfFilesPlan(root, tuple(copies), tuple(left), client)
 
 
 def copy_files(plan: HfFilesPlan, dest: Path) -> list[Path]:

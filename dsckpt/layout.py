@@ -1,7 +1,8 @@
 """Find the tag folder of a DeepSpeed checkpoint and name its files. No torch, no unpickling.
 
-A user may point at the save dir (``<save_dir>/latest`` names the tag), at a tag folder, or at a
-Hugging Face Trainer ``checkpoint-N/`` folder (which is a save dir). Tags are free-form: Accelerate
+A user may point at the save dir (``<save_dir>/latest`` names the tag), at a tag folder, at a
+Hugging Face Trainer ``checkpoint-N/`` folder (which is a save dir), or at the *run folder* holding
+several checkpoints (:func:`resolve_run_folder`: a Trainer ``output_dir`` or a Lightning ``dirpath``). Tags are free-form: Accelerate
 saves under ``pytorch_model``, not ``global_stepN`` (DEEPSPEED-NOTES 1.1). A DeepSpeed *universal*
 checkpoint folder (``ds_to_universal``) is a tag folder too: its copied model-states files sit beside
 ``zero/``, and ``latest_universal`` in its parent names it (ds_to_universal.py:1370-1374). ``latest``
@@ -10,8 +11,11 @@ wins where a save dir has both (ds_to_universal writes ``latest_universal`` into
 
 from __future__ import annotations
 
+import enum
+import logging
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +27,23 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["OSD", "UNIVERSAL_DIR", "CheckpointFiles", "classify_files", "find_tag_dir", "is_universal_dir", "list_tags"]
+__all__ = [
+    "CONFIG_KEYS",
+    "DEEPSPEED_MODEL_STATES_KEYS",
+    "OSD",
+    "UNIVERSAL_DIR",
+    "CheckpointFiles",
+    "Owner",
+    "RunFolderChoice",
+    "RunFolderKind",
+    "choose_in_run_folder",
+    "classify_files",
+    "find_tag_dir",
+    "is_universal_dir",
+    "key_owner",
+    "list_tags",
+    "resolve_run_folder",
+]
 
 OSD = "optimizer_state_dict"  # the optimizer files' top-level key (and ZeRO-3's inner one)
 UNIVERSAL_DIR = "zero"  # ds_to_universal.py: <tag>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt
@@ -40,6 +60,27 @@ _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _LEGACY_EXPERT = re.compile(r"^expert_\d+_mp_rank_\d+_model_states\.pt$")
 _EXPP_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+logger = logging.getLogger(__name__)
+
+# transformers.trainer_utils (5.23): PREFIX_CHECKPOINT_DIR = "checkpoint", _re_checkpoint = ^checkpoint\-(\d+)$;
+# get_last_checkpoint() takes the directory with the largest N.
+_HF_CHECKPOINT = re.compile(r"^checkpoint\-(\d+)$")
+# Lightning's ModelCheckpoint(save_last=True) names its copy "last.ckpt" (CHECKPOINT_NAME_LAST); with
+# DeepSpeedStrategy every "*.ckpt" is a folder (a DeepSpeed save dir with tag "checkpoint").
+_LIGHTNING_LAST = "last.ckpt"
+
+# The top-level keys of a model-states file that hold the model, the optimizer or DeepSpeed's own
+# bookkeeping: ``_common_checkpoint_state`` and ``_save_checkpoint`` (engine.py:5017-5038, 5383-5400 in
+# 0.19.8; DEEPSPEED-NOTES 1.3). Older releases write a subset. Left out on purpose, although DeepSpeed
+# writes them: ``lr_scheduler``, ``data_sampler`` and ``random_ltd`` — a scheduler's or sampler's state
+# (a ReduceLROnPlateau ``best`` is inf until its first step), not model data.
+DEEPSPEED_MODEL_STATES_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "num_experts", "ds_autoep_layers", "universal_checkpoint_info", "folding",
+})
 
 
 @dataclass(frozen=True)
@@ -79,6 +120,104 @@ class CheckpointFiles:
 def is_universal_dir(tag_dir: Path) -> bool:
     """A DeepSpeed universal checkpoint folder: ``zero/optimizer_state.pt`` beside model-states files."""
     return (tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE).is_file()
+
+
+class Owner(enum.Enum):
+    """Whose value a key path of a DeepSpeed file holds (see :func:`key_owner`)."""
+
+    MODEL = "model"  # model or optimizer data, or DeepSpeed's own bookkeeping: a non-finite value is a finding
+    CLIENT_STATE = "client state"  # kept by the trainer for itself: shown apart, never a finding
+    CONFIG = "config"  # the run's configuration as the user wrote it: not checked
+
+
+# Configuration, not data, in every file DeepSpeed writes: the HF Trainer passes ``steps_per_print: inf``.
+CONFIG_KEYS = frozenset({"ds_config", "ds_version"})
+
+
+def key_owner(file_name: str, key: tuple[object, ...]) -> Owner:
+    """Who owns the value at ``key`` (a key path from the file's top level) in the file ``file_name``.
+
+    The rule, in order: a first key in :data:`CONFIG_KEYS` is configuration. In a file that DeepSpeed
+    merges ``client_state`` into — ``mp_rank_XX_model_states.pt`` or, at stage 3,
+    ``zero_pp_rank_D_mp_rank_XX_model_states.pt`` (engine.py:5400) — a first key that is not in
+    :data:`DEEPSPEED_MODEL_STATES_KEYS` is client state: Lightning's ``callbacks``/``loops``/
+    ``lr_schedulers``, anything passed as ``save_checkpoint(client_state=...)``, and DeepSpeed's own
+    ``lr_scheduler``/``data_sampler``/``random_ltd``. Everything else is the model's: optimizer,
+    pipeline-layer, expert and universal files never hold client state. Pure: no I/O."""
+    if key and isinstance(key[0], str) and key[0] in CONFIG_KEYS:
+        return Owner.CONFIG
+    if not key or not (_MODEL_STATES.match(file_name) or _ZERO3_MODEL_STATES.match(file_name)):
+        return Owner.MODEL
+    if isinstance(key[0], str) and key[0] in DEEPSPEED_MODEL_STATES_KEYS:
+        return Owner.MODEL
+    return Owner.CLIENT_STATE
+
+
+class RunFolderKind(enum.Enum):
+    HF_OUTPUT_DIR = "Hugging Face Trainer output_dir"
+    LIGHTNING_DIRPATH = "Lightning ModelCheckpoint dirpath"
+
+
+@dataclass(frozen=True)
+class RunFolderChoice:
+    """The checkpoint picked inside a run folder, and why."""
+
+    folder: Path
+    checkpoint: Path
+    kind: RunFolderKind
+    rule: str
+    candidates: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"using {self.checkpoint} ({self.rule} in {self.kind.value} '{self.folder}')"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"folder": str(self.folder), "checkpoint": str(self.checkpoint), "kind": self.kind.value,
+                "rule": self.rule, "candidates": list(self.candidates)}
+
+
+def choose_in_run_folder(folder: Path, dir_names: Iterable[str]) -> RunFolderChoice | None:
+    """Which checkpoint a run folder means, from the names of its sub-directories. Pure: no I/O.
+
+    * ``checkpoint-N`` directories (a Hugging Face Trainer ``output_dir``): the largest N, compared as
+      numbers (``checkpoint-10`` after ``checkpoint-9``), as ``transformers.trainer_utils.get_last_checkpoint``;
+    * ``*.ckpt`` directories (a Lightning ``dirpath`` with ``DeepSpeedStrategy``): ``last.ckpt`` if
+      present, else the only one; several and no ``last.ckpt`` is a :class:`UsageError` listing them.
+
+    None when neither kind is there (then ``folder`` is not a run folder)."""
+    names = sorted(set(dir_names))
+    numbered = [(int(m[1]), n) for n in names if (m := _HF_CHECKPOINT.match(n))]
+    if numbered:
+        step, name = max(numbered)
+        return RunFolderChoice(folder, folder / name, RunFolderKind.HF_OUTPUT_DIR,
+                               f"the newest checkpoint-N, N={step}", tuple(n for _, n in sorted(numbered)))
+    ckpts = [n for n in names if n.endswith(".ckpt")]
+    if not ckpts:
+        return None
+    if _LIGHTNING_LAST in ckpts:
+        return RunFolderChoice(folder, folder / _LIGHTNING_LAST, RunFolderKind.LIGHTNING_DIRPATH,
+                               _LIGHTNING_LAST, tuple(ckpts))
+    if len(ckpts) == 1:
+        return RunFolderChoice(folder, folder / ckpts[0], RunFolderKind.LIGHTNING_DIRPATH,
+                               "the only *.ckpt checkpoint", tuple(ckpts))
+    raise UsageError(
+        f"'{folder}' holds {len(ckpts)} Lightning checkpoints and no {_LIGHTNING_LAST}: {', '.join(ckpts)}; "
+        "point dsckpt at one of them")
+
+
+def resolve_run_folder(path: str | os.PathLike[str]) -> RunFolderChoice | None:
+    """The checkpoint to use when ``path`` is a run folder (see :func:`choose_in_run_folder`); None when
+    ``path`` is a DeepSpeed checkpoint itself (it holds ``latest``, is a tag folder or holds one), is not
+    a directory, or holds no run-folder checkpoints."""
+    p = Path(path)
+    if not p.is_dir() or (p / "latest").is_file() or (p / "latest_universal").is_file() or _is_tag_dir(p) \
+            or list_tags(p):
+        return None
+    try:
+        dirs = [e.name for e in os.scandir(p) if e.is_dir()]
+    except OSError:
+        return None
+    return choose_in_run_folder(p, dirs)
 
 
 def _is_tag_dir(path: Path) -> bool:
@@ -121,6 +260,10 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
             f"'{p}' is a file; point dsckpt at the checkpoint folder (the one holding 'latest') "
             "or at a tag folder such as 'global_step100'"
         )
+    run = resolve_run_folder(p)
+    if run is not None:
+        logger.info("%s", run.describe())
+        p = run.checkpoint
     if tag is None and _is_tag_dir(p):
         return p.parent, p.name, p
     if tag is not None:

@@ -103,8 +103,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's
     default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
     and its ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param
-    group). When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) and ``hf_files``,
-    the plan also carries the Trainer's files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
+    group). When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) or an Accelerate
+    ``save_state`` folder and ``hf_files``, the plan also carries their files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
     listed from the folder, nothing opened), RNG states mapped to the new rank count.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -170,7 +170,7 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
                      + f" with dp_world_size={plan.world_size}")
     if plan.hf_files is not None:
-        lines.append(f"Hugging Face Trainer files from {plan.hf_files.folder} (byte for byte):")
+        lines.append(f"{plan.hf_files.client} files from {plan.hf_files.folder} (byte for byte):")
         lines += plan.hf_files.describe()
     return lines
 

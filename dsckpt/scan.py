@@ -11,7 +11,16 @@ What is read:
   contents). Findings come back under the logical name with logical flat indices;
 * then every other floating-point tensor region of the same files that no fragment covers
   (partition padding, optimizer ``step`` values, anything unrecognised) — reported as kind
-  ``other`` with the stored key path and indices into that stored tensor.
+  ``other`` with the stored key path and indices into that stored tensor;
+* in a DeepSpeed checkpoint, every Python ``float`` of the parsed files (a loss scaler's scale, a
+  scheduler's ``best``), read from the metadata already parsed.
+
+A **finding** is about the model: params, buffers, 16-bit copies, fp32 masters, Adam moments and
+DeepSpeed's own optimizer scalars. Non-finite values in *client state* — what a trainer keeps for itself
+in the model-states file (Lightning's ``callbacks``/``loops``/``lr_schedulers``, a ``client_state``
+passed to ``save_checkpoint``, DeepSpeed's ``lr_scheduler``), told apart by key path with
+:func:`dsckpt.layout.key_owner` — are reported apart (:attr:`ScanReport.client_state`) and never
+make a checkpoint unclean: ``ModelCheckpoint.kth_value`` and ``EarlyStopping.best_score`` start at +inf.
 
 Checks:
 
@@ -31,6 +40,7 @@ import dataclasses
 import enum
 import heapq
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +53,7 @@ import numpy as np
 from . import safe_load
 from .dtypes import DTYPES, dtype_info, from_float32, to_float32
 from .errors import CorruptCheckpointError
+from .layout import Owner, key_owner
 from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .nonfinite import NonFinite
 from .readers.common import FileCache, format_key, lookup
@@ -67,6 +78,7 @@ __all__ = [
     "StoredKind",
     "count_nonfinite",
     "default_workers",
+    "nonfinite_scalars",
     "open_target",
     "plan_scan",
     "prepare_scan",
@@ -102,6 +114,7 @@ class StoredKind(enum.Enum):
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
     OTHER = "other"
+    CLIENT_STATE = "client state"  # reported apart, never a finding (see the module docstring)
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
@@ -162,11 +175,12 @@ class Finding:
         return format_key(self.key)
 
     def describe(self) -> str:
+        if self.kind is StoredKind.CLIENT_STATE:
+            return (f"client state {self.file.name} {self.key_str}: {self.dtype}, {self._counts()} of "
+                    f"{self.numel} values; kept by the trainer, not model data (not a finding)")
         what = self.name if self.name is not None else f"(no tensor) {self.key_str}"
         if self.check is Check.NONFINITE:
-            parts = [f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"),
-                                                     (self.neginf, "-inf")) if n]
-            detail = ", ".join(parts)
+            detail = self._counts()
         elif self.check is Check.FP16_OVERFLOW:
             detail = f"{self.count} values with |x| > {FP16_MAX:g} (overflow fp16)"
         else:
@@ -174,6 +188,10 @@ class Finding:
         alias = f" (tied: {', '.join(self.aliases)})" if self.aliases else ""
         return (f"{what}{alias}: {self.kind.value}, {self.dtype}, {detail} of {self.numel} values; "
                 f"in {self.file.name} {self.key_str}; first indices {list(self.first_indices)}")
+
+    def _counts(self) -> str:
+        return ", ".join(f"{n} {label}" for n, label in ((self.nan, "NaN"), (self.posinf, "+inf"),
+                                                          (self.neginf, "-inf")) if n)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -211,6 +229,7 @@ class RawScan:
     # allocates partitions with torch.empty and copies only the data (partition_parameters.py
     # _partition_param, 0.10.3 to 0.19.8), so these bytes are leftover memory: read, never reported.
     partition_padding: bool = False
+    client_state: bool = False  # layout.key_owner: reported apart, never a finding
 
 
 @dataclass(frozen=True)
@@ -222,6 +241,7 @@ class ScanPlan:
     raw: tuple[RawScan, ...]
     nbytes: int
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    scalars: tuple[Finding, ...] = ()  # non-finite Python floats, found while planning (nonfinite_scalars)
 
 
 @dataclass(frozen=True)
@@ -234,6 +254,8 @@ class ScanReport:
     numel_scanned: int
     nbytes_read: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # non-finite values in client state (kind CLIENT_STATE): shown apart, never findings
+    client_state: tuple[Finding, ...] = field(default_factory=tuple)
 
     @property
     def clean(self) -> bool:
@@ -248,7 +270,7 @@ class ScanReport:
             "checks": [c.value for c in self.checks], "clean": self.clean,
             "stored_tensors": self.stored_tensors, "numel_scanned": self.numel_scanned,
             "nbytes_read": self.nbytes_read, "findings": [f.to_dict() for f in self.findings],
-            "notes": list(self.notes),
+            "notes": list(self.notes), "client_state_nonfinite": [f.to_dict() for f in self.client_state],
         }
 
 
@@ -293,7 +315,38 @@ def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Calla
         nbytes += sum(p.numel * dtype_info(p.dtype).itemsize for p in pieces)
     raw = _uncovered(logical, trees, refs)
     nbytes += sum(r.numel * dtype_info(r.dtype).itemsize for r in raw)
-    return ScanPlan(target, target_kind, checks, tuple(entries), tuple(raw), nbytes, chunk_numel)
+    scalars = nonfinite_scalars(trees) if target_kind is TargetKind.DEEPSPEED else ()
+    return ScanPlan(target, target_kind, checks, tuple(entries), tuple(raw), nbytes, chunk_numel, scalars)
+
+
+def nonfinite_scalars(trees: Mapping[Path, Any]) -> tuple[Finding, ...]:
+    """Non-finite Python ``float`` values of the parsed files (not tensors: a ReduceLROnPlateau
+    ``best``, a loss scaler's ``cur_scale``), each a one-value ``nonfinite`` finding of kind ``other``,
+    or ``client state`` where :func:`~dsckpt.layout.key_owner` says so; configuration (``ds_config``,
+    where the HF Trainer writes ``steps_per_print: inf``) is skipped. Pure."""
+    out: list[Finding] = []
+
+    def visit(x: Any, path: Path, key: tuple[Any, ...]) -> None:
+        if isinstance(x, float):
+            owner = key_owner(path.name, key)
+            if not math.isfinite(x) and owner is not Owner.CONFIG:
+                kind = StoredKind.CLIENT_STATE if owner is Owner.CLIENT_STATE else StoredKind.OTHER
+                nan, pos = int(math.isnan(x)), int(x == math.inf)
+                out.append(Finding(Check.NONFINITE, None, path, key, kind, "python float", 1, 1, (0,),
+                                   nan, pos, 1 - nan - pos))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(v, path, (*key, k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                visit(v, path, (*key, i))
+        elif isinstance(x, safe_load.DeepSpeedObject):
+            for k, v in x.__dict__.items():
+                visit(v, path, (*key, k))
+
+    for path, tree in trees.items():
+        visit(tree, path, ())
+    return tuple(out)
 
 
 def _distinct_pieces(pieces: tuple[Piece, ...], refs: Callable[[Path, tuple[Any, ...]], Any]) -> tuple[Piece, ...]:
@@ -347,7 +400,7 @@ def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
             if ref.dtype_name not in _REAL_FLOATING or ref.numel == 0 or (path, key) in covered_views:
                 continue
             if not ref.is_contiguous():
-                out.append(RawScan(path, key, 0, ref.numel, ref.dtype_name))
+                out.append(RawScan(path, key, 0, ref.numel, ref.dtype_name, client_state=_is_client(path, key)))
                 continue
             views.setdefault(ref.storage.key, []).append(
                 (ref.storage_offset, ref.storage_offset + ref.numel, order, key, ref))
@@ -357,8 +410,12 @@ def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
             if logical.zero_stage == 3:
                 partly = {key for a, b, _, key, _ in vs if any(x < b and y > a for x, y in spans)}
                 raw = [dataclasses.replace(r, partition_padding=True) if r.key in partly else r for r in raw]
-            out += raw
+            out += [dataclasses.replace(r, client_state=True) if _is_client(path, r.key) else r for r in raw]
     return out
+
+
+def _is_client(path: Path, key: tuple[Any, ...]) -> bool:
+    return key_owner(path.name, key) is Owner.CLIENT_STATE
 
 
 def _uncovered_in_storage(path: Path, views: list[tuple[int, int, int, tuple[Any, ...], TensorRef]],
@@ -540,8 +597,11 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
         for files in opened:
             files.close()
     cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
-    return ScanReport(plan.target, plan.target_kind, plan.checks, tuple(col.findings()), len(stored),
-                      totals[0], totals[1])
+    found = [*col.findings(), *plan.scalars]
+    return ScanReport(plan.target, plan.target_kind, plan.checks,
+                      tuple(f for f in found if f.kind is not StoredKind.CLIENT_STATE), len(stored),
+                      totals[0], totals[1],
+                      client_state=tuple(f for f in found if f.kind is StoredKind.CLIENT_STATE))
 
 
 def _run_pool(tasks: Iterator[_Task], work: Callable[[_Task], list[_Update]],
@@ -658,7 +718,8 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
     for r in plan.raw:
         stored.add((r.file, r.key))
         ref = _tree_ref(cache, r)
-        w = _Where(None, r.file, r.key, StoredKind.OTHER, r.dtype, None, 0, ())
+        kind = StoredKind.CLIENT_STATE if r.client_state else StoredKind.OTHER
+        w = _Where(None, r.file, r.key, kind, r.dtype, None, 0, ())
         for a in range(0, r.numel, chunk):
             n = min(chunk, r.numel - a)
             yield _Task((r.dtype,), (_Part(0, w, ref, r.start + a, n, 0, r.start + a, False, r.partition_padding),),

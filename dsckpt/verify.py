@@ -10,7 +10,9 @@ One pass over the metadata of every file, then one streaming pass over every sto
   readers check this while building the logical checkpoint);
 * **bindings** — every optimizer-side tensor's owner proven (:mod:`dsckpt.binding`);
 * **values** — every 16-bit copy equals its fp32 master rounded, no inf/NaN, no fp32 master beyond
-  fp16's range in an fp16 run (the checks of :mod:`dsckpt.scan`, in the same pass).
+  fp16's range in an fp16 run (the checks of :mod:`dsckpt.scan`, in the same pass). Non-finite values
+  in client state (Lightning's callbacks, schedulers: :func:`dsckpt.layout.key_owner`) are listed
+  apart and are not problems.
 
 A problem is reported, not raised: the report lists them all. What cannot be read at all (missing
 rank files, partitions that contradict ``param_shapes``, unparseable files) raises as in every
@@ -24,10 +26,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .readers import FileCache, read_checkpoint
 from .readers.same_save import file_facts, same_save_problems
+
+if TYPE_CHECKING:
+    from .scan import Finding
 
 __all__ = ["Area", "Problem", "VerifyReport", "verify"]
 
@@ -63,6 +68,8 @@ class VerifyReport:
     stored_tensors: int
     problems: tuple[Problem, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # non-finite values in client state (scan's ScanReport.client_state): shown, never problems
+    client_state: tuple[Finding, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
@@ -75,6 +82,7 @@ class VerifyReport:
             "nbytes_read": self.nbytes_read, "stored_tensors": self.stored_tensors,
             "areas": [a.value for a in Area],
             "problems": [p.to_dict() for p in self.problems], "notes": list(self.notes),
+            "client_state_nonfinite": [f.to_dict() for f in self.client_state],
         }
 
 
@@ -171,4 +179,5 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     notes += ckpt.notes
     assert Check.MISMATCH in report.checks
     return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
-                        report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes))
+                        report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes),
+                        report.client_state)
