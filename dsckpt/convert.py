@@ -45,12 +45,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "SUFFIX_TO_FORMAT",
     "ConvertPlan",
     "ConvertResult",
     "NonFinite",
     "NonFiniteValuesError",
     "OutputFormat",
-    "SUFFIX_TO_FORMAT",
     "parse_dtype",
     "parse_size",
     "plan_to_fp32",
@@ -324,6 +324,7 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
             yield chunk
         record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
 
+    files: tuple[Path, ...]
     try:
         if plan.format is OutputFormat.LIGHTNING:
             from .writers.torch_stream import ChunkedTensor, write_torch_tree
@@ -340,8 +341,8 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
             tree["state_dict"] = {s.name: ChunkedTensor(s.dtype, s.shape, chunks_of(s)) for s in plan.specs}
             files = (write_torch_tree(plan.output, tree),)
         elif plan.format is OutputFormat.SAFETENSORS:
-            files: tuple[Path, ...] = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks,
-                                                                metadata=plan.metadata, on_tensor=on_tensor),)
+            files = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks, metadata=plan.metadata,
+                                              on_tensor=on_tensor),)
         else:
             assert plan.shards is not None
             with atomic_dir(plan.output) as tmp:
@@ -355,13 +356,13 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
     return ConvertResult(plan, files, tuple(found))
 
 
-def _as_bytes(chunk: Any) -> memoryview:
-    """A numpy chunk, or a torch tensor from the whole-tensor path, as its raw bytes."""
+def _as_bytes(chunk: Any) -> np.ndarray:
+    """A 1-D numpy chunk, or a torch tensor from the whole-tensor path, as its raw bytes (1-D uint8)."""
     if isinstance(chunk, np.ndarray):
-        return memoryview(np.ascontiguousarray(chunk)).cast("B")
+        return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
     import torch
 
-    return memoryview(chunk.contiguous().view(torch.uint8).numpy()).cast("B")
+    return chunk.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def convert_chunk(raw: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, tuple[int, int, int]]:

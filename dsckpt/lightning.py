@@ -26,7 +26,14 @@ from typing import Any
 from .errors import UnsafeCheckpointError, UnsupportedCheckpointError
 from .model import LogicalCheckpoint
 from .readers import FileCache
-from .safe_load import AttributeDictStandIn, DeepSpeedObject, TensorRef, TorchDevice, TorchDtype, TorchSize
+from .safe_load import (
+    AttributeDictStandIn,
+    DeepSpeedObject,
+    TensorRef,
+    TorchDevice,
+    TorchDtype,
+    TorchSize,
+)
 
 __all__ = [
     "CONVERTER_DROPPED_KEYS",

@@ -317,3 +317,16 @@ def test_resume_on_one_process_after_reshard(tmp_path, name):
     if meta["spec"]["monitored"]:
         assert rec["callbacks"]["EarlyStopping"]["best_score"] == "tensor(inf)"
         assert rec["callbacks"]["ModelCheckpoint"]["kth_value"] == "tensor(inf)"
+
+
+def test_ckpt_export_through_the_whole_tensor_path_is_the_same(tmp_path, monkeypatch):
+    """Tensors whose fragments cannot be streamed in chunks (strided or out of order) are produced whole, through
+    torch; forced here for every tensor, the .ckpt file is the same."""
+    import dsckpt.convert as convert
+
+    ckpt = _ckpt("lightning_z2_bf16_w2")
+    assert _cli("to-fp32", "-q", "--dtype", "bf16", ckpt, tmp_path / "a.ckpt").exit_code == 0
+    monkeypatch.setattr(convert, "plan_piece_chunks", lambda *a, **k: None)
+    assert _cli("to-fp32", "-q", "--dtype", "bf16", ckpt, tmp_path / "b.ckpt").exit_code == 0
+    a, b = (torch.load(tmp_path / f"{x}.ckpt", weights_only=True) for x in "ab")
+    assert _same(a, b) and {t.dtype for t in a["state_dict"].values()} == {torch.bfloat16}
