@@ -29,7 +29,13 @@ from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
 from .hf import HfFilesPlan, copy_files, plan_export_files
-from .lightning import ClientStatePlan, client_state_tree, lightning_name, plan_client_state
+from .lightning import (
+    ClientStatePlan,
+    client_state_tree,
+    lightning_name,
+    plan_client_state,
+    verify_lightning_file,
+)
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .nonfinite import NonFinite, count_nonfinite_np
 from .readers import FileCache
@@ -331,8 +337,13 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
 
             def chunks_of(spec: TensorSpec) -> Callable[[], Iterator[Any]]:
                 def chunks() -> Iterator[Any]:
+                    written = 0
                     for chunk in produce_chunks(spec):
-                        yield _as_bytes(chunk)
+                        data = _as_bytes(chunk)
+                        written += data.nbytes
+                        yield data
+                    if written != spec.nbytes:
+                        raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec.nbytes}")
                     if on_tensor is not None:
                         on_tensor(spec)
                 return chunks
@@ -340,6 +351,7 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
             tree = client_state_tree(plan.client_state, cache) if plan.client_state is not None else {}
             tree["state_dict"] = {s.name: ChunkedTensor(s.dtype, s.shape, chunks_of(s)) for s in plan.specs}
             files = (write_torch_tree(plan.output, tree),)
+            verify_lightning_file(plan.output, tuple(tree), plan.specs)
         elif plan.format is OutputFormat.SAFETENSORS:
             files = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks, metadata=plan.metadata,
                                               on_tensor=on_tensor),)
