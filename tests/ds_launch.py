@@ -111,9 +111,17 @@ def run_deepspeed(script: str, args: list[str], *, world: int, cwd: Path, timeou
     On timeout the launcher and its ranks are killed together and a CompletedProcess with returncode -9 and
     the output so far is returned, so the test fails with the log instead of hanging.
     """
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()),
            str(REPO / "tests" / script), *args]
+    return run_in_session(cmd, cwd=cwd, timeout=timeout, env=env)
+
+
+def run_in_session(cmd: list[str], *, cwd: Path, timeout: float,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (with ``DS_ACCELERATOR=cpu`` and the repo on ``PYTHONPATH``) in its own session; on timeout, or if
+    interrupted, kill its whole process group (ranks a launcher or Lightning started included). A timeout returns
+    returncode -9 and the output so far."""
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FIXTURES
-from ds_launch import free_port
+from ds_launch import free_port, run_in_session
 from safetensors.torch import load_file
 
 from dsckpt import safe_load
@@ -238,23 +238,8 @@ def test_folder_outputs_still_get_safetensors_shards(tmp_path, how):
 
 
 def _run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a Lightning subprocess in its own session; on timeout kill its whole process group (ranks included)."""
-    import signal
-
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out += f"\n[killed after {timeout:.0f} s]"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+    """A Lightning subprocess; its process group (ranks included) is killed on timeout."""
+    return run_in_session([sys.executable, *argv], cwd=REPO, timeout=timeout, env=env)
 
 
 @pytest.mark.deepspeed
@@ -273,7 +258,7 @@ def test_load_from_checkpoint_reads_the_export_strictly_with_lightnings_defaults
     pairs.append(f"{out}=lightning_z2_bf16_w2")
     result = tmp_path / "load.json"
     proc = _run(["tests/lightning_check.py", "load", str(result), *pairs], timeout=120)
-    assert proc.returncode == 0 and result.exists(), proc.stdout[-4000:]
+    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(result.read_text())
     assert len(records) == len(pairs)
     for rec in records:
@@ -295,7 +280,7 @@ def test_resume_on_one_process_after_reshard(tmp_path, name):
     result = tmp_path / "resume.json"
     proc = _run(["tests/lightning_check.py", "resume", str(result), name, str(out)], timeout=150,
                 env={"MASTER_PORT": str(free_port())})
-    assert proc.returncode == 0 and result.exists(), proc.stdout[-4000:]
+    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads(result.read_text())
     meta = _meta(name)
     assert rec["mismatched"] == [], rec
@@ -322,7 +307,7 @@ def test_resume_on_one_process_after_reshard(tmp_path, name):
 def test_ckpt_export_through_the_whole_tensor_path_is_the_same(tmp_path, monkeypatch):
     """Tensors whose fragments cannot be streamed in chunks (strided or out of order) are produced whole, through
     torch; forced here for every tensor, the .ckpt file is the same."""
-    import dsckpt.convert as convert
+    from dsckpt import convert
 
     ckpt = _ckpt("lightning_z2_bf16_w2")
     assert _cli("to-fp32", "-q", "--dtype", "bf16", ckpt, tmp_path / "a.ckpt").exit_code == 0
