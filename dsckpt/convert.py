@@ -159,6 +159,11 @@ def output_format(output: Path, *, sharded: bool, folder: bool = False) -> Outpu
     if fmt is not None:
         if sharded:
             raise UsageError("--max-shard-size is for safetensors output; give a directory")
+        if output.is_dir():
+            raise UsageError(
+                f"'{output}' is a folder, and a {suffix} OUT is one file; name a file that is not a folder"
+                + (" (a Lightning checkpoint folder such as epoch=0-step=3.ckpt/ is what to-fp32 reads, not an output)"
+                   if fmt is OutputFormat.LIGHTNING else ""))
         return fmt
     if output.exists() and not output.is_dir():
         raise UsageError(f"'{output}' exists and is not a directory; name a .safetensors, .bin or .pt file or a folder")

@@ -218,6 +218,17 @@ def test_unknown_out_suffix_is_a_usage_error_listing_the_known_ones(tmp_path, ou
     assert r.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+def test_a_lightning_checkpoint_folder_as_out_is_a_usage_error_even_with_force(tmp_path):
+    """The natural slip: OUT = a (copy of the) Lightning checkpoint folder itself. Refused up front, untouched."""
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    shutil.copytree(_ckpt("lightning_z2_bf16_w2"), ckpt)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    r = _cli("to-fp32", "--force", ckpt, ckpt)
+    assert r.exit_code == 2, r.output
+    assert "is a folder, and a .ckpt OUT is one file" in r.stderr and "what to-fp32 reads" in r.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize("how", ["no suffix", "trailing slash", "existing folder"])
 def test_folder_outputs_still_get_safetensors_shards(tmp_path, how):
     if how == "no suffix":
