@@ -155,6 +155,18 @@ def test_attribute_dict_is_read_and_written_as_a_plain_dict(tmp_path):
     assert type(hp) is dict and hp == _meta("lightning_z2_fp32_w2")["hyper_parameters"]
 
 
+def test_reshard_writes_an_attribute_dict_back_under_lightnings_class_path(tmp_path):
+    key = ("lightning.fabric.utilities.data", "AttributeDict")
+    cls = safe_load._ATTRIBUTE_DICTS[key]
+    ckpt = _variant(tmp_path, "lightning_z3_fp32_w2", lambda t: t.update(hyper_parameters=cls(t["hyper_parameters"])))
+    out = tmp_path / "resharded" / "epoch=0-step=3.ckpt"
+    r = _cli("reshard", "-q", "--world-size", "1", ckpt, out)
+    assert r.exit_code == 0, r.output
+    hp = safe_load.load(_model_states(out))["hyper_parameters"]
+    assert (type(hp).ds_module, type(hp).ds_name) == key
+    assert dict(hp) == _meta("lightning_z3_fp32_w2")["hyper_parameters"]
+
+
 def test_client_state_lightning_cannot_load_is_refused_and_can_be_left_out(tmp_path):
     """An argparse.Namespace (readable: Megatron-DeepSpeed stores one) in the hyper-parameters would make Lightning's
     weights_only load fail: refused with exit 3 naming the class and where it is, nothing written;
