@@ -321,10 +321,11 @@ def test_resume_on_one_process_after_reshard(tmp_path, name):
     assert rec["losses"]["4"] == pytest.approx(meta["next_loss"], rel=rel)
     if meta["spec"]["scheduler"]:
         (sched,) = rec["lr_scheduler"]
-        assert sched["_last_lr"] == [0.005]  # Lightning restored the scheduler from the carried client state
+        assert sched["_last_lr"] == [0.005]  # restored from the carried client state (a new scheduler: 0.01)
     if meta["spec"]["monitored"]:
-        assert rec["callbacks"]["EarlyStopping"]["best_score"] == "tensor(inf)"
-        assert rec["callbacks"]["ModelCheckpoint"]["kth_value"] == "tensor(inf)"
+        # restored from the carried client state (a new ModelCheckpoint has ""); kth_value / best_score are +inf in
+        # the file and in a new callback alike, so they prove nothing here
+        assert rec["callbacks"]["ModelCheckpoint"]["best_model_path"].endswith("/ckpts/epoch=0-step=3.ckpt")
 
 
 def test_ckpt_export_through_the_whole_tensor_path_is_the_same(tmp_path, monkeypatch):
