@@ -243,6 +243,9 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
 @click.option("--no-hf-files", is_flag=True,
               help="For a Hugging Face Trainer folder: write only the weights (every name, tied aliases included); "
                    "do not copy config.json, tokenizer and other model-side files into OUT.")
+@click.option("--no-client-state", is_flag=True,
+              help="For OUT.ckpt: write state_dict alone, without the trainer's client state (hyper-parameters, "
+                   "loops, callbacks, schedulers...).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, nothing written) if any tensor holds inf/NaN.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
@@ -251,12 +254,14 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="Reader threads running ahead of the writer (0: read and write in one thread).")
 @handle_errors
 def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
-            exclude_frozen: bool, no_hf_files: bool, force: bool, strict: bool, dry_run: bool, quiet: bool,
-            workers: int) -> None:
+            exclude_frozen: bool, no_hf_files: bool, no_client_state: bool, force: bool, strict: bool,
+            dry_run: bool, quiet: bool, workers: int) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
-    model.safetensors.index.json (one shard: model.safetensors). .bin/.pt: a torch file.
+    model.safetensors.index.json (one shard: model.safetensors). .bin/.pt/.pth: a torch state dict.
+    .ckpt: a Lightning checkpoint as Lightning's converter writes it (state_dict plus the client state of
+    rank 0's model-states file), for LightningModule.load_from_checkpoint. Other suffixes: exit 2.
 
     CKPT a Hugging Face Trainer folder (checkpoint-N/, or its global_stepN/) and OUT a folder: the
     model-side files (config.json with dtype set to --dtype, generation config, tokenizer, chat
@@ -269,7 +274,8 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
     ckpt, _ = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
-                        max_shard_size=max_shard_size, hf_files=not no_hf_files)
+                        max_shard_size=max_shard_size, hf_files=not no_hf_files,
+                        client_state=not no_client_state, cache=c.cache)
     if dry_run:
         click.echo(f"would write {len(plan.specs)} tensors, {_human(plan.total_nbytes)}, as "
                    f"{plan.format.value} to {plan.output}")
@@ -277,6 +283,8 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
             for name, shard in zip(plan.shards.filenames, plan.shards.shards):
                 click.echo(f"  {name}: {len(shard)} tensors, {_human(sum(s.nbytes for s in shard))}")
         click.echo("\n".join(_hf_lines(plan.hf_files, plan.tied_left_out)))
+        if plan.client_state is not None:
+            click.echo("\n".join(plan.client_state.describe()))
         sys.exit(1 if plan.specs else 0)
     with _progress(plan.total_nbytes, "to-fp32", not quiet) as tick:
         result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
@@ -286,6 +294,8 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
                        "'dsckpt repair'", err=True)
     click.echo(f"wrote {len(plan.specs)} tensors ({_human(plan.total_nbytes)}) to "
                + ", ".join(str(f) for f in result.files))
+    if plan.client_state is not None:
+        click.echo("\n".join(plan.client_state.describe()))
     if plan.hf_files is not None:
         click.echo(f"copied {len(plan.hf_files.copies)} Hugging Face file(s) from {plan.hf_files.folder}"
                    + (f"; tied {', '.join(plan.tied_left_out)} left out (from_pretrained re-ties it)"

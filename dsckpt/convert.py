@@ -1,5 +1,10 @@
 """``to-fp32``: consolidate a checkpoint into one state dict file (or shards), one tensor at a time.
 
+OUT's suffix picks the format (:data:`SUFFIX_TO_FORMAT`): ``.safetensors``, ``.bin``/``.pt``/``.pth`` (a torch state
+dict), ``.ckpt`` (a Lightning checkpoint: ``state_dict`` plus Lightning's client state, see :mod:`dsckpt.lightning`);
+a folder (no suffix, an existing folder, or a name ending in ``/``) gets Hugging Face-style shards. Any other
+suffix is a usage error: it is never silently taken for a folder name.
+
 :func:`plan_to_fp32` decides everything (names, dtypes, shapes, files) without reading tensor data;
 :func:`run_to_fp32` does the I/O. Safetensors output is produced with numpy alone (torch is not
 imported: that import costs more than converting a 200M-parameter checkpoint); torch files
@@ -24,6 +29,13 @@ from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import UsageError
 from .hf import HfFilesPlan, copy_files, plan_export_files
+from .lightning import (
+    ClientStatePlan,
+    client_state_tree,
+    lightning_name,
+    plan_client_state,
+    verify_lightning_file,
+)
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .nonfinite import NonFinite, count_nonfinite_np
 from .readers import FileCache
@@ -39,6 +51,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "SUFFIX_TO_FORMAT",
     "ConvertPlan",
     "ConvertResult",
     "NonFinite",
@@ -57,6 +70,12 @@ class OutputFormat(enum.Enum):
     SAFETENSORS = "safetensors"
     SAFETENSORS_SHARDED = "safetensors-sharded"
     TORCH = "torch"
+    LIGHTNING = "lightning"
+
+
+#: OUT suffix -> what ``to-fp32`` writes there (a folder OUT has no suffix).
+SUFFIX_TO_FORMAT = {".safetensors": OutputFormat.SAFETENSORS, ".bin": OutputFormat.TORCH, ".pt": OutputFormat.TORCH,
+                    ".pth": OutputFormat.TORCH, ".ckpt": OutputFormat.LIGHTNING}
 
 
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -100,6 +119,7 @@ class ConvertPlan:
     metadata: dict[str, str]
     hf_files: HfFilesPlan | None = None  # model-side files copied next to the weights (see dsckpt.hf)
     tied_left_out: tuple[str, ...] = ()  # tied aliases not written, as save_pretrained does
+    client_state: ClientStatePlan | None = None  # .ckpt: what is carried besides state_dict (see dsckpt.lightning)
 
     @property
     def total_nbytes(self) -> int:
@@ -109,6 +129,8 @@ class ConvertPlan:
     def output_nbytes_bound(self) -> int:
         """At most this many bytes are written: tensor data plus headers / zip records."""
         hf = self.hf_files.nbytes if self.hf_files is not None else 0
+        if self.client_state is not None:  # its tensors are small trainer values; its pickle is metadata
+            hf += sum(f.stat().st_size for f in (self.client_state.source,))
         return self.total_nbytes + hf + 4096 + sum(256 + 2 * len(s.name.encode()) for s in self.specs)
 
 
@@ -125,21 +147,32 @@ class NonFiniteValuesError(UsageError):
     exit_code = 1
 
 
-def output_format(output: Path, *, sharded: bool) -> OutputFormat:
+def output_format(output: Path, *, sharded: bool, folder: bool = False) -> OutputFormat:
+    """What ``to-fp32`` writes at ``output``; ``folder``: the user wrote it with a trailing ``/``."""
     suffix = output.suffix.lower()
-    if suffix == ".safetensors":
-        if sharded:
-            raise UsageError(
-                f"--max-shard-size needs a directory output, not the file '{output}'; "
-                "give a folder name to get model-0000X-of-0000N.safetensors shards and an index"
-            )
-        return OutputFormat.SAFETENSORS
-    if suffix in (".bin", ".pt", ".pth"):
+    fmt = SUFFIX_TO_FORMAT.get(suffix)
+    if fmt is OutputFormat.SAFETENSORS and sharded:
+        raise UsageError(
+            f"--max-shard-size needs a directory output, not the file '{output}'; "
+            "give a folder name to get model-0000X-of-0000N.safetensors shards and an index"
+        )
+    if fmt is not None:
         if sharded:
             raise UsageError("--max-shard-size is for safetensors output; give a directory")
-        return OutputFormat.TORCH
+        if output.is_dir():
+            raise UsageError(
+                f"'{output}' is a folder, and a {suffix} OUT is one file; name a file that is not a folder"
+                + (" (a Lightning checkpoint folder such as epoch=0-step=3.ckpt/ is what to-fp32 reads, not an output)"
+                   if fmt is OutputFormat.LIGHTNING else ""))
+        return fmt
     if output.exists() and not output.is_dir():
         raise UsageError(f"'{output}' exists and is not a directory; name a .safetensors, .bin or .pt file or a folder")
+    if suffix and not folder and not output.is_dir():
+        known = ", ".join(SUFFIX_TO_FORMAT)
+        raise UsageError(
+            f"unknown output suffix '{output.suffix}' in '{output}'; to-fp32 writes {known} files "
+            "(.safetensors: one file; .bin/.pt/.pth: a torch state dict; .ckpt: a Lightning checkpoint), "
+            "or a folder of safetensors shards (a name without a suffix, an existing folder, or one ending in '/')")
     return OutputFormat.SAFETENSORS_SHARDED
 
 
@@ -150,7 +183,7 @@ def _output_dtype(entry: TensorEntry, dtype: str) -> str:
 
 def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
                  exclude_frozen: bool = False, max_shard_size: str | int | None = None,
-                 hf_files: bool = True) -> ConvertPlan:
+                 hf_files: bool = True, client_state: bool = True, cache: FileCache | None = None) -> ConvertPlan:
     """Decide what ``to-fp32`` writes where. Pure: reads no tensor data, writes nothing.
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) applies to floating
@@ -160,10 +193,19 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     dir is a Trainer / model folder (it holds ``config.json`` or ``trainer_state.json``), the plan
     copies its model-side files (:func:`dsckpt.hf.plan_export_files`) next to the weights and, as
     ``save_pretrained`` does, leaves tied aliases out (``lm_head.weight`` when tied to the input
-    embeddings): ``from_pretrained`` re-ties them. Otherwise every name is written, aliases included."""
+    embeddings): ``from_pretrained`` re-ties them. Otherwise every name is written, aliases included.
+
+    Lightning export (``output`` ending in ``.ckpt``): the plan names the client state carried from rank 0's
+    model-states file (:func:`dsckpt.lightning.plan_client_state`, which reads pickle metadata through ``cache``),
+    unless ``client_state`` is false; state-dict names lose Lightning < 2.1's ``_forward_module.`` prefix, as
+    Lightning's converter does."""
     out = Path(output)
     dtype = parse_dtype(dtype)
-    fmt = output_format(out, sharded=max_shard_size is not None)
+    fmt = output_format(out, sharded=max_shard_size is not None,
+                        folder=str(output).endswith(("/", os.sep)))
+    if not client_state and fmt is not OutputFormat.LIGHTNING:
+        raise UsageError("--no-client-state is for a Lightning export (OUT ending in .ckpt); other formats never "
+                         "carry client state")
     # Values depend on an open binding only where the choices give different fp32 values (16-bit stage 0
     # with masters not exactly representable); which params are frozen always depends on it.
     ckpt.require_unambiguous("to-fp32 --exclude-frozen" if exclude_frozen else "to-fp32",
@@ -178,7 +220,16 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
         if hf is not None:
             tied_left_out = tuple(e.name for e in chosen if e.tied_to is not None)
             chosen = [e for e in chosen if e.tied_to is None]
-    specs = tuple(TensorSpec(e.name, _output_dtype(e, dtype), e.shape) for e in chosen)
+    name_to_entry = {e.name: e for e in chosen}
+    client: ClientStatePlan | None = None
+    if fmt is OutputFormat.LIGHTNING:
+        name_to_entry = {lightning_name(e.name): e for e in chosen}
+        if len(name_to_entry) != len(chosen):
+            raise UsageError(f"state-dict names collide once '_forward_module.' is removed in {ckpt.tag_dir}; "
+                             "export .safetensors or .pt instead")
+        if client_state:
+            client = plan_client_state(ckpt, cache if cache is not None else FileCache())
+    specs = tuple(TensorSpec(n, _output_dtype(e, dtype), e.shape) for n, e in name_to_entry.items())
     shards = None
     if fmt is OutputFormat.SAFETENSORS_SHARDED:
         shards = plan_shards(specs, parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
@@ -190,7 +241,7 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
         "zero_stage": str(ckpt.zero_stage),
         "training_precision": ckpt.precision.value,
     }
-    return ConvertPlan(out, fmt, specs, {e.name: e for e in chosen}, shards, metadata, hf, tied_left_out)
+    return ConvertPlan(out, fmt, specs, name_to_entry, shards, metadata, hf, tied_left_out, client)
 
 
 def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, strict: bool = False,
@@ -203,7 +254,9 @@ def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, str
     Safetensors outputs are streamed: each tensor is read in bounded chunks straight from its
     fragments, checked and written, so memory stays at ``workers + 1`` chunk buffers whatever the
     model or tensor size; ``workers`` reader threads run ahead of the writer (0: read in this
-    thread). Torch (.bin/.pt) outputs hold one whole tensor at a time.
+    thread). Lightning (.ckpt) outputs stream the same way into a torch zip file
+    (:func:`dsckpt.writers.torch_stream.write_torch_tree`): the client state first (its tensors copied byte for
+    byte), then ``state_dict``. Torch (.bin/.pt) outputs hold the whole state dict in memory.
 
     Every zip record read is checked against its CRC-32 (:mod:`dsckpt.crc`); the checks of records
     read only partly are completed after the last tensor is produced, before the output is moved
@@ -282,10 +335,31 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
             yield chunk
         record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
 
+    files: tuple[Path, ...]
     try:
-        if plan.format is OutputFormat.SAFETENSORS:
-            files: tuple[Path, ...] = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks,
-                                                                metadata=plan.metadata, on_tensor=on_tensor),)
+        if plan.format is OutputFormat.LIGHTNING:
+            from .writers.torch_stream import ChunkedTensor, write_torch_tree
+
+            def chunks_of(spec: TensorSpec) -> Callable[[], Iterator[Any]]:
+                def chunks() -> Iterator[Any]:
+                    written = 0
+                    for chunk in produce_chunks(spec):
+                        data = _as_bytes(chunk)
+                        written += data.nbytes
+                        yield data
+                    if written != spec.nbytes:
+                        raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec.nbytes}")
+                    if on_tensor is not None:
+                        on_tensor(spec)
+                return chunks
+
+            tree = client_state_tree(plan.client_state, cache) if plan.client_state is not None else {}
+            tree["state_dict"] = {s.name: ChunkedTensor(s.dtype, s.shape, chunks_of(s)) for s in plan.specs}
+            files = (write_torch_tree(plan.output, tree),)
+            verify_lightning_file(plan.output, tuple(tree), plan.specs)
+        elif plan.format is OutputFormat.SAFETENSORS:
+            files = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks, metadata=plan.metadata,
+                                              on_tensor=on_tensor),)
         else:
             assert plan.shards is not None
             with atomic_dir(plan.output) as tmp:
@@ -297,6 +371,15 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
     finally:
         stream.close()
     return ConvertResult(plan, files, tuple(found))
+
+
+def _as_bytes(chunk: Any) -> np.ndarray:
+    """A 1-D numpy chunk, or a torch tensor from the whole-tensor path, as its raw bytes (1-D uint8)."""
+    if isinstance(chunk, np.ndarray):
+        return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+    import torch
+
+    return chunk.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def convert_chunk(raw: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AttributeDictStandIn",
     "DeepSpeedEnum",
     "DeepSpeedObject",
     "StorageRef",
@@ -134,6 +135,32 @@ _STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
         (("deepspeed.checkpoint.constants", "ZeroStageEnum"), DeepSpeedEnum),
         # Megatron-DeepSpeed stores its argparse namespace as client state.
         (("argparse", "Namespace"), DeepSpeedObject),
+    ]
+}
+
+
+class AttributeDictStandIn(dict):  # type: ignore[type-arg]
+    """Stand-in for Lightning's ``AttributeDict`` (a ``dict`` subclass with attribute access): the pickle's items
+    become this dict's items; Lightning is never imported. Lightning 2.6 writes ``hyper_parameters`` as
+    ``dict(model.hparams)``, but client state may hold one. DeepSpeed-layout writers pickle it back under
+    Lightning's class path (``ds_module``/``ds_name``, like the DeepSpeed stand-ins); the Lightning export writes a
+    plain ``dict``."""
+
+    ds_module: str = ""
+    ds_name: str = ""
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"refusing to set attributes on {self.ds_module}.{self.ds_name}")
+
+
+#: Lightning's ``AttributeDict`` under its 2.x paths (``lightning``, standalone ``lightning_fabric``) and 1.x path.
+_ATTRIBUTE_DICTS: dict[tuple[str, str], type[AttributeDictStandIn]] = {
+    (module, name): _ReadOnlyClass(name, (AttributeDictStandIn,),  # type: ignore[misc]
+                                   {"ds_module": module, "ds_name": name, "__module__": __name__})
+    for module, name in [
+        ("lightning.fabric.utilities.data", "AttributeDict"),
+        ("lightning_fabric.utilities.data", "AttributeDict"),
+        ("pytorch_lightning.utilities.parsing", "AttributeDict"),
     ]
 }
 
@@ -560,6 +587,7 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
     for name in [*DTYPES, "float", "double", "half", "long", "int", "short", "cfloat", "cdouble"]:
         allowed[("torch", name)] = TorchDtype(dtype_info(name).name)
     allowed.update(_STAND_INS)
+    allowed.update(_ATTRIBUTE_DICTS)
     try:
         allowed.update(_numpy_globals())
     except ImportError:  # numpy is a dependency, but reading must not break without it

@@ -39,6 +39,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("to-fp32-sharded", lambda fx, c, o: ["to-fp32", "-q", "--max-shard-size", "500B", str(c), str(o / "shards")],
             lambda o: o / "shards"),
     Command("to-fp32-torch", lambda fx, c, o: ["to-fp32", "-q", str(c), str(o / "model.pt")], lambda o: o / "model.pt"),
+    Command("to-fp32-lightning", lambda fx, c, o: ["to-fp32", "-q", str(c), str(o / "model.ckpt")],
+            lambda o: o / "model.ckpt"),
     Command("scan", lambda fx, c, o: ["scan", "-q", str(c)], accepts=("deepspeed", "safetensors")),
     Command("repair", lambda fx, c, o: ["repair", "-q", str(c), str(o / "fixed"), "--from", _source(fx),
                                         "--policy", "reset-bn-stats"],

@@ -169,11 +169,19 @@ def run_deepspeed(script: str, args: list[str], *, world: int, cwd: Path, timeou
 
 def _launch(script: str, args: list[str], *, world: int, cwd: Path, timeout: float, launcher: Path,
             env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    cmd = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()),
+           str(REPO / "tests" / script), *args]
+    return run_in_session(cmd, cwd=cwd, timeout=timeout, env=env)
+
+
+def run_in_session(cmd: list[str], *, cwd: Path, timeout: float,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (with ``DS_ACCELERATOR=cpu`` and the repo on ``PYTHONPATH``) in its own session; on timeout, or if
+    interrupted, kill its whole process group (ranks a launcher or Lightning started included). A timeout returns
+    returncode -9 and the output so far."""
     # the repo first, then whatever PYTHONPATH the test run had (packages installed with --target, say)
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": pythonpath, **(env or {})}
-    cmd = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()),
-           str(REPO / "tests" / script), *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

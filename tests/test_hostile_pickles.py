@@ -56,6 +56,11 @@ def payloads(marker: Path) -> dict[str, bytes]:
                                              _g("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
                                              _g("builtins", "object"), b"N") + b"}" + _s("__reduce_ex__")
         + _g("torch", "Size") + b"sb",
+        # Lightning's AttributeDict is allow-listed as a dict stand-in: no state may be set on it or on its class
+        "BUILD-on-AttributeDict": _g("lightning.fabric.utilities.data", "AttributeDict") + b")\x81}"
+        + _s("__class__") + _g("torch", "Size") + b"sb",
+        "BUILD-on-AttributeDict-class": _g("lightning.fabric.utilities.data", "AttributeDict") + b"}"
+        + _s("__getattr__") + _g("torch", "Size") + b"sb",
         "deepspeed-engine": _call(_g("deepspeed.runtime.engine", "DeepSpeedEngine")),
         "deepspeed-init": _call(_g("deepspeed", "init_distributed")),
         "deepspeed-lookalike": _call(_g("deepspeed.runtime.fp16.loss_scaler", "os")),
