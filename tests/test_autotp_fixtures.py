@@ -84,7 +84,9 @@ def file_slices(fx: Path, t: int) -> dict[str, dict[str, torch.Tensor]]:
                 "exp_avg": torch.cat([o["base_optimizer_state"]["state"][g]["exp_avg"] for o in osds]),
                 "exp_avg_sq": torch.cat([o["base_optimizer_state"]["state"][g]["exp_avg_sq"] for o in osds]),
             }
-            pads = osds[0]["param_alignment_paddings"][g]
+            # BF16_Optimizer files have no param_alignment_paddings (and keep the tail padding of their fp32
+            # partitions, which the walk below never reaches).
+            pads = osds[0].get("param_alignment_paddings", {g: [0] * len(shapes)})[g]
             offset = 0
             for i, (name, shape) in enumerate(shapes.items()):
                 n = math.prod(shape)
