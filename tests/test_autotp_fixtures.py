@@ -1,0 +1,288 @@
+"""The tensor-parallel fixtures (``tests/fixtures/autotp/``): what DeepSpeed 0.19.8 wrote, pinned against the truth
+recorded at generation time, and today's refusal by ``dsckpt``.
+
+These tests read the fixture files with ``torch.load(weights_only=False)``: the fixtures are our own trusted files,
+and the point is to pin their layout for the reader still to be written (phase 2 of the TP issue), not to test
+dsckpt's safe loader. The ZeRO arithmetic here is the documented one (tests/fixtures/README.md), written out
+plainly; the TP merge follows the ``universal_checkpoint_info`` categories, as ``ds_to_universal`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsckpt.cli import main
+
+TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
+TP_FIXTURES = sorted(p.parent for p in TP_DIR.glob("*/truth.json"))
+TP_IDS = [p.name for p in TP_FIXTURES]
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+TRUTH_KIND = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+@cache
+def meta(fx: Path) -> dict:
+    return json.loads((fx / "truth.json").read_text())
+
+
+@cache
+def truth(fx: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(fx / "truth.safetensors"))
+
+
+@cache
+def universal(fx: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(fx / "universal_truth.safetensors"))
+
+
+@cache
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)  # trusted fixture (see module docstring)
+
+
+def tag_dir(fx: Path) -> Path:
+    return fx / "ckpt" / meta(fx)["tag"]
+
+
+def model_file(fx: Path, t: int, d: int = 0) -> Path:
+    m = meta(fx)
+    if m["stage"] == 3:
+        return tag_dir(fx) / f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"
+    return tag_dir(fx) / f"mp_rank_{t:02d}_model_states.pt"
+
+
+def optim_file(fx: Path, t: int, d: int) -> Path:
+    prefix = "bf16_" if meta(fx)["dtype"] == "bf16" else ""
+    return tag_dir(fx) / f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
+
+
+@cache
+def file_slices(fx: Path, t: int) -> dict[str, dict[str, torch.Tensor]]:
+    """TP rank t's slice of every param, rebuilt from its DP ranks' optimizer files: state -> name -> tensor."""
+    m = meta(fx)
+    dp = m["dp_world_size"]
+    out: dict = {s: {} for s in STATES}
+    if m["stage"] in (1, 2):
+        param_shapes = load(model_file(fx, t))["param_shapes"]
+        osds = [load(optim_file(fx, t, d))["optimizer_state_dict"] for d in range(dp)]
+        for g, shapes in enumerate(param_shapes):
+            flat = {
+                "fp32": torch.cat([o["single_partition_of_fp32_groups"][g] for o in osds]),
+                "exp_avg": torch.cat([o["base_optimizer_state"]["state"][g]["exp_avg"] for o in osds]),
+                "exp_avg_sq": torch.cat([o["base_optimizer_state"]["state"][g]["exp_avg_sq"] for o in osds]),
+            }
+            # BF16_Optimizer files have no param_alignment_paddings (and keep the tail padding of their fp32
+            # partitions, which the walk below never reaches).
+            pads = osds[0].get("param_alignment_paddings", {g: [0] * len(shapes)})[g]
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                n = math.prod(shape)
+                for s in STATES:
+                    out[s][name] = flat[s][offset:offset + n].view(tuple(shape))
+                offset += n + pads[i]
+    else:  # ZeRO-3: each DP rank holds ceil(numel / dp) elements of every param, in param_shapes order
+        param_shapes = load(model_file(fx, t, 0))["param_shapes"]
+        osds = [load(optim_file(fx, t, d))["optimizer_state_dict"] for d in range(dp)]
+        for g, shapes in enumerate(param_shapes):
+            flats = [{"fp32": o["fp32_flat_groups"][g],
+                      "exp_avg": o["optimizer_state_dict"]["state"][g]["exp_avg"],
+                      "exp_avg_sq": o["optimizer_state_dict"]["state"][g]["exp_avg_sq"]} for o in osds]
+            offset = 0
+            for name, shape in shapes.items():
+                n = math.prod(shape)
+                part = math.ceil(n / dp)
+                for s in STATES:
+                    full = torch.cat([f[s][offset:offset + part] for f in flats])[:n]
+                    out[s][name] = full.view(tuple(shape))
+                offset += part
+    return out
+
+
+def matches(patterns: list[str], name: str) -> bool:
+    return any(re.match(p, name) for p in patterns)
+
+
+def merge_by_record(uc: dict, name: str, slices: list[torch.Tensor]) -> torch.Tensor:
+    """Full tensor from per-TP-rank slices, by the universal_checkpoint_info categories."""
+    if matches(uc.get("tp_replicated_parameter_patterns", []), name):
+        assert all(torch.equal(slices[0], s) for s in slices[1:]), f"{name}: replicated, but TP ranks differ"
+        full = slices[0]
+    elif matches(uc.get("parameter_with_2_sub_params_cat_dim_0", []), name):
+        halves = [s.chunk(2, dim=0) for s in slices]
+        full = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    elif any(matches(e["patterns"], name) for e in uc.get("parameter_with_sub_params", [])):
+        entry = next(e for e in uc["parameter_with_sub_params"] if matches(e["patterns"], name))
+        dim = entry["partition_dim"]
+        widths = next(w for p, w in uc["sub_param_shard_widths"].items() if re.match(p, name))
+        pieces = [list(torch.split(s, [w[t] for w in widths], dim=dim)) for t, s in enumerate(slices)]
+        full = torch.cat([pieces[t][k] for k in range(len(widths)) for t in range(len(slices))], dim=dim)
+    else:
+        dim = 1 if matches(uc.get("parameter_with_row_parallelism_patterns", []), name) else 0
+        full = torch.cat(slices, dim=dim)
+    if matches(uc.get("vocabulary_parameter_patterns", []), name):
+        full = full[: uc["original_vocab_size"]]
+    return full
+
+
+def uc_info(fx: Path) -> dict:
+    return load(model_file(fx, 0))["universal_checkpoint_info"]
+
+
+@pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
+def test_files_per_rank(fx):
+    m = meta(fx)
+    tp, dp = m["tp_size"], m["dp_world_size"]
+    want = {"latest", "zero_to_fp32.py", "zero_to_torch.py"}
+    for t in range(tp):
+        for d in range(dp):
+            want.add(str(optim_file(fx, t, d).relative_to(fx / "ckpt")))
+            want.add(str(model_file(fx, t, d).relative_to(fx / "ckpt")))
+    have = {str(p.relative_to(fx / "ckpt")) for p in (fx / "ckpt").rglob("*") if p.is_file()}
+    assert have == want == set(m["files"])
+    assert (fx / "ckpt" / "latest").read_text() == m["tag"]
+
+
+@pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
+def test_model_states_record_tp(fx):
+    m = meta(fx)
+    dp = m["dp_world_size"] if m["stage"] == 3 else 1
+    first = uc_info(fx)
+    for t in range(m["tp_size"]):
+        for d in range(dp):
+            sd = load(model_file(fx, t, d))
+            assert sd["mp_world_size"] == m["tp_size"]
+            assert sd["dp_world_size"] == m["dp_world_size"]
+            assert sd["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": m["tp_size"]}
+            assert sd["universal_checkpoint_info"] == first  # the same record in every model-states file
+    for t in range(m["tp_size"]):
+        for d in range(m["dp_world_size"]):
+            osd = load(optim_file(fx, t, d))
+            assert "universal_checkpoint_info" not in osd and "universal_checkpoint_info" not in osd[
+                "optimizer_state_dict"]
+    assert json.loads(json.dumps(first)) == m["universal_checkpoint_info"]  # JSON turned int rank keys to str
+    if m["arch"] == "megatron":  # from client_state, as Megatron-DeepSpeed passes it
+        sd = load(model_file(fx, 0))
+        assert sd["iteration"] == 3 and sd["checkpoint_info"] == {"original_vocab_size": 30, "padded_vocab_size": 32}
+        assert "affine_map" not in first
+    else:  # AutoTP: every param is in one category, and has an affine map unless replicated by AutoTP's default
+        assert first["universal_checkpoint_version"] == 0.4
+        assert set(first["affine_map"]["params"]) == {rf"^{re.escape(n)}$" for n in m["params"]}
+
+
+@pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
+def test_file_slices_are_what_the_engine_returned(fx):
+    """Each TP rank's slice in the files equals what safe_get_full_fp32_param / _optimizer_state returned on that
+    rank: TP-local tensors (the full shape only for params AutoTP leaves replicated)."""
+    m, tr = meta(fx), truth(fx)
+    for t in range(m["tp_size"]):
+        sl = file_slices(fx, t)
+        assert sorted(sl["fp32"]) == sorted(m["params"])
+        for s in STATES:
+            for n in m["params"]:
+                assert torch.equal(sl[s][n], tr[f"tp{t}/{TRUTH_KIND[s]}/{n}"]), (t, s, n)
+                assert list(sl[s][n].shape) == m["local_shapes"][f"tp{t}"][n]
+    assert set(m["safe_get_full_fp32_param_returns"].values()) <= {"tp_local", "full (replicated param)"}
+
+
+@pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
+def test_slices_merged_by_record_equal_deepspeed_merge(fx):
+    """Concatenating the file slices per the universal_checkpoint_info record reproduces ds_to_universal's fp32 and
+    Adam moments exactly, and the live engine's values merged at generation time."""
+    m, tr, u = meta(fx), truth(fx), universal(fx)
+    uc = uc_info(fx)
+    per_rank = [file_slices(fx, t) for t in range(m["tp_size"])]
+    split = 0
+    for n in m["params"]:
+        for s in STATES:
+            full = merge_by_record(uc, n, [r[s][n] for r in per_rank])
+            assert torch.equal(full, u[f"{s}/{n}"]), (s, n)
+            assert torch.equal(full, tr[f"{TRUTH_KIND[s]}/{n}"]), (s, n)
+            assert list(full.shape) == m["full_shapes"][n]
+        split += per_rank[0]["fp32"][n].shape != tuple(m["full_shapes"][n])
+    assert split > 0
+
+
+@pytest.mark.parametrize("fx", [f for f in TP_FIXTURES if meta(f)["arch"] != "megatron"],
+                         ids=[f.name for f in TP_FIXTURES if meta(f)["arch"] != "megatron"])
+def test_affine_map_rebuilds_fp32(fx):
+    """AutoTP's affine_map (torch.as_strided offsets/strides per piece) alone rebuilds every param's fp32."""
+    m, u = meta(fx), universal(fx)
+    amap = uc_info(fx)["affine_map"]
+    assert amap["version"] == 1
+    per_rank = [file_slices(fx, t)["fp32"] for t in range(m["tp_size"])]
+    for n in m["params"]:
+        entry = amap["params"][rf"^{re.escape(n)}$"]
+        full = torch.full((math.prod(entry["logical_shape"]),), float("nan"))  # NaN: an uncovered element fails
+        for rank, spec in entry["ranks"].items():
+            # A fresh flat copy: as_strided's offset counts from the start of the storage, and the slice is a view
+            # into the whole flat optimizer partition.
+            shard = per_rank[int(rank)][n].detach().reshape(-1).clone()
+            assert list(per_rank[int(rank)][n].shape) == spec["shard_shape"]
+            for pc in spec["pieces"]:
+                src_off, src_strides = pc["source"]
+                dst_off, dst_strides = pc["dest"]
+                full.as_strided(pc["shape"], src_strides, src_off).copy_(
+                    shard.as_strided(pc["shape"], dst_strides, dst_off))
+        assert torch.equal(full.view(entry["logical_shape"]), u[f"fp32/{n}"]), n
+
+
+@pytest.mark.parametrize("fx", [f for f in TP_FIXTURES if meta(f)["stage"] < 3],
+                         ids=[f.name for f in TP_FIXTURES if meta(f)["stage"] < 3])
+def test_module_holds_tp_local_16bit_copy(fx):
+    m, tr = meta(fx), truth(fx)
+    for t in range(m["tp_size"]):
+        module = load(model_file(fx, t))["module"]
+        assert list(module) == m["params"]
+        for n in m["params"]:
+            assert torch.equal(module[n], tr[f"tp{t}/lowp/{n}"]), (t, n)
+
+
+@pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
+def test_merged_fp32_reproduces_engine_logits(fx):
+    """DeepSpeed's merged fp32 in a plain (non-TP) model gives the engine's logits: to fp32 rounding for fp32
+    runs; for bf16 runs within what bf16 compute leaves (engine logits are bf16, upcast)."""
+    sys.path.insert(0, str(TP_DIR.parent))
+    try:
+        if meta(fx)["arch"] == "megatron":
+            import tp_megatron_models as mm
+
+            model = mm.MegatronNet(None, 0, 1)
+        else:
+            import autotp_models as am
+
+            model = am.make_model(meta(fx)["arch"])
+    finally:
+        sys.path.remove(str(TP_DIR.parent))
+    u, tr = universal(fx), truth(fx)
+    model.load_state_dict({n: u[f"fp32/{n}"] for n in meta(fx)["params"]})
+    ids = tr["input_ids"]
+    with torch.no_grad():
+        out = model.eval()(ids) if meta(fx)["arch"] == "megatron" else model.eval()(input_ids=ids).logits
+    diff = float((out.float() - tr["logits"]).abs().max())
+    # fp32: another reduction order (TP all-reduce) only; bf16: engine logits carry bf16 rounding (max |logit| < 2).
+    tol = 1e-6 if meta(fx)["dtype"] == "fp32" else 0.02
+    assert diff <= tol, diff
+    assert abs(diff - meta(fx)["crosscheck"]["merged_fp32_logits"]["max_abs_diff_fp32_model"]) < 1e-6
+
+
+@pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
+def test_info_refuses_tensor_parallel_today(fx):
+    """Current behaviour (flips when the TP reader lands): exit 3, one line naming tensor parallelism."""
+    res = CliRunner().invoke(main, ["info", str(fx / "ckpt")])
+    assert res.exit_code == 3, res.output
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tensor parallel" in lines[0], res.stderr
