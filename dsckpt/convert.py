@@ -166,7 +166,8 @@ def output_format(output: Path, *, sharded: bool, folder: bool = False) -> Outpu
                    if fmt is OutputFormat.LIGHTNING else ""))
         return fmt
     if output.exists() and not output.is_dir():
-        raise UsageError(f"'{output}' exists and is not a directory; name a .safetensors, .bin or .pt file or a folder")
+        raise UsageError(f"'{output}' exists and is not a directory; name a {', '.join(SUFFIX_TO_FORMAT)} file "
+                         "or a folder")
     if suffix and not folder and not output.is_dir():
         known = ", ".join(SUFFIX_TO_FORMAT)
         raise UsageError(
