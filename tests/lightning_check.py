@@ -105,6 +105,12 @@ def resume(result: Path, fixture: str, ckpt: str) -> None:
     trainer.fit(lm.Net(bn=spec["bn"], scheduler=spec["scheduler"]), ckpt_path=ckpt)
     rec["global_step_at_end"] = int(trainer.global_step)
     rec["losses_finite"] = all(math.isfinite(v) for v in rec["losses"].values())
+    # the first resumed step's loss, computed here from the saved weights the generator's way: a reference from
+    # this machine's kernels, so the test needs no tolerance for another CPU
+    meta = json.loads((FIXTURES / fixture / "lightning_truth.json").read_text())
+    rec["reference_loss"] = lm.first_batch_loss(
+        meta["hyper_parameters"], {k.split("/", 1)[1]: v for k, v in truth.items() if k.startswith("lowp/")},
+        {k.split("/", 1)[1]: v for k, v in truth.items() if k.startswith("buffer/")}, spec["precision"])
     result.write_text(json.dumps(rec, indent=1, default=str))
 
 
