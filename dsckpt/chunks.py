@@ -64,6 +64,10 @@ def plan_piece_chunks(piece: Piece, shape: tuple[int, ...], cache: FileCache, *,
     that do not tile the tensor in order); use :func:`read_piece` for it. Reads no tensor data.
     """
     check_numel(piece, shape, name)
+    if any(f.strided for f in piece.fragments):
+        # A tensor-parallel row slice: output order interleaves the TP ranks row by row, which would take
+        # one read per row; read_piece reads each slice once and scatters it (one tensor in memory).
+        return None
     frags = sorted(piece.fragments, key=lambda f: f.dst_offset)
     reads: list[ChunkRead] = []
     expected = 0
