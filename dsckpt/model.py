@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Fragment",
-    "contiguous_fragments",
     "Kind",
     "LogicalCheckpoint",
     "MoeLayout",
@@ -28,6 +27,7 @@ __all__ = [
     "Precision",
     "Role",
     "TensorEntry",
+    "contiguous_fragments",
 ]
 
 

@@ -55,7 +55,15 @@ from . import safe_load
 from .dtypes import DTYPES, dtype_info, from_float32, to_float32
 from .errors import CorruptCheckpointError
 from .layout import Owner, key_owner
-from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry, contiguous_fragments
+from .model import (
+    Kind,
+    LogicalCheckpoint,
+    Piece,
+    Precision,
+    Role,
+    TensorEntry,
+    contiguous_fragments,
+)
 from .nonfinite import NonFinite
 from .readers.common import FileCache, format_key, lookup
 from .safe_load import TensorRef

@@ -148,29 +148,23 @@ def compose(frag: Fragment, blocks: Sequence[TpBlock]) -> list[Fragment]:
         if x >= y:
             continue
         kx, ky = x - b.local_offset, y - b.local_offset
-        src = frag.src_offset + (x - lo)
-
-        def add(k0: int, k1: int, strided: bool) -> None:
-            n = k1 - k0
-            s = src + (k0 - kx)
-            if strided and n > b.run_numel:
-                out.append(Fragment(frag.file, frag.key, s, n, b.full_index(k0), frag.rank,
-                                    run_numel=b.run_numel, dst_stride=b.full_stride))
-            else:
-                out.append(Fragment(frag.file, frag.key, s, n, b.full_index(k0), frag.rank))
-
         r = b.run_numel
         if not r:
-            add(kx, ky, False)
-            continue
-        head_end = min(ky, -(-kx // r) * r)
-        if head_end > kx:
-            add(kx, head_end, False)
-        body_end = max(head_end, (ky // r) * r)
-        if body_end > head_end:
-            add(head_end, body_end, True)
-        if ky > body_end:
-            add(body_end, ky, False)
+            spans = [(kx, ky)]
+        else:  # a partial head run, the whole runs (one strided fragment), a partial tail run
+            head_end = min(ky, -(-kx // r) * r)
+            body_end = max(head_end, (ky // r) * r)
+            spans = [(kx, head_end), (head_end, body_end), (body_end, ky)]
+        for k0, k1 in spans:
+            n = k1 - k0
+            if n <= 0:
+                continue
+            src = frag.src_offset + (x - lo) + (k0 - kx)
+            if r and n > r:
+                out.append(Fragment(frag.file, frag.key, src, n, b.full_index(k0), frag.rank,
+                                    run_numel=r, dst_stride=b.full_stride))
+            else:
+                out.append(Fragment(frag.file, frag.key, src, n, b.full_index(k0), frag.rank))
     return out
 
 
@@ -190,7 +184,7 @@ _AFFINE = "affine_map"
 
 def _patterns(record: Mapping[str, Any], key: str) -> list[str]:
     v = record.get(key) or []
-    return [str(p) for p in v] if isinstance(v, (list, tuple)) else [str(p) for p in v]
+    return [str(p) for p in v] if isinstance(v, (list, tuple)) else []
 
 
 def _match(patterns: Sequence[str], name: str) -> str | None:

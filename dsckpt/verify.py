@@ -211,15 +211,18 @@ def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
                 continue
             a = _PieceReader(primary, cache, e.name, pool, 0, REPLICA_WINDOW_NUMEL)
             b = _PieceReader(p, cache, e.name, pool, 1, REPLICA_WINDOW_NUMEL)
+            count, first_index = 0, -1
             for lo in range(0, p.numel, REPLICA_WINDOW_NUMEL):
                 hi = min(p.numel, lo + REPLICA_WINDOW_NUMEL)
                 x, y = a.read(lo, hi), b.read(lo, hi)
                 xb, yb = x.view(np.uint8).reshape(hi - lo, -1), y.view(np.uint8).reshape(hi - lo, -1)
                 differ = np.flatnonzero((xb != yb).any(axis=1))
-                if differ.size:
-                    first = contiguous_fragments(p)[0]
-                    out.append((e.name, f"replica {p.replica} of its {p.role.value} copy ({first.file.name}) differs "
-                                        f"from replica {p.same_as} at {differ.size}+ element(s), first at flat index "
-                                        f"{lo + int(differ[0])}; copies that must be identical disagree"))
-                    break
+                if differ.size and first_index < 0:
+                    first_index = lo + int(differ[0])
+                count += int(differ.size)
+            if count:
+                file = contiguous_fragments(p)[0].file.name
+                msg = (f"replica {p.replica} of its {p.role.value} copy ({file}) differs from replica {p.same_as} in "
+                       f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
+                out.append((e.name, msg))
     return out

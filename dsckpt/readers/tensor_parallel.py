@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
@@ -30,7 +29,7 @@ def rank_files(files: CheckpointFiles, t: int) -> CheckpointFiles:
     """TP rank ``t``'s files, renumbered as model-parallel rank 0 (the per-rank readers see one DP checkpoint)."""
     return dataclasses.replace(
         files,
-        mp_to_model_states={0: p for mp, p in files.mp_to_model_states.items() if mp == t},
+        mp_to_model_states={0: files.mp_to_model_states[t]} if t in files.mp_to_model_states else {},
         dp_mp_to_zero3_model_states={(d, 0): p for (d, mp), p in files.dp_mp_to_zero3_model_states.items() if mp == t},
         dp_mp_to_optim_states={(d, 0): p for (d, mp), p in files.dp_mp_to_optim_states.items() if mp == t},
     )
