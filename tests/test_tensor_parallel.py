@@ -397,3 +397,20 @@ def test_hf_export_reproduces_engine_logits(name, tmp_path):
     diff = float((got - truth(fx)["logits"]).abs().max())
     assert diff <= (1e-6 if meta(fx)["dtype"] == "fp32" else 0.02), diff
     assert abs(diff - meta(fx)["crosscheck"]["merged_fp32_logits"]["max_abs_diff_fp32_model"]) < 1e-6
+
+
+def test_repair_patches_a_tp_slice_from_its_master(tmp_path):
+    """A 16-bit element of TP rank 1's row slice set to inf is repaired from the fp32 master (the element's full
+    index maps back to the right rank file and offset); the output equals the fixture byte for byte in values."""
+    fx = TP_DIR / "autotp_z1_bf16_tp2_dp1"
+    ckpt = _copy(fx, tmp_path)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    _set_local(ckpt, 1, name, Role.MODULE, 3 * 8 + 5, float("inf"))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["repair", str(ckpt), str(out), "--from", "master", "-q"])
+    assert r.exit_code == 0, r.output
+    assert f"{name} (param): 1 of 128 values at [61]" in r.stdout
+    cache_ = FileCache()
+    fixed = read_checkpoint(out, cache=cache_)
+    assert torch.equal(read_entry(fixed.entry(name), cache_, Role.MODULE).float(), truth(fx)[f"lowp/{name}"].float())
+    assert scan(out).findings == ()
