@@ -9,7 +9,6 @@ import math
 import shutil
 import subprocess
 import sys
-from functools import cache
 from itertools import pairwise
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, universal
 
 from dsckpt import safe_load, safe_save
 from dsckpt.assemble import read_entry
@@ -33,29 +33,7 @@ from dsckpt.readers.zero12 import read_zero12
 from dsckpt.scan import scan
 from dsckpt.tensor_parallel import ParamCut, SplitKind, compose, tp_layout_from_record
 
-TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
-TP_FIXTURES = sorted(p.parent for p in TP_DIR.glob("*/truth.json"))
-TP_IDS = [p.name for p in TP_FIXTURES]
 ROLE_KEY = {Role.MASTER: "fp32", Role.EXP_AVG: "exp_avg", Role.EXP_AVG_SQ: "exp_avg_sq"}
-
-
-@cache
-def meta(fx: Path) -> dict:
-    return json.loads((fx / "truth.json").read_text())
-
-
-@cache
-def universal(fx: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(fx / "universal_truth.safetensors"))
-
-
-@cache
-def truth(fx: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(fx / "truth.safetensors"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,12 @@ def read_tensor_parallel(files: CheckpointFiles, cache: FileCache, tp_size: int)
         raise UnsupportedCheckpointError(
             f"'{files.tag_dir}': a tensor-parallel checkpoint without ZeRO optimizer files (stage 0), which is not "
             "supported yet; only ZeRO-1/2/3 and BF16_Optimizer TP checkpoints can be read")
+    no_optim = [t for t in range(tp_size) if not any(mp == t for _, mp in files.dp_mp_to_optim_states)]
+    if no_optim:
+        raise IncompleteCheckpointError(
+            f"'{files.tag_dir}' was saved with tensor parallelism {tp_size} but has no optimizer-state files for TP "
+            f"rank(s) {no_optim} (no '*_mp_rank_{no_optim[0]:02d}_optim_states.pt'); the save was probably "
+            "interrupted or files of another run were added; pick another tag with --tag")
     reader: Callable[[CheckpointFiles, FileCache], LogicalCheckpoint] = read_zero3 if zero3 else read_zero12
     ranks = [reader(rank_files(files, t), cache) for t in range(tp_size)]
     record_path = files.dp_mp_to_zero3_model_states[(0, 0)] if zero3 else files.mp_to_model_states[0]
