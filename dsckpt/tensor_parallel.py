@@ -4,7 +4,8 @@ Under tensor parallelism (DeepSpeed AutoTP, or Megatron-style models passed to D
 rank is an ordinary ZeRO / ``BF16_Optimizer`` checkpoint of its *local* slices, under the same param names on every
 rank (tests/fixtures/README.md, "AutoTP fixtures"). How the slices make the full tensor is recorded by the training
 code itself in ``universal_checkpoint_info`` (model-states files): category pattern lists (replicated, row-parallel,
-vocabulary, sub-params) and, for AutoTP 0.4, an ``affine_map`` per param. :func:`tp_layout_from_record` turns that
+vocabulary, sub-params) and, for AutoTP 0.4, an ``affine_map`` per param (checked against the patterns, :func:`affine_disagreement`).
+:func:`tp_layout_from_record` turns that
 record plus every rank's local shapes into a :class:`TpLayout`: per param a :class:`ParamCut` (split kind, dim,
 per-rank widths of each sub-param, vocabulary rows kept). The merge rules are DeepSpeed 0.19.8's
 ``ds_to_universal.merge_tp_slices``; a split is never inferred from shapes.
@@ -25,6 +26,7 @@ experts are a dim-0 cut of a stacked ``(num_experts, ...)`` logical tensor, i.e.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -34,7 +36,7 @@ from typing import Any
 from .errors import UnsupportedCheckpointError
 from .model import Fragment
 
-__all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "compose", "tp_layout_from_record"]
+__all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "tp_layout_from_record"]
 
 
 class SplitKind(enum.Enum):
@@ -235,10 +237,9 @@ def tp_layout_from_record(record: Mapping[str, Any] | None, name_to_rank_shapes:
             problems.append(str(e))
             continue
         if affine_params is not None and (p := _match(list(affine_params), name)) is not None:
-            logical = affine_params[p].get("logical_shape") if isinstance(affine_params[p], Mapping) else None
-            if logical is not None and tuple(int(x) for x in logical) != cut.full_shape:
-                problems.append(f"'{name}': the category patterns give full shape {list(cut.full_shape)}, its "
-                                f"affine_map says {list(logical)}")
+            why = affine_disagreement(cut, affine_params[p])
+            if why is not None:
+                problems.append(f"'{name}': {why}")
                 continue
         cuts[name] = cut
     if problems:
@@ -248,6 +249,45 @@ def tp_layout_from_record(record: Mapping[str, Any] | None, name_to_rank_shapes:
                                                                        else "")
             + "; dsckpt does not guess splits from shapes, so nothing was read")
     return TpLayout(tp, source, cuts)
+
+
+def affine_disagreement(cut: ParamCut, entry: Any) -> str | None:
+    """Why AutoTP's ``affine_map`` entry for a param disagrees with ``cut`` (derived from the category patterns),
+    or None. The map's pieces say ``full.flatten().as_strided(shape, src_strides, src_offset) ==
+    shard.flatten().as_strided(shape, dst_strides, dst_offset)`` (deepspeed/checkpoint/affine.py, 0.19.8); each
+    piece is affine, so its corner elements, its element count and each rank's shard shape pin it against the
+    piecewise-affine :meth:`ParamCut.rank_blocks` (a full element-by-element check would cost O(numel))."""
+    try:
+        logical = tuple(int(x) for x in entry["logical_shape"])
+        if logical != cut.full_shape:
+            return f"the category patterns give full shape {list(cut.full_shape)}, its affine_map says {list(logical)}"
+        ranks = entry["ranks"]
+        for t in range(cut.tp_size):
+            spec = ranks[t] if t in ranks else ranks[str(t)]
+            if tuple(int(x) for x in spec["shard_shape"]) != cut.rank_shapes[t]:
+                return f"TP rank {t} holds {list(cut.rank_shapes[t])}, its affine_map says {list(spec['shard_shape'])}"
+            blocks = cut.rank_blocks(t)
+            covered = 0
+            for pc in spec["pieces"]:
+                if pc.get("scale") not in (None, 1, 1.0):
+                    return "its affine_map scales a piece, which dsckpt does not read"
+                shape = [int(x) for x in pc["shape"]]
+                (src_off, src_strides), (dst_off, dst_strides) = pc["source"], pc["dest"]
+                covered += math.prod(shape)
+                for corner in itertools.product(*[(0, n - 1) if n > 1 else (0,) for n in shape]):
+                    local = int(dst_off) + sum(i * int(s) for i, s in zip(corner, dst_strides))
+                    full = int(src_off) + sum(i * int(s) for i, s in zip(corner, src_strides))
+                    b = next((b for b in blocks if b.local_offset <= local < b.local_offset + b.numel), None)
+                    mine = b.full_index(local - b.local_offset) if b is not None else None
+                    if mine != full:
+                        return (f"TP rank {t}'s local element {local} goes to full element {full} by its affine_map, "
+                                f"to {mine} by the category patterns")
+            if covered != sum(b.numel for b in blocks):
+                return (f"TP rank {t}'s affine_map pieces cover {covered} elements, the category patterns "
+                        f"{sum(b.numel for b in blocks)}")
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "its affine_map entry is malformed (no logical_shape / ranks / pieces as DeepSpeed 0.19.8 writes them)"
+    return None
 
 
 def _list(names: Sequence[str]) -> str:

@@ -142,12 +142,14 @@ def test_layout_from_record_categories():
 
 @pytest.mark.parametrize("record, shapes, match", [
     (None, {"w": [(4, 2), (4, 2)]}, r"without a 'universal_checkpoint_info' record.*w"),
-    (_record(affine_map={"version": 1, "params": {"^a$": {"logical_shape": [8, 2]}}}),
+    (_record(affine_map={"version": 1, "params": {"^a$": {"logical_shape": [8, 2], "ranks": {}}}}),
      {"a": [(4, 2), (4, 2)], "b": [(4, 2), (4, 2)]}, r"'b' has no affine_map entry"),
     (_record(parameter_to_average_patterns=["w"]), {"w": [(4,), (4,)]}, r"'w' is averaged"),
     (_record(tp_replicated_parameter_patterns=["w"]), {"w": [(4,), (3,)]}, r"'w' is replicated but"),
     (_record(affine_map={"version": 1, "params": {"^a$": {"logical_shape": [4, 4]}}}), {"a": [(4, 2), (4, 2)]},
      r"affine_map says \[4, 4\]"),
+    (_record(affine_map={"version": 1, "params": {"^a$": {"logical_shape": [8, 2]}}}), {"a": [(4, 2), (4, 2)]},
+     r"'a': its affine_map entry is malformed"),
     (_record(vocabulary_parameter_patterns=["v"], original_vocab_size=14, padded_vocab_size=32),
      {"v": [(8, 2), (8, 2)]}, r"padded_vocab_size says 32"),
     (_record(autotp_unsupported_parameter_patterns={"^w$": "why"}), {"w": [(4,), (4,)]}, r"unsupported"),
@@ -294,19 +296,39 @@ def test_diff_export_vs_deepspeed_merge_is_equal(tmp_path):
         assert r.exit_code == 0, r.output
 
 
-def test_record_without_param_is_refused(tmp_path):
-    """A param the AutoTP record does not cover: exit 3 naming it, nothing guessed."""
-    ckpt = _copy(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+def _edit_record(ckpt: Path, edit) -> None:
     for t in range(2):
         p = ckpt / "global_step3" / f"mp_rank_{t:02d}_model_states.pt"
         tree = safe_load.materialize(safe_load.load(p))
-        del tree["universal_checkpoint_info"]["affine_map"]["params"][r"^model\.layers\.1\.mlp\.up_proj\.weight$"]
+        edit(tree["universal_checkpoint_info"])
         safe_save.save(tree, p)
+
+
+def test_record_without_param_is_refused(tmp_path):
+    """A param the AutoTP record does not cover: exit 3 naming it, nothing guessed."""
+    ckpt = _copy(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+    _edit_record(ckpt, lambda uc: uc["affine_map"]["params"].pop(r"^model\.layers\.1\.mlp\.up_proj\.weight$"))
     r = CliRunner().invoke(main, ["to-fp32", str(ckpt), str(tmp_path / "o.safetensors")])
     assert r.exit_code == 3 and r.stdout == ""
     assert "'model.layers.1.mlp.up_proj.weight' has no affine_map entry" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_affine_map_contradicting_the_patterns_is_refused(tmp_path):
+    """AutoTP's affine_map is checked against the category patterns: a row-parallel param whose map says it is
+    cut by rows (as if column-parallel) is refused, not read either way."""
+    ckpt = _copy(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+    key = r"^model\.layers\.0\.self_attn\.o_proj\.weight$"
+
+    def edit(uc):
+        uc["affine_map"]["params"][key]["ranks"][1]["pieces"][0]["source"] = [64, [16, 1]]
+
+    _edit_record(ckpt, edit)
+    r = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert r.exit_code == 3
+    assert "'model.layers.0.self_attn.o_proj.weight': TP rank 1's local element 0 goes to full element 64 by its " \
+           "affine_map, to 8 by the category patterns" in r.stderr
 
 
 def test_reshard_refuses_tensor_parallel(tmp_path):
