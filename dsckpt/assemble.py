@@ -27,6 +27,13 @@ def read_piece(piece: Piece, shape: tuple[int, ...], cache: FileCache, *, name: 
             out = torch.empty(numel, dtype=ref.dtype)
         if ref.dtype != out.dtype:
             raise CorruptCheckpointError(f"{frag.file}: tensor '{name}' fragments mix {ref.dtype} and {out.dtype}")
+        if frag.strided:  # a tensor-parallel row slice: read it whole, then scatter its runs
+            runs = frag.numel // frag.run_numel
+            tmp = torch.empty(frag.numel, dtype=ref.dtype)
+            ref.read(frag.src_offset, frag.numel, out=tmp)
+            out.as_strided((runs, frag.run_numel), (frag.dst_stride, 1), frag.dst_offset).copy_(
+                tmp.view(runs, frag.run_numel))
+            continue
         ref.read(frag.src_offset, frag.numel, out=out[frag.dst_offset : frag.dst_offset + frag.numel])
     if out is None:
         out = torch.empty(0, dtype=getattr(torch, piece.dtype))

@@ -7,6 +7,7 @@ consumer, so memory stays at a few chunks whatever the size of the tensor.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,11 +17,11 @@ import numpy as np
 
 from .dtypes import DTYPES
 from .errors import CorruptCheckpointError
-from .model import Piece
+from .model import Fragment, Piece
 from .readers.common import FileCache
 from .safe_load import TensorRef
 
-__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "check_numel", "plan_piece_chunks", "read_chunks"]
+__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "plan_piece_chunks", "read_chunks"]
 
 # Big enough that per-call overhead vanishes (~100 reads per GB), small enough to stay in cache
 # between the read and the checks that follow it.
@@ -62,8 +63,12 @@ def plan_piece_chunks(piece: Piece, shape: tuple[int, ...], cache: FileCache, *,
 
     Returns None when the piece cannot be streamed that way (a strided stored tensor, or fragments
     that do not tile the tensor in order); use :func:`read_piece` for it. Reads no tensor data.
+    Pieces with strided fragments (tensor-parallel row slices) get :class:`GatherRead` s: still one
+    bounded chunk per read, each gathered from the row runs it covers.
     """
-    check_numel(piece, shape, name)
+    numel = check_numel(piece, shape, name)
+    if any(f.strided for f in piece.fragments):
+        return _plan_gather_chunks(piece, numel, cache, name, chunk_nbytes)
     frags = sorted(piece.fragments, key=lambda f: f.dst_offset)
     reads: list[ChunkRead] = []
     expected = 0
@@ -87,11 +92,71 @@ def plan_piece_chunks(piece: Piece, shape: tuple[int, ...], cache: FileCache, *,
     return tuple(reads)
 
 
+@dataclass(frozen=True, eq=False)
+class GatherRead(ChunkRead):
+    """Output elements ``[start, start + numel)`` of a piece with strided fragments (tensor-parallel row slices,
+    see :class:`~dsckpt.model.Fragment`): gathered from every fragment's runs that overlap the window, one read
+    per (partial) run. ``sources`` is the piece's fragments with their stored tensors, shared by all the
+    piece's reads, so a plan stays a few objects per chunk however many rows a tensor has."""
+
+    sources: tuple[tuple[Fragment, TensorRef], ...]
+
+
+def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
+                        chunk_nbytes: int) -> tuple[ChunkRead, ...] | None:
+    sources: list[tuple[Fragment, TensorRef]] = []
+    for frag in piece.fragments:
+        ref = cache.tensor(frag.file, frag.key)
+        if not ref.is_contiguous():
+            return None
+        if sources and ref.dtype_name != sources[0][1].dtype_name:
+            raise CorruptCheckpointError(f"{frag.file}: tensor '{name}' fragments mix {ref.dtype_name} and "
+                                         f"{sources[0][1].dtype_name}")
+        if frag.src_offset < 0 or frag.src_offset + frag.numel > ref.numel:
+            raise CorruptCheckpointError(
+                f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_offset + frag.numel}) "
+                f"of a stored tensor with {ref.numel}; the checkpoint metadata does not match its tensors")
+        sources.append((frag, ref))
+    shared = tuple(sources)
+    step = max(1, chunk_nbytes // shared[0][1].storage.itemsize)
+    return tuple(GatherRead(name, shared[0][1], lo, min(step, numel - lo), shared) for lo in range(0, numel, step))
+
+
+def _gather(item: GatherRead, out: np.ndarray) -> np.ndarray:
+    lo, hi = item.start, item.start + item.numel
+    fds: dict[object, int] = {}
+    try:
+        for frag, ref in item.sources:
+            path = ref.storage.path
+            fd = fds.get(path)
+            if fd is None:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+            if not frag.strided:
+                s, e = max(lo, frag.dst_offset), min(hi, frag.dst_offset + frag.numel)
+                if s < e:
+                    ref.read_numpy(frag.src_offset + s - frag.dst_offset, e - s, out=out[s - lo: e - lo], fd=fd)
+                continue
+            r, stride, d0 = frag.run_numel, frag.dst_stride, frag.dst_offset
+            first = max(0, (lo - r - d0) // stride + 1)
+            last = min(frag.numel // r, -(-(hi - d0) // stride))
+            for i in range(first, last):
+                run = d0 + i * stride
+                s, e = max(lo, run), min(hi, run + r)
+                if s < e:
+                    ref.read_numpy(frag.src_offset + i * r + s - run, e - s, out=out[s - lo: e - lo], fd=fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
 def _fill(buf: np.ndarray, item: ChunkRead) -> np.ndarray:
     nbytes = item.nbytes
     if nbytes > buf.size:
         raise ValueError(f"a read of {nbytes} bytes does not fit in chunks of {buf.size} bytes")
     out = buf[:nbytes].view(DTYPES[item.ref.dtype_name].numpy)
+    if isinstance(item, GatherRead):
+        return _gather(item, out)
     return item.ref.read_numpy(item.start, item.numel, out=out)
 
 

@@ -199,6 +199,10 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append(f"experts      {layer['prefix']}{{0..{layer['num_experts'] - 1}}}: {layer['num_experts']} experts "
                      f"(global ids), expert-parallel size {layer['ep_size']} ({layer['local_experts']} per rank), "
                      f"expert-data-parallel size {layer['expert_dp_size']}")
+    tp = s.get("tensor_parallel")
+    if tp is not None:
+        lines.append(f"tensor par.  size {tp['tp_size']} ({'AutoTP' if tp['record'] == 'autotp' else 'Megatron-style'} "
+                     "record): " + ", ".join(f"{n} {k}" for k, n in tp["split_kinds"].items()))
     if s["tied"]:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
@@ -226,6 +230,8 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
                      ("ambiguous" if t["trainable"] is None else "trainable" if t["trainable"] else "frozen")]
             if t["tied_to"]:
                 flags.append(f"tied to {t['tied_to']}")
+            if t.get("tp_split"):
+                flags.append(f"tp {t['tp_split']}")
             lines.append(f"  {t['name']:40s} {t['dtype']:9s} {t['shape']!s:16s} {', '.join(flags)}")
     return "\n".join(lines)
 

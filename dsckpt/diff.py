@@ -50,7 +50,7 @@ import numpy as np
 from .chunks import check_numel
 from .dtypes import DTYPES, dtype_info, to_float32
 from .errors import CorruptCheckpointError, UsageError
-from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache
 from .safe_load import TensorRef
 from .state_dict_files import TargetKind
@@ -424,7 +424,7 @@ def _tiling_problem(entry: TensorEntry, piece: Piece) -> str | None:
     except CorruptCheckpointError as e:
         return str(e)
     expected = 0
-    for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
+    for f in contiguous_fragments(piece):
         if f.dst_offset != expected or f.numel < 0 or f.src_offset < 0:
             return (f"tensor '{entry.name}': the fragments of its {piece.role.value} copy leave a gap or overlap "
                     f"at element {expected}")
@@ -442,7 +442,7 @@ class _PieceReader:
     def __init__(self, piece: Piece, cache: FileCache, name: str, pool: dict[tuple[int, str], np.ndarray],
                  slot: int, chunk_numel: int) -> None:
         self.piece = piece
-        self.frags = sorted(piece.fragments, key=lambda f: f.dst_offset)
+        self.frags = contiguous_fragments(piece)
         self.starts = [f.dst_offset for f in self.frags]
         self.cache = cache
         self.name = name

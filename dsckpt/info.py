@@ -95,7 +95,8 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
             {"name": e.name, "kind": e.kind.value, "trainable": None if e.ambiguous else e.trainable,
              "shape": list(e.shape),
              "dtype": e.stored_dtype, "tied_to": e.tied_to,
-             "copies": sorted({p.role.value for p in e.pieces})}
+             "copies": sorted({p.role.value for p in e.pieces}),
+             "tp_split": _tp_split(ckpt, e.name)}
             for e in ckpt.entries
         ],
         "files": files,
@@ -103,7 +104,25 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "health": {"ok": not problems, "problems": problems, "notes": health_notes(ckpt)},
         "hf_trainer": hf_trainer_summary(ckpt.root),
         "moe": moe_summary(ckpt),
+        "tensor_parallel": tp_summary(ckpt),
     }
+
+
+def _tp_split(ckpt: LogicalCheckpoint, name: str) -> str | None:
+    tp = ckpt.tensor_parallel
+    cut = tp.name_to_cut.get(ckpt.tied.get(name, name)) if tp is not None else None
+    return cut.describe() if cut is not None else None
+
+
+def tp_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:
+    """Tensor-parallel layout (``None`` without TP): size, where the record came from, tensors per split kind."""
+    tp = ckpt.tensor_parallel
+    if tp is None:
+        return None
+    kinds: dict[str, int] = {}
+    for cut in tp.name_to_cut.values():
+        kinds[cut.kind.value] = kinds.get(cut.kind.value, 0) + 1
+    return {"tp_size": tp.tp_size, "record": tp.source, "split_kinds": kinds}
 
 
 def moe_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:

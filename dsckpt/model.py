@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
+    from .tensor_parallel import TpLayout
 
 __all__ = [
     "Fragment",
@@ -26,6 +27,7 @@ __all__ = [
     "Precision",
     "Role",
     "TensorEntry",
+    "contiguous_fragments",
 ]
 
 
@@ -52,7 +54,13 @@ class Precision(enum.Enum):
 @dataclass(frozen=True)
 class Fragment:
     """``numel`` elements of the flat tensor at ``key`` in ``file``, starting at ``src_offset``,
-    which land at ``dst_offset`` of the flattened logical tensor."""
+    which land at ``dst_offset`` of the flattened logical tensor.
+
+    The source range is always contiguous. The destination is too unless ``run_numel`` is set: then the
+    elements land in runs of ``run_numel`` (``numel`` is a multiple of it), ``dst_stride`` elements apart
+    -- a tensor-parallel row slice (see :mod:`dsckpt.tensor_parallel` for why one strided fragment rather
+    than one per row). Consumers needing contiguous destinations iterate :meth:`runs` for one tensor at
+    a time; :func:`contiguous_fragments` does that for a piece."""
 
     file: Path
     key: tuple[Any, ...]
@@ -60,19 +68,51 @@ class Fragment:
     numel: int
     dst_offset: int
     rank: int | None = None
+    run_numel: int = 0
+    dst_stride: int = 0
+
+    @property
+    def strided(self) -> bool:
+        return bool(self.run_numel) and self.run_numel < self.numel
+
+    def runs(self) -> Iterator[Fragment]:
+        """This fragment as contiguous fragments, in source order."""
+        if not self.strided:
+            yield Fragment(self.file, self.key, self.src_offset, self.numel, self.dst_offset, self.rank)
+            return
+        r = self.run_numel
+        for i in range(self.numel // r):
+            yield Fragment(self.file, self.key, self.src_offset + i * r, r, self.dst_offset + i * self.dst_stride,
+                           self.rank)
+
+    def dst_index(self, k: int) -> int:
+        """Flat logical index of this fragment's ``k``-th element."""
+        if not self.strided:
+            return self.dst_offset + k
+        return self.dst_offset + (k // self.run_numel) * self.dst_stride + k % self.run_numel
+
+
+def contiguous_fragments(piece: Piece) -> tuple[Fragment, ...]:
+    """``piece``'s fragments with strided ones expanded into their runs, sorted by destination."""
+    if not any(f.strided for f in piece.fragments):
+        return tuple(sorted(piece.fragments, key=lambda f: f.dst_offset))
+    return tuple(sorted((r for f in piece.fragments for r in f.runs()), key=lambda f: f.dst_offset))
 
 
 @dataclass(frozen=True)
 class Piece:
     """One stored copy of a logical tensor: its role, stored dtype, and where its elements are.
 
-    ``replica`` numbers copies that hold the same data (e.g. stage-3 buffers on every rank).
+    ``replica`` numbers copies of the same tensor (e.g. stage-3 buffers on every rank, which DP ranks may
+    update apart). ``same_as``: the replica number of a copy this one must equal bit for bit (a param
+    replicated across tensor-parallel ranks); ``verify`` compares them.
     """
 
     role: Role
     dtype: str
     fragments: tuple[Fragment, ...]
     replica: int = 0
+    same_as: int | None = None
 
     @property
     def numel(self) -> int:
@@ -170,6 +210,7 @@ class LogicalCheckpoint:
     # Bindings the files leave open (stage 0 only today); see dsckpt.binding and require_unambiguous().
     ambiguities: tuple[Ambiguity, ...] = field(default_factory=tuple)
     moe: MoeLayout | None = None  # Mixture-of-Experts checkpoints only
+    tensor_parallel: TpLayout | None = None  # TP > 1 only: how each param is cut across TP ranks
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)

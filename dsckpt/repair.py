@@ -39,7 +39,7 @@ from . import safe_load, safe_save
 from .assemble import read_piece
 from .atomic import atomic_dir, claim_output, scratch_dir
 from .errors import RepairError, UsageError
-from .model import Kind, LogicalCheckpoint, Role, TensorEntry
+from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
 from .safe_load import DeepSpeedObject
 from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
@@ -286,7 +286,7 @@ def _targets(entry: TensorEntry, roles: tuple[Role, ...], indices: torch.Tensor)
     for p in entry.pieces:
         if p.role not in roles:
             continue
-        for f in p.fragments:
+        for f in contiguous_fragments(p):
             if f.dst_offset >= hi or f.dst_offset + f.numel <= lo:
                 continue
             inside = ((indices >= f.dst_offset) & (indices < f.dst_offset + f.numel)).any()

@@ -36,6 +36,7 @@ Checks:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import heapq
@@ -54,7 +55,15 @@ from . import safe_load
 from .dtypes import DTYPES, dtype_info, from_float32, to_float32
 from .errors import CorruptCheckpointError
 from .layout import Owner, key_owner
-from .model import Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+from .model import (
+    Kind,
+    LogicalCheckpoint,
+    Piece,
+    Precision,
+    Role,
+    TensorEntry,
+    contiguous_fragments,
+)
 from .nonfinite import NonFinite
 from .readers.common import FileCache, format_key, lookup
 from .safe_load import TensorRef
@@ -686,11 +695,14 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
     for es in plan.entries:
         wheres: list[list[_Where]] = []
         refs: list[list[Any]] = []
-        for piece, kind in zip(es.pieces, es.kinds):
+        # Contiguous runs sorted by destination (tensor-parallel row slices expand here, one tensor at a time).
+        frags = [contiguous_fragments(piece) for piece in es.pieces]
+        starts = [[f.dst_offset for f in fs] for fs in frags]
+        for piece, kind, fs in zip(es.pieces, es.kinds, frags):
             wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases)
-                           for f in piece.fragments])
-            refs.append([cache.tensor(f.file, f.key) for f in piece.fragments])
-            for f in piece.fragments:
+                           for f in fs])
+            refs.append([cache.tensor(f.file, f.key) for f in fs])
+            for f in fs:
                 stored.add((f.file, f.key))
             if piece.numel != es.numel:
                 raise CorruptCheckpointError(
@@ -701,7 +713,10 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
             b = min(es.numel, a + chunk)
             parts = []
             for pi, piece in enumerate(es.pieces):
-                for fi, f in enumerate(piece.fragments):
+                for fi in range(max(0, bisect.bisect_right(starts[pi], a) - 1), len(frags[pi])):
+                    f = frags[pi][fi]
+                    if f.dst_offset >= b:
+                        break
                     lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
                     if lo < hi:
                         parts.append(_Part(pi, wheres[pi][fi], refs[pi][fi], f.src_offset + lo - f.dst_offset,
@@ -709,7 +724,7 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
             compare_wheres: list[tuple[_Where, int, int]] = []
             if es.compare is not None:
                 li = es.compare[1]
-                for fi, f in enumerate(es.pieces[li].fragments):
+                for fi, f in enumerate(frags[li]):
                     lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
                     if lo < hi:
                         compare_wheres.append((wheres[li][fi], lo, hi))

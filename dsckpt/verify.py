@@ -9,6 +9,8 @@ One pass over the metadata of every file, then one streaming pass over every sto
 * **partitions** — sizes and padding consistent with ``param_shapes`` and DeepSpeed's rules (the
   readers check this while building the logical checkpoint);
 * **bindings** — every optimizer-side tensor's owner proven (:mod:`dsckpt.binding`);
+* **replicas** — copies that must hold the same data (a param replicated on every tensor-parallel rank) are
+  compared bit for bit, in bounded windows;
 * **values** — every 16-bit copy equals its fp32 master rounded, no inf/NaN, no fp32 master beyond
   fp16's range in an fp16 run (the checks of :mod:`dsckpt.scan`, in the same pass). Non-finite values
   in client state (Lightning's callbacks, schedulers: :func:`dsckpt.layout.key_owner`) are listed
@@ -34,7 +36,7 @@ from .readers.same_save import file_facts, same_save_problems
 if TYPE_CHECKING:
     from .scan import Finding
 
-__all__ = ["Area", "Problem", "VerifyReport", "verify"]
+__all__ = ["Area", "Problem", "VerifyReport", "replica_disagreements", "verify"]
 
 
 class Area(enum.Enum):
@@ -175,9 +177,52 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     problems += [Problem(Area.RECORDS, where, msg) for where, msg in audit.finish()]
     for f in report.findings:
         problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
+    problems += [Problem(Area.VALUES, name, msg) for name, msg in replica_disagreements(ckpt, cache)]
     notes += audit.notes(ckpt.tag_dir)
     notes += ckpt.notes
     assert Check.MISMATCH in report.checks
     return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
                         report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes),
                         report.client_state)
+
+
+REPLICA_WINDOW_NUMEL = 1 << 20
+
+
+def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
+    """``(tensor name, message)`` for every stored copy that differs from the copy it must equal
+    (:attr:`~dsckpt.model.Piece.same_as`) -- compared bit for bit (NaN payloads included),
+    ``REPLICA_WINDOW_NUMEL`` elements at a time."""
+    import numpy as np
+
+    from .diff import _PieceReader
+    from .model import contiguous_fragments
+
+    out: list[tuple[str, str]] = []
+    pool: dict[tuple[int, str], np.ndarray] = {}
+    for e in ckpt.entries:
+        if e.tied_to is not None:
+            continue
+        for p in e.pieces:
+            if p.same_as is None:
+                continue
+            primary = next((q for q in e.pieces if q.role is p.role and q.replica == p.same_as), None)
+            if primary is None or primary.dtype != p.dtype or primary.numel != p.numel:
+                continue
+            a = _PieceReader(primary, cache, e.name, pool, 0, REPLICA_WINDOW_NUMEL)
+            b = _PieceReader(p, cache, e.name, pool, 1, REPLICA_WINDOW_NUMEL)
+            count, first_index = 0, -1
+            for lo in range(0, p.numel, REPLICA_WINDOW_NUMEL):
+                hi = min(p.numel, lo + REPLICA_WINDOW_NUMEL)
+                x, y = a.read(lo, hi), b.read(lo, hi)
+                xb, yb = x.view(np.uint8).reshape(hi - lo, -1), y.view(np.uint8).reshape(hi - lo, -1)
+                differ = np.flatnonzero((xb != yb).any(axis=1))
+                if differ.size and first_index < 0:
+                    first_index = lo + int(differ[0])
+                count += int(differ.size)
+            if count:
+                file = contiguous_fragments(p)[0].file.name
+                msg = (f"replica {p.replica} of its {p.role.value} copy ({file}) differs from replica {p.same_as} in "
+                       f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
+                out.append((e.name, msg))
+    return out

@@ -1,8 +1,8 @@
 """The tensor-parallel fixtures (``tests/fixtures/autotp/``): what DeepSpeed 0.19.8 wrote, pinned against the truth
-recorded at generation time, and today's refusal by ``dsckpt``.
+recorded at generation time, and that ``dsckpt info`` reads them.
 
 These tests read the fixture files with ``torch.load(weights_only=False)``: the fixtures are our own trusted files,
-and the point is to pin their layout for the reader still to be written (phase 2 of the TP issue), not to test
+and the point is to pin their layout independently of the reader (phase 2 of the TP issue), not to test
 dsckpt's safe loader. The ZeRO arithmetic here is the documented one (tests/fixtures/README.md), written out
 plainly; the TP merge follows the ``universal_checkpoint_info`` categories, as ``ds_to_universal`` does.
 """
@@ -279,10 +279,11 @@ def test_merged_fp32_reproduces_engine_logits(fx):
 
 
 @pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
-def test_info_refuses_tensor_parallel_today(fx):
-    """Current behaviour (flips when the TP reader lands): exit 3, one line naming tensor parallelism."""
+def test_info_reads_tensor_parallel(fx):
+    """Phase 2 of the TP issue: dsckpt reads these folders (it refused them with exit 3 before): tensor size 2, the
+    record named, health ok. Values are pinned in tests/test_tensor_parallel.py."""
     res = CliRunner().invoke(main, ["info", str(fx / "ckpt")])
-    assert res.exit_code == 3, res.output
-    assert res.stdout == ""
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "tensor parallel" in lines[0], res.stderr
+    assert res.exit_code == 0, res.output
+    assert res.stderr == ""
+    assert f"tensor {meta(fx)['tp_size']}" in res.stdout and "tensor par.  size 2" in res.stdout
+    assert "health       ok" in res.stdout

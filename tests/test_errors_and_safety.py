@@ -118,13 +118,15 @@ def test_unknown_tag_lists_available_tags():
     _assert_one_line_error(res, 3, "tag 'global_step999' not found", fx.meta["tag"])
 
 
-def test_tensor_parallel_is_refused_not_misread(tmp_path):
+def test_stray_tensor_parallel_file_is_refused_not_misread(tmp_path):
+    """A second TP rank's model-states file without its optimizer files: exit 3 naming the TP rank (the TP
+    reader itself is tested in test_tensor_parallel.py)."""
     fx = fixtures_where(stage=1, dtype="fp32", pp_size=1)[0]
     ckpt = _copy(fx, tmp_path)
     tag_dir = _tag_dir(ckpt)
     shutil.copy(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "mp_rank_01_model_states.pt")
     res = _run("to-fp32", str(ckpt), str(tmp_path / "o.safetensors"))
-    _assert_one_line_error(res, 3, "model parallel size 2", "not supported yet")
+    _assert_one_line_error(res, 3, "tensor parallelism 2", "no optimizer-state files for TP rank(s) [1]")
 
 
 def test_legacy_moe_expert_files_are_refused(tmp_path):

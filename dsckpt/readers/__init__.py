@@ -42,6 +42,7 @@ def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
 def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:
     from .pipeline import read_pipeline
     from .stage0 import read_stage0
+    from .tensor_parallel import read_tensor_parallel
     from .zero3 import read_zero3
     from .zero12 import read_zero12
 
@@ -54,19 +55,23 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
     if files.layer_files:
         return read_pipeline(files, cache)
     if files.dp_mp_to_zero3_model_states:
-        _refuse_tensor_parallel(files.mp_world_size, files)
         first = files.dp_mp_to_zero3_model_states[min(files.dp_mp_to_zero3_model_states)]
         _refuse_autoep(cache.tree(first), first)
+        if files.mp_world_size > 1:
+            return read_tensor_parallel(files, cache, files.mp_world_size)
         return read_zero3(files, cache)
     if 0 not in files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{tag_dir}' has no mp_rank_00_model_states.pt; the save is incomplete")
     meta = metadata_from_model_states(cache.tree(files.mp_to_model_states[0]))
     _refuse_autoep(cache.tree(files.mp_to_model_states[0]), files.mp_to_model_states[0])
-    _refuse_tensor_parallel(max(files.mp_world_size, meta.mp_world_size or 1), files)
+    tp_size = max(files.mp_world_size, meta.mp_world_size or 1)
     if files.layer_expert_to_files or files.ep_mp_to_expp_optim_states:
+        _refuse_tensor_parallel(tp_size, files)
         from .moe import read_moe
 
         return read_moe(files, cache)
+    if tp_size > 1:
+        return read_tensor_parallel(files, cache, tp_size)
     if files.dp_mp_to_optim_states:
         return read_zero12(files, cache)
     ms = cache.tree(files.mp_to_model_states[0])
@@ -89,6 +94,5 @@ def _refuse_tensor_parallel(mp_world_size: int, files: object) -> None:
     if mp_world_size > 1:
         raise UnsupportedCheckpointError(
             f"'{getattr(files, 'tag_dir', '?')}' was saved with model parallel size {mp_world_size} "
-            "(tensor parallelism), which is not supported yet; only data- and pipeline-parallel "
-            "checkpoints can be read"
+            "(tensor parallelism) together with Mixture-of-Experts, which is not supported yet"
         )

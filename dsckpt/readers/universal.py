@@ -32,6 +32,7 @@ from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..safe_load import DeepSpeedEnum, TensorRef
 from .common import (
     FileCache,
+    alias_entry,
     int_or_none,
     is_floating,
     metadata_from_model_states,
@@ -47,9 +48,11 @@ __all__ = ["STATE_FILES", "UNIVERSAL_KEYS", "read_universal"]
 
 STATE_FILES = {Role.MASTER: "fp32.pt", Role.EXP_AVG: "exp_avg.pt", Role.EXP_AVG_SQ: "exp_avg_sq.pt"}
 STEP_FILE = "step.pt"
-# Keys of a per-param state dict this reader understands. Others (vocab_tensor, param_n_sub_params,
-# sub_param_shape, is_expert_param ...) describe tensor-parallel or expert slicing (universal_checkpoint.py).
+# Keys of a per-param state dict this reader understands. Others (is_expert_param ...) describe expert slicing
+# (universal_checkpoint.py). The tensor-parallel ones say how the loader re-cuts an already merged tensor; the
+# cut itself is read from the record (dsckpt.tensor_parallel), so they are accepted only with TP > 1.
 UNIVERSAL_KEYS = frozenset({"param", "cat_dim"})
+UNIVERSAL_TP_KEYS = frozenset({"vocab_tensor", "param_n_sub_params", "sub_param_shape"})
 
 
 def _param_dir(tag_dir: Path, name: str) -> Path:
@@ -59,12 +62,13 @@ def _param_dir(tag_dir: Path, name: str) -> Path:
     return tag_dir / UNIVERSAL_DIR / name
 
 
-def _state_key(path: Path, cache: FileCache) -> tuple[tuple[Any, ...], TensorRef]:
+def _state_key(path: Path, cache: FileCache, tp: bool) -> tuple[tuple[Any, ...], TensorRef]:
     """Where the tensor of one per-param state file is: the file itself (ZeRO-3 source) or ``["param"]``."""
     tree = cache.tree(path)
     if isinstance(tree, TensorRef):
         return (), tree
-    extra = sorted(str(k) for k in tree if k not in UNIVERSAL_KEYS)
+    known = UNIVERSAL_KEYS | UNIVERSAL_TP_KEYS if tp else UNIVERSAL_KEYS
+    extra = sorted(str(k) for k in tree if k not in known)
     if extra:
         raise UnsupportedCheckpointError(
             f"{path}: holds {extra}, written for tensor-parallel, vocabulary-padded or expert-parallel models "
@@ -87,10 +91,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
             f"'{tag_dir}' holds both a universal '{UNIVERSAL_DIR}/' folder and ZeRO optimizer files "
             f"({next(iter(files.dp_mp_to_optim_states.values())).name}); ds_to_universal writes no optimizer files "
             "there, so they come from another save: remove one of the two")
-    if files.mp_world_size > 1:
-        raise UnsupportedCheckpointError(
-            f"'{tag_dir}' was saved with model parallel size {files.mp_world_size} (tensor parallelism), which is "
-            "not supported yet")
+    tp = files.mp_world_size
     opt_path = tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE
     opt = cache.tree(opt_path)
     if not isinstance(opt, Mapping):
@@ -100,6 +101,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         ms_files = files.dp_mp_to_zero3_model_states
         ms_path = ms_files.get((0, 0), None)
     else:
+        ms_files = {}
         ms_path = files.mp_to_model_states.get(0)
     if ms_path is None:
         want = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else \
@@ -118,18 +120,43 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
         raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' list; not a ZeRO model-states file")
 
+    for shapes in param_shapes:
+        for name in shapes:
+            _param_dir(tag_dir, str(name))
+    # Module side (16-bit copies of ZeRO-1/2 sources, frozen params, buffers, tied names) of every TP rank, local
+    # slices mapped to full tensors by the TP record; trainable params' fp32 and moments then come whole from zero/.
+    def rank_ms(t: int) -> Path:
+        return ms_files[(0, t)] if zero3 else files.mp_to_model_states[t]
+
+    absent = [t for t in range(tp) if (zero3 and (0, t) not in ms_files) or (not zero3 and t not in
+                                                                            files.mp_to_model_states)]
+    if absent:
+        raise IncompleteCheckpointError(
+            f"'{tag_dir}' is a universal checkpoint of a tensor-parallel run ({tp} TP ranks) missing the model-states "
+            f"file of TP rank(s) {absent}; copy them from the source checkpoint")
+    world = meta.dp_world_size or ((max(d for d, _ in ms_files) + 1) if zero3 else 1)
+    if zero3:
+        expect_dp_ranks(files, "ZeRO-3 model-state", ms_files, world)
+    per_rank = [_rank_module_entries(rank_ms(t), [ms_files[(d, t)] for d in range(world)] if zero3 else [],
+                                     meta.buffer_names, zero3, cache) for t in range(tp)]
+    tp_layout = None
+    if tp > 1:
+        from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, combine_entries
+
+        module_entries, tp_layout = combine_entries(per_rank, ms.get(UNIVERSAL_CHECKPOINT_INFO), where=str(ms_path))
+    else:
+        module_entries = per_rank[0]
+
     trainable: dict[str, TensorEntry] = {}
     missing: list[str] = []
     state_files: list[Path] = []
     step_ref: TensorRef | None = None
     module = ms.get("module") or {}
     for g, shapes in enumerate(param_shapes):
-        for name, shape in shapes.items():
+        for name in shapes:
             name = str(name)
-            shape = tuple(int(s) for s in shape)
-            numel = 1
-            for s in shape:
-                numel *= s
+            side = module_entries[name]
+            shape, numel = side.shape, side.numel
             pdir = _param_dir(tag_dir, name)
             pieces = []
             for role, fname in STATE_FILES.items():
@@ -137,7 +164,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 if not path.is_file():
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
                     continue
-                key, ref = _state_key(path, cache)
+                key, ref = _state_key(path, cache, tp > 1)
                 if ref.dtype_name != "float32" or ref.numel != numel:
                     raise CorruptCheckpointError(
                         f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
@@ -153,29 +180,21 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                         step_ref = ref
                 else:
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
-                lowp = module.get(name)
-                if isinstance(lowp, TensorRef) and lowp.numel == numel:
-                    pieces.append(module_piece(ms_path, name, lowp))
-            trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=g)
+            trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, (*pieces, *side.pieces), group=g)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise IncompleteCheckpointError(
             f"'{tag_dir}' is a universal checkpoint missing {len(missing)} state file(s): {shown}. The conversion "
             "was probably interrupted; run ds_to_universal (or dsckpt reshard --universal) again")
 
+    entries = {n: trainable.get(n, e) for n, e in module_entries.items()}
+    entries = {n: alias_entry(n, entries[e.tied_to]) if e.tied_to is not None else e for n, e in entries.items()}
     if zero3:
-        world = meta.dp_world_size or (max(d for d, _ in ms_files) + 1)
-        expect_dp_ranks(files, "ZeRO-3 model-state", ms_files, world)
-        model_paths = [ms_files[(d, 0)] for d in range(world)]
-        entries = {**trainable, **zero3_module_side_entries(ms_path, ms, model_paths, meta.buffer_names,
-                                                             trainable, cache)}
         step = step_of((opt.get(OSD) or {}).get("state") if isinstance(opt.get(OSD), Mapping) else None)
         stage, wrapper = 3, "DeepSpeedZeroOptimizer_Stage3"
         sample = next((r.dtype_name for r in (ms.get("frozen_param_fragments") or {}).values()
                        if isinstance(r, TensorRef)), None)
     else:
-        world = meta.dp_world_size or 1
-        entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable)
         step = int_or_none(step_ref) if step_ref is not None else None
         zs = opt.get("zero_stage")
         if isinstance(zs, DeepSpeedEnum):
@@ -191,12 +210,38 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     return LogicalCheckpoint(
         root=root, tag=tag, tag_dir=tag_dir, layout=f"universal from zero{stage}", zero_stage=stage,
         precision=precision_of(meta.ds_config, sample),
-        dp_world_size=world, pp_world_size=1, tp_world_size=1, ds_version=meta.ds_version,
+        dp_world_size=world, pp_world_size=1, tp_world_size=tp, ds_version=meta.ds_version,
         global_steps=meta.global_steps, global_samples=meta.global_samples, optimizer_step=step,
         optimizer_wrapper=wrapper, entries=tuple(order_like_module(entries, list(module))),
-        files=tuple(all_files), ds_config=meta.ds_config,
+        files=tuple(all_files), ds_config=meta.ds_config, tensor_parallel=tp_layout,
         notes=(("DeepSpeed universal checkpoint: loads with \"checkpoint\": {\"load_universal\": true} on any "
                f"data-parallel size (saved on {world}); DeepSpeed's loader restores the trainable params and Adam "
                "state only, not buffers or frozen params"),),
     )
 
+
+
+def _rank_module_entries(ms_path: Path, model_paths: list[Path], buffer_names: tuple[str, ...], zero3: bool,
+                         cache: FileCache) -> dict[str, TensorEntry]:
+    """One (TP) rank's copied model-states file(s) as entries: trainable params with their 16-bit module copy
+    (ZeRO-1/2 sources; none at ZeRO-3) and local shapes, frozen params, tied aliases, buffers."""
+    ms = cache.tree(ms_path)
+    param_shapes = ms.get("param_shapes") if isinstance(ms, Mapping) else None
+    if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
+        raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' list; not a ZeRO model-states file")
+    module = ms.get("module") or {}
+    trainable: dict[str, TensorEntry] = {}
+    for g, shapes in enumerate(param_shapes):
+        for name, shape in shapes.items():
+            name = str(name)
+            shape = tuple(int(s) for s in shape)
+            numel = 1
+            for s in shape:
+                numel *= s
+            lowp = module.get(name)
+            pieces = (module_piece(ms_path, name, lowp),) if (
+                not zero3 and isinstance(lowp, TensorRef) and lowp.numel == numel) else ()
+            trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, pieces, group=g)
+    if zero3:
+        return {**trainable, **zero3_module_side_entries(ms_path, ms, model_paths, buffer_names, trainable, cache)}
+    return module_side_entries(ms_path, ms, buffer_names, trainable)

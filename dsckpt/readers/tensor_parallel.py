@@ -1,0 +1,145 @@
+"""Tensor-parallel checkpoints (DeepSpeed AutoTP; Megatron-style models saved through DeepSpeed with an ``mpu``).
+
+Each TP rank ``t`` is an ordinary ZeRO-1/2/3 or ``BF16_Optimizer`` checkpoint of its local slices, in the files
+named ``mp_rank_{t:02d}`` (tests/fixtures/README.md, "AutoTP fixtures"). This reader reads every TP rank with the
+reader of its layout, parses the ``universal_checkpoint_info`` record of the model-states files into a
+:class:`~dsckpt.tensor_parallel.TpLayout`, and maps each rank's local fragments to fragments of the full tensor
+(:func:`~dsckpt.tensor_parallel.compose`). Replicated params (and buffers) keep every TP rank's copy as a replica.
+Commands then see one ordinary logical checkpoint of full tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..layout import CheckpointFiles
+from ..model import Kind, LogicalCheckpoint, Piece, TensorEntry
+from ..tensor_parallel import ParamCut, SplitKind, TpLayout, compose, tp_layout_from_record
+from .common import FileCache, alias_entry
+
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
+
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+
+
+def rank_files(files: CheckpointFiles, t: int) -> CheckpointFiles:
+    """TP rank ``t``'s files, renumbered as model-parallel rank 0 (the per-rank readers see one DP checkpoint)."""
+    return dataclasses.replace(
+        files,
+        mp_to_model_states={0: files.mp_to_model_states[t]} if t in files.mp_to_model_states else {},
+        dp_mp_to_zero3_model_states={(d, 0): p for (d, mp), p in files.dp_mp_to_zero3_model_states.items() if mp == t},
+        dp_mp_to_optim_states={(d, 0): p for (d, mp), p in files.dp_mp_to_optim_states.items() if mp == t},
+    )
+
+
+def read_tensor_parallel(files: CheckpointFiles, cache: FileCache, tp_size: int) -> LogicalCheckpoint:
+    from .zero3 import read_zero3
+    from .zero12 import read_zero12
+
+    zero3 = bool(files.dp_mp_to_zero3_model_states)
+    missing = [t for t in range(tp_size) if not (
+        any(mp == t for _, mp in files.dp_mp_to_zero3_model_states) if zero3 else t in files.mp_to_model_states)]
+    if missing:
+        raise IncompleteCheckpointError(
+            f"'{files.tag_dir}' was saved with tensor parallelism {tp_size} but has no model-states file for TP "
+            f"rank(s) {missing}; the save was probably interrupted; pick another tag with --tag")
+    if not files.dp_mp_to_optim_states:
+        raise UnsupportedCheckpointError(
+            f"'{files.tag_dir}': a tensor-parallel checkpoint without ZeRO optimizer files (stage 0), which is not "
+            "supported yet; only ZeRO-1/2/3 and BF16_Optimizer TP checkpoints can be read")
+    no_optim = [t for t in range(tp_size) if not any(mp == t for _, mp in files.dp_mp_to_optim_states)]
+    if no_optim:
+        raise IncompleteCheckpointError(
+            f"'{files.tag_dir}' was saved with tensor parallelism {tp_size} but has no optimizer-state files for TP "
+            f"rank(s) {no_optim} (no '*_mp_rank_{no_optim[0]:02d}_optim_states.pt'); the save was probably "
+            "interrupted or files of another run were added; pick another tag with --tag")
+    reader: Callable[[CheckpointFiles, FileCache], LogicalCheckpoint] = read_zero3 if zero3 else read_zero12
+    ranks = [reader(rank_files(files, t), cache) for t in range(tp_size)]
+    record_path = files.dp_mp_to_zero3_model_states[(0, 0)] if zero3 else files.mp_to_model_states[0]
+    record = cache.tree(record_path).get(UNIVERSAL_CHECKPOINT_INFO)
+    for t in range(1, tp_size):
+        other = files.mp_to_model_states.get(t) if not zero3 else files.dp_mp_to_zero3_model_states.get((0, t))
+        if other is not None and cache.tree(other).get(UNIVERSAL_CHECKPOINT_INFO) != record:
+            raise CorruptCheckpointError(
+                f"{other}: its {UNIVERSAL_CHECKPOINT_INFO} differs from {record_path.name}'s; the TP ranks' files "
+                "come from different runs")
+    ckpt = combine_tp_ranks(ranks, record if isinstance(record, Mapping) else None, where=str(record_path))
+    return dataclasses.replace(ckpt, files=tuple(files.all_files()))
+
+
+def combine_tp_ranks(ranks: list[LogicalCheckpoint], record: Mapping[str, Any] | None, *,
+                     where: str) -> LogicalCheckpoint:
+    """One logical checkpoint of full tensors from the TP ranks' logical checkpoints of local slices."""
+    first = ranks[0]
+    for t, r in enumerate(ranks[1:], start=1):
+        if r.layout != first.layout:
+            raise CorruptCheckpointError(f"'{first.tag_dir}': TP rank {t} is {r.layout}, TP rank 0 is {first.layout}; "
+                                         "the files come from different runs")
+    entries, layout = combine_entries([{e.name: e for e in r.entries} for r in ranks], record, where=where)
+    tp = len(ranks)
+    split = sum(1 for c in layout.name_to_cut.values() if c.kind is not SplitKind.REPLICATED)
+    note = (f"tensor parallelism {tp} ({'AutoTP affine map' if layout.source == 'autotp' else 'Megatron-style record'}"
+            f" in {UNIVERSAL_CHECKPOINT_INFO}): {split} tensors split, "
+            f"{len(layout.name_to_cut) - split} replicated on every TP rank")
+    return dataclasses.replace(
+        first, entries=tuple(entries[e.name] for e in first.entries), tp_world_size=tp, tensor_parallel=layout,
+        files=tuple(sorted({f for r in ranks for f in r.files})),
+        notes=(*dict.fromkeys(n for r in ranks for n in r.notes), note),
+    )
+
+
+def combine_entries(per_rank: list[dict[str, TensorEntry]], record: Mapping[str, Any] | None, *,
+                    where: str) -> tuple[dict[str, TensorEntry], TpLayout]:
+    """Full-tensor entries (in TP rank 0's order) from every TP rank's entries of local slices, and the layout
+    that maps them. Tied aliases follow their source."""
+    names = list(per_rank[0])
+    for t, r in enumerate(per_rank[1:], start=1):
+        if list(r) != names:
+            extra = sorted(set(r) ^ set(names))
+            raise CorruptCheckpointError(
+                f"{where}: TP rank {t} holds other tensors than TP rank 0"
+                + (f" ({', '.join(extra[:5])})" if extra else " (in another order)") + "; the files come from "
+                "different runs")
+    own = [e for e in per_rank[0].values() if e.tied_to is None]
+    shapes = {e.name: [r[e.name].shape for r in per_rank] for e in own}
+    buffers = frozenset(e.name for e in own if e.kind is Kind.BUFFER)
+    layout = tp_layout_from_record(record, shapes, where=where, buffers=buffers)
+    entries: dict[str, TensorEntry] = {}
+    for e in own:
+        entries[e.name] = _combine(e.name, [r[e.name] for r in per_rank], layout.name_to_cut[e.name])
+    out = {}
+    for name, e in per_rank[0].items():
+        out[name] = alias_entry(name, entries[e.tied_to]) if e.tied_to is not None else entries[name]
+    return out, layout
+
+
+def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEntry:
+    e0 = per_rank[0]
+    for t, e in enumerate(per_rank[1:], start=1):
+        if e.kind is not e0.kind or e.trainable != e0.trainable:
+            raise CorruptCheckpointError(f"tensor '{name}': TP rank {t} stores it as {e.kind.value}"
+                                         f"{'' if e.trainable else ' (frozen)'}, TP rank 0 does not")
+    pieces: list[Piece] = []
+    if cut.kind is SplitKind.REPLICATED:
+        stride = 1 + max((p.replica for e in per_rank for p in e.pieces), default=0)
+        for t, e in enumerate(per_rank):
+            pieces += [dataclasses.replace(p, replica=t * stride + p.replica, same_as=p.replica if t else None)
+                       for p in e.pieces]
+    else:
+        for p0 in e0.pieces:
+            frags = []
+            for t, e in enumerate(per_rank):
+                p = next((q for q in e.pieces if q.role is p0.role and q.replica == p0.replica), None)
+                if p is None or p.dtype != p0.dtype:
+                    raise CorruptCheckpointError(
+                        f"tensor '{name}': TP rank {t} has no {p0.dtype} {p0.role.value} copy (replica {p0.replica}), "
+                        "TP rank 0 has; the files come from different runs")
+                blocks = cut.rank_blocks(t)
+                frags += [g for f in p.fragments for g in compose(f, blocks)]
+            pieces.append(Piece(p0.role, p0.dtype, tuple(frags), p0.replica))
+    return TensorEntry(name, cut.full_shape, e0.kind, e0.trainable, tuple(pieces), group=e0.group,
+                       ambiguous=e0.ambiguous)
+

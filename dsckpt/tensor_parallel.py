@@ -1,0 +1,354 @@
+"""How a tensor-parallel checkpoint cuts each param across TP ranks: one frozen record, pure arithmetic, no I/O.
+
+Under tensor parallelism (DeepSpeed AutoTP, or Megatron-style models passed to DeepSpeed with an ``mpu``) every TP
+rank is an ordinary ZeRO / ``BF16_Optimizer`` checkpoint of its *local* slices, under the same param names on every
+rank (tests/fixtures/README.md, "AutoTP fixtures"). How the slices make the full tensor is recorded by the training
+code itself in ``universal_checkpoint_info`` (model-states files): category pattern lists (replicated, row-parallel,
+vocabulary, sub-params) and, for AutoTP 0.4, an ``affine_map`` per param (checked against the patterns, :func:`affine_disagreement`).
+:func:`tp_layout_from_record` turns that
+record plus every rank's local shapes into a :class:`TpLayout`: per param a :class:`ParamCut` (split kind, dim,
+per-rank widths of each sub-param, vocabulary rows kept). The merge rules are DeepSpeed 0.19.8's
+``ds_to_universal.merge_tp_slices``; a split is never inferred from shapes.
+
+:meth:`ParamCut.rank_blocks` says where TP rank ``t``'s local flat elements land in the flattened full tensor as
+:class:`TpBlock` s, and :func:`compose` maps a reader's local :class:`~dsckpt.model.Fragment` through them. A
+row-parallel slice (split on dim 1) is strided in the full tensor; it becomes **one strided fragment**
+(``run_numel``/``dst_stride``, see :class:`~dsckpt.model.Fragment`) plus at most a partial head and tail run where a
+ZeRO partition boundary falls inside a row, instead of one fragment per row: a 70B model's row-parallel weights at
+TP 8 would otherwise carry ~65k fragments per tensor per stored copy (~40M in all), held for the whole run.
+Consumers that need contiguous runs expand one tensor's fragments at a time (:meth:`Fragment.runs`).
+
+Expert parallelism (:mod:`dsckpt.expert_parallel`) could fold into the same record: an expert-parallel rank's local
+experts are a dim-0 cut of a stacked ``(num_experts, ...)`` logical tensor, i.e. a :class:`ParamCut` of kind
+``COLUMN`` over the expert index; MoE keeps its own mapping until its writers move to this record.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import UnsupportedCheckpointError
+from .model import Fragment
+
+__all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "tp_layout_from_record"]
+
+
+class SplitKind(enum.Enum):
+    """How one param is cut across TP ranks."""
+
+    REPLICATED = "replicated"  # every TP rank holds the full tensor (copies must agree)
+    COLUMN = "column"  # split on dim 0 (column-parallel linear: q/k/v/gate/up)
+    ROW = "row"  # split on dim 1 (row-parallel linear: o/down)
+    VOCABULARY = "vocabulary"  # split on dim 0, rows past the original vocabulary size are padding
+    SUB_PARAMS = "sub-params"  # fused sub-params (qkv, [gate; up]), each split on ``dim`` by its own widths
+
+
+@dataclass(frozen=True)
+class TpBlock:
+    """Local flat elements ``[local_offset, local_offset + numel)`` of one TP rank's slice land in the flattened
+    full tensor at ``full_offset``: contiguously when ``run_numel`` is 0, else in runs of ``run_numel`` elements
+    ``full_stride`` apart (``numel`` is then a multiple of ``run_numel``)."""
+
+    local_offset: int
+    numel: int
+    full_offset: int
+    run_numel: int = 0
+    full_stride: int = 0
+
+    def full_index(self, k: int) -> int:
+        """Full-tensor flat index of the block's ``k``-th element."""
+        if not self.run_numel:
+            return self.full_offset + k
+        return self.full_offset + (k // self.run_numel) * self.full_stride + k % self.run_numel
+
+
+@dataclass(frozen=True)
+class ParamCut:
+    """One param's cut: ``dim`` (None when replicated), the full shape, each rank's local shape, and per
+    sub-param the width each rank holds along ``dim`` (one sub-param for a plain split). ``keep_rows``:
+    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding)."""
+
+    name: str
+    kind: SplitKind
+    dim: int | None
+    full_shape: tuple[int, ...]
+    rank_shapes: tuple[tuple[int, ...], ...]
+    sub_widths: tuple[tuple[int, ...], ...] = ()
+    keep_rows: int | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.rank_shapes)
+
+    def describe(self) -> str:
+        if self.kind is SplitKind.REPLICATED:
+            return "replicated"
+        w = "/".join(str(s[self.dim]) for s in self.rank_shapes) if self.dim is not None else ""
+        extra = f", {len(self.sub_widths)} sub-params" if self.kind is SplitKind.SUB_PARAMS else ""
+        keep = f", {self.keep_rows} rows kept" if self.keep_rows is not None else ""
+        return f"{self.kind.value} dim {self.dim} ({w}{extra}{keep})"
+
+    def rank_blocks(self, t: int) -> tuple[TpBlock, ...]:
+        """Where TP rank ``t``'s local flat elements go in the flattened full tensor (padding rows: nowhere)."""
+        local = self.rank_shapes[t]
+        if self.kind is SplitKind.REPLICATED or self.dim is None:
+            return (TpBlock(0, math.prod(local), 0),)
+        d = self.dim
+        full = self.full_shape
+        outer = math.prod(full[:d])
+        inner = math.prod(full[d + 1:])
+        full_d = sum(sum(ws) for ws in self.sub_widths)  # before the vocabulary cut
+        local_d = local[d]
+        keep = self.keep_rows if self.keep_rows is not None else full_d
+        out: list[TpBlock] = []
+        local_pos = 0
+        full_base = 0
+        for ws in self.sub_widths:
+            w = ws[t]
+            full_pos = full_base + sum(ws[:t])
+            if d == 0:
+                w_kept = max(0, min(w, keep - full_pos))
+                if w_kept:
+                    out.append(TpBlock(local_pos * inner, w_kept * inner, full_pos * inner))
+            elif w:
+                if w == local_d:  # the whole local slice: one strided block
+                    out.append(TpBlock(local_pos * inner, outer * w * inner, full_pos * inner,
+                                       w * inner, full_d * inner))
+                else:  # several sub-params cut on dim > 0: one block per outer index
+                    for i in range(outer):
+                        out.append(TpBlock((i * local_d + local_pos) * inner, w * inner,
+                                           (i * full_d + full_pos) * inner))
+            local_pos += w
+            full_base += sum(ws)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """The tensor-parallel dimension of a checkpoint: its size, where the record came from, and every param's cut."""
+
+    tp_size: int
+    source: str  # "autotp" (affine_map) or "megatron" (category patterns, client state)
+    name_to_cut: Mapping[str, ParamCut]
+
+
+def compose(frag: Fragment, blocks: Sequence[TpBlock]) -> list[Fragment]:
+    """Map a contiguous fragment of a TP rank's *local* flat tensor (``dst_offset`` in local coordinates) to
+    fragments of the *full* flat tensor: contiguous ones, and for a strided block one strided fragment of whole
+    runs plus partial head/tail runs. Local elements no block covers (vocabulary padding) are dropped."""
+    assert not frag.run_numel, "readers give contiguous local fragments"
+    out: list[Fragment] = []
+    lo, hi = frag.dst_offset, frag.dst_offset + frag.numel
+    for b in blocks:
+        x, y = max(lo, b.local_offset), min(hi, b.local_offset + b.numel)
+        if x >= y:
+            continue
+        kx, ky = x - b.local_offset, y - b.local_offset
+        r = b.run_numel
+        if not r:
+            spans = [(kx, ky)]
+        else:  # a partial head run, the whole runs (one strided fragment), a partial tail run
+            head_end = min(ky, -(-kx // r) * r)
+            body_end = max(head_end, (ky // r) * r)
+            spans = [(kx, head_end), (head_end, body_end), (body_end, ky)]
+        for k0, k1 in spans:
+            n = k1 - k0
+            if n <= 0:
+                continue
+            src = frag.src_offset + (x - lo) + (k0 - kx)
+            if r and n > r:
+                out.append(Fragment(frag.file, frag.key, src, n, b.full_index(k0), frag.rank,
+                                    run_numel=r, dst_stride=b.full_stride))
+            else:
+                out.append(Fragment(frag.file, frag.key, src, n, b.full_index(k0), frag.rank))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The record (``universal_checkpoint_info``, DeepSpeed 0.19.8 deepspeed/checkpoint/constants.py names)
+
+_REPLICATED = "tp_replicated_parameter_patterns"
+_AVERAGE = "parameter_to_average_patterns"
+_ROW = "parameter_with_row_parallelism_patterns"
+_VOCAB = "vocabulary_parameter_patterns"
+_TWO_SUB = "parameter_with_2_sub_params_cat_dim_0"
+_SUB = "parameter_with_sub_params"
+_SUB_WIDTHS = "sub_param_shard_widths"
+_UNSUPPORTED = "autotp_unsupported_parameter_patterns"
+_AFFINE = "affine_map"
+
+
+def _patterns(record: Mapping[str, Any], key: str) -> list[str]:
+    v = record.get(key) or []
+    return [str(p) for p in v] if isinstance(v, (list, tuple)) else []
+
+
+def _match(patterns: Sequence[str], name: str) -> str | None:
+    return next((p for p in patterns if re.match(p, name)), None)
+
+
+def tp_layout_from_record(record: Mapping[str, Any] | None, name_to_rank_shapes: Mapping[str, Sequence[tuple[int, ...]]],
+                          *, where: str, buffers: frozenset[str] = frozenset()) -> TpLayout:
+    """The :class:`TpLayout` of a TP checkpoint from its ``universal_checkpoint_info`` ``record`` and each param's
+    local shape on every TP rank. ``buffers`` are replicated on every rank unless the record says otherwise.
+
+    Raises :class:`~dsckpt.errors.UnsupportedCheckpointError` (one message listing every offending param) when the
+    record is missing, does not cover a param (AutoTP: no ``affine_map`` entry), asks for averaging, marks a param
+    unsupported, or disagrees with the shapes."""
+    names = list(name_to_rank_shapes)
+    tp = len(next(iter(name_to_rank_shapes.values()))) if name_to_rank_shapes else 1
+    if not isinstance(record, Mapping):
+        raise UnsupportedCheckpointError(
+            f"{where}: saved with tensor parallelism {tp} but without a 'universal_checkpoint_info' record saying how "
+            f"each param is split (params: {_list(names)}); dsckpt does not guess splits from shapes. Save with "
+            "DeepSpeed AutoTP, or pass the record in client_state as Megatron-DeepSpeed does")
+    affine = record.get(_AFFINE)
+    affine_params = affine.get("params") if isinstance(affine, Mapping) else None
+    source = "autotp" if isinstance(affine_params, Mapping) else "megatron"
+    replicated, average, row, vocab, two_sub = (_patterns(record, k) for k in (_REPLICATED, _AVERAGE, _ROW, _VOCAB,
+                                                                                _TWO_SUB))
+    subs = [s for s in (record.get(_SUB) or []) if isinstance(s, Mapping)]
+    widths = record.get(_SUB_WIDTHS) or {}
+    unsupported = record.get(_UNSUPPORTED) or {}
+    orig_vocab = record.get("original_vocab_size")
+    padded_vocab = record.get("padded_vocab_size")
+    problems: list[str] = []
+    cuts: dict[str, ParamCut] = {}
+    for name, shapes in name_to_rank_shapes.items():
+        shapes = [tuple(int(x) for x in s) for s in shapes]
+        is_buffer = name in buffers
+        if (p := _match(list(unsupported), name)) is not None:
+            problems.append(f"'{name}' is marked unsupported by AutoTP ({unsupported[p]})")
+            continue
+        if affine_params is not None and not is_buffer and _match(list(affine_params), name) is None \
+                and _match(replicated, name) is None:
+            problems.append(f"'{name}' has no affine_map entry")
+            continue
+        try:
+            cut = _cut(name, shapes, is_buffer, replicated, average, row, vocab, two_sub, subs, widths, orig_vocab,
+                       padded_vocab)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if affine_params is not None and (p := _match(list(affine_params), name)) is not None:
+            why = affine_disagreement(cut, affine_params[p])
+            if why is not None:
+                problems.append(f"'{name}': {why}")
+                continue
+        cuts[name] = cut
+    if problems:
+        raise UnsupportedCheckpointError(
+            f"{where}: the tensor-parallel record (universal_checkpoint_info) does not say how to rebuild "
+            f"{len(problems)} param(s): {'; '.join(problems[:6])}" + (f" and {len(problems) - 6} more" if len(problems) > 6
+                                                                       else "")
+            + "; dsckpt does not guess splits from shapes, so nothing was read")
+    return TpLayout(tp, source, cuts)
+
+
+def affine_disagreement(cut: ParamCut, entry: Any) -> str | None:
+    """Why AutoTP's ``affine_map`` entry for a param disagrees with ``cut`` (derived from the category patterns),
+    or None. The map's pieces say ``full.flatten().as_strided(shape, src_strides, src_offset) ==
+    shard.flatten().as_strided(shape, dst_strides, dst_offset)`` (deepspeed/checkpoint/affine.py, 0.19.8); each
+    piece is affine, so its corner elements, its element count and each rank's shard shape pin it against the
+    piecewise-affine :meth:`ParamCut.rank_blocks` (a full element-by-element check would cost O(numel))."""
+    try:
+        logical = tuple(int(x) for x in entry["logical_shape"])
+        if logical != cut.full_shape:
+            return f"the category patterns give full shape {list(cut.full_shape)}, its affine_map says {list(logical)}"
+        ranks = entry["ranks"]
+        for t in range(cut.tp_size):
+            spec = ranks[t] if t in ranks else ranks[str(t)]
+            if tuple(int(x) for x in spec["shard_shape"]) != cut.rank_shapes[t]:
+                return f"TP rank {t} holds {list(cut.rank_shapes[t])}, its affine_map says {list(spec['shard_shape'])}"
+            blocks = cut.rank_blocks(t)
+            covered = 0
+            for pc in spec["pieces"]:
+                if pc.get("scale") not in (None, 1, 1.0):
+                    return "its affine_map scales a piece, which dsckpt does not read"
+                shape = [int(x) for x in pc["shape"]]
+                (src_off, src_strides), (dst_off, dst_strides) = pc["source"], pc["dest"]
+                covered += math.prod(shape)
+                for corner in itertools.product(*[(0, n - 1) if n > 1 else (0,) for n in shape]):
+                    local = int(dst_off) + sum(i * int(s) for i, s in zip(corner, dst_strides))
+                    full = int(src_off) + sum(i * int(s) for i, s in zip(corner, src_strides))
+                    b = next((b for b in blocks if b.local_offset <= local < b.local_offset + b.numel), None)
+                    mine = b.full_index(local - b.local_offset) if b is not None else None
+                    if mine != full:
+                        return (f"TP rank {t}'s local element {local} goes to full element {full} by its affine_map, "
+                                f"to {mine} by the category patterns")
+            if covered != sum(b.numel for b in blocks):
+                return (f"TP rank {t}'s affine_map pieces cover {covered} elements, the category patterns "
+                        f"{sum(b.numel for b in blocks)}")
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "its affine_map entry is malformed (no logical_shape / ranks / pieces as DeepSpeed 0.19.8 writes them)"
+    return None
+
+
+def _list(names: Sequence[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: list[str], average: list[str],
+         row: list[str], vocab: list[str], two_sub: list[str], subs: list[Mapping[str, Any]],
+         widths: Mapping[str, Any], orig_vocab: Any, padded_vocab: Any) -> ParamCut:
+    """One param's cut by ``merge_tp_slices``'s precedence: replicated, average, 2 sub-params, sub-params, row,
+    else dim 0; then the vocabulary cut. Raises ValueError with a one-line reason."""
+    tp = len(shapes)
+    ranks = tuple(shapes)
+    if _match(replicated, name) is not None or (is_buffer and not any(
+            _match(ps, name) for ps in (row, vocab, two_sub))):
+        if len(set(shapes)) != 1:
+            raise ValueError(f"'{name}' is replicated but its TP ranks hold shapes {shapes}")
+        return ParamCut(name, SplitKind.REPLICATED, None, shapes[0], ranks)
+    if _match(average, name) is not None:
+        raise ValueError(f"'{name}' is averaged across TP ranks (parameter_to_average_patterns), which has no exact "
+                         "element source")
+    sub = next((s for s in subs if _match([str(p) for p in s.get("patterns") or []], name)), None)
+    if _match(two_sub, name) is not None:
+        dim = 0
+        if any(s[0] % 2 for s in shapes):
+            raise ValueError(f"'{name}' has 2 sub-params on dim 0 but a TP rank holds an odd row count {shapes}")
+        sub_widths = tuple(tuple(s[0] // 2 for s in shapes) for _ in range(2))
+        kind = SplitKind.SUB_PARAMS
+    elif sub is not None:
+        dim = int(sub.get("partition_dim", 0))
+        pat = _match([str(p) for p in widths], name)
+        w = widths.get(pat) if pat is not None else None
+        if not isinstance(w, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == tp for x in w):
+            raise ValueError(f"'{name}' has sub-params but no sub_param_shard_widths with one width per TP rank")
+        sub_widths = tuple(tuple(int(v) for v in x) for x in w)
+        kind = SplitKind.SUB_PARAMS
+    else:
+        dim = 1 if _match(row, name) is not None else 0
+        sub_widths = (tuple(s[dim] if len(s) > dim else -1 for s in shapes),)
+        kind = SplitKind.ROW if dim == 1 else SplitKind.COLUMN
+    if any(len(s) <= dim for s in shapes):
+        raise ValueError(f"'{name}' is split on dim {dim} but has shape {list(shapes[0])}")
+    others = {s[:dim] + s[dim + 1:] for s in shapes}
+    if len(others) != 1:
+        raise ValueError(f"'{name}': TP ranks' shapes {shapes} differ outside the split dim {dim}")
+    for t, s in enumerate(shapes):
+        if sum(ws[t] for ws in sub_widths) != s[dim] or any(ws[t] < 0 for ws in sub_widths):
+            raise ValueError(f"'{name}': sub-param widths {[list(w) for w in sub_widths]} do not add up to TP rank "
+                             f"{t}'s {s[dim]} on dim {dim}")
+    full_d = sum(s[dim] for s in shapes)
+    keep: int | None = None
+    if _match(vocab, name) is not None:
+        if dim != 0 or kind is SplitKind.SUB_PARAMS:
+            raise ValueError(f"'{name}' is a vocabulary param but not a plain dim-0 split")
+        if not isinstance(orig_vocab, int) or not 0 < orig_vocab <= full_d:
+            raise ValueError(f"'{name}' is a vocabulary param but original_vocab_size {orig_vocab!r} does not fit its "
+                             f"{full_d} rows")
+        if isinstance(padded_vocab, int) and padded_vocab != full_d:
+            raise ValueError(f"'{name}': TP ranks hold {full_d} rows, padded_vocab_size says {padded_vocab}")
+        keep = orig_vocab
+        kind = SplitKind.VOCABULARY
+    full_shape = list(shapes[0])
+    full_shape[dim] = keep if keep is not None else full_d
+    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep)
