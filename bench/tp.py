@@ -1,0 +1,101 @@
+"""Issue 20's speed target: a tensor-parallel checkpoint converts at the same bytes per second as a data-parallel-only
+one of the same size. Same model, same ZeRO stage and dtype, written by bench/make_tp_checkpoints.py as TP 2 x DP 1
+and TP 1 x DP 2; the anchors, timed in the same rounds, are DeepSpeed's own tools: ``ds_to_universal`` (the only
+DeepSpeed tool that merges TP slices; it also writes the moments, so it does more work) on the TP checkpoint, and
+``zero_to_fp32`` (which refuses TP folders) on the DP one.
+
+    python bench/tp.py --tp bench/out/tp2-llama --dp bench/out/dp2-llama --rounds 3
+
+Rounds are interleaved (TP, DP, anchors, then again), the page cache is warm for all (each input is read once
+before the first round), and every output is removed after its run. Prints one row per case (median wall time,
+output GB/s, peak RSS) and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+
+
+def _run(cmd: list[str], out: Path) -> tuple[float, int]:
+    """Wall seconds and peak RSS (KB, from GNU time) of ``cmd``; ``out`` is removed afterwards."""
+    rss_file = out.parent / "rss.txt"
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    rss = int(rss_file.read_text().split()[-1])
+    shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
+    return dt, rss
+
+
+def _warm(path: Path) -> None:
+    for f in path.rglob("*.pt"):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=Path, required=True)
+    ap.add_argument("--dp", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-anchors", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="dsckpt-tp-bench-", dir=HERE / "out"))
+    tag = {p: (p / "latest").read_text().strip() for p in (args.tp, args.dp)}
+    dsckpt = [sys.executable, "-m", "dsckpt"]
+    cases = {
+        "dsckpt to-fp32, TP 2 x DP 1": (dsckpt + ["to-fp32", "-q", str(args.tp)], "tp.safetensors"),
+        "dsckpt to-fp32, TP 1 x DP 2": (dsckpt + ["to-fp32", "-q", str(args.dp)], "dp.safetensors"),
+    }
+    if not args.no_anchors:
+        cases["ds_to_universal, TP 2 x DP 1 (anchor)"] = (
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             str(args.tp / tag[args.tp]), "--num_extract_workers", "2", "--num_merge_workers", "2",
+             "--output_folder"], "universal")
+        cases["zero_to_fp32, TP 1 x DP 2 (anchor)"] = (
+            [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(args.dp), "--safe_serialization"], "z2f")
+    for p in (args.tp, args.dp):
+        _warm(p)
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    rss: dict[str, int] = {k: 0 for k in cases}
+    out_nbytes = 0
+    for _ in range(args.rounds):
+        for name, (cmd, out_name) in cases.items():
+            out = tmp / out_name
+            if name.startswith("dsckpt") and not out_nbytes:
+                subprocess.run([*cmd, str(out)], check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+                out_nbytes = out.stat().st_size
+                out.unlink()
+            dt, kb = _run([*cmd, str(out)], out)
+            times[name].append(dt)
+            rss[name] = max(rss[name], kb)
+    shutil.rmtree(tmp, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"fp32 model: {out_nbytes / 1e9:.2f} GB; {args.rounds} interleaved rounds, medians (all rounds in brackets)")
+    for name in cases:
+        rounds = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"  {name:40s} {med[name]:7.2f} s  {out_nbytes / med[name] / 1e9:5.2f} GB/s  "
+              f"{rss[name] / 1024:7.0f} MB  [{rounds}]")
+    tp, dp = med["dsckpt to-fp32, TP 2 x DP 1"], med["dsckpt to-fp32, TP 1 x DP 2"]
+    print(f"TP / DP-only time: {tp / dp:.2f}x (target: the same bytes per second, <= 1.10x)")
+    if not args.no_anchors:
+        print(f"dsckpt TP vs ds_to_universal: {tp / med['ds_to_universal, TP 2 x DP 1 (anchor)']:.2f}x the time; "
+              f"dsckpt DP vs zero_to_fp32: {dp / med['zero_to_fp32, TP 1 x DP 2 (anchor)']:.2f}x the time")
+
+
+if __name__ == "__main__":
+    main()
