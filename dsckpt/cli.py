@@ -42,7 +42,11 @@ def one_line(message: str) -> str:
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"dsckpt: error: {one_line(message)}", err=True)
+    line = f"dsckpt: error: {one_line(message)}"
+    if _saved_stderr is not None:  # a quiet --distributed rank: its error line still goes out
+        os.write(_saved_stderr, (line + "\n").encode("utf-8", "replace"))
+    else:
+        click.echo(line, err=True)
     sys.exit(code)
 
 
@@ -124,6 +128,44 @@ def _run_folder(path: str, *, deepspeed_only: bool = False) -> tuple[str, dict[s
         return path, None
     click.echo(f"dsckpt: {choice.describe()}", err=True)
     return str(choice.checkpoint), choice.to_dict()
+
+
+distributed_option = click.option(
+    "--distributed", is_flag=True,
+    help="Spread the work over the processes torchrun started, on one host or many: torchrun --nnodes N "
+         "--nproc-per-node P --no-python dsckpt ... --distributed. Rank 0 prints; output identical to one process.")
+
+_saved_stderr: int | None = None  # a non-root rank's real stderr, for its one error line
+
+
+def _start_distributed(enabled: bool) -> Any:
+    """Join torchrun's process group for ``--distributed`` (None without it). Every rank but 0 goes quiet:
+    its stdout and stderr point at /dev/null, except for the one error line :func:`_fail` prints."""
+    global _saved_stderr
+    if not enabled:
+        return None
+    import atexit
+
+    from .distributed import init
+
+    group = init()
+    atexit.register(_close_quietly, group)
+    if not group.is_root:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _saved_stderr = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    return group
+
+
+def _close_quietly(group: Any) -> None:
+    try:
+        group.close()
+    except Exception:  # noqa: BLE001 - a peer already gone; the exit code is set
+        pass
 
 
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
@@ -323,9 +365,10 @@ def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
               help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
                    "0: everything in one thread).")
+@distributed_option
 @handle_errors
 def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
-         workers: int | None) -> None:
+         workers: int | None, distributed: bool) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
@@ -336,12 +379,17 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
     """
     from types import SimpleNamespace
 
-    from .scan import prepare_scan, run_scan
+    from .scan import prepare_scan, run_scan, run_scan_distributed
 
+    group = _start_distributed(distributed)
     target, run = _run_folder(target, deepspeed_only=True)
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
-        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
+        if group is not None:
+            report = run_scan_distributed(plan, cache, group, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)),
+                                          workers=workers)
+        else:
+            report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
@@ -433,8 +481,9 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
               help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
                    "0: everything in one thread).")
+@distributed_option
 @handle_errors
-def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> None:
+def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distributed: bool) -> None:
     """Audit CKPT without converting it, in one streaming pass over its data.
 
     Checks that every rank file is present and from the same save (tag, world sizes, step, config,
@@ -444,8 +493,9 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> No
     """
     from .verify import verify as run_verify
 
+    group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
-    report = run_verify(ckpt, tag=tag, workers=workers)
+    report = run_verify(ckpt, tag=tag, workers=workers, group=group)
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
