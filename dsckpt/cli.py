@@ -294,10 +294,11 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or warnings.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(0, 64),
               help="Reader threads running ahead of the writer (0: read and write in one thread).")
+@distributed_option
 @handle_errors
 def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
             exclude_frozen: bool, no_hf_files: bool, no_client_state: bool, force: bool, strict: bool,
-            dry_run: bool, quiet: bool, workers: int) -> None:
+            dry_run: bool, quiet: bool, workers: int, distributed: bool) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
@@ -311,8 +312,9 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
     so that from_pretrained(OUT) works. Trainer state, optimizer and RNG files are never copied.
     """
     from .checkpoint import open_checkpoint
-    from .convert import parse_dtype, plan_to_fp32, run_to_fp32
+    from .convert import parse_dtype, plan_to_fp32, run_to_fp32, run_to_fp32_distributed
 
+    group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
@@ -329,7 +331,11 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
             click.echo("\n".join(plan.client_state.describe()))
         sys.exit(1 if plan.specs else 0)
     with _progress(plan.total_nbytes, "to-fp32", not quiet) as tick:
-        result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
+        if group is not None:
+            result = run_to_fp32_distributed(plan, c.cache, group, force=force, strict=strict, on_tensor=tick,
+                                             workers=workers)
+        else:
+            result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
     for bad in result.nonfinite:
         if not quiet:
             click.echo(f"dsckpt: warning: non-finite values in {bad.describe()}; see 'dsckpt scan' and "
