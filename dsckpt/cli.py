@@ -150,7 +150,7 @@ def _start_distributed(enabled: bool) -> Any:
 
     group = init()
     atexit.register(_close_quietly, group)
-    if not group.is_root:
+    if not group.is_root and _saved_stderr is None:
         sys.stdout.flush()
         sys.stderr.flush()
         _saved_stderr = os.dup(2)

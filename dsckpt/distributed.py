@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -225,9 +226,12 @@ class Group:
 
 
 def _lost_peer(rank: int, e: BaseException) -> DistributedError:
+    # gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:36227. This is typically ..."
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\.cc:\d+\]\s*", "", text).split(". This is typically")[0]
     return DistributedError(
-        f"rank {rank}: lost contact with another rank ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-        "a rank died or was stopped (torchrun's summary names it); nothing was written")
+        f"rank {rank}: lost contact with another rank ({text}); a rank died or was stopped (torchrun's summary "
+        "names it); nothing was written")
 
 
 def init() -> Group:
