@@ -613,10 +613,11 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
               help="Do not wait for OUT to reach the disk before renaming it into place. OUT still appears "
                    "complete or not at all, but a power loss or system crash soon after may leave it "
                    "incomplete (the kernel writes it later, as after cp). Faster; the default is durable.")
+@distributed_option
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_run: bool, force: bool, verify: str,
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
-            sub_group_size: int | None, universal: bool, no_fsync: bool) -> None:
+            sub_group_size: int | None, universal: bool, no_fsync: bool, distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
 
@@ -641,8 +642,12 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
         plan_reshard,
         read_source_facts,
         run_reshard,
+        run_reshard_distributed,
     )
 
+    if universal and distributed:
+        raise UsageError("--universal does not take --distributed yet; run it as one process")
+    group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None:
@@ -668,8 +673,12 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             click.echo(f"  wrote {path.name}", err=True)
 
     mode = "none" if no_verify else verify
-    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers,
-                         fsync=not no_fsync)
+    if group is not None:
+        result = run_reshard_distributed(plan, out, group, cache=cache, force=force, verify=mode, on_file=tick,
+                                         workers=workers, fsync=not no_fsync)
+    else:
+        result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers,
+                             fsync=not no_fsync)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""

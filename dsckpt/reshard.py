@@ -68,6 +68,7 @@ __all__ = [
     "plan_universal_reshard",
     "read_source_facts",
     "run_reshard",
+    "run_reshard_distributed",
     "run_universal",
 ]
 
@@ -258,6 +259,108 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
                          tuple(out / f.relative_to(tmp) for f in hf))
 
 
+def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], group: Any, *, cache: Any = None,
+                            force: bool = False, verify: Verify | str | bool = Verify.QUICK,
+                            on_file: Callable[[Path], None] | None = None, workers: int | None = None,
+                            fsync: bool = True) -> ReshardResult:
+    """:func:`run_reshard` spread over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): the
+    target files are split over the ranks by bytes (:func:`dsckpt.distributed.split_by_nbytes`); each rank
+    writes its files into rank 0's leased temporary folder, fsyncs them and reports their sizes; every
+    source record's CRC-32 is completed once, by the rank owning its file; rank 0 checks the reported
+    sizes against the filesystem, writes ``latest``, the scripts and the Trainer files, runs ``verify``
+    over the whole output (on rank 0 alone, for now) and renames OUT into place. Same bytes as
+    :func:`run_reshard`; OUT appears only if every rank succeeded."""
+    import contextlib
+
+    from . import crc
+    from .atomic import atomic_dir, claim_output, lease
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+    from .readers import read_checkpoint
+
+    mode, out, cache = _prepare(plan.source_root, out, verify, cache)
+    group.agree({"plan": describe_plan(plan, max_copies=1 << 30), "out": str(out), "tag": plan.tag,
+                 "verify": mode.value}, "the reshard plan")
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    checks = record_checks(cache)
+    workers = default_workers() if workers is None else workers
+
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(out, force=force, nbytes=output_nbytes_bound(plan)))
+            tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
+            stack.enter_context(lease(tmp))
+            (tmp / plan.tag).mkdir()
+            return str(tmp)
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+        tag_dir = tmp / plan.tag
+        jobs = build_jobs(plan, ckpt, tag_dir, cache)
+        names = [path.name for path, _ in jobs]
+        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]
+
+        def write() -> tuple[dict[str, int], Any]:
+            sizes: dict[str, int] = {}
+            # make_parent=False: a rank must not bring back the folder rank 0 removed after a failure
+            for f in _write_jobs([jobs[i] for i in mine], workers, writeback=fsync, make_parent=False):
+                if fsync:  # this rank's writes reach the disk before rank 0 renames OUT
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                sizes[f.name] = f.stat().st_size
+                if on_file is not None:
+                    on_file(f)
+            return sizes, export_segments(checks)
+
+        results = group.step(write, "writing OUT")
+        group.step(lambda: crc.finish(owned_checks(checks, [r[1] for r in results], group)),
+                   "the CRC-32 checks of the input")
+        reported = {k: v for r in results for k, v in r[0].items()}
+
+        def finish() -> tuple[int, list[str]]:
+            if not group.is_root:
+                return 0, []
+            wrong = [f"{n}: reported {reported.get(n)} bytes, on disk "
+                     f"{(tag_dir / n).stat().st_size if (tag_dir / n).exists() else None}"
+                     for n in names if reported.get(n) is None or not (tag_dir / n).exists()
+                     or (tag_dir / n).stat().st_size != reported[n]]
+            if wrong:
+                raise CorruptCheckpointError(f"'{out}' was not written completely ({'; '.join(wrong)}); nothing was "
+                                             "moved into place")
+            (tmp / "latest").write_text(plan.tag, encoding="utf-8")
+            for script in ZERO_TO_FP32_SCRIPTS:
+                if (plan.source_root / script).is_file():
+                    shutil.copy2(plan.source_root / script, tmp / script)
+            hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
+            checked = 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
+            return checked, [str(f.relative_to(tmp)) for f in hf]
+
+        checked, hf = group.step(finish, "checking OUT")[0]
+        group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
+    return ReshardResult(out, plan.tag, tuple(out / plan.tag / n for n in names), checked, mode.value,
+                         tuple(out / f for f in hf))
+
+
+def _tree_nbytes(tree: Any) -> int:
+    """Tensor bytes a target file's tree will stream (for splitting files over ranks); at least 1."""
+    total = 0
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        else:
+            n = getattr(x, "nbytes", None)
+            if isinstance(n, int):
+                total += n
+    return max(1, total)
+
+
 def output_nbytes_bound(plan: ReshardPlan) -> int:
     """An upper estimate of what :func:`run_reshard` writes, for the free-space check: the flat
     partitions, the model-states files (one per target rank at stage 3), the scripts, and 64 KiB of
@@ -312,7 +415,8 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int,
     yield from _write_jobs(build_jobs(plan, ckpt, tag_dir, cache), workers, writeback=writeback)
 
 
-def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool = True) -> Iterator[Path]:
+def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool = True,
+                make_parent: bool = True) -> Iterator[Path]:
     """Write ``(path, tree)`` jobs, ``workers`` at a time; yields the paths in order. Not fsync'd here:
     the caller fsyncs them all at once while it verifies (:func:`~dsckpt.atomic.background_fsync`);
     ``writeback``: start the kernel's write-back while writing (only useful when an fsync follows)."""
@@ -320,10 +424,11 @@ def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool =
 
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
-            yield write_torch_tree(path, tree, fsync=False, writeback=writeback)
+            yield write_torch_tree(path, tree, fsync=False, writeback=writeback, make_parent=make_parent)
         return
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dsckpt-write") as pool:
-        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback) for path, tree in jobs]
+        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback,
+                               make_parent=make_parent) for path, tree in jobs]
         try:
             for fut in futures:
                 yield fut.result()
