@@ -435,9 +435,11 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 @click.option("--verbose", "-v", is_flag=True, help="Also list tensors that are within tolerance but not bitwise "
                                                     "equal (another dtype, or differences within tolerance).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@distributed_option
 @handle_errors
 def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool, exclude_frozen: bool,
-         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, verbose: bool, quiet: bool) -> None:
+         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, verbose: bool, quiet: bool,
+         distributed: bool) -> None:
     """Compare A and B tensor by tensor, by name. Exit 0 equal (within tolerance), 1 different.
 
     A and B: each a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a
@@ -448,8 +450,10 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
     """
     from types import SimpleNamespace
 
-    from .diff import Status, prepare_diff, run_diff
+    from .diff import Status, prepare_diff, run_diff, run_diff_distributed
     from .state_dict_files import TargetKind, detect_target
+
+    group = _start_distributed(distributed)
 
     def side_tag(path: str, own: str | None) -> str | None:
         if own is not None:
@@ -462,7 +466,11 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
                                           atol=atol, rtol=rtol, strict_dtype=strict_dtype,
                                           exclude_frozen=exclude_frozen)
     with _progress(plan.nbytes, "diff", not quiet and not as_json) as tick:
-        report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        if group is not None:
+            report = run_diff_distributed(plan, cache_a, cache_b, group,
+                                          on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        else:
+            report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder_a": run_a, "run_folder_b": run_b}, indent=2))
     else:

@@ -2,7 +2,7 @@
 
 * the pure planner (split by bytes, byte ranges of one file) and the lease rule, without processes;
 * same stdout, same exit code on every rank, same output bytes as the one-process run (scan, verify, to-fp32,
-  reshard), over ZeRO-1/2/3,
+  reshard, diff), over ZeRO-1/2/3,
   BF16_Optimizer, stage 0, pipeline, MoE, a universal folder and a Hugging Face Trainer folder
   (one launch runs every command through the real click ``main``: tests/dist_driver.py);
 * the ``dsckpt`` console script under ``torchrun --no-python`` on 3 ranks (several ranks writing one file);
@@ -169,6 +169,10 @@ def _jobs(fx_root: Path, out: Path) -> list[list[str]]:
                        ("s1_bf16_w2_bf16opt", ["-n", "1"]), ("hf_llama_z2_bf16_w2", ["-n", "3", "--verify", "full"]),
                        ("moe_s2_bf16_w2_ep2", ["-n", "4"])):
         jobs.append(["reshard", "-q", str(fx_root / name / "ckpt"), str(out / f"reshard_{name}"), *args])
+    fx = fx_root
+    jobs += [["diff", str(fx / "s2_fp32_w4" / "ckpt"), str(fx / "s2_fp32_w4" / "ckpt"), "--role", "all"],
+             ["diff", "--json", str(fx / "s2_fp16_w1_masterinf" / "ckpt"), str(fx / "s2_fp16_w1_bnoverflow" / "ckpt")],
+             ["diff", "-v", str(fx / "s3_bf16_w3_subgroups" / "ckpt"), str(fx / "s1_bf16_w3" / "ckpt")]]
     # a failure on a rank: --strict on a checkpoint with inf values (exit 1 everywhere, nothing written)
     jobs.append(["to-fp32", "--strict", str(fx_root / "s2_fp16_w1_bnoverflow" / "ckpt"), str(out / "strict.safetensors")])
     return jobs
