@@ -545,19 +545,21 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@distributed_option
 @handle_errors
 def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, whole_tensor: bool,
-           dry_run: bool, force: bool, as_json: bool, quiet: bool) -> None:
+           dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
     """Write a copy of CKPT to OUT with every inf/NaN value patched from an fp32 source.
 
     CKPT: a DeepSpeed checkpoint folder (OUT: the same layout, untouched files copied byte for byte)
     or a .safetensors file (OUT: a .safetensors file). CKPT is never modified.
     """
     from .errors import UsageError
-    from .repair import Policy, prepare_repair, run_repair
+    from .repair import Policy, prepare_repair, run_repair, run_repair_distributed
 
     if source is None and policy != "reset-bn-stats":
         raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
     plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
     lines = [p.describe() for p in plan.patches]
@@ -574,7 +576,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
             click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
-    result = run_repair(plan, out, force=force)
+    result = (run_repair(plan, out, force=force) if group is None
+              else run_repair_distributed(plan, out, group, force=force))
     if as_json:
         click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output), "run_folder": run,
                                "rewritten": [str(f) for f in result.rewritten],
