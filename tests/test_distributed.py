@@ -234,15 +234,24 @@ def test_console_script_on_three_ranks(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.parent.iterdir()) == ["one.safetensors"]
 
 
-def _start_slow(tmp_path: Path, slow_rank: int, out: Path) -> tuple[subprocess.Popen[str], Path]:
-    ckpt = str(FIXTURES / "s2_fp32_w4" / "ckpt")
+WRITES = {  # command -> its argv without OUT's folder; every one of them fsyncs what it wrote
+    "to-fp32-shards": lambda out: ["to-fp32", "-q", str(FIXTURES / "s2_fp32_w4" / "ckpt"), str(out),
+                                   "--max-shard-size", "1KB"],
+    "to-fp32-file": lambda out: ["to-fp32", "-q", str(FIXTURES / "s2_fp32_w4" / "ckpt"), str(out) + ".safetensors"],
+    "reshard": lambda out: ["reshard", "-q", str(FIXTURES / "s2_fp32_w4" / "ckpt"), str(out), "-n", "3"],
+}
+
+
+def _start_slow(tmp_path: Path, slow_rank: int, out: Path,
+                command: str = "to-fp32-shards") -> tuple[subprocess.Popen[str], Path]:
     results = tmp_path / "results"
     results.mkdir(exist_ok=True)
-    jobs = [["to-fp32", "-q", ckpt, str(out), "--max-shard-size", "1KB", "--distributed"]]
+    jobs = [[*WRITES[command](out), "--distributed"]]
     (results / "jobs.json").write_text(json.dumps(jobs))
     ready = tmp_path / f"ready.{slow_rank}"
     proc = _torchrun(2, [sys.executable, str(DRIVER), str(results / "jobs.json"), str(results)],
-                     env={"DIST_SLOW_FSYNC_RANK": str(slow_rank), "DIST_READY": str(ready)})
+                     env={"DIST_SLOW_FSYNC_RANK": str(slow_rank), "DIST_READY": str(ready),
+                          "DSCKPT_DIST_ALIGN_NBYTES": "64"})
     end = time.monotonic() + TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:
@@ -252,27 +261,28 @@ def _start_slow(tmp_path: Path, slow_rank: int, out: Path) -> tuple[subprocess.P
     return proc, ready
 
 
-def _next_run_leaves_nothing(out: Path) -> None:
-    res = CliRunner().invoke(main, ["to-fp32", "-q", str(FIXTURES / "s2_fp32_w4" / "ckpt"), str(out),
-                                    "--max-shard-size", "1KB"])
+def _next_run_leaves_nothing(out: Path, command: str = "to-fp32-shards") -> None:
+    res = CliRunner().invoke(main, WRITES[command](out))
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+    assert len(list(out.parent.iterdir())) == 1
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["worker", "rank0"])
-def test_rank_sigkilled_mid_write_leaves_no_output(tmp_path: Path, killed: int) -> None:
+@pytest.mark.parametrize(("command", "killed"), [("to-fp32-shards", 1), ("to-fp32-shards", 0), ("to-fp32-file", 1),
+                                                 ("reshard", 1)],
+                         ids=["shards-worker", "shards-rank0", "file-worker", "reshard-worker"])
+def test_rank_sigkilled_mid_write_leaves_no_output(tmp_path: Path, command: str, killed: int) -> None:
     out = tmp_path / "out" / "model"
     out.parent.mkdir()
-    proc, ready = _start_slow(tmp_path, killed, out)
-    assert any(p.name.startswith(".model.") for p in out.parent.iterdir())  # the temp output exists
+    proc, ready = _start_slow(tmp_path, killed, out, command)
+    assert any(p.name.startswith(".model") and p.name.endswith(".tmp") for p in out.parent.iterdir())  # temp exists
     os.kill(int(ready.read_text()), signal.SIGKILL)
     code, _, err = _wait(proc)
     assert code != 0
-    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if not p.name.startswith(".")]  # no OUT
     if killed != 0:  # rank 0 lived to remove its temp folder
         time.sleep(0.5)
         assert [p.name for p in out.parent.iterdir() if not p.name.endswith(".dsckpt-lock")] == [], err[-2000:]
-    _next_run_leaves_nothing(out)
+    _next_run_leaves_nothing(out, command)
 
 
 def test_sigterm_to_launcher_leaves_no_output(tmp_path: Path) -> None:
