@@ -656,8 +656,6 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
         run_reshard_distributed,
     )
 
-    if universal and distributed:
-        raise UsageError("--universal does not take --distributed yet; run it as one process")
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     if universal:
@@ -665,7 +663,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
                              "stage family; drop --world-size, --zero-stage and --sub-group-size")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
-                           quiet=quiet, workers=workers, fsync=not no_fsync)
+                           quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
         return
     if world_size is None:
         raise UsageError("missing option '--world-size' / '-n' (or write a universal checkpoint with --universal)")
@@ -711,9 +709,9 @@ def _not_synced(no_fsync: bool) -> str:
 
 
 def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, force: bool, verify: str, quiet: bool,
-                       workers: int | None, fsync: bool = True) -> None:
+                       workers: int | None, fsync: bool = True, group: Any = None) -> None:
     from .readers import FileCache, read_checkpoint
-    from .reshard import plan_universal_reshard, read_source_facts, run_universal
+    from .reshard import plan_universal_reshard, read_source_facts, run_universal, run_universal_distributed
 
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
@@ -727,8 +725,12 @@ def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, f
             click.echo(f"  wrote {path.parent.name}/{path.name}" if path.parent.name != plan.out_tag else
                        f"  wrote {path.name}", err=True)
 
-    result = run_universal(plan, out, cache=cache, force=force, verify=verify, on_file=tick, workers=workers,
-                           fsync=fsync)
+    if group is not None:
+        result = run_universal_distributed(plan, out, group, cache=cache, force=force, verify=verify, on_file=tick,
+                                           workers=workers, fsync=fsync)
+    else:
+        result = run_universal(plan, out, cache=cache, force=force, verify=verify, on_file=tick, workers=workers,
+                               fsync=fsync)
     verified = "" if verify == "none" else f", verified {result.verified_tensors} tensors against the input ({verify})"
     click.echo(f"wrote universal checkpoint of {plan.source_tag_dir} ({plan.source_world_size} ranks, ZeRO stage "
                f"{plan.source_stage}): {len(result.files)} files to {result.output}/{plan.out_tag}, latest_universal"

@@ -70,6 +70,7 @@ __all__ = [
     "run_reshard",
     "run_reshard_distributed",
     "run_universal",
+    "run_universal_distributed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -460,12 +461,9 @@ def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: An
     :func:`run_reshard`."""
     from .atomic import atomic_dir, background_fsync, claim_output
     from .ds_writers.universal import universal_trees
-    from .readers import FileCache, read_checkpoint
 
     mode, out, cache = _prepare(plan.source_root, out, verify, cache)
-    models = sum(p.stat().st_size for p in plan.model_files)
-    nbytes = plan.copied_nbytes + models + 4 * sum(1 for _ in plan.cast_files) + (64 << 10) * (
-        len(plan.state_files) + len(plan.step_files) + len(plan.cast_files) + 2)
+    nbytes = _universal_nbytes(plan)
     written: list[Path] = []
     with claim_output(out, force=force, nbytes=nbytes), atomic_dir(out, fsync=fsync) as tmp:
         folder = tmp / plan.out_tag
@@ -478,21 +476,106 @@ def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: An
             if on_file is not None:
                 on_file(f)
         (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
-        checked = 0
         with background_fsync(tmp, enabled=fsync):  # the disk finishes the write-back while we verify
-            if mode is not Verify.NONE:
-                src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
-                new_cache = FileCache()
-                new = read_checkpoint(tmp, cache=new_cache)
-                if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
-                        f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step,
-                        src.global_steps):
-                    raise CorruptCheckpointError(
-                        f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} "
-                        f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
-                        f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
-                        f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
-                checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
-                new_cache.finish_checks()
+            checked = _verify_universal(plan, tmp, cache, mode)
             cache.finish_checks()
     return ReshardResult(out, plan.out_tag, tuple(out / f.relative_to(tmp) for f in written), checked, mode.value)
+
+
+def _universal_nbytes(plan: UniversalPlan) -> int:
+    models = sum(p.stat().st_size for p in plan.model_files)
+    return plan.copied_nbytes + models + 4 * sum(1 for _ in plan.cast_files) + (64 << 10) * (
+        len(plan.state_files) + len(plan.step_files) + len(plan.cast_files) + 2)
+
+
+def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) -> int:
+    """Re-read the universal folder written at ``tmp`` and compare it with the source; copies compared."""
+    from .readers import FileCache, read_checkpoint
+
+    if mode is Verify.NONE:
+        return 0
+    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    new_cache = FileCache()
+    new = read_checkpoint(tmp, cache=new_cache)
+    if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
+            f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step, src.global_steps):
+        raise CorruptCheckpointError(
+            f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} "
+            f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
+            f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
+            f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
+    checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
+    new_cache.finish_checks()
+    return checked
+
+
+def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], group: Any, *, cache: Any = None,
+                              force: bool = False, verify: Verify | str | bool = Verify.QUICK,
+                              on_file: Callable[[Path], None] | None = None, workers: int | None = None,
+                              fsync: bool = True) -> ReshardResult:
+    """:func:`run_universal` spread over the ranks of ``group``, as :func:`run_reshard_distributed` does:
+    the universal folder's files are split over the ranks by bytes; rank 0 makes the folders, checks the
+    reported sizes, writes ``latest_universal``, verifies (alone, for now) and renames OUT into place."""
+    import contextlib
+
+    from . import crc
+    from .atomic import atomic_dir, claim_output, lease
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+    from .ds_writers.universal import universal_trees
+
+    mode, out, cache = _prepare(plan.source_root, out, verify, cache)
+    group.agree({"plan": plan.describe(), "out": str(out), "verify": mode.value}, "the universal plan")
+    trees = list(universal_trees(plan, cache))
+    checks = record_checks(cache)
+    workers = default_workers() if workers is None else workers
+
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(out, force=force, nbytes=_universal_nbytes(plan)))
+            tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
+            stack.enter_context(lease(tmp))
+            for rel, _ in trees:
+                (tmp / plan.out_tag / rel).parent.mkdir(parents=True, exist_ok=True)
+            return str(tmp)
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+        folder = tmp / plan.out_tag
+        jobs = [(folder / rel, tree) for rel, tree in trees]
+        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]
+
+        def write() -> tuple[dict[str, int], Any]:
+            sizes: dict[str, int] = {}
+            for f in _write_jobs([jobs[i] for i in mine], workers, writeback=fsync, make_parent=False):
+                if fsync:
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                sizes[str(f.relative_to(tmp))] = f.stat().st_size
+                if on_file is not None:
+                    on_file(f)
+            return sizes, export_segments(checks)
+
+        results = group.step(write, "writing OUT")
+        group.step(lambda: crc.finish(owned_checks(checks, [r[1] for r in results], group)),
+                   "the CRC-32 checks of the input")
+        reported = {k: v for r in results for k, v in r[0].items()}
+        rels = [str(path.relative_to(tmp)) for path, _ in jobs]
+
+        def finish() -> int:
+            if not group.is_root:
+                return 0
+            wrong = [r for r in rels if reported.get(r) is None or not (tmp / r).exists()
+                     or (tmp / r).stat().st_size != reported[r]]
+            if wrong:
+                raise CorruptCheckpointError(f"'{out}' was not written completely ({', '.join(wrong[:5])}); nothing "
+                                             "was moved into place")
+            (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
+            return _verify_universal(plan, tmp, cache, mode)
+
+        checked = group.step(finish, "checking OUT")[0]
+        group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
+    return ReshardResult(out, plan.out_tag, tuple(out / r for r in rels), checked, mode.value)

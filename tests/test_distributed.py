@@ -170,6 +170,8 @@ def _jobs(fx_root: Path, out: Path) -> list[list[str]]:
                        ("s1_bf16_w2_bf16opt", ["-n", "1"]), ("hf_llama_z2_bf16_w2", ["-n", "3", "--verify", "full"]),
                        ("moe_s2_bf16_w2_ep2", ["-n", "4"])):
         jobs.append(["reshard", "-q", str(fx_root / name / "ckpt"), str(out / f"reshard_{name}"), *args])
+    for name in ("s2_fp32_w4", "s3_bf16_w3_subgroups"):
+        jobs.append(["reshard", "-q", "--universal", str(fx_root / name / "ckpt"), str(out / f"universal_{name}")])
     fx = fx_root
     jobs += [["diff", str(fx / "s2_fp32_w4" / "ckpt"), str(fx / "s2_fp32_w4" / "ckpt"), "--role", "all"],
              ["diff", "--json", str(fx / "s2_fp16_w1_masterinf" / "ckpt"), str(fx / "s2_fp16_w1_bnoverflow" / "ckpt")],
