@@ -177,11 +177,13 @@ def _jobs(fx_root: Path, out: Path) -> list[list[str]]:
              ["diff", "--json", str(fx / "s2_fp16_w1_masterinf" / "ckpt"), str(fx / "s2_fp16_w1_bnoverflow" / "ckpt")],
              ["diff", "-v", str(fx / "s3_bf16_w3_subgroups" / "ckpt"), str(fx / "s1_bf16_w3" / "ckpt")]]
     for name in ("s2_fp16_w1_bnoverflow", "s3_fp16_w1_bnoverflow"):
-        jobs.append(["repair", "-q", str(fx / name / "ckpt"), str(out / f"repair_{name}"), "--policy", "reset-bn-stats"])
+        jobs.append(["repair", "-q", str(fx / name / "ckpt"), str(out / f"repair_{name}"),
+                     "--policy", "reset-bn-stats"])
     jobs.append(["repair", "--json", str(fx / "s0_fp16_w1_bnoverflow" / "ckpt"), str(out / "repair_s0"),
                  "--policy", "reset-bn-stats"])
     # a failure on a rank: --strict on a checkpoint with inf values (exit 1 everywhere, nothing written)
-    jobs.append(["to-fp32", "--strict", str(fx_root / "s2_fp16_w1_bnoverflow" / "ckpt"), str(out / "strict.safetensors")])
+    jobs.append(["to-fp32", "--strict", str(fx / "s2_fp16_w1_bnoverflow" / "ckpt"),
+                 str(out / "strict.safetensors")])
     return jobs
 
 
