@@ -7,9 +7,13 @@ Every writing command wraps its output in :func:`claim_output`, which
   never both write it and OUT is never a mix;
 * removes what a killed run (SIGKILL, power loss) left beside OUT. Temp names carry the writer's pid
   and host (``.OUT.<pid>@<host>.XXXXXXXX.tmp``); holding the lock proves no dsckpt is writing OUT, so
-  leftovers of this host whose pid is dead are removed (and logged). Leftovers of another host (a
-  shared filesystem, where a pid means nothing here) are left alone and logged with how to remove
-  them. A previous OUT that a killed ``--force`` run had moved aside is put back;
+  leftovers of this host whose pid is dead are removed (and logged). A pid means nothing on another
+  host (a shared filesystem), so ``--distributed`` writers hold a **lease** instead: their temp names
+  say so (``.OUT.<pid>@<host>~lease.XXXXXXXX.tmp``) and rank 0 touches the temp's mtime every
+  :data:`LEASE_RENEW_S` seconds while the run lives (:func:`lease`). Another host's leased leftover
+  whose mtime is older than :func:`lease_expiry_s` is dead and removed; other leftovers of another host
+  are left alone and logged with how to remove them. A previous OUT that a killed ``--force`` run had
+  moved aside is put back;
 * refuses before writing when the filesystem lacks the space the plan needs
   (:class:`~dsckpt.errors.NotEnoughSpaceError`), and turns ENOSPC/EDQUOT/EROFS/EACCES during the write
   into :class:`~dsckpt.errors.OutputWriteError` naming OUT (the temp is removed first).
@@ -46,7 +50,11 @@ __all__ = [
     "claim_output",
     "format_nbytes",
     "free_bytes",
+    "lease",
+    "lease_expiry_s",
+    "leased_temp",
     "remove_leftovers",
+    "replace_into_place",
     "scratch_dir",
 ]
 
@@ -98,8 +106,55 @@ def check_free_space(directory: Path, nbytes: int) -> None:
             "Free some space or choose another output location")
 
 
-def _temp_prefix(target: Path) -> str:
-    return f".{target.name}.{os.getpid()}@{_HOST}."
+def _temp_prefix(target: Path, *, leased: bool = False) -> str:
+    return f".{target.name}.{os.getpid()}@{_HOST}{'~lease' if leased else ''}."
+
+
+#: A ``--distributed`` run's rank 0 renews its lease (touches its temp output) this often.
+LEASE_RENEW_S = 10.0
+DEFAULT_LEASE_EXPIRY_S = 120.0
+
+
+def lease_expiry_s() -> float:
+    """Seconds without renewal after which another host's leased leftover counts as dead (env
+    ``DSCKPT_LEASE_EXPIRY_S``, default 120: twelve missed renewals; a live rank 0 renews every 10 s)."""
+    try:
+        return float(os.environ.get("DSCKPT_LEASE_EXPIRY_S", DEFAULT_LEASE_EXPIRY_S))
+    except ValueError:
+        return DEFAULT_LEASE_EXPIRY_S
+
+
+@contextlib.contextmanager
+def lease(path: Path, *, renew_s: float = LEASE_RENEW_S) -> Iterator[None]:
+    """Touch ``path``'s mtime every ``renew_s`` seconds while the block runs (a daemon thread): the
+    proof, readable from any host, that the run owning this temp output is alive."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(renew_s):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    thread = threading.Thread(target=renew, name="dsckpt-lease", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def leased_temp(target: str | os.PathLike[str], *, directory: bool) -> Path:
+    """Create the temp output of a ``--distributed`` run beside ``target`` (a folder, or an empty file),
+    named as leased (see :func:`remove_leftovers`). The caller removes it on failure."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = _temp_prefix(target, leased=True)
+    if directory:
+        return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=target.parent))
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    return Path(tmp)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -133,14 +188,17 @@ def _write_errors(target: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[BinaryIO]:
-    """Yield a binary file that becomes ``target`` only if the block completes.
+def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_parent: bool = True) -> Iterator[BinaryIO]:
+    """Yield a binary file that becomes ``target`` only if the block completes. ``make_parent=False``:
+    never create ``target``'s folder (a ``--distributed`` rank writing into rank 0's temp folder must not
+    bring it back after rank 0 removed it).
 
     ``fsync=False`` skips the fsyncs of the file and of its folder: ``target`` still appears complete
     or not at all to every process, but a power loss or kernel crash soon after may leave it empty
     or partial (the kernel writes it back later, as after ``cp``)."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if make_parent:
+        target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -158,34 +216,44 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True) -> Iterat
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory that replaces ``target`` only if the block completes.
 
     An existing ``target`` (allowed by :func:`check_can_write`) is moved aside first and removed
     once the new one is in place. Every file is fsync'd before the rename, unless ``fsync=False``
-    (see :func:`atomic_file`: atomic, not crash-durable).
+    (see :func:`atomic_file`: atomic, not crash-durable). ``leased``: name the temporary directory
+    as a ``--distributed`` run's (:func:`leased_temp`); the caller holds its :func:`lease`.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
+    if leased:
+        tmp = leased_temp(target, directory=True)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
     try:
         yield tmp
         for p in tmp.rglob("*") if fsync else ():
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
-        old = None
-        if target.exists():
-            old = target.with_name(f"{_temp_prefix(target)}old")
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if fsync:
-            _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        replace_into_place(tmp, target, fsync=fsync)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_into_place(tmp: Path, target: Path, *, fsync: bool = True) -> None:
+    """``os.replace(tmp, target)``; an existing ``target`` is moved aside first (named so that a killed
+    run's is put back by :func:`remove_leftovers`) and removed once ``tmp`` is in place."""
+    old = None
+    if target.exists():
+        old = target.with_name(f"{_temp_prefix(target)}old")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if fsync:
+        _fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 FSYNC_THREADS = 8  # files fsync'd at once by background_fsync: the disk queues their write-back together
@@ -305,10 +373,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _leftover_owner(target: Path, name: str) -> tuple[int, str] | None:
-    """``(pid, host)`` if ``name`` is a temp or moved-aside name of ``target``'s writers."""
-    m = re.fullmatch(re.escape(f".{target.name}.") + r"(\d+)@(.+)\.(?:[A-Za-z0-9_]+\.tmp|old)", name)
-    return (int(m[1]), m[2]) if m else None
+def _leftover_owner(target: Path, name: str) -> tuple[int, str, bool] | None:
+    """``(pid, host, leased)`` if ``name`` is a temp or moved-aside name of ``target``'s writers."""
+    m = re.fullmatch(re.escape(f".{target.name}.") + r"(\d+)@([^~]+?)(~lease)?\.(?:[A-Za-z0-9_]+\.tmp|old)", name)
+    return (int(m[1]), m[2], bool(m[3])) if m else None
+
+
+def _lease_expired(path: Path) -> bool:
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return False
+    return age > lease_expiry_s()
 
 
 def _remove(path: Path) -> None:
@@ -332,8 +408,16 @@ def remove_leftovers(target: Path) -> list[Path]:
         owner = _leftover_owner(target, name)
         if owner is None:
             continue
-        pid, host = owner
+        pid, host, leased = owner
         path = parent / name
+        if host != _HOST and leased and _lease_expired(path):
+            nbytes = _tree_nbytes(path)
+            _remove(path)
+            removed.append(path)
+            logger.warning("removed '%s' (%s), left by a dead --distributed dsckpt run (pid %d on host %s; its lease "
+                           "was not renewed for over %.0f s)", path, format_nbytes(nbytes), pid, host,
+                           lease_expiry_s())
+            continue
         if host != _HOST:
             logger.warning("'%s' was left by dsckpt pid %d on host %s; dsckpt cannot tell from here whether that "
                            "run is alive. If it is not, remove it: rm -rf '%s'", path, pid, host, path)

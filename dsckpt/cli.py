@@ -42,7 +42,11 @@ def one_line(message: str) -> str:
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"dsckpt: error: {one_line(message)}", err=True)
+    line = f"dsckpt: error: {one_line(message)}"
+    if _saved_stderr is not None:  # a quiet --distributed rank: its error line still goes out
+        os.write(_saved_stderr, (line + "\n").encode("utf-8", "replace"))
+    else:
+        click.echo(line, err=True)
     sys.exit(code)
 
 
@@ -124,6 +128,44 @@ def _run_folder(path: str, *, deepspeed_only: bool = False) -> tuple[str, dict[s
         return path, None
     click.echo(f"dsckpt: {choice.describe()}", err=True)
     return str(choice.checkpoint), choice.to_dict()
+
+
+distributed_option = click.option(
+    "--distributed", is_flag=True,
+    help="Spread the work over the processes torchrun started, on one host or many: torchrun --nnodes N "
+         "--nproc-per-node P --no-python dsckpt ... --distributed. Rank 0 prints; output identical to one process.")
+
+_saved_stderr: int | None = None  # a non-root rank's real stderr, for its one error line
+
+
+def _start_distributed(enabled: bool) -> Any:
+    """Join torchrun's process group for ``--distributed`` (None without it). Every rank but 0 goes quiet:
+    its stdout and stderr point at /dev/null, except for the one error line :func:`_fail` prints."""
+    global _saved_stderr
+    if not enabled:
+        return None
+    import atexit
+
+    from .distributed import init
+
+    group = init()
+    atexit.register(_close_quietly, group)
+    if not group.is_root and _saved_stderr is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _saved_stderr = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    return group
+
+
+def _close_quietly(group: Any) -> None:
+    try:
+        group.close()
+    except Exception:  # noqa: BLE001 - a peer already gone; the exit code is set
+        pass
 
 
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
@@ -258,10 +300,11 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or warnings.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(0, 64),
               help="Reader threads running ahead of the writer (0: read and write in one thread).")
+@distributed_option
 @handle_errors
 def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
             exclude_frozen: bool, no_hf_files: bool, no_client_state: bool, force: bool, strict: bool,
-            dry_run: bool, quiet: bool, workers: int) -> None:
+            dry_run: bool, quiet: bool, workers: int, distributed: bool) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
@@ -275,8 +318,9 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
     so that from_pretrained(OUT) works. Trainer state, optimizer and RNG files are never copied.
     """
     from .checkpoint import open_checkpoint
-    from .convert import parse_dtype, plan_to_fp32, run_to_fp32
+    from .convert import parse_dtype, plan_to_fp32, run_to_fp32, run_to_fp32_distributed
 
+    group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
@@ -293,7 +337,11 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
             click.echo("\n".join(plan.client_state.describe()))
         sys.exit(1 if plan.specs else 0)
     with _progress(plan.total_nbytes, "to-fp32", not quiet) as tick:
-        result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
+        if group is not None:
+            result = run_to_fp32_distributed(plan, c.cache, group, force=force, strict=strict, on_tensor=tick,
+                                             workers=workers)
+        else:
+            result = run_to_fp32(plan, c.cache, force=force, strict=strict, on_tensor=tick, workers=workers)
     for bad in result.nonfinite:
         if not quiet:
             click.echo(f"dsckpt: warning: non-finite values in {bad.describe()}; see 'dsckpt scan' and "
@@ -329,9 +377,10 @@ def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
               help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
                    "0: everything in one thread).")
+@distributed_option
 @handle_errors
 def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
-         workers: int | None) -> None:
+         workers: int | None, distributed: bool) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
@@ -342,12 +391,17 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
     """
     from types import SimpleNamespace
 
-    from .scan import prepare_scan, run_scan
+    from .scan import prepare_scan, run_scan, run_scan_distributed
 
+    group = _start_distributed(distributed)
     target, run = _run_folder(target, deepspeed_only=True)
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only)
     with _progress(plan.nbytes, "scan", not quiet and not as_json) as tick:
-        report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
+        if group is not None:
+            report = run_scan_distributed(plan, cache, group, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)),
+                                          workers=workers)
+        else:
+            report = run_scan(plan, cache, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)), workers=workers)
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
@@ -387,9 +441,11 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
 @click.option("--verbose", "-v", is_flag=True, help="Also list tensors that are within tolerance but not bitwise "
                                                     "equal (another dtype, or differences within tolerance).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@distributed_option
 @handle_errors
 def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool, exclude_frozen: bool,
-         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, verbose: bool, quiet: bool) -> None:
+         tag: str | None, tag_a: str | None, tag_b: str | None, as_json: bool, verbose: bool, quiet: bool,
+         distributed: bool) -> None:
     """Compare A and B tensor by tensor, by name. Exit 0 equal (within tolerance), 1 different.
 
     A and B: each a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a
@@ -400,8 +456,10 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
     """
     from types import SimpleNamespace
 
-    from .diff import Status, prepare_diff, run_diff
+    from .diff import Status, prepare_diff, run_diff, run_diff_distributed
     from .state_dict_files import TargetKind, detect_target
+
+    group = _start_distributed(distributed)
 
     def side_tag(path: str, own: str | None) -> str | None:
         if own is not None:
@@ -414,7 +472,11 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
                                           atol=atol, rtol=rtol, strict_dtype=strict_dtype,
                                           exclude_frozen=exclude_frozen)
     with _progress(plan.nbytes, "diff", not quiet and not as_json) as tick:
-        report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        if group is not None:
+            report = run_diff_distributed(plan, cache_a, cache_b, group,
+                                          on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
+        else:
+            report = run_diff(plan, cache_a, cache_b, on_progress=lambda n: tick(SimpleNamespace(nbytes=n)))
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder_a": run_a, "run_folder_b": run_b}, indent=2))
     else:
@@ -439,8 +501,9 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
               help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
                    "0: everything in one thread).")
+@distributed_option
 @handle_errors
-def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> None:
+def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distributed: bool) -> None:
     """Audit CKPT without converting it, in one streaming pass over its data.
 
     Checks that every rank file is present and from the same save (tag, world sizes, step, config,
@@ -450,8 +513,9 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> No
     """
     from .verify import verify as run_verify
 
+    group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
-    report = run_verify(ckpt, tag=tag, workers=workers)
+    report = run_verify(ckpt, tag=tag, workers=workers, group=group)
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
@@ -487,19 +551,21 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None) -> No
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@distributed_option
 @handle_errors
 def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, whole_tensor: bool,
-           dry_run: bool, force: bool, as_json: bool, quiet: bool) -> None:
+           dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
     """Write a copy of CKPT to OUT with every inf/NaN value patched from an fp32 source.
 
     CKPT: a DeepSpeed checkpoint folder (OUT: the same layout, untouched files copied byte for byte)
     or a .safetensors file (OUT: a .safetensors file). CKPT is never modified.
     """
     from .errors import UsageError
-    from .repair import Policy, prepare_repair, run_repair
+    from .repair import Policy, prepare_repair, run_repair, run_repair_distributed
 
     if source is None and policy != "reset-bn-stats":
         raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
     plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
     lines = [p.describe() for p in plan.patches]
@@ -516,7 +582,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
             click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
-    result = run_repair(plan, out, force=force)
+    result = (run_repair(plan, out, force=force) if group is None
+              else run_repair_distributed(plan, out, group, force=force))
     if as_json:
         click.echo(json.dumps({"plan": plan.to_dict(), "written": str(result.output), "run_folder": run,
                                "rewritten": [str(f) for f in result.rewritten],
@@ -563,10 +630,11 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
               help="Do not wait for OUT to reach the disk before renaming it into place. OUT still appears "
                    "complete or not at all, but a power loss or system crash soon after may leave it "
                    "incomplete (the kernel writes it later, as after cp). Faster; the default is durable.")
+@distributed_option
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_run: bool, force: bool, verify: str,
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
-            sub_group_size: int | None, universal: bool, no_fsync: bool) -> None:
+            sub_group_size: int | None, universal: bool, no_fsync: bool, distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
 
@@ -591,15 +659,17 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
         plan_reshard,
         read_source_facts,
         run_reshard,
+        run_reshard_distributed,
     )
 
+    group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
                              "stage family; drop --world-size, --zero-stage and --sub-group-size")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
-                           quiet=quiet, workers=workers, fsync=not no_fsync)
+                           quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
         return
     if world_size is None:
         raise UsageError("missing option '--world-size' / '-n' (or write a universal checkpoint with --universal)")
@@ -618,8 +688,12 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             click.echo(f"  wrote {path.name}", err=True)
 
     mode = "none" if no_verify else verify
-    result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers,
-                         fsync=not no_fsync)
+    if group is not None:
+        result = run_reshard_distributed(plan, out, group, cache=cache, force=force, verify=mode, on_file=tick,
+                                         workers=workers, fsync=not no_fsync)
+    else:
+        result = run_reshard(plan, out, cache=cache, force=force, verify=mode, on_file=tick, workers=workers,
+                             fsync=not no_fsync)
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
@@ -641,9 +715,9 @@ def _not_synced(no_fsync: bool) -> str:
 
 
 def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, force: bool, verify: str, quiet: bool,
-                       workers: int | None, fsync: bool = True) -> None:
+                       workers: int | None, fsync: bool = True, group: Any = None) -> None:
     from .readers import FileCache, read_checkpoint
-    from .reshard import plan_universal_reshard, read_source_facts, run_universal
+    from .reshard import plan_universal_reshard, read_source_facts, run_universal, run_universal_distributed
 
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
@@ -657,8 +731,12 @@ def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, f
             click.echo(f"  wrote {path.parent.name}/{path.name}" if path.parent.name != plan.out_tag else
                        f"  wrote {path.name}", err=True)
 
-    result = run_universal(plan, out, cache=cache, force=force, verify=verify, on_file=tick, workers=workers,
-                           fsync=fsync)
+    if group is not None:
+        result = run_universal_distributed(plan, out, group, cache=cache, force=force, verify=verify, on_file=tick,
+                                           workers=workers, fsync=fsync)
+    else:
+        result = run_universal(plan, out, cache=cache, force=force, verify=verify, on_file=tick, workers=workers,
+                               fsync=fsync)
     verified = "" if verify == "none" else f", verified {result.verified_tensors} tensors against the input ({verify})"
     click.echo(f"wrote universal checkpoint of {plan.source_tag_dir} ({plan.source_world_size} ranks, ZeRO stage "
                f"{plan.source_stage}): {len(result.files)} files to {result.output}/{plan.out_tag}, latest_universal"

@@ -14,6 +14,7 @@ imported: that import costs more than converting a 200M-parameter checkpoint); t
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from . import __version__
 from .atomic import atomic_dir, claim_output
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
-from .errors import UsageError
+from .errors import OutputWriteError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_export_files
 from .lightning import (
     ClientStatePlan,
@@ -59,11 +60,16 @@ __all__ = [
     "OutputFormat",
     "parse_dtype",
     "parse_size",
+    "describe_convert_plan",
+    "plan_file_ranges",
     "plan_to_fp32",
     "run_to_fp32",
+    "run_to_fp32_distributed",
 ]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+logger = logging.getLogger("dsckpt")
 
 
 class OutputFormat(enum.Enum):
@@ -309,32 +315,12 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
 
     order = plan.specs if plan.shards is None else tuple(s for shard in plan.shards.shards for s in shard)
     last = order[-1].name if order else None
-    name_to_reads = {
-        spec.name: plan_piece_chunks(plan.name_to_entry[spec.name].source_for_fp32(), spec.shape, cache,
-                                     name=spec.name)
-        for spec in order
-    }
-    stream = read_chunks([r for spec in order for r in name_to_reads[spec.name] or ()], workers=workers)
+    _produce_chunks, stream = _chunk_producer(plan, cache, order, produce, record, workers)
 
     def produce_chunks(spec: TensorSpec) -> Iterator[Any]:
         yield from _produce_chunks(spec)
         if spec.name == last:  # still inside the writer's atomic block: a damaged record leaves no output
             cache.finish_checks()
-
-    def _produce_chunks(spec: TensorSpec) -> Iterator[Any]:
-        reads = name_to_reads[spec.name]
-        if reads is None:  # strided or out-of-order fragments: whole tensor, through torch
-            yield produce(spec).reshape(-1)
-            return
-        counts = [0, 0, 0]
-        for expected in reads:
-            item, raw = next(stream)
-            assert item is expected, f"streamed {item.name} while writing {spec.name}"
-            chunk, bad = convert_chunk(raw, item.ref.dtype_name, spec.dtype)
-            for i, n in enumerate(bad):
-                counts[i] += n
-            yield chunk
-        record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
 
     files: tuple[Path, ...]
     try:
@@ -374,6 +360,36 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
     return ConvertResult(plan, files, tuple(found))
 
 
+def _chunk_producer(plan: ConvertPlan, cache: FileCache, order: tuple[TensorSpec, ...],
+                    produce: Callable[[TensorSpec], Any], record: Callable[[str, tuple[int, int, int], int], None],
+                    workers: int) -> tuple[Callable[[TensorSpec], Iterator[Any]], Any]:
+    """``(produce_chunks, stream)``: ``produce_chunks(spec)`` yields the chunks of each tensor of ``order``
+    (to be asked for in that order), read ahead by ``workers`` threads from ``stream`` (close it after)."""
+    name_to_reads = {
+        spec.name: plan_piece_chunks(plan.name_to_entry[spec.name].source_for_fp32(), spec.shape, cache,
+                                     name=spec.name)
+        for spec in order
+    }
+    stream = read_chunks([r for spec in order for r in name_to_reads[spec.name] or ()], workers=workers)
+
+    def produce_chunks(spec: TensorSpec) -> Iterator[Any]:
+        reads = name_to_reads[spec.name]
+        if reads is None:  # strided or out-of-order fragments: whole tensor, through torch
+            yield produce(spec).reshape(-1)
+            return
+        counts = [0, 0, 0]
+        for expected in reads:
+            item, raw = next(stream)
+            assert item is expected, f"streamed {item.name} while writing {spec.name}"
+            chunk, bad = convert_chunk(raw, item.ref.dtype_name, spec.dtype)
+            for i, n in enumerate(bad):
+                counts[i] += n
+            yield chunk
+        record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
+
+    return produce_chunks, stream
+
+
 def _as_bytes(chunk: Any) -> np.ndarray:
     """A 1-D numpy chunk, or a torch tensor from the whole-tensor path, as its raw bytes (1-D uint8)."""
     if isinstance(chunk, np.ndarray):
@@ -396,3 +412,251 @@ def convert_chunk(raw: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, tupl
     if x.dtype != np.float32:
         x = x.astype(np.float32)
     return from_float32(x, dst), bad
+
+
+# --------------------------------------------------------------------------------------------
+# --distributed
+
+#: Boundaries of the byte ranges that ranks write into one .safetensors file fall on multiples of this: whole
+#: pages and parallel-filesystem stripes, so two ranks (two clients) never write into the same page.
+DIST_ALIGN_NBYTES = 1 << 20
+
+
+def dist_align_nbytes() -> int:
+    """:data:`DIST_ALIGN_NBYTES`, or ``DSCKPT_DIST_ALIGN_NBYTES`` (e.g. the filesystem's stripe size)."""
+    try:
+        return max(1, int(os.environ.get("DSCKPT_DIST_ALIGN_NBYTES", DIST_ALIGN_NBYTES)))
+    except ValueError:
+        return DIST_ALIGN_NBYTES
+
+
+def plan_file_ranges(total_nbytes: int, world_size: int, *,
+                     align_nbytes: int | None = None) -> tuple[tuple[int, int], ...]:
+    """Cut a file of ``total_nbytes`` into ``world_size`` contiguous byte ranges ``[lo, hi)``, rank ``r``
+    taking the ``r``-th, as equal as ``align_nbytes`` boundaries allow (default :func:`dist_align_nbytes`;
+    a range may be empty). Pure but for that default."""
+    if align_nbytes is None:
+        align_nbytes = dist_align_nbytes()
+    bounds = [0]
+    for r in range(1, world_size):
+        bounds.append(max(bounds[-1], min(total_nbytes, (total_nbytes * r // world_size) // align_nbytes
+                                          * align_nbytes)))
+    bounds.append(total_nbytes)
+    return tuple((bounds[r], bounds[r + 1]) for r in range(world_size))
+
+
+def describe_convert_plan(plan: ConvertPlan) -> dict[str, Any]:
+    """What every rank must agree on (``Group.agree``): output, format, tensors, files, metadata."""
+    return {"output": str(plan.output), "format": plan.format.value,
+            "specs": [[s.name, s.dtype, list(s.shape)] for s in plan.specs],
+            "shards": None if plan.shards is None else [[f, [s.name for s in sh]]
+                                                         for f, sh in zip(plan.shards.filenames, plan.shards.shards)],
+            "metadata": plan.metadata, "align": dist_align_nbytes(),
+            "hf_files": None if plan.hf_files is None else [str(c) for c in plan.hf_files.describe()]}
+
+
+def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, force: bool = False,
+                            strict: bool = False, on_tensor: Callable[[TensorSpec], None] | None = None,
+                            workers: int = 1) -> ConvertResult:
+    """:func:`run_to_fp32` spread over the ranks of ``group`` (:class:`dsckpt.distributed.Group`); the
+    output is byte for byte the one-process output, and appears only if every rank succeeded.
+
+    * rank 0 claims OUT (lock, leftovers of killed runs, free space) and creates the temp output beside
+      it, named as leased and touched every few seconds (:func:`dsckpt.atomic.lease`), so a dead run's
+      temp is recognised from any host;
+    * a folder OUT: the shards are split over the ranks by bytes (:func:`dsckpt.distributed.split_by_nbytes`);
+      each rank writes, fsyncs and re-opens its shards in the shared temp folder and reports each one's
+      size and CRC-32. A ``.safetensors`` OUT: the header is known from the plan, so each rank writes one
+      contiguous byte range of the file (:func:`plan_file_ranges`) at its offset, fsyncs it and reports its
+      size and CRC-32;
+    * every input record's CRC-32 is completed (each record by one rank, from every rank's segments);
+    * rank 0 checks that every planned byte was reported written, with the planned sizes and what the
+      filesystem shows, writes the index and the Hugging Face files, re-opens a single file's header, and
+      renames the temp output into place: the one step that makes OUT appear.
+
+    A failure on any rank (or a rank lost) makes every rank raise; rank 0 then removes the temp output.
+    Torch (.bin/.pt) and Lightning (.ckpt) outputs are one pickle-framed stream: not supported here."""
+    import contextlib
+    import zlib
+
+    from . import crc as crc_mod
+    from .atomic import lease, leased_temp, replace_into_place
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+    from .writers.safetensors import chunk_bytes, header_bytes, verify_safetensors, write_shard_index
+
+    if plan.format not in (OutputFormat.SAFETENSORS, OutputFormat.SAFETENSORS_SHARDED):
+        raise UsageError(f"--distributed writes safetensors output (a .safetensors file or a folder of shards), not "
+                         f"{plan.format.value}; run without --distributed, or name a .safetensors file or a folder")
+    group.agree(describe_convert_plan(plan), "the to-fp32 plan")
+    sharded = plan.format is OutputFormat.SAFETENSORS_SHARDED
+    found: list[NonFinite] = []
+    spec_index = {s.name: i for i, s in enumerate(plan.specs)}
+
+    def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
+        if not any(counts):
+            return
+        bad = NonFinite(name, *counts, numel)
+        found.append(bad)
+        if strict:
+            raise NonFiniteValuesError(
+                f"non-finite values in {bad.describe()}; nothing was written. "
+                "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them")
+
+    def produce(spec: TensorSpec) -> Any:
+        import torch
+
+        from .assemble import read_entry
+        from .scan import count_nonfinite
+
+        t = read_entry(plan.name_to_entry[spec.name], cache)
+        record(spec.name, count_nonfinite(t), t.numel())
+        want = getattr(torch, spec.dtype)
+        return t.to(want) if t.dtype != want else t
+
+    checks = record_checks(cache)
+    rank, world = group.rank, group.world_size
+    header = b"" if sharded else header_bytes(plan.specs, plan.metadata)
+    total = len(header) + plan.total_nbytes
+
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound))
+            if sharded:
+                tmp = stack.enter_context(atomic_dir(plan.output, leased=True))
+            else:
+                tmp = leased_temp(plan.output, directory=False)
+                stack.callback(lambda: tmp.unlink(missing_ok=True))  # gone once renamed into place
+                os.truncate(tmp, total)
+            stack.enter_context(lease(tmp))
+            return str(tmp)
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+
+        def write_shards() -> dict[str, tuple[int, int]]:
+            assert plan.shards is not None
+            mine = split_by_nbytes([sum(s.nbytes for s in sh) for sh in plan.shards.shards], world)[rank]
+            order = tuple(s for i in mine for s in plan.shards.shards[i])
+            produce_chunks, stream = _chunk_producer(plan, cache, order, produce, record, workers)
+            out: dict[str, tuple[int, int]] = {}
+            try:
+                for i in mine:
+                    name, shard = plan.shards.filenames[i], plan.shards.shards[i]
+                    state = [0, 0]  # CRC-32, bytes
+
+                    def on_bytes(data: memoryview, state: list[int] = state) -> None:
+                        state[0] = zlib.crc32(data, state[0])
+                        state[1] += data.nbytes
+
+                    write_safetensors_chunks(tmp / name, shard, produce_chunks, metadata=plan.metadata,
+                                             on_tensor=on_tensor, on_bytes=on_bytes, make_parent=False)
+                    out[name] = (state[1], state[0])
+            finally:
+                stream.close()
+            return out
+
+        def write_range() -> dict[str, tuple[int, int]]:
+            lo, hi = plan_file_ranges(total, world)[rank]
+            if lo == hi:
+                return {}
+            offsets, pos = [], len(header)
+            for s in plan.specs:
+                offsets.append(pos)
+                pos += s.nbytes
+            mine = [(s, off) for s, off in zip(plan.specs, offsets) if s.nbytes and off < hi and off + s.nbytes > lo]
+            produce_chunks, stream = _chunk_producer(plan, cache, tuple(s for s, _ in mine), produce, record, workers)
+            fd = os.open(tmp, os.O_WRONLY)  # never O_CREAT: rank 0 made it, and removes it on failure
+            crc, written = 0, 0
+
+            def put(data: memoryview, at: int) -> None:
+                nonlocal crc, written
+                a, b = max(lo, at), min(hi, at + data.nbytes)
+                if a >= b:
+                    return
+                piece = data[a - at: b - at]
+                crc = zlib.crc32(piece, crc)
+                done = 0
+                while done < piece.nbytes:
+                    done += os.pwrite(fd, piece[done:], a + done)
+                written += piece.nbytes
+
+            try:
+                put(memoryview(header), 0)
+                for spec, off in mine:
+                    at = off
+                    for chunk in produce_chunks(spec):
+                        data = chunk_bytes(chunk, spec)
+                        put(data, at)
+                        at += data.nbytes
+                        if at >= hi:  # the rest of this tensor is the next rank's (which counts its inf/NaN)
+                            break
+                    else:
+                        if at != off + spec.nbytes:
+                            raise AssertionError(f"{spec.name}: produced {at - off} bytes, planned {spec.nbytes}")
+                        if on_tensor is not None:
+                            on_tensor(spec)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                stream.close()
+            return {f"{lo}-{hi}": (written, crc)}
+
+        def write() -> tuple[dict[str, tuple[int, int]], list[tuple[int, NonFinite]], Any]:
+            parts = write_shards() if sharded else write_range()
+            return parts, [(spec_index[b.name], b) for b in found], export_segments(checks)
+
+        results = group.step(write, "writing OUT")
+        group.step(lambda: crc_mod.finish(owned_checks(checks, [r[2] for r in results], group)),
+                   "the CRC-32 checks of the input")
+        reported = {k: v for r in results for k, v in r[0].items()}
+
+        def finish() -> list[Path]:
+            if not group.is_root:
+                return []
+            if sharded:
+                assert plan.shards is not None
+                problems = []
+                for name, shard in zip(plan.shards.filenames, plan.shards.shards):
+                    want = len(header_bytes(shard, plan.metadata)) + sum(s.nbytes for s in shard)
+                    got = reported.get(name, (None, 0))[0]
+                    on_disk = (tmp / name).stat().st_size if (tmp / name).exists() else None
+                    if not (want == got == on_disk):
+                        problems.append(f"{name}: planned {want} bytes, reported {got}, on disk {on_disk}")
+                if problems:
+                    raise OutputWriteError(f"'{plan.output}' was not written completely ({'; '.join(problems)}); "
+                                           "nothing was moved into place")
+                written = [tmp / n for n in plan.shards.filenames]
+                if len(plan.shards.filenames) > 1:
+                    written.append(write_shard_index(tmp, plan.shards, metadata=plan.metadata))
+                if plan.hf_files is not None:
+                    written += copy_files(plan.hf_files, tmp)
+                return [plan.output / p.name for p in written]
+            ranges = sorted((tuple(map(int, k.split("-"))), v) for k, v in reported.items())
+            pos, whole = 0, 0
+            for (lo, hi), (nbytes, crc) in ranges:
+                if lo != pos or nbytes != hi - lo:
+                    raise OutputWriteError(f"'{plan.output}': bytes [{pos}, {lo}) were not reported written; "
+                                           "nothing was moved into place")
+                whole = crc_mod.crc32_combine(whole, crc, nbytes)
+                pos = hi
+            if pos != total or tmp.stat().st_size != total:
+                raise OutputWriteError(f"'{plan.output}': {tmp.stat().st_size} bytes on disk, {pos} reported, "
+                                       f"{total} planned; nothing was moved into place")
+            verify_safetensors(tmp, plan.specs)
+            logger.debug("%s: CRC-32 0x%08x of %d bytes written by %d ranks", plan.output, whole, total, world)
+            return [plan.output]
+
+        files = group.step(finish, "checking OUT")[0]
+
+        def publish() -> None:
+            if group.is_root:
+                if not sharded:
+                    replace_into_place(tmp, plan.output)
+                stack.close()  # sharded: atomic_dir fsyncs and renames; then the lock is released
+
+        group.step(publish, "moving OUT into place")
+    nonfinite = {}
+    for _, bad in sorted((pair for r in results for pair in r[1]), key=lambda pair: pair[0]):
+        nonfinite.setdefault(bad.name, bad)
+    return ConvertResult(plan, tuple(files), tuple(nonfinite.values()))

@@ -201,6 +201,14 @@ class RecordCheck:
                 out.append((pos, self.nbytes))
             return out
 
+    def segments(self) -> list[tuple[int, int, int]]:
+        """``(start, end, crc32)`` of the byte ranges read so far (one range once done): what another
+        process needs to complete this check with :meth:`add_crc` (``--distributed``)."""
+        with self._lock:
+            if self._result is not None:
+                return [(0, self.nbytes, self._result)]
+            return list(zip(self._starts, self._ends, self._crcs))
+
     def update(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Account for ``data``, just read from ``offset`` of the record (raises on a mismatch once
         the record is covered)."""

@@ -71,6 +71,7 @@ __all__ = [
     "plan_diff",
     "prepare_diff",
     "run_diff",
+    "run_diff_distributed",
 ]
 
 DEFAULT_CHUNK_NUMEL = 1 << 20  # 1M elements per side: a few tens of MB with the float64 working copies
@@ -553,9 +554,62 @@ def run_diff(plan: DiffPlan, cache_a: FileCache, cache_b: FileCache, *,
 
     Memory: one reused raw buffer per side and dtype, plus float64 working copies of one chunk.
     """
+    compared, nbytes_read = _compare_pairs(plan, cache_a, cache_b, on_progress=on_progress)
+    # CRC-32s of records read only partly are completed before anything is reported as equal.
+    cache_a.finish_checks()
+    cache_b.finish_checks()
+    results: dict[tuple[str, str], TensorDiff] = {(d.name, d.role): d for d in plan.decided}
+    results.update(compared)
+    return DiffReport(plan.a, plan.b, plan.role, plan.atol, plan.rtol, plan.strict_dtype,
+                      tuple(results[k] for k in plan.order), plan.excluded, nbytes_read)
+
+
+def _pair_nbytes(p: PairPlan) -> int:
+    return p.numel * (dtype_info(p.piece_a.dtype).itemsize + dtype_info(p.piece_b.dtype).itemsize)
+
+
+def run_diff_distributed(plan: DiffPlan, cache_a: FileCache, cache_b: FileCache, group: Any, *,
+                         on_progress: Callable[[int], None] | None = None) -> DiffReport:
+    """:func:`run_diff` spread over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): the pairs
+    are split by bytes (:func:`dsckpt.distributed.split_by_nbytes`), every rank gets every result, and each
+    zip record's CRC-32 is completed by the rank owning its file. Every rank returns the report the
+    one-process run returns."""
+    import dataclasses
+
+    from . import crc
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+
+    group.agree({"order": [list(k) for k in plan.order],
+                 "pairs": [[p.name, p.role, p.numel, p.piece_a.dtype, p.piece_b.dtype] for p in plan.pairs],
+                 "chunk": plan.chunk_numel, "atol": plan.atol, "rtol": plan.rtol}, "the diff plan")
+    mine = split_by_nbytes([_pair_nbytes(p) for p in plan.pairs], group.world_size)[group.rank]
+    checks_a, checks_b = record_checks(cache_a), record_checks(cache_b)
+
+    def share() -> tuple[dict[tuple[str, str], TensorDiff], int, Any, Any]:
+        sub = dataclasses.replace(plan, pairs=tuple(plan.pairs[i] for i in mine))
+        compared, nbytes = _compare_pairs(sub, cache_a, cache_b, on_progress=on_progress)
+        return compared, nbytes, export_segments(checks_a), export_segments(checks_b)
+
+    shares = group.step(share, "the comparison")
+
+    def finish_crcs() -> None:
+        crc.finish(owned_checks(checks_a, [s[2] for s in shares], group))
+        crc.finish(owned_checks(checks_b, [s[3] for s in shares], group))
+
+    group.step(finish_crcs, "the CRC-32 checks")
+    results: dict[tuple[str, str], TensorDiff] = {(d.name, d.role): d for d in plan.decided}
+    for s in shares:
+        results.update(s[0])
+    return DiffReport(plan.a, plan.b, plan.role, plan.atol, plan.rtol, plan.strict_dtype,
+                      tuple(results[k] for k in plan.order), plan.excluded, sum(s[1] for s in shares))
+
+
+def _compare_pairs(plan: DiffPlan, cache_a: FileCache, cache_b: FileCache, *,
+                   on_progress: Callable[[int], None] | None) -> tuple[dict[tuple[str, str], TensorDiff], int]:
+    """Compare every pair of ``plan`` (no CRC completion): results by (name, role), bytes read."""
     pool: dict[tuple[int, str], np.ndarray] = {}
     chunk = plan.chunk_numel
-    results: dict[tuple[str, str], TensorDiff] = {(d.name, d.role): d for d in plan.decided}
+    results: dict[tuple[str, str], TensorDiff] = {}
     nbytes_read = 0
     for p in plan.pairs:
         ra = _PieceReader(p.piece_a, cache_a, p.name, pool, 0, chunk)
@@ -572,11 +626,7 @@ def run_diff(plan: DiffPlan, cache_a: FileCache, cache_b: FileCache, *,
             if on_progress is not None:
                 on_progress(n)
         results[(p.name, p.role)] = _record(p, tally, exact, plan)
-    # CRC-32s of records read only partly are completed before anything is reported as equal.
-    cache_a.finish_checks()
-    cache_b.finish_checks()
-    return DiffReport(plan.a, plan.b, plan.role, plan.atol, plan.rtol, plan.strict_dtype,
-                      tuple(results[k] for k in plan.order), plan.excluded, nbytes_read)
+    return results, nbytes_read
 
 
 def _record(p: PairPlan, t: _Tally, exact: bool, plan: DiffPlan) -> TensorDiff:

@@ -59,6 +59,7 @@ __all__ = [
     "prepare_repair",
     "read_source_values",
     "run_repair",
+    "run_repair_distributed",
 ]
 
 MASTER = "master"
@@ -488,6 +489,86 @@ def run_repair(plan: RepairPlan, output: str | os.PathLike[str], *, force: bool 
         if plan.input_kind is TargetKind.SAFETENSORS:
             return _run_safetensors(plan, out, on_progress)
         return _run_folder(plan, inp, out, on_progress)
+
+
+def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], group: Any, *, force: bool = False,
+                           on_progress: Callable[[int], None] | None = None) -> RepairResult:
+    """:func:`run_repair` spread over the ranks of ``group`` (:class:`dsckpt.distributed.Group`).
+
+    DeepSpeed input: the input's files (rewritten or copied unchanged) are split over the ranks by bytes;
+    each rank writes its files into rank 0's leased temporary folder and fsyncs them; rank 0 checks the
+    reported sizes against the filesystem, re-scans the copy and re-reads every patched element (alone,
+    for now), and renames OUT into place. A ``.safetensors`` input is one file: rank 0 writes it alone (its
+    patched tensors are few, and the rest is a copy). Same bytes as :func:`run_repair`; every rank returns
+    rank 0's result."""
+    import contextlib
+
+    from .atomic import lease
+    from .distributed import split_by_nbytes
+
+    out = Path(output)
+    inp = plan.input.resolve()
+    if out.resolve() == inp or inp in out.resolve().parents or out.resolve() in inp.parents:
+        raise UsageError(f"output '{out}' overlaps the input '{plan.input}'; choose a folder outside it")
+    group.agree({"plan": plan.to_dict(), "out": str(out)}, "the repair plan")
+    if plan.input_kind is TargetKind.SAFETENSORS:
+        return group.step(lambda: run_repair(plan, out, force=force, on_progress=on_progress)
+                          if group.is_root else None, "writing OUT")[0]
+    entries = sorted(inp.rglob("*"))
+    files = [src for src in entries if not (src.is_dir() and not src.is_symlink())]
+    to_rewrite = {f.resolve() for f in plan.files}
+    mine = split_by_nbytes([src.stat().st_size for src in files], group.world_size)[group.rank]
+
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(out, force=force, nbytes=_output_nbytes_bound(plan)))
+            tmp = stack.enter_context(atomic_dir(out, leased=True))
+            stack.enter_context(lease(tmp))
+            for src in entries:
+                if src.is_dir() and not src.is_symlink():
+                    (tmp / src.relative_to(inp)).mkdir(parents=True, exist_ok=True)
+            return str(tmp)
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+
+        def write() -> dict[str, int]:
+            sizes = {}
+            for i in mine:
+                src = files[i]
+                rel = src.relative_to(inp)
+                dst = tmp / rel
+                if src.resolve() in to_rewrite:
+                    _rewrite_torch_file(src, dst, _retarget(plan.patches, src))
+                else:
+                    shutil.copy2(src, dst)
+                fd = os.open(dst, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                sizes[str(rel)] = dst.stat().st_size
+            return sizes
+
+        reported = {k: v for r in group.step(write, "writing OUT") for k, v in r.items()}
+
+        def finish() -> RepairResult | None:
+            if not group.is_root:
+                return None
+            wrong = [str(src.relative_to(inp)) for src in files
+                     if reported.get(str(src.relative_to(inp))) != (tmp / src.relative_to(inp)).stat().st_size]
+            if wrong:
+                raise RepairError(f"'{out}' was not written completely ({', '.join(wrong)}); nothing was moved into "
+                                  "place")
+            tag = None if inp == plan.tag_dir.resolve() else plan.tag
+            report = _verify(plan, tmp, tag, inp, on_progress)
+            rewritten = tuple(out / src.relative_to(inp) for src in files if src.resolve() in to_rewrite)
+            return RepairResult(plan, out, rewritten, report)
+
+        result = group.step(finish, "checking OUT")[0]
+        group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
+    return result
 
 
 def _output_nbytes_bound(plan: RepairPlan) -> int:

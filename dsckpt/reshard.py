@@ -68,7 +68,9 @@ __all__ = [
     "plan_universal_reshard",
     "read_source_facts",
     "run_reshard",
+    "run_reshard_distributed",
     "run_universal",
+    "run_universal_distributed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -258,6 +260,108 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
                          tuple(out / f.relative_to(tmp) for f in hf))
 
 
+def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], group: Any, *, cache: Any = None,
+                            force: bool = False, verify: Verify | str | bool = Verify.QUICK,
+                            on_file: Callable[[Path], None] | None = None, workers: int | None = None,
+                            fsync: bool = True) -> ReshardResult:
+    """:func:`run_reshard` spread over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): the
+    target files are split over the ranks by bytes (:func:`dsckpt.distributed.split_by_nbytes`); each rank
+    writes its files into rank 0's leased temporary folder, fsyncs them and reports their sizes; every
+    source record's CRC-32 is completed once, by the rank owning its file; rank 0 checks the reported
+    sizes against the filesystem, writes ``latest``, the scripts and the Trainer files, runs ``verify``
+    over the whole output (on rank 0 alone, for now) and renames OUT into place. Same bytes as
+    :func:`run_reshard`; OUT appears only if every rank succeeded."""
+    import contextlib
+
+    from . import crc
+    from .atomic import atomic_dir, claim_output, lease
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+    from .readers import read_checkpoint
+
+    mode, out, cache = _prepare(plan.source_root, out, verify, cache)
+    group.agree({"plan": describe_plan(plan, max_copies=1 << 30), "out": str(out), "tag": plan.tag,
+                 "verify": mode.value}, "the reshard plan")
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    checks = record_checks(cache)
+    workers = default_workers() if workers is None else workers
+
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(out, force=force, nbytes=output_nbytes_bound(plan)))
+            tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
+            stack.enter_context(lease(tmp))
+            (tmp / plan.tag).mkdir()
+            return str(tmp)
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+        tag_dir = tmp / plan.tag
+        jobs = build_jobs(plan, ckpt, tag_dir, cache)
+        names = [path.name for path, _ in jobs]
+        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]
+
+        def write() -> tuple[dict[str, int], Any]:
+            sizes: dict[str, int] = {}
+            # make_parent=False: a rank must not bring back the folder rank 0 removed after a failure
+            for f in _write_jobs([jobs[i] for i in mine], workers, writeback=fsync, make_parent=False):
+                if fsync:  # this rank's writes reach the disk before rank 0 renames OUT
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                sizes[f.name] = f.stat().st_size
+                if on_file is not None:
+                    on_file(f)
+            return sizes, export_segments(checks)
+
+        results = group.step(write, "writing OUT")
+        group.step(lambda: crc.finish(owned_checks(checks, [r[1] for r in results], group)),
+                   "the CRC-32 checks of the input")
+        reported = {k: v for r in results for k, v in r[0].items()}
+
+        def finish() -> tuple[int, list[str]]:
+            if not group.is_root:
+                return 0, []
+            wrong = [f"{n}: reported {reported.get(n)} bytes, on disk "
+                     f"{(tag_dir / n).stat().st_size if (tag_dir / n).exists() else None}"
+                     for n in names if reported.get(n) is None or not (tag_dir / n).exists()
+                     or (tag_dir / n).stat().st_size != reported[n]]
+            if wrong:
+                raise CorruptCheckpointError(f"'{out}' was not written completely ({'; '.join(wrong)}); nothing was "
+                                             "moved into place")
+            (tmp / "latest").write_text(plan.tag, encoding="utf-8")
+            for script in ZERO_TO_FP32_SCRIPTS:
+                if (plan.source_root / script).is_file():
+                    shutil.copy2(plan.source_root / script, tmp / script)
+            hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
+            checked = 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
+            return checked, [str(f.relative_to(tmp)) for f in hf]
+
+        checked, hf = group.step(finish, "checking OUT")[0]
+        group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
+    return ReshardResult(out, plan.tag, tuple(out / plan.tag / n for n in names), checked, mode.value,
+                         tuple(out / f for f in hf))
+
+
+def _tree_nbytes(tree: Any) -> int:
+    """Tensor bytes a target file's tree will stream (for splitting files over ranks); at least 1."""
+    total = 0
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        else:
+            n = getattr(x, "nbytes", None)
+            if isinstance(n, int):
+                total += n
+    return max(1, total)
+
+
 def output_nbytes_bound(plan: ReshardPlan) -> int:
     """An upper estimate of what :func:`run_reshard` writes, for the free-space check: the flat
     partitions, the model-states files (one per target rank at stage 3), the scripts, and 64 KiB of
@@ -312,7 +416,8 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int,
     yield from _write_jobs(build_jobs(plan, ckpt, tag_dir, cache), workers, writeback=writeback)
 
 
-def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool = True) -> Iterator[Path]:
+def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool = True,
+                make_parent: bool = True) -> Iterator[Path]:
     """Write ``(path, tree)`` jobs, ``workers`` at a time; yields the paths in order. Not fsync'd here:
     the caller fsyncs them all at once while it verifies (:func:`~dsckpt.atomic.background_fsync`);
     ``writeback``: start the kernel's write-back while writing (only useful when an fsync follows)."""
@@ -320,10 +425,11 @@ def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool =
 
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
-            yield write_torch_tree(path, tree, fsync=False, writeback=writeback)
+            yield write_torch_tree(path, tree, fsync=False, writeback=writeback, make_parent=make_parent)
         return
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dsckpt-write") as pool:
-        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback) for path, tree in jobs]
+        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback,
+                               make_parent=make_parent) for path, tree in jobs]
         try:
             for fut in futures:
                 yield fut.result()
@@ -355,12 +461,9 @@ def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: An
     :func:`run_reshard`."""
     from .atomic import atomic_dir, background_fsync, claim_output
     from .ds_writers.universal import universal_trees
-    from .readers import FileCache, read_checkpoint
 
     mode, out, cache = _prepare(plan.source_root, out, verify, cache)
-    models = sum(p.stat().st_size for p in plan.model_files)
-    nbytes = plan.copied_nbytes + models + 4 * sum(1 for _ in plan.cast_files) + (64 << 10) * (
-        len(plan.state_files) + len(plan.step_files) + len(plan.cast_files) + 2)
+    nbytes = _universal_nbytes(plan)
     written: list[Path] = []
     with claim_output(out, force=force, nbytes=nbytes), atomic_dir(out, fsync=fsync) as tmp:
         folder = tmp / plan.out_tag
@@ -373,21 +476,106 @@ def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: An
             if on_file is not None:
                 on_file(f)
         (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
-        checked = 0
         with background_fsync(tmp, enabled=fsync):  # the disk finishes the write-back while we verify
-            if mode is not Verify.NONE:
-                src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
-                new_cache = FileCache()
-                new = read_checkpoint(tmp, cache=new_cache)
-                if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
-                        f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step,
-                        src.global_steps):
-                    raise CorruptCheckpointError(
-                        f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} "
-                        f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
-                        f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
-                        f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
-                checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
-                new_cache.finish_checks()
+            checked = _verify_universal(plan, tmp, cache, mode)
             cache.finish_checks()
     return ReshardResult(out, plan.out_tag, tuple(out / f.relative_to(tmp) for f in written), checked, mode.value)
+
+
+def _universal_nbytes(plan: UniversalPlan) -> int:
+    models = sum(p.stat().st_size for p in plan.model_files)
+    return plan.copied_nbytes + models + 4 * sum(1 for _ in plan.cast_files) + (64 << 10) * (
+        len(plan.state_files) + len(plan.step_files) + len(plan.cast_files) + 2)
+
+
+def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) -> int:
+    """Re-read the universal folder written at ``tmp`` and compare it with the source; copies compared."""
+    from .readers import FileCache, read_checkpoint
+
+    if mode is Verify.NONE:
+        return 0
+    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    new_cache = FileCache()
+    new = read_checkpoint(tmp, cache=new_cache)
+    if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
+            f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step, src.global_steps):
+        raise CorruptCheckpointError(
+            f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} "
+            f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
+            f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
+            f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
+    checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
+    new_cache.finish_checks()
+    return checked
+
+
+def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], group: Any, *, cache: Any = None,
+                              force: bool = False, verify: Verify | str | bool = Verify.QUICK,
+                              on_file: Callable[[Path], None] | None = None, workers: int | None = None,
+                              fsync: bool = True) -> ReshardResult:
+    """:func:`run_universal` spread over the ranks of ``group``, as :func:`run_reshard_distributed` does:
+    the universal folder's files are split over the ranks by bytes; rank 0 makes the folders, checks the
+    reported sizes, writes ``latest_universal``, verifies (alone, for now) and renames OUT into place."""
+    import contextlib
+
+    from . import crc
+    from .atomic import atomic_dir, claim_output, lease
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+    from .ds_writers.universal import universal_trees
+
+    mode, out, cache = _prepare(plan.source_root, out, verify, cache)
+    group.agree({"plan": plan.describe(), "out": str(out), "verify": mode.value}, "the universal plan")
+    trees = list(universal_trees(plan, cache))
+    checks = record_checks(cache)
+    workers = default_workers() if workers is None else workers
+
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(out, force=force, nbytes=_universal_nbytes(plan)))
+            tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
+            stack.enter_context(lease(tmp))
+            for rel, _ in trees:
+                (tmp / plan.out_tag / rel).parent.mkdir(parents=True, exist_ok=True)
+            return str(tmp)
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+        folder = tmp / plan.out_tag
+        jobs = [(folder / rel, tree) for rel, tree in trees]
+        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]
+
+        def write() -> tuple[dict[str, int], Any]:
+            sizes: dict[str, int] = {}
+            for f in _write_jobs([jobs[i] for i in mine], workers, writeback=fsync, make_parent=False):
+                if fsync:
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                sizes[str(f.relative_to(tmp))] = f.stat().st_size
+                if on_file is not None:
+                    on_file(f)
+            return sizes, export_segments(checks)
+
+        results = group.step(write, "writing OUT")
+        group.step(lambda: crc.finish(owned_checks(checks, [r[1] for r in results], group)),
+                   "the CRC-32 checks of the input")
+        reported = {k: v for r in results for k, v in r[0].items()}
+        rels = [str(path.relative_to(tmp)) for path, _ in jobs]
+
+        def finish() -> int:
+            if not group.is_root:
+                return 0
+            wrong = [r for r in rels if reported.get(r) is None or not (tmp / r).exists()
+                     or (tmp / r).stat().st_size != reported[r]]
+            if wrong:
+                raise CorruptCheckpointError(f"'{out}' was not written completely ({', '.join(wrong[:5])}); nothing "
+                                             "was moved into place")
+            (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
+            return _verify_universal(plan, tmp, cache, mode)
+
+        checked = group.step(finish, "checking OUT")[0]
+        group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
+    return ReshardResult(out, plan.out_tag, tuple(out / r for r in rels), checked, mode.value)

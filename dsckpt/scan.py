@@ -570,6 +570,22 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
     ``workers`` threads (default :func:`default_workers`; 0 = this thread only) each read and check
     whole chunks -- every stored copy of ``plan.chunk_numel`` elements of one tensor, CRC-32 included --
     into buffers of their own, so memory is bounded by ``workers`` sets of chunk buffers."""
+    findings, stored, totals = _scan_pass(plan, cache, on_progress=on_progress, workers=workers)
+    cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
+    return _report(plan, [*findings, *plan.scalars], len(stored), totals)
+
+
+def _report(plan: ScanPlan, found: list[Finding], stored_tensors: int, totals: tuple[int, int]) -> ScanReport:
+    return ScanReport(plan.target, plan.target_kind, plan.checks,
+                      tuple(f for f in found if f.kind is not StoredKind.CLIENT_STATE), stored_tensors,
+                      totals[0], totals[1],
+                      client_state=tuple(f for f in found if f.kind is StoredKind.CLIENT_STATE))
+
+
+def _scan_pass(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None,
+               workers: int | None) -> tuple[list[Finding], set[tuple[Path, tuple[Any, ...]]], tuple[int, int]]:
+    """The value pass of :func:`run_scan` (no CRC completion): findings in tally order, the stored
+    tensors read, and (numel scanned, bytes read)."""
     col = _Collector()
     stored: set[tuple[Path, tuple[Any, ...]]] = set()
     totals = [0, 0]  # numel scanned, bytes read
@@ -605,12 +621,7 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
     finally:
         for files in opened:
             files.close()
-    cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
-    found = [*col.findings(), *plan.scalars]
-    return ScanReport(plan.target, plan.target_kind, plan.checks,
-                      tuple(f for f in found if f.kind is not StoredKind.CLIENT_STATE), len(stored),
-                      totals[0], totals[1],
-                      client_state=tuple(f for f in found if f.kind is StoredKind.CLIENT_STATE))
+    return col.findings(), stored, (totals[0], totals[1])
 
 
 def _run_pool(tasks: Iterator[_Task], work: Callable[[_Task], list[_Update]],
@@ -947,3 +958,77 @@ def scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_on
     """Scan ``target`` (see :func:`open_target`) and return every finding."""
     plan, cache = prepare_scan(target, tag=tag, nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)
     return run_scan(plan, cache, on_progress=on_progress)
+
+
+# --------------------------------------------------------------------------------------------
+# --distributed
+
+
+@dataclass(frozen=True)
+class ScanItem:
+    """One unit of distributed scan work: one logical tensor (``entries``: its index in
+    ``ScanPlan.entries``), or every uncovered range of one stored tensor (``raw``: indices into
+    ``ScanPlan.raw``; they share one tally, so one rank scans them all)."""
+
+    entries: tuple[int, ...]
+    raw: tuple[int, ...]
+    nbytes: int
+
+
+def plan_scan_items(plan: ScanPlan) -> tuple[ScanItem, ...]:
+    """The plan's work items in report order (entries, then stored tensors by first uncovered range).
+    Pure."""
+    items = [ScanItem((i,), (), sum(p.numel * dtype_info(p.dtype).itemsize for p in e.pieces))
+             for i, e in enumerate(plan.entries)]
+    by_stored: dict[tuple[Path, tuple[Any, ...]], list[int]] = {}
+    for k, r in enumerate(plan.raw):
+        by_stored.setdefault((r.file, r.key), []).append(k)
+    for ks in by_stored.values():
+        items.append(ScanItem((), tuple(ks), sum(plan.raw[k].numel * dtype_info(plan.raw[k].dtype).itemsize
+                                                 for k in ks)))
+    return tuple(items)
+
+
+def describe_scan_plan(plan: ScanPlan) -> dict[str, Any]:
+    """What every rank must agree on (``Group.agree``): the plan's items, by name and size."""
+    return {"target": str(plan.target), "checks": [c.value for c in plan.checks], "chunk": plan.chunk_numel,
+            "entries": [[e.name, e.numel, [[p.role.value if p.role else None, p.dtype, p.numel] for p in e.pieces]]
+                        for e in plan.entries],
+            "raw": [[str(r.file), repr(r.key), r.start, r.numel, r.dtype] for r in plan.raw],
+            "scalars": len(plan.scalars)}
+
+
+def run_scan_distributed(plan: ScanPlan, cache: FileCache, group: Any, *,
+                         on_progress: Callable[[int], None] | None = None, workers: int | None = None) -> ScanReport:
+    """:func:`run_scan` spread over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): the
+    items of :func:`plan_scan_items` are split by bytes; each rank scans its share and sends findings to
+    every rank; each zip record's CRC-32 is completed by the rank owning its file from every rank's
+    segments. Every rank returns the report the one-process run returns (same findings, same order)."""
+    from . import crc
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+
+    items = plan_scan_items(plan)
+    group.agree(describe_scan_plan(plan), "the scan plan")
+    mine = split_by_nbytes([it.nbytes for it in items], group.world_size)[group.rank]
+    checks = record_checks(cache)
+    item_of = _item_of(items, plan)
+
+    def share() -> tuple[list[tuple[int, Finding]], set[tuple[Path, tuple[Any, ...]]], tuple[int, int], Any]:
+        sub = dataclasses.replace(
+            plan, entries=tuple(plan.entries[e] for i in mine for e in items[i].entries),
+            raw=tuple(plan.raw[k] for k in sorted(k for i in mine for k in items[i].raw)), scalars=())
+        found, stored, totals = _scan_pass(sub, cache, on_progress=on_progress, workers=workers)
+        return [(item_of(f), f) for f in found], stored, totals, export_segments(checks)
+
+    shares = group.step(share, "the scan")
+    group.step(lambda: crc.finish(owned_checks(checks, [s[3] for s in shares], group)), "the CRC-32 checks")
+    ordered = sorted((pair for s in shares for pair in s[0]), key=lambda pair: pair[0])
+    stored_all: set[tuple[Path, tuple[Any, ...]]] = set().union(*(s[1] for s in shares))
+    totals = (sum(s[2][0] for s in shares), sum(s[2][1] for s in shares))
+    return _report(plan, [*(f for _, f in ordered), *plan.scalars], len(stored_all), totals)
+
+
+def _item_of(items: tuple[ScanItem, ...], plan: ScanPlan) -> Callable[[Finding], int]:
+    name_to_item = {plan.entries[it.entries[0]].name: i for i, it in enumerate(items) if it.entries}
+    stored_to_item = {(plan.raw[it.raw[0]].file, plan.raw[it.raw[0]].key): i for i, it in enumerate(items) if it.raw}
+    return lambda f: name_to_item[f.name] if f.name is not None else stored_to_item[(f.file, f.key)]

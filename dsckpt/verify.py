@@ -95,41 +95,59 @@ class VerifyReport:
 class _RecordAudit:
     """Every zip record of the checkpoint's files checked once: the records the value pass reads are
     checked as their bytes go by (their :class:`~dsckpt.crc.RecordCheck` collects instead of raising),
-    then every record not verified that way (integer tensors, the pickle's small companions) is read."""
+    then every record not verified that way (integer tensors, the pickle's small companions) is read.
+    Problems are listed file by file, in file order."""
 
     def __init__(self, files: tuple[Path, ...], cache: FileCache) -> None:
         from .safe_load import walk_tensors
 
         self.files = files
-        self.problems: list[str] = []
+        self.file_problems: dict[Path, list[str]] = {f: [] for f in files}
         self.checks: dict[Path, list[Any]] = {}
         for f in files:
             seen: dict[int, Any] = {}
             for _, ref in walk_tensors(cache.tree(f)):
                 check = ref.storage.check
                 if check is not None and id(check) not in seen:
-                    check.sink = self.problems
+                    check.sink = self.file_problems[f]
                     seen[id(check)] = check
             self.checks[f] = list(seen.values())
         self.records_checked = 0
         self.extra_nbytes = 0
         self.legacy: list[Path] = []
 
-    def finish(self) -> list[tuple[str, str]]:
+    def finish_files(self, files: list[Path]) -> dict[Path, tuple[int, int, list[str], bool]]:
+        """Complete the checks of ``files`` and read their records no check covered; per file: (records
+        checked, bytes read for that, problems, legacy file without CRCs)."""
         from . import crc
 
-        crc.finish(c for cs in self.checks.values() for c in cs)
-        for f in self.files:
+        crc.finish(c for f in files for c in self.checks[f])
+        out: dict[Path, tuple[int, int, list[str], bool]] = {}
+        for f in files:
             verified = [c for c in self.checks[f] if c.done]
-            self.records_checked += sum(1 for c in verified if c.ok)
+            records = sum(1 for c in verified if c.ok)
             report = crc.check_file_records(f, skip=(c.record for c in verified))
             if not report.has_crc:
-                self.legacy.append(f)
+                out[f] = (records, 0, list(self.file_problems[f]), True)
                 continue
-            self.records_checked += report.records - len(report.problems)
-            self.extra_nbytes += report.nbytes_checked
-            self.problems += [p.message for p in report.problems]
-        return [(_where(m), m) for m in dict.fromkeys(self.problems)]
+            out[f] = (records + report.records - len(report.problems), report.nbytes_checked,
+                      [*self.file_problems[f], *(p.message for p in report.problems)], False)
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        return self.take(self.finish_files(list(self.files)))
+
+    def take(self, per_file: dict[Path, tuple[int, int, list[str], bool]]) -> list[tuple[str, str]]:
+        """Add up :meth:`finish_files`' results (of every file, from any rank) in file order."""
+        problems: list[str] = []
+        for f in self.files:
+            records, extra, found, legacy = per_file[f]
+            self.records_checked += records
+            self.extra_nbytes += extra
+            problems += found
+            if legacy:
+                self.legacy.append(f)
+        return [(_where(m), m) for m in dict.fromkeys(problems)]
 
     def notes(self, root: Path) -> list[str]:
         if not self.legacy:
@@ -150,9 +168,15 @@ def _where(message: str) -> str:
 
 
 def verify(path: str | os.PathLike[str], *, tag: str | None = None,
-           on_progress: Callable[[int], None] | None = None, workers: int | None = None) -> VerifyReport:
+           on_progress: Callable[[int], None] | None = None, workers: int | None = None,
+           group: Any = None) -> VerifyReport:
     """Audit the checkpoint at ``path``; see the module docstring. Reads every stored byte once;
-    ``workers`` threads read and check in parallel (see :func:`dsckpt.scan.run_scan`)."""
+    ``workers`` threads read and check in parallel (see :func:`dsckpt.scan.run_scan`).
+
+    ``group`` (a :class:`dsckpt.distributed.Group`, ``--distributed``): the value pass is split over its
+    ranks by bytes (:func:`dsckpt.scan.run_scan_distributed`'s items); each file's records are completed
+    and audited by the one rank owning the file, from every rank's CRC-32 segments. Every rank returns
+    the report the one-process run returns."""
     from .scan import Check, plan_scan, run_scan
     from .state_dict_files import TargetKind
 
@@ -173,8 +197,13 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     # one streaming pass: values (scan's checks) with every record's CRC checked as its bytes go by
     audit = _RecordAudit(ckpt.files, cache)
     plan = plan_scan(ckpt, trees, cache.tensor, target=ckpt.root, target_kind=TargetKind.DEEPSPEED)
-    report = run_scan(plan, cache, on_progress=on_progress, workers=workers)
-    problems += [Problem(Area.RECORDS, where, msg) for where, msg in audit.finish()]
+    if group is None:
+        report = run_scan(plan, cache, on_progress=on_progress, workers=workers)
+        record_problems = audit.finish()
+    else:
+        report, record_problems = _distributed_pass(plan, cache, audit, group, on_progress=on_progress,
+                                                    workers=workers)
+    problems += [Problem(Area.RECORDS, where, msg) for where, msg in record_problems]
     for f in report.findings:
         problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
     problems += [Problem(Area.VALUES, name, msg) for name, msg in replica_disagreements(ckpt, cache)]
@@ -226,3 +255,23 @@ def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
                        f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
                 out.append((e.name, msg))
     return out
+
+
+def _distributed_pass(plan: Any, cache: FileCache, audit: _RecordAudit, group: Any, *,
+                      on_progress: Callable[[int], None] | None, workers: int | None
+                      ) -> tuple[Any, list[tuple[str, str]]]:
+    """The value pass and the record audit of :func:`verify`, spread over ``group``'s ranks: each file's
+    records are completed (from every rank's CRC-32 segments, by :func:`run_scan_distributed`) and
+    audited by the rank owning the file; mismatches go to that file's problem list there."""
+    from .distributed import owned_paths, record_checks
+    from .scan import run_scan_distributed
+
+    group.agree([str(f) for f in audit.files], "the files to verify")
+    report = run_scan_distributed(plan, cache, group, on_progress=on_progress, workers=workers)
+    checks = record_checks(cache)
+    owned = owned_paths(checks, group)
+    with_checks = {c.path for c in checks}
+    # files holding no record check (legacy non-zip files, files without tensors): rank 0 audits them
+    mine = [f for f in audit.files if f in owned or (f not in with_checks and group.is_root)]
+    parts = group.step(lambda: audit.finish_files(mine), "the CRC-32 audit")
+    return report, audit.take({f: v for part in parts for f, v in part.items()})

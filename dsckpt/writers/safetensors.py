@@ -30,12 +30,15 @@ Chunk = Union[np.ndarray, "torch.Tensor"]
 __all__ = [
     "ShardPlan",
     "TensorSpec",
+    "chunk_bytes",
+    "header_bytes",
     "plan_shards",
     "verify_safetensors",
     "write_safetensors",
     "write_safetensors_chunks",
     "write_sharded",
     "write_sharded_chunks",
+    "write_shard_index",
 ]
 
 _SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
@@ -112,6 +115,17 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_nbytes: int | None,
     return ShardPlan(names, tuple(tuple(s) for s in shards))
 
 
+def header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+    """The first bytes of the file :func:`write_safetensors_chunks` writes for ``specs``: 8-byte length
+    and JSON header; tensor ``i``'s bytes follow at ``len(header) + sum(nbytes of specs[:i])``. Pure."""
+    return _header(specs, metadata)
+
+
+def chunk_bytes(t: Any, spec: TensorSpec) -> memoryview:
+    """The raw bytes of a chunk produced for ``spec`` (numpy or torch), checked against its dtype."""
+    return _chunk_bytes(t, spec)
+
+
 def _header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
     header: dict[str, object] = {}
     if metadata:
@@ -139,16 +153,22 @@ def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
 def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
                              produce_chunks: Callable[[TensorSpec], Iterable[Chunk]], *,
                              metadata: dict[str, str] | None = None,
-                             on_tensor: Callable[[TensorSpec], None] | None = None) -> Path:
+                             on_tensor: Callable[[TensorSpec], None] | None = None,
+                             on_bytes: Callable[[memoryview], None] | None = None,
+                             make_parent: bool = True) -> Path:
     """Like :func:`write_safetensors`, but each tensor comes as consecutive pieces: ``produce_chunks``
     yields chunks of the spec's dtype whose bytes, concatenated, are the tensor (row-major). Each
-    piece is written before the next is asked for, so it may be a view into a reused buffer."""
+    piece is written before the next is asked for, so it may be a view into a reused buffer.
+    ``on_bytes`` sees every byte written, in file order (a CRC-32 of the file as it is written);
+    ``make_parent``: see :func:`dsckpt.atomic.atomic_file`."""
     path = Path(path)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names")
-    with atomic_file(path) as f:
+    with atomic_file(path, make_parent=make_parent) as f:
         header = _header(specs, metadata)
+        if on_bytes is not None:
+            on_bytes(memoryview(header))
         f.write(header)
         f.flush()
         fd = f.fileno()
@@ -158,6 +178,8 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
             for t in produce_chunks(spec):
                 data = _chunk_bytes(t, spec)
                 if len(data):
+                    if on_bytes is not None:
+                        on_bytes(data)
                     n = _write_all(fd, data)
                     written += n
                     pos += n
@@ -237,15 +259,19 @@ def write_sharded_chunks(directory: Path, plan: ShardPlan,
         written.append(write_safetensors_chunks(directory / filename, shard, produce_chunks, metadata=metadata,
                                                 on_tensor=on_tensor))
     if len(plan.filenames) > 1:
-        # As save_pretrained writes it: {"metadata": {"total_size": <tensor bytes>, ...}, "weight_map": ...},
-        # keys sorted.
-        index = {"metadata": {**(metadata or {}), "total_size": plan.total_nbytes},
-                 "weight_map": plan.name_to_file}
-        index_path = directory / "model.safetensors.index.json"
-        with atomic_file(index_path) as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
-        written.append(index_path)
+        written.append(write_shard_index(directory, plan, metadata=metadata))
     return written
+
+
+def write_shard_index(directory: Path, plan: ShardPlan, *, metadata: dict[str, str] | None = None) -> Path:
+    """``model.safetensors.index.json`` for a plan of several shards, as save_pretrained writes it:
+    {"metadata": {"total_size": <tensor bytes>, ...}, "weight_map": ...}, keys sorted."""
+    index = {"metadata": {**(metadata or {}), "total_size": plan.total_nbytes},
+             "weight_map": plan.name_to_file}
+    index_path = directory / "model.safetensors.index.json"
+    with atomic_file(index_path) as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
+    return index_path
 
 
 def verify_safetensors(path: Path, specs: Sequence[TensorSpec]) -> None:

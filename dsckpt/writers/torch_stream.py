@@ -499,21 +499,23 @@ class _ZipStream:
 
 
 def write_torch_tree(path: str | os.PathLike[str], tree: Any, *,
-                     buffer_nbytes: int | None = None, fsync: bool = True, writeback: bool = True) -> Path:
+                     buffer_nbytes: int | None = None, fsync: bool = True, writeback: bool = True,
+                     make_parent: bool = True) -> Path:
     """Write ``tree`` to ``path`` atomically in ``torch.save``'s zip format, one storage at a time.
 
     Tensor leaves are described in the module docstring. Storages are written in the order the
     pickle first meets them, as ``torch.save`` does. Memory: :data:`BUFFERS` buffers of ``buffer_nbytes`` (default :data:`COPY_CHUNK_NBYTES`).
     ``fsync=False``: the file is not fsync'd before its rename (:func:`~dsckpt.atomic.atomic_file`; the
     caller fsyncs it later, or it is not crash-durable). ``writeback=False``: the kernel's write-back is
-    not started every :data:`WRITEBACK_KICK_NBYTES` (it only serves an fsync to come).
+    not started every :data:`WRITEBACK_KICK_NBYTES` (it only serves an fsync to come). ``make_parent``:
+    see :func:`~dsckpt.atomic.atomic_file`.
     """
     path = Path(path)
     buf = io.BytesIO()
     pickler = _TreePickler(buf)
     pickler.dump(tree)
     prefix = "archive"
-    with atomic_file(path, fsync=fsync) as f:
+    with atomic_file(path, fsync=fsync, make_parent=make_parent) as f:
         z = _ZipStream(f.fileno(), buffer_nbytes or COPY_CHUNK_NBYTES, writeback=writeback)
         try:
             z.add_bytes(f"{prefix}/data.pkl", buf.getvalue())
