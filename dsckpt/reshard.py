@@ -209,7 +209,8 @@ def describe_target_config(plan: ReshardPlan) -> str:
     elif plan.from_stage != 3 and plan.zero_stage == 3:
         parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
                      "optimizer files recorded one)")
-    parts.append(f"train_batch_size for {plan.world_size} rank{'s' if plan.world_size != 1 else ''}")
+    dp = "data-parallel " if plan.tp_size > 1 else ""
+    parts.append(f"train_batch_size for {plan.world_size} {dp}rank{'s' if plan.world_size != 1 else ''}")
     return "; ".join(parts)
 
 

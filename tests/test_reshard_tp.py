@@ -170,3 +170,72 @@ def test_world_size_usage_errors():
         plan_reshard(ckpt, 3, facts=derive_facts(ckpt))
     with pytest.raises(UnsupportedCheckpointError, match="from tensor parallelism 2 to 4"):
         plan_reshard(ckpt, 4, tp_size=4, facts=derive_facts(ckpt))
+
+
+# --------------------------------------------------------------------------------------------
+# Real DeepSpeed (AutoTP on CPU ranks) loads the output with plain load_checkpoint()
+
+from ds_launch import DEEPSPEED, passed_except_controls, run_check_script  # noqa: E402
+
+TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
+# (launch ranks, TP size, --zero-stage) -> fixtures resharded for it
+DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
+    (2, 2, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2"],  # DP 2 -> 1
+    (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
+                   "autotp_z1_bf16_tp2_dp1_falcon"],  # DP 1 -> 2
+    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3"],  # DP 1 -> 2 and ZeRO-1 -> ZeRO-2, uneven KV heads
+}
+TAMPERED_CASE = (2, 2, None)
+
+
+def _write_tampered(out: Path) -> str:
+    """autotp_z2_fp32_tp2_dp2 at TP 2 x DP 1 with one fp32 master element of TP rank 1 changed: the check must
+    fail on it, or it could not see a wrong slice. Returns the param whose master was changed."""
+    _reshard(TP_DIR / "autotp_z2_fp32_tp2_dp2", out, 2)
+    f = out / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    sd = _load(f)
+    sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
+    torch.save(sd, f)
+    return next(iter(_load(out / "global_step3" / "mp_rank_01_model_states.pt")["param_shapes"][0]))
+
+
+@pytest.fixture(scope="module")
+def ds_tp_runs(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_tp_reshard")
+    runs = {}
+    for (world, tp, stage), names in DS_TP_CASES.items():
+        cwd = base / f"to{world}_tp{tp}_z{stage}"
+        cwd.mkdir()
+        pairs = []
+        for name in names:
+            out = cwd / name
+            _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage)
+            pairs.append(f"{name}={out}")
+        tampered = None
+        if (world, tp, stage) == TAMPERED_CASE:
+            tampered = _write_tampered(cwd / "tampered")
+            pairs.append(f"autotp_z2_fp32_tp2_dp2={cwd / 'tampered'}")
+        args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
+        runs[(world, tp, stage)] = (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world,
+                                                      cwd=cwd, timeout=900), tampered)
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", list(DS_TP_CASES), ids=lambda c: f"to{c[0]}ranks_tp{c[1]}_z{c[2] or 'same'}")
+def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
+    """fp32 masters, Adam moments, module weights, step, global steps/samples exact (each TP rank's slice through
+    safe_get_full_fp32_param / safe_get_full_optimizer_state), logits bit-equal to the source engine's, one more
+    step runs; the tampered control fails naming the changed param."""
+    rc, results, log, tampered = ds_tp_runs[case]
+    results, controls = passed_except_controls(results, log)
+    assert {r["fixture"] for r in results} == set(DS_TP_CASES[case])
+    if tampered is not None:
+        assert len(controls) == 1 and not controls[0]["ok"], log
+        problems = controls[0]["problems"]
+        # only TP rank 1 (global rank 1 of TP 2 x DP 1) holds the changed slice; nothing else differs
+        assert problems == [f"rank 1: param of '{tampered}' differs from the source"], problems
+    else:
+        assert rc == 0, log
