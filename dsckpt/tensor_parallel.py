@@ -39,7 +39,7 @@ from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry, contiguous_fragments
 
 __all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "rank_view",
-           "tp_layout_from_record"]
+           "resize_layout", "tp_layout_from_record"]
 
 
 class SplitKind(enum.Enum):
@@ -443,3 +443,30 @@ def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tupl
                     f"tensor '{name}': its {piece.role.value} copy covers {covered} of full elements "
                     f"[{full}, {full + n}); the checkpoint's fragments are incomplete")
     return tuple(out)
+
+
+def resize_layout(layout: TpLayout, tp_size: int) -> TpLayout:
+    """``layout`` at another TP size: the same params cut for ``tp_size`` ranks. Pure.
+
+    TP 1 (every param whole on one rank) is always possible. Other sizes are not supported yet (they need the
+    head-aware widths AutoTP itself would choose, deepspeed/module_inject/layers.py): refused."""
+    if tp_size == layout.tp_size:
+        return layout
+    if tp_size != 1:
+        raise UnsupportedCheckpointError(
+            f"changing the tensor-parallel size from {layout.tp_size} to {tp_size} is not supported yet (only to 1: "
+            "a plain checkpoint of full tensors); keep the TP size, or write TP 1")
+    padded = [n for n, c in layout.name_to_cut.items()
+              if c.keep_rows is not None and c.keep_rows < sum(sum(ws) for ws in c.sub_widths)]
+    if padded:
+        raise UnsupportedCheckpointError(
+            f"{_list(padded)} hold padding rows past the original vocabulary size, which a model at another TP size "
+            "pads differently; changing the TP size of a padded vocabulary is not supported yet")
+    cuts = {}
+    for name, c in layout.name_to_cut.items():
+        widths = tuple((sum(ws),) for ws in c.sub_widths)
+        if c.dim is None or c.kind is SplitKind.REPLICATED:
+            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,))
+        else:
+            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,), widths, c.keep_rows)
+    return TpLayout(1, layout.source, cuts)

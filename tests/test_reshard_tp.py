@@ -20,7 +20,7 @@ from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.tensor_parallel import rank_view
 
-# Megatron-style fixtures pad their vocabulary (rows past original_vocab_size): refused for now.
+# Megatron-style fixtures pad their vocabulary (rows past original_vocab_size): refused for now (TP kept or not).
 RESHARDABLE = [fx for fx in TP_FIXTURES if not fx.name.startswith("megatron")]
 PADDED = [fx for fx in TP_FIXTURES if fx.name.startswith("megatron")]
 
@@ -109,6 +109,40 @@ def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
     assert (back.tp_world_size, back.dp_world_size) == (tp, dp)
 
 
+T1_CASES = [(fx, dp, stage) for fx in RESHARDABLE for dp, stage in ((1, None), (2, None), (3, 3 if meta(fx)["stage"] != 3 else 1))]
+
+
+@pytest.mark.parametrize(("fx", "dp", "stage"), T1_CASES, ids=[f"{fx.name}-dp{dp}-z{s}" for fx, dp, s in T1_CASES])
+def test_tp_to_1_is_a_plain_checkpoint_of_full_tensors(fx, dp, stage, tmp_path):
+    """TP 2 -> 1: one mp_rank_00, full fp32 masters and Adam moments equal to what the source engine returned
+    (truth.safetensors, merged from its live TP slices), the 16-bit module weights too; the model-states keys say
+    TP 1 as DeepSpeed 0.19.8 writes them at autotp_size 1: no universal_checkpoint_info, mp_world_size 1,
+    tp_degree 1, no tensor_parallel section in ds_config."""
+    from test_autotp_fixtures import truth
+
+    m = meta(fx)
+    out = tmp_path / "out"
+    _reshard(fx, out, dp, tp_size=1, zero_stage=stage)
+    new_stage = stage or m["stage"]
+    tag = out / m["tag"]
+    assert not [p.name for p in tag.iterdir() if "mp_rank_00" not in p.name]
+    got = local_slices(tag, 0, stage=new_stage, dp=dp, bf16=m["dtype"] == "bf16")
+    want = truth(fx)
+    for s in STATES:
+        for name, v in got[s].items():
+            assert torch.equal(v, want[f"{'param' if s == 'fp32' else s}/{name}"]), (s, name)
+    model = "zero_pp_rank_0_mp_rank_00_model_states.pt" if new_stage == 3 else "mp_rank_00_model_states.pt"
+    ms = _load(tag / model)
+    assert "universal_checkpoint_info" not in ms
+    assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]["tp_degree"], ms["dp_world_size"]) == (1, 1, dp)
+    assert "tensor_parallel" not in ms["ds_config"]
+    if new_stage != 3:
+        for name, v in ms["module"].items():
+            assert torch.equal(v, want[f"lowp/{name}"]), name
+    back = read_checkpoint(out)
+    assert (back.tp_world_size, back.tensor_parallel, back.dp_world_size) == (1, None, dp)
+
+
 def test_same_size_round_trip_reproduces_source_values(tmp_path):
     """TP2 x DP2 -> TP2 x DP1 -> TP2 x DP2: every stored value as in the source (full read-back both ways)."""
     fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
@@ -142,10 +176,11 @@ def test_plan_is_one_data_parallel_plan_per_tp_rank():
 
 @pytest.mark.parametrize("fx", PADDED, ids=[fx.name for fx in PADDED])
 def test_padded_vocabulary_refused(fx, tmp_path):
-    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2"])
-    assert r.exit_code == 3, r.output
-    assert "padding rows past the original vocabulary size" in r.stderr
-    assert not (tmp_path / "o").exists()
+    for extra in ([], ["--tp-size", "1"]):
+        r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", *extra])
+        assert r.exit_code == 3, r.output
+        assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
+        assert not (tmp_path / "o").exists()
 
 
 def test_cli_tp_kept(tmp_path):
@@ -168,7 +203,7 @@ def test_world_size_usage_errors():
     ckpt = read_checkpoint(fx / "ckpt")
     with pytest.raises(UsageError, match="not a multiple"):
         plan_reshard(ckpt, 3, facts=derive_facts(ckpt))
-    with pytest.raises(UnsupportedCheckpointError, match="from tensor parallelism 2 to 4"):
+    with pytest.raises(UnsupportedCheckpointError, match="from 2 to 4 is not supported yet"):
         plan_reshard(ckpt, 4, tp_size=4, facts=derive_facts(ckpt))
 
 
@@ -184,19 +219,25 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon"],  # DP 1 -> 2
     (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3"],  # DP 1 -> 2 and ZeRO-1 -> ZeRO-2, uneven KV heads
+    # TP 2 -> 1: plain checkpoints of full tensors, DP 2
+    (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
+                   "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
+                   "autotp_z1_bf16_tp2_dp1_falcon"],
 }
-TAMPERED_CASE = (2, 2, None)
+TAMPERED_CASES = {(2, 2, None), (2, 1, None)}
 
 
-def _write_tampered(out: Path) -> str:
-    """autotp_z2_fp32_tp2_dp2 at TP 2 x DP 1 with one fp32 master element of TP rank 1 changed: the check must
-    fail on it, or it could not see a wrong slice. Returns the param whose master was changed."""
-    _reshard(TP_DIR / "autotp_z2_fp32_tp2_dp2", out, 2)
-    f = out / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+def _write_tampered(out: Path, tp: int) -> tuple[str, int]:
+    """autotp_z2_fp32_tp2_dp2 at TP ``tp`` x DP 2 / ``tp`` with one fp32 master element of the last TP rank changed:
+    the check must fail on it, or it could not see a wrong slice. Returns the param whose master was changed and
+    the global rank that holds it."""
+    _reshard(TP_DIR / "autotp_z2_fp32_tp2_dp2", out, 2, tp_size=tp)
+    f = out / "global_step3" / f"zero_pp_rank_0_mp_rank_{tp - 1:02d}_optim_states.pt"
     sd = _load(f)
     sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
     torch.save(sd, f)
-    return next(iter(_load(out / "global_step3" / "mp_rank_01_model_states.pt")["param_shapes"][0]))
+    name = next(iter(_load(out / "global_step3" / f"mp_rank_{tp - 1:02d}_model_states.pt")["param_shapes"][0]))
+    return name, tp - 1
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +255,8 @@ def ds_tp_runs(tmp_path_factory):
             _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage)
             pairs.append(f"{name}={out}")
         tampered = None
-        if (world, tp, stage) == TAMPERED_CASE:
-            tampered = _write_tampered(cwd / "tampered")
+        if (world, tp, stage) in TAMPERED_CASES:
+            tampered = _write_tampered(cwd / "tampered", tp)
             pairs.append(f"autotp_z2_fp32_tp2_dp2={cwd / 'tampered'}")
         args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
         runs[(world, tp, stage)] = (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world,
@@ -227,15 +268,19 @@ def ds_tp_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", list(DS_TP_CASES), ids=lambda c: f"to{c[0]}ranks_tp{c[1]}_z{c[2] or 'same'}")
 def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
     """fp32 masters, Adam moments, module weights, step, global steps/samples exact (each TP rank's slice through
-    safe_get_full_fp32_param / safe_get_full_optimizer_state), logits bit-equal to the source engine's, one more
-    step runs; the tampered control fails naming the changed param."""
+    safe_get_full_fp32_param / safe_get_full_optimizer_state; at TP 1 the full tensors), logits bit-equal to the
+    source engine's at TP 2 and within what phase 1 recorded at TP 1; one more step runs; the tampered control
+    fails naming the changed param on the rank that holds it (and nothing else)."""
     rc, results, log, tampered = ds_tp_runs[case]
     results, controls = passed_except_controls(results, log)
     assert {r["fixture"] for r in results} == set(DS_TP_CASES[case])
     if tampered is not None:
         assert len(controls) == 1 and not controls[0]["ok"], log
         problems = controls[0]["problems"]
-        # only TP rank 1 (global rank 1 of TP 2 x DP 1) holds the changed slice; nothing else differs
-        assert problems == [f"rank 1: param of '{tampered}' differs from the source"], problems
+        name, holder = tampered
+        if case[1] > 1:  # TP 2 x DP 1: only TP rank 1 (global rank 1) holds the changed slice
+            assert problems == [f"rank {holder}: param of '{name}' differs from the source"], problems
+        else:  # TP 1 x DP 2: safe_get_full_fp32_param gathers over DP, so every rank sees the changed element
+            assert problems == [f"rank {r}: param of '{name}' differs from the source" for r in range(2)], problems
     else:
         assert rc == 0, log

@@ -121,13 +121,17 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
 
     from ..tensor_parallel import rank_view
 
-    layout = ckpt.tensor_parallel
+    from ..tensor_parallel import resize_layout
+
     src_tp = max(1, ckpt.tp_world_size)
-    if layout is None or tp != src_tp:
+    if ckpt.tensor_parallel is None:
         raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' from tensor parallelism {src_tp} to {tp}: changing the "
-            f"tensor-parallel size is not supported yet; keep it (--tp-size {src_tp}) and change the data-parallel "
-            "size only")
+            f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
+            "and splitting full tensors for TP is not supported yet")
+    try:
+        layout = resize_layout(ckpt.tensor_parallel, tp)
+    except UnsupportedCheckpointError as e:
+        raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
     parts = []
     for t in range(tp):
         view = rank_view(ckpt, layout, t)
@@ -214,6 +218,15 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
 
 
 def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+    jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
+    if plan.tp_size != plan.source_tp_size:
+        from .common import retarget_tp_keys
+
+        jobs = [(path, retarget_tp_keys(tree, plan)) for path, tree in jobs]
+    return jobs
+
+
+def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []

@@ -149,6 +149,9 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
         tree = dict(cache.tree(plan.source_model_files[0]))
         tree["dp_world_size"] = plan.world_size
         tree["param_shapes"] = shapes_tree(plan, tree.get("param_shapes"))
+        if plan.tp_size != plan.source_tp_size:  # another TP cut: the module's 16-bit slices are re-cut too
+            tree["module"] = _module_from_copies(ckpt, tree["module"], cache)
+            _set_frozen(tree, plan, ckpt, tree["module"])
         if plan.from_stage != plan.zero_stage:
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
@@ -202,6 +205,31 @@ def _full_module(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: 
             out[key] = _bit16_from_master(e, ckpt.precision, ref, cache)
     for alias, source in pending_aliases:
         out[alias] = out[source]
+    return out
+
+
+def _module_from_copies(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: Any) -> OrderedDict[str, Any]:
+    """The module state dict of ``ckpt`` (a TP rank's view, :func:`dsckpt.tensor_parallel.rank_view`) in the source's
+    key order: every param streamed from its module copy's fragments at the view's shape, buffers as stored, tied
+    aliases sharing their source's tensor."""
+    by_name = {e.name: e for e in ckpt.entries}
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, ref in src_module.items():
+        e = by_name.get(key)
+        if e is None or e.kind is Kind.BUFFER:
+            out[key] = ref
+        elif e.tied_to is not None:
+            out[key] = out[e.tied_to] if e.tied_to in out else None
+        else:
+            piece = e.piece(Role.MODULE)
+            if piece is None:
+                raise CorruptCheckpointError(f"param '{key}' has no module copy")
+            out[key] = streamed(FlatSpec(e.numel, piece.dtype, coalesce(range_copies(piece, 0, e.numel, 0, key))),
+                                cache, shape=e.shape)
+    for key, v in list(out.items()):
+        e = by_name.get(key)
+        if v is None and e is not None and e.tied_to is not None:
+            out[key] = out[e.tied_to]
     return out
 
 
