@@ -356,10 +356,6 @@ def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = 
     ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran."""
     from .ds_writers.universal import plan_universal
 
-    if ckpt.tensor_parallel is not None:
-        raise UnsupportedCheckpointError(
-            f"cannot write a universal checkpoint of '{ckpt.tag_dir}': it is tensor-parallel "
-            f"({ckpt.tp_world_size} TP ranks), which --universal does not support yet")
     return plan_universal(ckpt, source_stage=source_layout_stage(ckpt), optimizer_files=source_optim_files(ckpt),
                           model_files=source_model_files(ckpt))
 

@@ -192,10 +192,38 @@ def test_cli_tp_kept(tmp_path):
     assert r.exit_code == 2 and "not a multiple of the tensor-parallel size 2" in r.stderr
 
 
-def test_cli_universal_of_tp_refused(tmp_path):
-    fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
-    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "--universal"])
-    assert r.exit_code == 3 and "tensor-parallel" in r.stderr
+@pytest.mark.parametrize("fx", RESHARDABLE, ids=[fx.name for fx in RESHARDABLE])
+def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
+    """reshard --universal of an AutoTP checkpoint against DeepSpeed's own ds_to_universal of the same folder: the
+    same files (every TP rank's model-states file copied), and in each the same keys in order ({"param"}, and
+    {"vocab_tensor": True, "param"} for vocabulary params), dtypes, full shapes and values (torch.load, test side)."""
+    import subprocess
+    import sys
+
+    from test_universal import _same
+
+    pytest.importorskip("deepspeed")
+    tag = meta(fx)["tag"]
+    ds = tmp_path / "ds"
+    res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          str(fx / "ckpt" / tag), "--output_folder", str(ds / f"{tag}_universal"),
+                          "--num_extract_workers", "1", "--num_merge_workers", "1"], check=False,
+                         capture_output=True, text=True, timeout=300, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "ours"), "--universal", "--verify",
+                                  "full", "-q"])
+    assert r.exit_code == 0, r.output
+    ours = tmp_path / "ours"
+    want = sorted(p.relative_to(ds).as_posix() for p in ds.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file()) == want
+    for rel in want:
+        if rel.endswith(".pt"):
+            _same(torch.load(ds / rel, weights_only=False), torch.load(ours / rel, weights_only=False), [rel])
+
+
+def test_cli_universal_of_megatron_tp_refused(tmp_path):
+    r = CliRunner().invoke(main, ["reshard", str(PADDED[0] / "ckpt"), str(tmp_path / "o"), "--universal"])
+    assert r.exit_code == 3 and "Megatron-style record" in r.stderr
 
 
 def test_world_size_usage_errors():

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
-from ..model import LogicalCheckpoint, Piece, Precision
+from ..model import LogicalCheckpoint, Piece, Precision, contiguous_fragments
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -217,7 +217,9 @@ def range_copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: i
     out = []
     end = elem_start + numel
     covered = 0
-    for f in piece.fragments:
+    # a tensor-parallel row slice is one strided fragment: its row runs, in destination order
+    frags = contiguous_fragments(piece) if any(f.strided for f in piece.fragments) else piece.fragments
+    for f in frags:
         lo = max(elem_start, f.dst_offset)
         hi = min(end, f.dst_offset + f.numel)
         if lo < hi:
