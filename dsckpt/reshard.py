@@ -154,8 +154,9 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     """Human-readable lines: per target rank and group, sizes, padding and source ranges."""
     lines = [
         f"reshard {plan.source_tag_dir} (ZeRO stage {plan.from_stage}, {plan.precision.value}, "
-        f"{plan.from_wrapper}) from {plan.source_world_size} to {plan.world_size} ranks"
-        + (f" of each of {plan.tp_size} tensor-parallel ranks" if plan.tp_size > 1 else "")
+        f"{plan.from_wrapper}) from {plan.source_total_world_size} to {plan.total_world_size} ranks"
+        + (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP {plan.world_size})"
+           if plan.tp_size > 1 or plan.source_tp_size > 1 else "")
         + (f", to ZeRO stage {plan.zero_stage} ({plan.optimizer_wrapper})" if plan.changes_layout else "")
         + f", tag '{plan.tag}'",
     ]
@@ -282,7 +283,7 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
             return 0
 
     if plan.tensor_ranks:
-        return sum(output_nbytes_bound(p) for p in plan.tensor_ranks)
+        return sum(output_nbytes_bound(p) for p in plan.tensor_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
     models = [size(p) for p in plan.source_model_files]
     copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
