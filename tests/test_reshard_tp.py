@@ -312,3 +312,13 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
             assert problems == [f"rank {r}: param of '{name}' differs from the source" for r in range(2)], problems
     else:
         assert rc == 0, log
+
+
+def test_cli_dry_run_names_tp_and_dp(tmp_path):
+    fx = TP_DIR / "autotp_z2_fp32_tp2_dp2"
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1",
+                                  "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert "from 4 to 2 ranks (TP 2 x DP 2 -> TP 1 x DP 2)" in r.stdout.splitlines()[0]
+    assert "rank 1: zero_pp_rank_1_mp_rank_00_optim_states.pt" in r.stdout
+    assert not (tmp_path / "o").exists()
