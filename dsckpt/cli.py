@@ -602,7 +602,10 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--world-size", "-n", "world_size", type=click.IntRange(min=1), default=None,
-              help="Data-parallel size the checkpoint will be resumed on (required unless --universal).")
+              help="Number of ranks the checkpoint will be resumed on (required unless --universal); with tensor "
+                   "parallelism, TP size x data-parallel size.")
+@click.option("--tp-size", "tp_size", type=click.IntRange(min=1), default=None,
+              help="Tensor-parallel size of the resumed run (default: the input's).")
 @tag_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
                                              "(1 if there is work).")
@@ -634,7 +637,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @handle_errors
 def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_run: bool, force: bool, verify: str,
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
-            sub_group_size: int | None, universal: bool, no_fsync: bool, distributed: bool) -> None:
+            sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
+            distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
 
@@ -665,9 +669,9 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     if universal:
-        if world_size is not None or zero_stage is not None or sub_group_size is not None:
+        if world_size is not None or zero_stage is not None or sub_group_size is not None or tp_size is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
-                             "stage family; drop --world-size, --zero-stage and --sub-group-size")
+                             "stage family; drop --world-size, --zero-stage, --sub-group-size and --tp-size")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
                            quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
         return
@@ -676,7 +680,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
-                        facts=read_source_facts(logical, cache), hf_files=not no_hf_files)
+                        facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -697,7 +701,10 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
-    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_world_size} to {world_size} ranks{stages}: wrote "
+    if plan.tp_size > 1 or plan.source_tp_size > 1:
+        stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
+                  f"{plan.world_size})") + stages
+    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))

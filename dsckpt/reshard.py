@@ -98,9 +98,12 @@ class ReshardResult:
 
 def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | None = None,
                  sub_group_size: int | None = None, facts: SourceFacts | None = None,
-                 hf_files: bool = True) -> ReshardPlan:
+                 hf_files: bool = True, tp_size: int | None = None) -> ReshardPlan:
     """Decide every byte range of the checkpoint resharded to ``world_size`` ranks and ZeRO stage
     ``zero_stage`` (default: the source's). No tensor I/O.
+
+    ``world_size`` counts every rank: ``tp_size`` tensor-parallel ranks (default: the source's) times the
+    data-parallel size, which is ``world_size / tp_size``.
 
     ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's
     default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
@@ -115,6 +118,14 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         raise UsageError(f"--zero-stage must be 1, 2 or 3, got {zero_stage!r}")
     if sub_group_size is not None and (not isinstance(sub_group_size, int) or sub_group_size < 1):
         raise UsageError(f"--sub-group-size must be a positive integer, got {sub_group_size!r}")
+    tp = max(1, ckpt.tp_world_size) if tp_size is None else tp_size
+    if not isinstance(tp, int) or tp < 1:
+        raise UsageError(f"--tp-size must be a positive integer, got {tp_size!r}")
+    if world_size % tp:
+        raise UsageError(f"--world-size {world_size} is not a multiple of the tensor-parallel size {tp} "
+                         "(the data-parallel size is world size / TP size)")
+    total_world = world_size
+    world_size //= tp
     problems = refusals_from_logical(ckpt)
     if problems:
         raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
@@ -128,9 +139,9 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
         source_optim_files=optim,
         bf16_prefixed_optim=any(p.name.startswith("bf16_") for p in optim),
-        hf_files=_plan_hf_files(ckpt, world_size) if hf_files else None,
+        hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
     )
-    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size), facts, common)
+    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp), facts, common)
 
 
 
@@ -145,12 +156,14 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     """Human-readable lines: per target rank and group, sizes, padding and source ranges."""
     lines = [
         f"reshard {plan.source_tag_dir} (ZeRO stage {plan.from_stage}, {plan.precision.value}, "
-        f"{plan.from_wrapper}) from {plan.source_world_size} to {plan.world_size} ranks"
+        f"{plan.from_wrapper}) from {plan.source_total_world_size} to {plan.total_world_size} ranks"
+        + (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP {plan.world_size})"
+           if plan.tp_size > 1 or plan.source_tp_size > 1 else "")
         + (f", to ZeRO stage {plan.zero_stage} ({plan.optimizer_wrapper})" if plan.changes_layout else "")
         + f", tag '{plan.tag}'",
     ]
     lines += [f"note: {n}" for n in plan.notes]
-    for r in plan.ranks:
+    for r in (r for part in plan.parts() for r in part.ranks):
         files = ", ".join(f for f in (r.optim_file, r.model_file) if f)
         lines.append(f"rank {r.rank}: {files}")
         for g in r.groups:
@@ -199,7 +212,8 @@ def describe_target_config(plan: ReshardPlan) -> str:
     elif plan.from_stage != 3 and plan.zero_stage == 3:
         parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
                      "optimizer files recorded one)")
-    parts.append(f"train_batch_size for {plan.world_size} rank{'s' if plan.world_size != 1 else ''}")
+    dp = "data-parallel " if plan.tp_size > 1 else ""
+    parts.append(f"train_batch_size for {plan.world_size} {dp}rank{'s' if plan.world_size != 1 else ''}")
     return "; ".join(parts)
 
 
@@ -372,6 +386,8 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
         except OSError:
             return 0
 
+    if plan.tensor_ranks:
+        return sum(output_nbytes_bound(p) for p in plan.tensor_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
     models = [size(p) for p in plan.source_model_files]
     copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)

@@ -25,6 +25,8 @@ experts are a dim-0 cut of a stacked ``(num_experts, ...)`` logical tensor, i.e.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import enum
 import itertools
 import math
@@ -33,10 +35,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnsupportedCheckpointError
-from .model import Fragment
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry, contiguous_fragments
 
-__all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "tp_layout_from_record"]
+__all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "rank_view",
+           "resize_layout", "tp_layout_from_record"]
 
 
 class SplitKind(enum.Enum):
@@ -352,3 +355,118 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
     full_shape = list(shapes[0])
     full_shape[dim] = keep if keep is not None else full_d
     return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep)
+
+
+# --------------------------------------------------------------------------------------------
+# The writers' direction: one TP rank's local slices, as an ordinary (TP 1) logical checkpoint
+
+
+def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheckpoint:
+    """TP rank ``t`` of ``layout`` as an ordinary data-parallel logical checkpoint of its *local* slices: each
+    entry has the local shape ``layout`` gives rank ``t``, and its stored copies' fragments (in local coordinates)
+    name the source byte ranges the slice comes from, found through :meth:`ParamCut.rank_blocks` -- the inverse of
+    :func:`compose`. The ZeRO writers then plan rank ``t``'s files from it like from any other checkpoint. Pure.
+
+    A replicated param (and a buffer) takes the copy of source TP rank ``t`` (rank 0's where the source has fewer
+    TP ranks); its files (model states, optimizer files) are that source rank's. Local elements no full element
+    lands on (vocabulary padding rows) have no source: such a layout is refused."""
+    src_tp = max(1, ckpt.tp_world_size)
+    s = t if t < src_tp else 0
+    padded = [n for n, c in layout.name_to_cut.items() if c.keep_rows is not None
+              and sum(b.numel for b in c.rank_blocks(t)) != math.prod(c.rank_shapes[t])]
+    if padded:
+        raise UnsupportedCheckpointError(
+            f"cannot write TP rank {t} of '{ckpt.tag_dir}': its slices of {_list(padded)} hold padding rows past the "
+            "original vocabulary size, whose values dsckpt does not keep; resharding a padded vocabulary is not "
+            "supported yet")
+    entries: dict[str, TensorEntry] = {}
+    for e in ckpt.entries:
+        if e.tied_to is not None:
+            continue
+        cut = layout.name_to_cut[e.name]
+        if cut.kind is SplitKind.REPLICATED or cut.dim is None:
+            pieces = _replicas_of(e.pieces, s, src_tp)
+        else:
+            blocks = cut.rank_blocks(t)
+            pieces = tuple(Piece(p.role, p.dtype, _local_fragments(p, blocks, e.name), p.replica) for p in e.pieces
+                           if p.same_as is None)
+        entries[e.name] = dataclasses.replace(e, shape=cut.rank_shapes[t], pieces=pieces)
+    out = []
+    for e in ckpt.entries:
+        if e.tied_to is not None:
+            src = entries[e.tied_to]
+            out.append(dataclasses.replace(src, name=e.name, tied_to=src.name))
+        else:
+            out.append(entries[e.name])
+    mark = f"mp_rank_{s:02d}"
+    return dataclasses.replace(ckpt, entries=tuple(out), tp_world_size=1, tensor_parallel=None,
+                               files=tuple(f for f in ckpt.files if mark in f.name), notes=())
+
+
+def _replicas_of(pieces: Sequence[Piece], s: int, tp: int) -> tuple[Piece, ...]:
+    """Source TP rank ``s``'s copies of a replicated tensor, renumbered as that rank's reader numbered them
+    (``combine_tp_ranks`` numbers rank ``s``'s copies ``s * stride + replica``)."""
+    stride = (1 + max((p.replica for p in pieces), default=0)) // tp
+    return tuple(dataclasses.replace(p, replica=p.replica - s * stride, same_as=None) for p in pieces
+                 if s * stride <= p.replica < (s + 1) * stride)
+
+
+def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tuple[Fragment, ...]:
+    """The fragments of a local slice (local coordinates) whose elements land in the full tensor as ``blocks``
+    say, found among ``piece``'s fragments (full coordinates, possibly strided); consecutive ones merged."""
+    runs = contiguous_fragments(piece)
+    starts = [f.dst_offset for f in runs]
+    out: list[Fragment] = []
+    for b in blocks:
+        r = b.run_numel
+        spans = ([(b.local_offset + i * r, b.full_offset + i * b.full_stride, r) for i in range(b.numel // r)]
+                 if r else [(b.local_offset, b.full_offset, b.numel)])
+        for local, full, n in spans:
+            i = max(0, bisect.bisect_right(starts, full) - 1)
+            covered = 0
+            while i < len(runs) and runs[i].dst_offset < full + n:
+                f = runs[i]
+                lo, hi = max(full, f.dst_offset), min(full + n, f.dst_offset + f.numel)
+                if lo < hi:
+                    g = Fragment(f.file, f.key, f.src_offset + lo - f.dst_offset, hi - lo, local + lo - full, f.rank)
+                    last = out[-1] if out else None
+                    if (last is not None and (last.file, last.key, last.rank) == (g.file, g.key, g.rank)
+                            and last.src_offset + last.numel == g.src_offset
+                            and last.dst_offset + last.numel == g.dst_offset):
+                        out[-1] = dataclasses.replace(last, numel=last.numel + g.numel)
+                    else:
+                        out.append(g)
+                    covered += hi - lo
+                i += 1
+            if covered != n:
+                raise CorruptCheckpointError(
+                    f"tensor '{name}': its {piece.role.value} copy covers {covered} of full elements "
+                    f"[{full}, {full + n}); the checkpoint's fragments are incomplete")
+    return tuple(out)
+
+
+def resize_layout(layout: TpLayout, tp_size: int) -> TpLayout:
+    """``layout`` at another TP size: the same params cut for ``tp_size`` ranks. Pure.
+
+    TP 1 (every param whole on one rank) is always possible. Other sizes are not supported yet (they need the
+    head-aware widths AutoTP itself would choose, deepspeed/module_inject/layers.py): refused."""
+    if tp_size == layout.tp_size:
+        return layout
+    if tp_size != 1:
+        raise UnsupportedCheckpointError(
+            f"changing the tensor-parallel size from {layout.tp_size} to {tp_size} is not supported yet (only to 1: "
+            "a plain checkpoint of full tensors); keep the TP size, or write TP 1")
+    padded = [n for n, c in layout.name_to_cut.items()
+              if c.keep_rows is not None and c.keep_rows < sum(sum(ws) for ws in c.sub_widths)]
+    if padded:
+        raise UnsupportedCheckpointError(
+            f"{_list(padded)} hold padding rows past the original vocabulary size, which a model at another TP size "
+            "pads differently; changing the TP size of a padded vocabulary is not supported yet")
+    cuts = {}
+    for name, c in layout.name_to_cut.items():
+        widths = tuple((sum(ws),) for ws in c.sub_widths)
+        if c.dim is None or c.kind is SplitKind.REPLICATED:
+            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,))
+        else:
+            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,), widths, c.keep_rows)
+    return TpLayout(1, layout.source, cuts)

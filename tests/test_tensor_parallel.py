@@ -331,11 +331,12 @@ def test_affine_map_contradicting_the_patterns_is_refused(tmp_path):
            "affine_map, to 8 by the category patterns" in r.stderr
 
 
-def test_reshard_refuses_tensor_parallel(tmp_path):
+def test_reshard_refuses_tensor_parallel_size_change(tmp_path):
+    # TP kept is supported (tests/test_reshard_tp.py); another TP size is not yet
     r = CliRunner().invoke(main, ["reshard", str(TP_DIR / "autotp_z1_bf16_tp2_dp1" / "ckpt"), str(tmp_path / "o"),
-                                  "-n", "2"])
+                                  "-n", "4", "--tp-size", "4"])
     assert r.exit_code == 3
-    assert "tensor parallel size 2" in r.stderr and "not supported yet" in r.stderr
+    assert "tensor-parallel size from 2 to 4 is not supported yet" in r.stderr
 
 
 UNIVERSAL_CASES = ["autotp_z1_bf16_tp2_dp1_falcon", "autotp_z3_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt"]

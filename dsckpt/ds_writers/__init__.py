@@ -60,6 +60,7 @@ from .plan import (
     Target,
     source_layout_stage,
     source_model_files,
+    source_optim_files,
 )
 
 __all__ = [
@@ -100,7 +101,50 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
 
     ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
     Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) a stage change from or to stage 0.
+
+    Tensor parallelism is one more dimension of the same layout: each target TP rank is an ordinary
+    data-parallel checkpoint of its local slices (:func:`dsckpt.tensor_parallel.rank_view` maps them through
+    the :class:`~dsckpt.tensor_parallel.TpLayout`), planned by the same writers into files named
+    ``..._mp_rank_{t:02d}_...`` (:attr:`LayoutPlan.tensor_ranks`).
     """
+    src_tp = max(1, ckpt.tp_world_size)
+    tp = src_tp if target.tp_size is None else target.tp_size
+    if ckpt.tensor_parallel is not None or tp != 1:
+        return _plan_tensor_ranks(ckpt, target, tp, facts, common)
+    return _plan_ranks(ckpt, target, facts, common)
+
+
+def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: SourceFacts,
+                       common: Mapping[str, Any]) -> LayoutPlan:
+    """One data-parallel plan per target TP rank, each from that rank's view of ``ckpt``."""
+    import dataclasses
+
+    from ..tensor_parallel import rank_view
+
+    from ..tensor_parallel import resize_layout
+
+    src_tp = max(1, ckpt.tp_world_size)
+    if ckpt.tensor_parallel is None:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
+            "and splitting full tensors for TP is not supported yet")
+    try:
+        layout = resize_layout(ckpt.tensor_parallel, tp)
+    except UnsupportedCheckpointError as e:
+        raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
+    parts = []
+    for t in range(tp):
+        view = rank_view(ckpt, layout, t)
+        optim = source_optim_files(view)
+        part_common = {**common, "source_optim_files": optim, "mp_rank": t, "hf_files": None,
+                       "source_tp_size": src_tp, "tp_size": tp}
+        parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1), facts, part_common))
+    return dataclasses.replace(parts[0], ranks=(), tensor_ranks=tuple(parts), tp_layout=layout,
+                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp)
+
+
+def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
+    """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
     if (src_stage == 0) != (target.zero_stage == 0):
         raise UnsupportedCheckpointError(
@@ -165,6 +209,24 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
 def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
     """``(path, tree)`` for every target file, in plan order. Reads source trees (pickles) through
     ``cache``, no tensor bytes; not thread-safe (the cache is not)."""
+    if plan.tensor_ranks:
+        from ..tensor_parallel import rank_view
+
+        return [job for part in plan.tensor_ranks
+                for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache)]
+    return _build_rank_jobs(plan, ckpt, tag_dir, cache)
+
+
+def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+    jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
+    if plan.tp_size != plan.source_tp_size:
+        from .common import retarget_tp_keys
+
+        jobs = [(path, retarget_tp_keys(tree, plan)) for path, tree in jobs]
+    return jobs
+
+
+def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []

@@ -27,6 +27,7 @@ __all__ = [
     "loss_scaler",
     "optimizer_scalars",
     "own_copy",
+    "retarget_tp_keys",
     "shapes_tree",
     "streamed",
     "target_ds_config",
@@ -190,4 +191,32 @@ def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -
     if zero_stage == 3 and sub_group_size is not None and "sub_group_size" in z:
         z["sub_group_size"] = sub_group_size
     out["zero_optimization"] = z
+    return out
+
+
+def retarget_tp_keys(tree: Any, plan: LayoutPlan) -> Any:
+    """A file's top-level keys that record the tensor-parallel size, rewritten for ``plan.tp_size``:
+    ``mp_world_size``, ``checkpoint_parallel_dimensions.tp_degree`` (engine.py:420-428), ``ds_config``'s
+    ``tensor_parallel`` section, and ``universal_checkpoint_info``. DeepSpeed 0.19.8 attaches that record only when
+    AutoTP partitions the model (``finalize_autotp(attach_uc_metadata=True)``; with ``autotp_size`` <= 1
+    ``_configure_tensor_parallel`` returns before, engine.py), so a TP-1 file has none: it is dropped."""
+    if not isinstance(tree, Mapping):
+        return tree
+    out = dict(tree)
+    tp = plan.tp_size
+    if "mp_world_size" in out:
+        out["mp_world_size"] = tp
+    dims = out.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, Mapping) and "tp_degree" in dims:
+        out["checkpoint_parallel_dimensions"] = {**dims, "tp_degree": tp}
+    cfg = out.get("ds_config")
+    if isinstance(cfg, Mapping) and isinstance(cfg.get("tensor_parallel"), Mapping):
+        cfg = dict(cfg)
+        if tp == 1:
+            del cfg["tensor_parallel"]
+        else:
+            cfg["tensor_parallel"] = {**cfg["tensor_parallel"], "autotp_size": tp}
+        out["ds_config"] = cfg
+    if tp == 1:
+        out.pop("universal_checkpoint_info", None)
     return out

@@ -133,9 +133,8 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
 
 def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     problems = []
-    if ckpt.tp_world_size > 1:
-        problems.append(f"tensor parallel size {ckpt.tp_world_size} (TP checkpoints are read and exported, "
-                        "e.g. with to-fp32; resharding to a new TP layout is not supported yet)")
+    if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
+        problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
     if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}")
     if ckpt.zero_stage not in (0, 1, 2, 3):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
-from ..model import LogicalCheckpoint, Piece, Precision
+from ..model import LogicalCheckpoint, Piece, Precision, contiguous_fragments
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -111,7 +111,8 @@ class SourceFacts:
 
 @dataclass(frozen=True)
 class Target:
-    """What to write: ZeRO ``zero_stage`` (0-3) on ``world_size`` data-parallel ranks.
+    """What to write: ZeRO ``zero_stage`` (0-3) on ``world_size`` data-parallel ranks (of each of ``tp_size``
+    tensor-parallel ranks).
 
     ``sub_group_size`` is ZeRO-3's (``None``: the source's when it is stage 3, else DeepSpeed's
     default); ``round_robin`` / ``parameter_alignment`` are the target's ``zero_optimization``
@@ -125,6 +126,7 @@ class Target:
     round_robin: bool | None = None
     parameter_alignment: bool | None = None
     bf16_optimizer: bool | None = None
+    tp_size: int | None = None  # tensor-parallel ranks (None: the source's); ``world_size`` is per TP rank
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,25 @@ class LayoutPlan:
     source_optimizer_wrapper: str | None = None  # None: same as optimizer_wrapper
     sub_group_size: int | None = None  # stage-3 target: the sub_group_size the sub-groups were formed with
     copied_model_files: tuple[Path, ...] = ()  # MoE expert (and stage-0 expp_rank_*) files, rewritten unchanged
+    mp_rank: int = 0  # the model-parallel (TP) rank whose files ``ranks`` are: ``..._mp_rank_{mp_rank:02d}_...``
+    source_tp_size: int = 1
+    tp_size: int = 1
+    # TP > 1: one plan per target TP rank (each an ordinary data-parallel plan of that rank's local slices, see
+    # dsckpt.tensor_parallel.rank_view) and the layout they were cut by; this plan's own ``ranks`` are then empty.
+    tensor_ranks: tuple[LayoutPlan, ...] = ()
+    tp_layout: Any = None  # a dsckpt.tensor_parallel.TpLayout
+
+    def parts(self) -> tuple[LayoutPlan, ...]:
+        """The data-parallel plans to write: one per TP rank, or this plan itself."""
+        return self.tensor_ranks or (self,)
+
+    @property
+    def total_world_size(self) -> int:
+        return self.world_size * self.tp_size
+
+    @property
+    def source_total_world_size(self) -> int:
+        return self.source_world_size * self.source_tp_size
 
     @property
     def from_stage(self) -> int:
@@ -169,10 +190,12 @@ class LayoutPlan:
 
     @property
     def has_work(self) -> bool:
-        return self.world_size != self.source_world_size or self.changes_layout
+        return self.world_size != self.source_world_size or self.changes_layout or self.tp_size != self.source_tp_size
 
     @property
     def copied_nbytes(self) -> int:
+        if self.tensor_ranks:
+            return sum(p.copied_nbytes for p in self.tensor_ranks)
         total = 0
         for r in self.ranks:
             for g in r.groups:
@@ -194,7 +217,9 @@ def range_copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: i
     out = []
     end = elem_start + numel
     covered = 0
-    for f in piece.fragments:
+    # a tensor-parallel row slice is one strided fragment: its row runs, in destination order
+    frags = contiguous_fragments(piece) if any(f.strided for f in piece.fragments) else piece.fragments
+    for f in frags:
         lo = max(elem_start, f.dst_offset)
         hi = min(end, f.dst_offset + f.numel)
         if lo < hi:
@@ -226,13 +251,13 @@ def rank_of(path: Path) -> int:
     return int(m[1]) if m else -1
 
 
-def optim_file_name(rank: int, bf16_prefix: bool) -> str:
-    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file_name(rank: int, bf16_prefix: bool, mp_rank: int = 0) -> str:
+    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def model_file_name(rank: int) -> str:
+def model_file_name(rank: int, mp_rank: int = 0) -> str:
     """A stage-3 rank's model-states file (DeepSpeed never prefixes it with ``bf16_``)."""
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+    return f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
@@ -248,11 +273,11 @@ def source_layout_stage(ckpt: LogicalCheckpoint) -> int:
 
 def source_model_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
     """The source's model-states files a writer reads: one per rank at stage 3 (rank order), else
-    ``mp_rank_00_model_states.pt``."""
+    ``mp_rank_XX_model_states.pt`` (of a TP rank's view, :func:`dsckpt.tensor_parallel.rank_view`, that rank's)."""
     if source_layout_stage(ckpt) == 3:
         return tuple(sorted((p for p in ckpt.files if p.name.startswith("zero_pp_rank_")
                              and p.name.endswith("_model_states.pt")), key=rank_of))
-    return tuple(p for p in ckpt.files if p.name == "mp_rank_00_model_states.pt")
+    return tuple(p for p in ckpt.files if re.fullmatch(r"mp_rank_\d+_model_states\.pt", p.name))
 
 
 def source_optim_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..model import LogicalCheckpoint, Piece, Role
+from ..model import LogicalCheckpoint, Piece, Role, contiguous_fragments
 from .facts import entries_by_name
 from .plan import LayoutPlan, source_layout_stage
 
@@ -35,10 +35,10 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
     src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache)
     new_cache = FileCache()
     new = read_checkpoint(new_root, tag=plan.tag, cache=new_cache)
-    if new.dp_world_size != plan.world_size:
+    if (new.dp_world_size, max(1, new.tp_world_size)) != (plan.world_size, plan.tp_size):
         raise CorruptCheckpointError(
-            f"verification failed: the written checkpoint records dp_world_size={new.dp_world_size}, "
-            f"expected {plan.world_size}; nothing was written")
+            f"verification failed: the written checkpoint records dp_world_size={new.dp_world_size} and "
+            f"tensor parallelism {new.tp_world_size}, expected {plan.world_size} and {plan.tp_size}; nothing was written")
     if (source_layout_stage(new), new.optimizer_wrapper) != (plan.zero_stage, plan.optimizer_wrapper):
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
@@ -67,8 +67,7 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
         if n.shape != e.shape:
             problems.append(f"'{name}' has shape {list(n.shape)}, expected {list(e.shape)}")
             continue
-        for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
-            a, b = e.piece(role), n.piece(role)
+        for role, a, b in _copies_to_compare(e, n):
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
                     problems.append(f"'{name}' lost its {role.value} copy")
@@ -93,6 +92,20 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
                                                                    if len(problems) > 10 else "")
             + ". Nothing was written. This is a dsckpt bug: please report it")
     return checked
+
+
+def _copies_to_compare(e: Any, n: Any) -> list[tuple[Role, Piece | None, Piece | None]]:
+    """Per role, the primary copies of source ``e`` and output ``n``; and every further output copy that must
+    equal a source copy bit for bit (a param replicated on every tensor-parallel rank: ``same_as``), against
+    the source copy of the same replica number, or the source's primary where it has no such replica."""
+    out: list[tuple[Role, Piece | None, Piece | None]] = []
+    for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
+        out.append((role, e.piece(role), n.piece(role)))
+        src = {p.replica: p for p in e.pieces if p.role is role}
+        for p in n.pieces:
+            if p.role is role and p.same_as is not None:
+                out.append((role, src.get(p.replica, e.piece(role)), p))
+    return out
 
 
 def _sample_windows(a: Piece, b: Piece) -> list[tuple[int, int]]:
@@ -120,7 +133,7 @@ def _read_bytes(piece: Piece, start: int, numel: int, item: int, cache: Any) -> 
     :meth:`TensorRef.read_numpy` (``pread``, CRC-checked, no torch) for contiguous refs."""
     out = bytearray()
     end = start + numel
-    for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
+    for f in contiguous_fragments(piece):
         lo, hi = max(start, f.dst_offset), min(end, f.dst_offset + f.numel)
         if lo >= hi:
             continue

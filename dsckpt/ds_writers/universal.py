@@ -57,6 +57,10 @@ class StateFile:
     spec: FlatSpec
     shape: tuple[int, ...]  # as written: the param's shape (ZeRO-1/2 source) or flat (ZeRO-3 source)
     wrapped: bool  # {"cat_dim": 0, "param": t} (ZeRO-1/2 source) or the bare tensor (ZeRO-3 source)
+    # A tensor-parallel source with an AutoTP affine_map: {"param": t} at the full shape, any stage
+    # (ds_to_universal.merge_tp_slices rebuilds it from the affine map and adds no per-category key).
+    merged_tp: bool = False
+    vocab_tensor: bool = False  # merged_tp of a vocabulary param: {"vocab_tensor": True, "param": t}
 
     @property
     def path(self) -> str:
@@ -141,8 +145,13 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         problems.append(f"ZeRO stage {source_stage} (ds_to_universal converts ZeRO-1/2/3 optimizer files)")
     if ckpt.moe is not None:
         problems.append("Mixture-of-Experts layers")
-    if ckpt.pp_world_size > 1 or ckpt.tp_world_size > 1 or ckpt.layout == "pipeline":
-        problems.append(f"pipeline/tensor parallel size {ckpt.pp_world_size}/{ckpt.tp_world_size}")
+    tp = ckpt.tensor_parallel
+    if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
+        problems.append(f"pipeline parallel size {ckpt.pp_world_size}")
+    if ckpt.tp_world_size > 1 and (tp is None or tp.source != "autotp"):
+        problems.append(f"tensor parallel size {ckpt.tp_world_size} with a Megatron-style record (ds_to_universal "
+                        "writes per-category keys for it that dsckpt does not reproduce yet; only AutoTP records "
+                        "with an affine_map are written)")
     if ckpt.layout.startswith("universal"):
         problems.append("a universal checkpoint already")
     if not optimizer_files:
@@ -163,7 +172,13 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             if piece is None:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {role.value} values")
             spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
-            states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
+            if tp is not None:
+                from ..tensor_parallel import SplitKind
+
+                vocab = tp.name_to_cut[e.name].kind is SplitKind.VOCABULARY
+                states.append(StateFile(e.name, state, spec, e.shape, True, merged_tp=True, vocab_tensor=vocab))
+            else:
+                states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
         written.add(e.name)
         if not zero3:
             moments = e.piece(Role.EXP_AVG)
@@ -175,6 +190,11 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             if e.name in written:
                 continue
             piece = e.piece(Role.MODULE)
+            if tp is not None:
+                raise UnsupportedCheckpointError(
+                    f"cannot write a universal checkpoint of '{ckpt.tag_dir}': '{e.name}' (a buffer or frozen param "
+                    "of a tensor-parallel checkpoint) would need its TP slices merged into zero/<name>/fp32.pt, "
+                    "which dsckpt does not do yet")
             if piece is None or len(piece.fragments) != 1 or piece.fragments[0].src_offset != 0:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{e.name}' has no whole module copy to write "
                                              "zero/<name>/fp32.pt from")
@@ -205,7 +225,10 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
 
     for f in plan.state_files:
         t = streamed(f.spec, cache, shape=f.shape)
-        yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
+        if f.merged_tp:
+            yield f.path, ({"vocab_tensor": True, "param": t} if f.vocab_tensor else {"param": t})
+        else:
+            yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
     for s in plan.step_files:
         yield s.path, own_copy(cache.tensor(s.file, s.key))
     for c in plan.cast_files:

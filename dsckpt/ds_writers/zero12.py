@@ -56,8 +56,6 @@ from .plan import (
 
 __all__ = ["plan_zero12", "zero12_model_tree", "zero12_optim_tree"]
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
-
 
 def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequence[str]], *,
                 round_robin: bool, parameter_alignment: bool, bf16_optimizer: bool,
@@ -125,7 +123,8 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
                 partition_count=layout.world_size if ep else None,
             ))
-        ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"]), None, tuple(groups)))
+        ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"], common.get("mp_rank", 0)), None,
+                              tuple(groups)))
     notes = list(common.get("notes", ()))
     if round_robin and not bf16_optimizer:
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
@@ -143,16 +142,20 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
 
 
 def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> tuple[str, dict[str, Any]]:
-    """The target's ``mp_rank_00_model_states.pt``: its name and tree."""
+    """The target's ``mp_rank_{mp_rank:02d}_model_states.pt``: its name and tree."""
+    name = f"mp_rank_{plan.mp_rank:02d}_model_states.pt"
     if plan.from_stage in (1, 2):
         assert len(plan.source_model_files) == 1
         tree = dict(cache.tree(plan.source_model_files[0]))
         tree["dp_world_size"] = plan.world_size
         tree["param_shapes"] = shapes_tree(plan, tree.get("param_shapes"))
+        if plan.tp_size != plan.source_tp_size:  # another TP cut: the module's 16-bit slices are re-cut too
+            tree["module"] = _module_from_copies(ckpt, tree["module"], cache)
+            _set_frozen(tree, plan, ckpt, tree["module"])
         if plan.from_stage != plan.zero_stage:
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
-        return MODEL_FILE, tree
+        return name, tree
     assert plan.from_stage == 3, "stage-0 sources are refused before planning"
     src = dict(cache.tree(plan.source_model_files[0]))  # source rank 0: its buffers and shared_params
     module = _full_module(ckpt, src["module"], cache)
@@ -162,7 +165,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
     _set_frozen(tree, plan, ckpt, module)
     tree["dp_world_size"] = plan.world_size
     tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
-    return MODEL_FILE, tree
+    return name, tree
 
 
 def _set_frozen(tree: dict[str, Any], plan: LayoutPlan, ckpt: LogicalCheckpoint, module: Mapping[str, Any]) -> None:
@@ -202,6 +205,31 @@ def _full_module(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: 
             out[key] = _bit16_from_master(e, ckpt.precision, ref, cache)
     for alias, source in pending_aliases:
         out[alias] = out[source]
+    return out
+
+
+def _module_from_copies(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: Any) -> OrderedDict[str, Any]:
+    """The module state dict of ``ckpt`` (a TP rank's view, :func:`dsckpt.tensor_parallel.rank_view`) in the source's
+    key order: every param streamed from its module copy's fragments at the view's shape, buffers as stored, tied
+    aliases sharing their source's tensor."""
+    by_name = {e.name: e for e in ckpt.entries}
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, ref in src_module.items():
+        e = by_name.get(key)
+        if e is None or e.kind is Kind.BUFFER:
+            out[key] = ref
+        elif e.tied_to is not None:
+            out[key] = out[e.tied_to] if e.tied_to in out else None
+        else:
+            piece = e.piece(Role.MODULE)
+            if piece is None:
+                raise CorruptCheckpointError(f"param '{key}' has no module copy")
+            out[key] = streamed(FlatSpec(e.numel, piece.dtype, coalesce(range_copies(piece, 0, e.numel, 0, key))),
+                                cache, shape=e.shape)
+    for key, v in list(out.items()):
+        e = by_name.get(key)
+        if v is None and e is not None and e.tied_to is not None:
+            out[key] = out[e.tied_to]
     return out
 
 

@@ -92,7 +92,8 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
                 piece = e.piece(Role.MODULE)
                 dtype = piece.dtype if piece else "float32"
                 frozen.append((e.name, FlatSpec(per, dtype, range_copies(piece, lo, max(0, hi - lo), 0, e.name))))
-        ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"]), model_file_name(r),
+        mp = common.get("mp_rank", 0)
+        ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"], mp), model_file_name(r, mp),
                               tuple(groups), tuple(frozen)))
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in target_subgroups)
     notes = list(common.get("notes", ()))

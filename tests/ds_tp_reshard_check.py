@@ -1,0 +1,137 @@
+"""Load resharded tensor-parallel checkpoints with real DeepSpeed (AutoTP) and check them against the fixture's truth.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus N tests/ds_tp_reshard_check.py --tp-size T [--zero-stage S] \
+        --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
+
+For each pair: the fixture's model (``tests/fixtures/autotp_models.py``, same seed) and ds_config, with
+``"tensor_parallel": {"autotp_size": T}`` (no TP section at T = 1; DeepSpeed derives ``train_batch_size`` for the
+N / T data-parallel ranks) and, with ``--zero-stage``, that ZeRO stage; ``deepspeed.init_distributed("gloo")``, ``deepspeed.initialize``,
+plain ``engine.load_checkpoint(dir)``. Then, against ``truth.safetensors`` (what the source engine returned), exactly:
+
+* per param, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(exp_avg / exp_avg_sq)`` -- at the
+  source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``);
+* the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``), Adam's step, global steps and samples;
+* the logits of ``autotp_models.eval_ids`` against the recorded engine logits: equal bit for bit at the source's TP
+  size (the same local values run the same local ops); at another TP size the TP all-reduce sums in another order,
+  so within ``--logits-atol``, by default what phase 1 recorded for the fixture (``truth.json`` crosscheck
+  ``merged_fp32_logits``: a plain model holding DeepSpeed's merged fp32, run in the fixture's dtype, against the
+  engine's logits: 2.98e-8 for fp32 runs, 9.8e-4-1.95e-3 for bf16 runs);
+
+then one more training step, whose loss must be finite. Prints ``PASS`` / ``FAIL`` lines on rank 0 and writes the
+JSON result list (:func:`ds_launch.report_checks`); rank 0 also prints ``LOGITS name: max |diff|`` per checkpoint.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "fixtures"))
+import autotp_models as am  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("pairs", nargs="+", help="FIXTURE_NAME=RESHARDED_SAVE_DIR")
+p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+p.add_argument("--result", default=None)
+p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures", "autotp"))
+p.add_argument("--tp-size", type=int, required=True)
+p.add_argument("--zero-stage", type=int, default=None)
+p.add_argument("--logits-atol", type=float, default=None,
+               help="allowed max |logit difference| at another TP size (default: what phase 1 recorded for the fixture: "
+                    "a plain model loaded with DeepSpeed's merged fp32, run in the fixture's dtype)")
+args = p.parse_args()
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from ds_launch import gloo_only, report_checks  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+gloo_only()
+deepspeed.init_distributed("gloo")
+world = dist.get_world_size()
+TP = args.tp_size
+
+
+def build(name):
+    spec = dict(am.AUTOTP_FIXTURES[name])
+    spec["tp"] = TP
+    if args.zero_stage is not None:
+        spec["stage"] = args.zero_stage
+    cfg = am.ds_config(spec)
+    if TP == 1:
+        cfg.pop("tensor_parallel", None)
+    model = am.make_model(spec["arch"])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return spec, engine
+
+
+def check_one(name, ckpt_dir):
+    problems = []
+    fx = os.path.join(args.fixtures, name)
+    truth = load_file(os.path.join(fx, "truth.safetensors"))
+    import json
+
+    meta = json.load(open(os.path.join(fx, "truth.json")))
+    spec, engine = build(name)
+    tp_rank = groups.get_tensor_model_parallel_rank() if TP > 1 else 0
+    dp_rank = groups.get_data_parallel_rank() if TP > 1 else dist.get_rank()
+    same_tp = TP == meta["tp_size"]
+    prefix = f"tp{tp_rank}/" if same_tp else ""
+    path, _ = engine.load_checkpoint(ckpt_dir)
+    if path is None:
+        return [f"load_checkpoint found nothing in {ckpt_dir}"]
+    opt = engine.optimizer
+    if spec["stage"] in (1, 2) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # DeepSpeed links the optimizer-state fragments lazily at the first step (as ds_reshard_check.py does)
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    for n, q in engine.module.named_parameters():
+        for key, got in (("param", safe_get_full_fp32_param(q)),
+                         ("exp_avg", safe_get_full_optimizer_state(q, "exp_avg")),
+                         ("exp_avg_sq", safe_get_full_optimizer_state(q, "exp_avg_sq"))):
+            want = truth[f"{prefix}{key}/{n}"]
+            if got is None or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.float().cpu(), want):
+                problems.append(f"{key} of '{n}' differs from the source"
+                                + (f" (shape {list(got.shape)}, expected {list(want.shape)})"
+                                   if got is not None and tuple(got.shape) != tuple(want.shape) else ""))
+        if spec["stage"] == 3:
+            with deepspeed.zero.GatheredParameters([q]):
+                lowp = q.data.detach().cpu().clone()
+        else:
+            lowp = q.data.detach().cpu()
+        want = truth[f"{prefix}lowp/{n}"]
+        if tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp.to(want.dtype), want):
+            problems.append(f"module weight '{n}' differs from the source")
+    if engine.global_steps != meta["global_steps"] or engine.global_samples != meta["global_samples"]:
+        problems.append(f"global steps/samples {engine.global_steps}/{engine.global_samples} != "
+                        f"{meta['global_steps']}/{meta['global_samples']}")
+    opt = opt.optimizer if hasattr(opt, "optimizer") else opt
+    steps = {float(s["step"]) for s in opt.state.values() if "step" in s}
+    if steps != {float(am.STEPS)}:
+        problems.append(f"Adam step {sorted(steps)} != {am.STEPS}")
+    engine.eval()
+    vocab = meta["model_config"]["vocab_size"]
+    with torch.no_grad():
+        logits = engine(input_ids=am.eval_ids(vocab)).logits.detach().float().cpu()
+    diff = float((logits - truth["logits"]).abs().max())
+    if same_tp and not torch.equal(logits, truth["logits"]):
+        problems.append(f"logits differ from the source engine's (max |diff| {diff:.3g}; expected bit-equal)")
+    elif not same_tp:
+        recorded = meta["crosscheck"]["merged_fp32_logits"][f"max_abs_diff_{meta['dtype']}_model"]
+        atol = args.logits_atol if args.logits_atol is not None else recorded
+        if not diff <= atol:
+            problems.append(f"logits differ from the source engine's by {diff:.3g} > {atol:.3g}")
+    engine.train()
+    loss = engine(input_ids=am.make_batch(am.STEPS, dp_rank, vocab), labels=am.make_batch(am.STEPS, dp_rank, vocab)).loss
+    engine.backward(loss)
+    engine.step()
+    if not torch.isfinite(loss):
+        problems.append(f"loss after resume is {float(loss)}")
+    if dist.get_rank() == 0:
+        print(f"LOGITS {name} ({ckpt_dir}): max |diff| {diff:.6g}", flush=True)
+    return problems
+
+
+report_checks(args.pairs, check_one, args.result)

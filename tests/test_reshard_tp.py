@@ -1,0 +1,324 @@
+"""``reshard`` of tensor-parallel checkpoints (issue 20 phase 3): every TP rank re-planned as an ordinary
+data-parallel checkpoint of its local slices (``dsckpt.tensor_parallel.rank_view``), on the real AutoTP fixtures
+(``tests/fixtures/autotp/``). Checked against the source's files read independently with torch (each TP rank's
+local slices rebuilt from its optimizer files), and by reading the output back through the readers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_autotp_fixtures import STATES, TP_FIXTURES, meta
+
+from dsckpt.cli import main
+from dsckpt.ds_writers.facts import derive_facts
+from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+from dsckpt.tensor_parallel import rank_view
+
+# Megatron-style fixtures pad their vocabulary (rows past original_vocab_size): refused for now (TP kept or not).
+RESHARDABLE = [fx for fx in TP_FIXTURES if not fx.name.startswith("megatron")]
+PADDED = [fx for fx in TP_FIXTURES if fx.name.startswith("megatron")]
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)  # our own test output / trusted fixtures
+
+
+def local_slices(tag: Path, t: int, *, stage: int, dp: int, bf16: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """TP rank ``t``'s local slice of every trainable param (state -> name -> tensor), rebuilt with torch from the
+    files alone (test_autotp_fixtures.file_slices for any folder)."""
+    prefix = "bf16_" if bf16 else ""
+    osds = [_load(tag / f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")["optimizer_state_dict"]
+            for d in range(dp)]
+    out: dict = {s: {} for s in STATES}
+    if stage in (1, 2):
+        param_shapes = _load(tag / f"mp_rank_{t:02d}_model_states.pt")["param_shapes"]
+        for g, shapes in enumerate(param_shapes):
+            flat = {"fp32": torch.cat([o["single_partition_of_fp32_groups"][g] for o in osds]),
+                    "exp_avg": torch.cat([o["base_optimizer_state"]["state"][g]["exp_avg"] for o in osds]),
+                    "exp_avg_sq": torch.cat([o["base_optimizer_state"]["state"][g]["exp_avg_sq"] for o in osds])}
+            pads = (osds[0].get("param_alignment_paddings") or {g: [0] * len(shapes)})[g]
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                n = math.prod(shape)
+                for s in STATES:
+                    out[s][name] = flat[s][offset:offset + n].view(tuple(shape))
+                offset += n + pads[i]
+    else:
+        param_shapes = _load(tag / f"zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt")["param_shapes"]
+        for g, shapes in enumerate(param_shapes):
+            flats = [{"fp32": o["fp32_flat_groups"][g], "exp_avg": o["optimizer_state_dict"]["state"][g]["exp_avg"],
+                      "exp_avg_sq": o["optimizer_state_dict"]["state"][g]["exp_avg_sq"]} for o in osds]
+            offset = 0
+            for name, shape in shapes.items():
+                n = math.prod(shape)
+                part = math.ceil(n / dp)
+                for s in STATES:
+                    out[s][name] = torch.cat([f[s][offset:offset + part] for f in flats])[:n].view(tuple(shape))
+                offset += part
+    return out
+
+
+def _reshard(fx: Path, out: Path, world: int, **kw) -> None:
+    cache = FileCache()
+    ckpt = read_checkpoint(fx / "ckpt", cache=cache)
+    plan = plan_reshard(ckpt, world, facts=read_source_facts(ckpt, cache), **kw)
+    run_reshard(plan, out, cache=cache, verify="full", workers=1)
+
+
+CASES = [(fx, dp, stage) for fx in RESHARDABLE
+         for dp, stage in ({1: [(2, None), (3, None)], 2: [(1, None), (3, None)]}[meta(fx)["dp_world_size"]]
+                           + [(2, 3 if meta(fx)["stage"] != 3 else 1)])]
+
+
+@pytest.mark.parametrize(("fx", "dp", "stage"), CASES, ids=[f"{fx.name}-dp{dp}-z{s}" for fx, dp, s in CASES])
+def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
+    """TP kept, data-parallel size (and optionally the ZeRO stage) changed: every TP rank's local fp32 master and
+    Adam moments equal the source's exactly, file names carry the TP rank, and universal_checkpoint_info and the
+    other model-states keys are carried unchanged."""
+    m = meta(fx)
+    tp = m["tp_size"]
+    out = tmp_path / "out"
+    _reshard(fx, out, tp * dp, zero_stage=stage)
+    src_tag, new_tag = fx / "ckpt" / m["tag"], out / m["tag"]
+    new_stage = stage or m["stage"]
+    bf16 = m["dtype"] == "bf16"
+    for t in range(tp):
+        a = local_slices(src_tag, t, stage=m["stage"], dp=m["dp_world_size"], bf16=bf16)
+        b = local_slices(new_tag, t, stage=new_stage, dp=dp, bf16=bf16)
+        for s in STATES:
+            assert a[s].keys() == b[s].keys()
+            for name in a[s]:
+                assert torch.equal(a[s][name], b[s][name]), (t, s, name)
+        src_model = "zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt" if m["stage"] == 3 else "mp_rank_{t:02d}_model_states.pt"
+        new_model = "zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt" if new_stage == 3 else "mp_rank_{t:02d}_model_states.pt"
+        ms_a, ms_b = _load(src_tag / src_model.format(t=t)), _load(new_tag / new_model.format(t=t))
+        assert ms_b["universal_checkpoint_info"] == ms_a["universal_checkpoint_info"]
+        assert ms_b["dp_world_size"] == dp
+        for key in ("mp_world_size", "global_steps", "global_samples", "checkpoint_parallel_dimensions"):
+            assert ms_b.get(key) == ms_a.get(key), key
+    names = sorted(p.name for p in new_tag.iterdir())
+    assert all(any(f"mp_rank_{t:02d}" in n for t in range(tp)) for n in names)
+    assert len([n for n in names if "optim_states" in n]) == tp * dp
+    back = read_checkpoint(out)
+    assert (back.tp_world_size, back.dp_world_size) == (tp, dp)
+
+
+T1_CASES = [(fx, dp, stage) for fx in RESHARDABLE for dp, stage in ((1, None), (2, None), (3, 3 if meta(fx)["stage"] != 3 else 1))]
+
+
+@pytest.mark.parametrize(("fx", "dp", "stage"), T1_CASES, ids=[f"{fx.name}-dp{dp}-z{s}" for fx, dp, s in T1_CASES])
+def test_tp_to_1_is_a_plain_checkpoint_of_full_tensors(fx, dp, stage, tmp_path):
+    """TP 2 -> 1: one mp_rank_00, full fp32 masters and Adam moments equal to what the source engine returned
+    (truth.safetensors, merged from its live TP slices), the 16-bit module weights too; the model-states keys say
+    TP 1 as DeepSpeed 0.19.8 writes them at autotp_size 1: no universal_checkpoint_info, mp_world_size 1,
+    tp_degree 1, no tensor_parallel section in ds_config."""
+    from test_autotp_fixtures import truth
+
+    m = meta(fx)
+    out = tmp_path / "out"
+    _reshard(fx, out, dp, tp_size=1, zero_stage=stage)
+    new_stage = stage or m["stage"]
+    tag = out / m["tag"]
+    assert not [p.name for p in tag.iterdir() if "mp_rank_00" not in p.name]
+    got = local_slices(tag, 0, stage=new_stage, dp=dp, bf16=m["dtype"] == "bf16")
+    want = truth(fx)
+    for s in STATES:
+        for name, v in got[s].items():
+            assert torch.equal(v, want[f"{'param' if s == 'fp32' else s}/{name}"]), (s, name)
+    model = "zero_pp_rank_0_mp_rank_00_model_states.pt" if new_stage == 3 else "mp_rank_00_model_states.pt"
+    ms = _load(tag / model)
+    assert "universal_checkpoint_info" not in ms
+    assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]["tp_degree"], ms["dp_world_size"]) == (1, 1, dp)
+    assert "tensor_parallel" not in ms["ds_config"]
+    if new_stage != 3:
+        for name, v in ms["module"].items():
+            assert torch.equal(v, want[f"lowp/{name}"]), name
+    back = read_checkpoint(out)
+    assert (back.tp_world_size, back.tensor_parallel, back.dp_world_size) == (1, None, dp)
+
+
+def test_same_size_round_trip_reproduces_source_values(tmp_path):
+    """TP2 x DP2 -> TP2 x DP1 -> TP2 x DP2: every stored value as in the source (full read-back both ways)."""
+    fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
+    _reshard(fx, tmp_path / "a", 2)
+    cache = FileCache()
+    mid = read_checkpoint(tmp_path / "a", cache=cache)
+    run_reshard(plan_reshard(mid, 4, facts=read_source_facts(mid, cache)), tmp_path / "b", cache=cache,
+                verify="full", workers=1)
+    a = local_slices(fx / "ckpt" / "global_step3", 1, stage=2, dp=2, bf16=False)
+    b = local_slices(tmp_path / "b" / "global_step3", 1, stage=2, dp=2, bf16=False)
+    for s in STATES:
+        for name in a[s]:
+            assert torch.equal(a[s][name], b[s][name])
+
+
+def test_plan_is_one_data_parallel_plan_per_tp_rank():
+    """Pure: the plan of a TP checkpoint is one ordinary plan per TP rank, planned from that rank's view."""
+    fx = next(f for f in RESHARDABLE if f.name == "autotp_z1_bf16_tp2_dp1_kv3")
+    ckpt = read_checkpoint(fx / "ckpt")
+    plan = plan_reshard(ckpt, 6, facts=derive_facts(ckpt))
+    assert (plan.tp_size, plan.world_size, plan.total_world_size, plan.has_work) == (2, 3, 6, True)
+    assert [p.mp_rank for p in plan.parts()] == [0, 1]
+    assert [r.optim_file for r in plan.tensor_ranks[1].ranks] == [
+        f"bf16_zero_pp_rank_{d}_mp_rank_01_optim_states.pt" for d in range(3)]
+    # uneven KV heads: TP rank 0 holds more of k_proj than rank 1, and its view says so
+    cut = ckpt.tensor_parallel.name_to_cut["model.layers.0.self_attn.k_proj.weight"]
+    v0, v1 = (rank_view(ckpt, ckpt.tensor_parallel, t) for t in range(2))
+    assert v0.entry(cut.name).shape == cut.rank_shapes[0] != v1.entry(cut.name).shape == cut.rank_shapes[1]
+    assert all(p.numel == v1.entry(cut.name).numel for p in v1.entry(cut.name).pieces)
+
+
+@pytest.mark.parametrize("fx", PADDED, ids=[fx.name for fx in PADDED])
+def test_padded_vocabulary_refused(fx, tmp_path):
+    for extra in ([], ["--tp-size", "1"]):
+        r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", *extra])
+        assert r.exit_code == 3, r.output
+        assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
+        assert not (tmp_path / "o").exists()
+
+
+def test_cli_tp_kept(tmp_path):
+    fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "from 4 to 2 ranks (TP 2 x DP 2 -> TP 2 x DP 1)" in r.stdout
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "p"), "-n", "3"])
+    assert r.exit_code == 2 and "not a multiple of the tensor-parallel size 2" in r.stderr
+
+
+@pytest.mark.parametrize("fx", RESHARDABLE, ids=[fx.name for fx in RESHARDABLE])
+def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
+    """reshard --universal of an AutoTP checkpoint against DeepSpeed's own ds_to_universal of the same folder: the
+    same files (every TP rank's model-states file copied), and in each the same keys in order ({"param"}, and
+    {"vocab_tensor": True, "param"} for vocabulary params), dtypes, full shapes and values (torch.load, test side)."""
+    import subprocess
+    import sys
+
+    from test_universal import _same
+
+    pytest.importorskip("deepspeed")
+    tag = meta(fx)["tag"]
+    ds = tmp_path / "ds"
+    res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          str(fx / "ckpt" / tag), "--output_folder", str(ds / f"{tag}_universal"),
+                          "--num_extract_workers", "1", "--num_merge_workers", "1"], check=False,
+                         capture_output=True, text=True, timeout=300, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "ours"), "--universal", "--verify",
+                                  "full", "-q"])
+    assert r.exit_code == 0, r.output
+    ours = tmp_path / "ours"
+    want = sorted(p.relative_to(ds).as_posix() for p in ds.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file()) == want
+    for rel in want:
+        if rel.endswith(".pt"):
+            _same(torch.load(ds / rel, weights_only=False), torch.load(ours / rel, weights_only=False), [rel])
+
+
+def test_cli_universal_of_megatron_tp_refused(tmp_path):
+    r = CliRunner().invoke(main, ["reshard", str(PADDED[0] / "ckpt"), str(tmp_path / "o"), "--universal"])
+    assert r.exit_code == 3 and "Megatron-style record" in r.stderr
+
+
+def test_world_size_usage_errors():
+    fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
+    ckpt = read_checkpoint(fx / "ckpt")
+    with pytest.raises(UsageError, match="not a multiple"):
+        plan_reshard(ckpt, 3, facts=derive_facts(ckpt))
+    with pytest.raises(UnsupportedCheckpointError, match="from 2 to 4 is not supported yet"):
+        plan_reshard(ckpt, 4, tp_size=4, facts=derive_facts(ckpt))
+
+
+# --------------------------------------------------------------------------------------------
+# Real DeepSpeed (AutoTP on CPU ranks) loads the output with plain load_checkpoint()
+
+from ds_launch import DEEPSPEED, passed_except_controls, run_check_script  # noqa: E402
+
+TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
+# (launch ranks, TP size, --zero-stage) -> fixtures resharded for it
+DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
+    (2, 2, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2"],  # DP 2 -> 1
+    (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
+                   "autotp_z1_bf16_tp2_dp1_falcon"],  # DP 1 -> 2
+    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3"],  # DP 1 -> 2 and ZeRO-1 -> ZeRO-2, uneven KV heads
+    # TP 2 -> 1: plain checkpoints of full tensors, DP 2
+    (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
+                   "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
+                   "autotp_z1_bf16_tp2_dp1_falcon"],
+}
+TAMPERED_CASES = {(2, 2, None), (2, 1, None)}
+
+
+def _write_tampered(out: Path, tp: int) -> tuple[str, int]:
+    """autotp_z2_fp32_tp2_dp2 at TP ``tp`` x DP 2 / ``tp`` with one fp32 master element of the last TP rank changed:
+    the check must fail on it, or it could not see a wrong slice. Returns the param whose master was changed and
+    the global rank that holds it."""
+    _reshard(TP_DIR / "autotp_z2_fp32_tp2_dp2", out, 2, tp_size=tp)
+    f = out / "global_step3" / f"zero_pp_rank_0_mp_rank_{tp - 1:02d}_optim_states.pt"
+    sd = _load(f)
+    sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
+    torch.save(sd, f)
+    name = next(iter(_load(out / "global_step3" / f"mp_rank_{tp - 1:02d}_model_states.pt")["param_shapes"][0]))
+    return name, tp - 1
+
+
+@pytest.fixture(scope="module")
+def ds_tp_runs(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_tp_reshard")
+    runs = {}
+    for (world, tp, stage), names in DS_TP_CASES.items():
+        cwd = base / f"to{world}_tp{tp}_z{stage}"
+        cwd.mkdir()
+        pairs = []
+        for name in names:
+            out = cwd / name
+            _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage)
+            pairs.append(f"{name}={out}")
+        tampered = None
+        if (world, tp, stage) in TAMPERED_CASES:
+            tampered = _write_tampered(cwd / "tampered", tp)
+            pairs.append(f"autotp_z2_fp32_tp2_dp2={cwd / 'tampered'}")
+        args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
+        runs[(world, tp, stage)] = (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world,
+                                                      cwd=cwd, timeout=900), tampered)
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", list(DS_TP_CASES), ids=lambda c: f"to{c[0]}ranks_tp{c[1]}_z{c[2] or 'same'}")
+def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
+    """fp32 masters, Adam moments, module weights, step, global steps/samples exact (each TP rank's slice through
+    safe_get_full_fp32_param / safe_get_full_optimizer_state; at TP 1 the full tensors), logits bit-equal to the
+    source engine's at TP 2 and within what phase 1 recorded at TP 1; one more step runs; the tampered control
+    fails naming the changed param on the rank that holds it (and nothing else)."""
+    rc, results, log, tampered = ds_tp_runs[case]
+    results, controls = passed_except_controls(results, log)
+    assert {r["fixture"] for r in results} == set(DS_TP_CASES[case])
+    if tampered is not None:
+        assert len(controls) == 1 and not controls[0]["ok"], log
+        problems = controls[0]["problems"]
+        name, holder = tampered
+        if case[1] > 1:  # TP 2 x DP 1: only TP rank 1 (global rank 1) holds the changed slice
+            assert problems == [f"rank {holder}: param of '{name}' differs from the source"], problems
+        else:  # TP 1 x DP 2: safe_get_full_fp32_param gathers over DP, so every rank sees the changed element
+            assert problems == [f"rank {r}: param of '{name}' differs from the source" for r in range(2)], problems
+    else:
+        assert rc == 0, log
+
+
+def test_cli_dry_run_names_tp_and_dp(tmp_path):
+    fx = TP_DIR / "autotp_z2_fp32_tp2_dp2"
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1",
+                                  "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert "from 4 to 2 ranks (TP 2 x DP 2 -> TP 1 x DP 2)" in r.stdout.splitlines()[0]
+    assert "rank 1: zero_pp_rank_1_mp_rank_00_optim_states.pt" in r.stdout
+    assert not (tmp_path / "o").exists()
