@@ -48,6 +48,8 @@ FAMILIES = {
     "moe_s2_bf16_w2_ep2": "MoE",
     "universal/s2_bf16_w2_2groups": "universal folder",
     "hf_llama_z2_bf16_w2": "Hugging Face Trainer folder",
+    "autotp/autotp_z2_fp32_tp2_dp2": "tensor parallel (AutoTP), row-parallel slices",
+    "autotp/megatron_z1_bf16_tp2_dp2_bf16opt": "tensor parallel (Megatron-style record), BF16_Optimizer",
 }
 
 
@@ -168,8 +170,11 @@ def _jobs(fx_root: Path, out: Path) -> list[list[str]]:
                  ["to-fp32", "-q", ckpt, str(out / f"{slug}_shards"), "--max-shard-size", "2KB"]]
     for name, args in (("s2_fp32_w4", ["-n", "3"]), ("s3_bf16_w3_subgroups", ["-n", "2", "--zero-stage", "1"]),
                        ("s1_bf16_w2_bf16opt", ["-n", "1"]), ("hf_llama_z2_bf16_w2", ["-n", "3", "--verify", "full"]),
-                       ("moe_s2_bf16_w2_ep2", ["-n", "4"])):
-        jobs.append(["reshard", "-q", str(fx_root / name / "ckpt"), str(out / f"reshard_{name}"), *args])
+                       ("moe_s2_bf16_w2_ep2", ["-n", "4"]),
+                       ("autotp/autotp_z2_fp32_tp2_dp2", ["-n", "2"]),
+                       ("autotp/autotp_z3_bf16_tp2_dp1", ["-n", "2", "--tp-size", "1"])):
+        jobs.append(["reshard", "-q", str(fx_root / name / "ckpt"), str(out / f"reshard_{name.replace('/', '_')}"),
+                     *args])
     for name in ("s2_fp32_w4", "s3_bf16_w3_subgroups"):
         jobs.append(["reshard", "-q", "--universal", str(fx_root / name / "ckpt"), str(out / f"universal_{name}")])
     fx = fx_root
