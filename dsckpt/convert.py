@@ -279,16 +279,7 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
     if not plan.specs:
         cache.finish_checks()
 
-    def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
-        if not any(counts):
-            return
-        bad = NonFinite(name, *counts, numel)
-        found.append(bad)
-        if strict:
-            raise NonFiniteValuesError(
-                f"non-finite values in {bad.describe()}; nothing was written. "
-                "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them"
-            )
+    record = _nonfinite_recorder(found, strict=strict)
 
     def produce(spec: TensorSpec) -> torch.Tensor:
         import torch
@@ -388,6 +379,21 @@ def _chunk_producer(plan: ConvertPlan, cache: FileCache, order: tuple[TensorSpec
         record(spec.name, (counts[0], counts[1], counts[2]), plan.name_to_entry[spec.name].numel)
 
     return produce_chunks, stream
+
+
+def _nonfinite_recorder(found: list[NonFinite], *, strict: bool) -> Callable[[str, tuple[int, int, int], int], None]:
+    """``record(name, (nan, posinf, neginf), numel)``: appends a :class:`NonFinite` to ``found`` for a tensor with
+    non-finite values; with ``strict`` raises :class:`NonFiniteValuesError` instead of going on."""
+    def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
+        if not any(counts):
+            return
+        bad = NonFinite(name, *counts, numel)
+        found.append(bad)
+        if strict:
+            raise NonFiniteValuesError(
+                f"non-finite values in {bad.describe()}; nothing was written. "
+                "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them")
+    return record
 
 
 def _as_bytes(chunk: Any) -> np.ndarray:
@@ -492,15 +498,7 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
     found: list[NonFinite] = []
     spec_index = {s.name: i for i, s in enumerate(plan.specs)}
 
-    def record(name: str, counts: tuple[int, int, int], numel: int) -> None:
-        if not any(counts):
-            return
-        bad = NonFinite(name, *counts, numel)
-        found.append(bad)
-        if strict:
-            raise NonFiniteValuesError(
-                f"non-finite values in {bad.describe()}; nothing was written. "
-                "Run 'dsckpt scan' to see all of them and 'dsckpt repair' to fix them")
+    record = _nonfinite_recorder(found, strict=strict)
 
     def produce(spec: TensorSpec) -> Any:
         import torch
