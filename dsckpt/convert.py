@@ -654,7 +654,7 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
                 stack.close()  # sharded: atomic_dir fsyncs and renames; then the lock is released
 
         group.step(publish, "moving OUT into place")
-    nonfinite = {}
+    nonfinite: dict[str, NonFinite] = {}
     for _, bad in sorted((pair for r in results for pair in r[1]), key=lambda pair: pair[0]):
         nonfinite.setdefault(bad.name, bad)
     return ConvertResult(plan, tuple(files), tuple(nonfinite.values()))
