@@ -724,7 +724,12 @@ def _not_synced(no_fsync: bool) -> str:
 def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, force: bool, verify: str, quiet: bool,
                        workers: int | None, fsync: bool = True, group: Any = None) -> None:
     from .readers import FileCache, read_checkpoint
-    from .reshard import plan_universal_reshard, read_source_facts, run_universal, run_universal_distributed
+    from .reshard import (
+        plan_universal_reshard,
+        read_source_facts,
+        run_universal,
+        run_universal_distributed,
+    )
 
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache)

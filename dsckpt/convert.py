@@ -58,9 +58,9 @@ __all__ = [
     "NonFinite",
     "NonFiniteValuesError",
     "OutputFormat",
+    "describe_convert_plan",
     "parse_dtype",
     "parse_size",
-    "describe_convert_plan",
     "plan_file_ranges",
     "plan_to_fp32",
     "run_to_fp32",
@@ -488,7 +488,12 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
     from . import crc as crc_mod
     from .atomic import lease, leased_temp, replace_into_place
     from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
-    from .writers.safetensors import chunk_bytes, header_bytes, verify_safetensors, write_shard_index
+    from .writers.safetensors import (
+        chunk_bytes,
+        header_bytes,
+        verify_safetensors,
+        write_shard_index,
+    )
 
     if plan.format not in (OutputFormat.SAFETENSORS, OutputFormat.SAFETENSORS_SHARDED):
         raise UsageError(f"--distributed writes safetensors output (a .safetensors file or a folder of shards), not "

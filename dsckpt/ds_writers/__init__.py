@@ -119,9 +119,7 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
     """One data-parallel plan per target TP rank, each from that rank's view of ``ckpt``."""
     import dataclasses
 
-    from ..tensor_parallel import rank_view
-
-    from ..tensor_parallel import resize_layout
+    from ..tensor_parallel import rank_view, resize_layout
 
     src_tp = max(1, ckpt.tp_world_size)
     if ckpt.tensor_parallel is None:

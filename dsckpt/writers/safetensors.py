@@ -36,9 +36,9 @@ __all__ = [
     "verify_safetensors",
     "write_safetensors",
     "write_safetensors_chunks",
+    "write_shard_index",
     "write_sharded",
     "write_sharded_chunks",
-    "write_shard_index",
 ]
 
 _SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
