@@ -53,6 +53,7 @@ __all__ = [
     "lease",
     "lease_expiry_s",
     "leased_temp",
+    "refuse_overlap",
     "remove_leftovers",
     "replace_into_place",
     "scratch_dir",
@@ -446,6 +447,15 @@ def _tree_nbytes(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def refuse_overlap(output: str | os.PathLike[str], source: str | os.PathLike[str], hint: str) -> None:
+    """Raise :class:`UsageError` when ``output`` is ``source``, lies inside it, or holds it: writing there (and,
+    with ``--force``, moving the old OUT aside and deleting it) would modify or delete the input. ``hint`` ends
+    the message (what to choose instead)."""
+    out, src = Path(output).resolve(), Path(source).resolve()
+    if out == src or src in out.parents or out in src.parents:
+        raise UsageError(f"output '{output}' overlaps the input '{source}'; {hint}")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import __version__
-from .atomic import atomic_dir, claim_output
+from .atomic import atomic_dir, claim_output, refuse_overlap
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
 from .errors import OutputWriteError, UsageError
@@ -207,6 +207,9 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     unless ``client_state`` is false; state-dict names lose Lightning < 2.1's ``_forward_module.`` prefix, as
     Lightning's converter does."""
     out = Path(output)
+    # OUT inside the checkpoint, the checkpoint itself or a folder holding it (a run folder): with --force the old
+    # OUT is moved aside and deleted, and with it the input
+    refuse_overlap(out, ckpt.root, "write outside the checkpoint folder (and not onto the run folder holding it)")
     dtype = parse_dtype(dtype)
     fmt = output_format(out, sharded=max_shard_size is not None,
                         folder=str(output).endswith(("/", os.sep)))

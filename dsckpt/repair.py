@@ -37,7 +37,7 @@ import torch
 
 from . import safe_load, safe_save
 from .assemble import read_piece
-from .atomic import atomic_dir, claim_output, scratch_dir
+from .atomic import atomic_dir, claim_output, refuse_overlap, scratch_dir
 from .errors import RepairError, UsageError
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
@@ -483,8 +483,7 @@ def run_repair(plan: RepairPlan, output: str | os.PathLike[str], *, force: bool 
     on any failure nothing is left at ``output``."""
     out = Path(output)
     inp = plan.input.resolve()
-    if out.resolve() == inp or inp in out.resolve().parents or out.resolve() in inp.parents:
-        raise UsageError(f"output '{out}' overlaps the input '{plan.input}'; choose a folder outside it")
+    refuse_overlap(out, plan.input, "choose a folder outside it")
     with claim_output(out, force=force, nbytes=_output_nbytes_bound(plan)):
         if plan.input_kind is TargetKind.SAFETENSORS:
             return _run_safetensors(plan, out, on_progress)
@@ -508,8 +507,7 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
 
     out = Path(output)
     inp = plan.input.resolve()
-    if out.resolve() == inp or inp in out.resolve().parents or out.resolve() in inp.parents:
-        raise UsageError(f"output '{out}' overlaps the input '{plan.input}'; choose a folder outside it")
+    refuse_overlap(out, plan.input, "choose a folder outside it")
     group.agree({"plan": plan.to_dict(), "out": str(out)}, "the repair plan")
     if plan.input_kind is TargetKind.SAFETENSORS:
         return group.step(lambda: run_repair(plan, out, force=force, on_progress=on_progress)

@@ -409,9 +409,9 @@ def _prepare(source_root: Path, out: str | os.PathLike[str], verify: Verify | st
 
     mode = Verify.QUICK if verify is True else Verify.NONE if verify is False else Verify(verify)
     out = Path(out)
-    src_root = source_root.resolve()
-    if out.resolve() == src_root or src_root in out.resolve().parents or out.resolve() in src_root.parents:
-        raise UsageError(f"output '{out}' overlaps the input '{source_root}'; choose a new folder")
+    from .atomic import refuse_overlap
+
+    refuse_overlap(out, source_root, "choose a new folder")
     return mode, out, cache if cache is not None else FileCache()
 
 

@@ -237,8 +237,14 @@ def test_a_lightning_checkpoint_folder_as_out_is_a_usage_error_even_with_force(t
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     r = _cli("to-fp32", "--force", ckpt, ckpt)
     assert r.exit_code == 2, r.output
-    assert "is a folder, and a .ckpt OUT is one file" in r.stderr and "what to-fp32 reads" in r.stderr
+    # the overlap check (OUT is the input) comes first; the folder-as-file check covers other folders
+    assert f"output '{ckpt}' overlaps the input '{ckpt}'" in r.stderr, r.stderr
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    other = tmp_path / "other.ckpt"
+    other.mkdir()
+    r = _cli("to-fp32", "--force", ckpt, other)
+    assert r.exit_code == 2 and "is a folder, and a .ckpt OUT is one file" in r.stderr, r.output
+    assert "what to-fp32 reads" in r.stderr
 
 
 @pytest.mark.parametrize("how", ["no suffix", "trailing slash", "existing folder"])

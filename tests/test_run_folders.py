@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import all_fixtures
+from conftest import FIXTURES, all_fixtures, tree_digest
 from dsckpt.cli import main
 from dsckpt.errors import UsageError
 from dsckpt.layout import RunFolderKind, choose_in_run_folder, find_tag_dir, resolve_run_folder
@@ -140,3 +140,19 @@ def test_a_folder_that_is_neither_is_still_not_a_checkpoint(tmp_path):
     (tmp_path / "logs").mkdir()
     r = CliRunner().invoke(main, ["info", str(tmp_path)])
     assert r.exit_code == 3 and "is not a DeepSpeed checkpoint" in r.stderr
+
+
+@pytest.mark.parametrize("where", ["run_folder", "checkpoint", "inside_checkpoint", "tag_folder"])
+def test_to_fp32_refuses_an_output_that_overlaps_the_input(tmp_path, where):
+    """With --force the old OUT is moved aside and deleted: an OUT that is the checkpoint, lies inside it, or holds it
+    (the run folder a user points at) would delete the input. Refused (exit 2) before anything is written."""
+    run = tmp_path / "output"
+    for n in (4, 8):
+        shutil.copytree(FIXTURES / "hf_llama_z2_bf16_w2" / "ckpt", run / f"checkpoint-{n}")
+    before = tree_digest(run)
+    out = {"run_folder": run, "checkpoint": run / "checkpoint-8", "inside_checkpoint": run / "checkpoint-8" / "m.safetensors",
+           "tag_folder": run / "checkpoint-8" / "global_step3"}[where]
+    res = CliRunner().invoke(main, ["to-fp32", "-q", "--force", str(run), str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"output '{out}' overlaps the input '{run / 'checkpoint-8'}'" in res.stderr
+    assert tree_digest(run) == before
