@@ -118,11 +118,13 @@ DEFAULT_LEASE_EXPIRY_S = 120.0
 
 def lease_expiry_s() -> float:
     """Seconds without renewal after which another host's leased leftover counts as dead (env
-    ``DSCKPT_LEASE_EXPIRY_S``, default 120: twelve missed renewals; a live rank 0 renews every 10 s)."""
+    ``DSCKPT_LEASE_EXPIRY_S``, default 120: twelve missed renewals; a live rank 0 renews every 10 s). Never less
+    than three renewal periods: ``DSCKPT_LEASE_EXPIRY_S=0`` would otherwise remove live runs' outputs."""
     try:
-        return float(os.environ.get("DSCKPT_LEASE_EXPIRY_S", DEFAULT_LEASE_EXPIRY_S))
+        value = float(os.environ.get("DSCKPT_LEASE_EXPIRY_S", DEFAULT_LEASE_EXPIRY_S))
     except ValueError:
         return DEFAULT_LEASE_EXPIRY_S
+    return max(value, 3 * LEASE_RENEW_S)
 
 
 @contextlib.contextmanager

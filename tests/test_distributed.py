@@ -303,3 +303,11 @@ def test_sigterm_to_launcher_leaves_no_output(tmp_path: Path) -> None:
     assert code != 0
     assert not out.exists()
     _next_run_leaves_nothing(out)
+
+
+@pytest.mark.parametrize("value, want", [("0", 30.0), ("-5", 30.0), ("29", 30.0), ("45", 45.0), ("junk", 120.0)])
+def test_lease_expiry_is_never_shorter_than_three_renewals(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                           want: float) -> None:
+    # DSCKPT_LEASE_EXPIRY_S=0 would make every other host's live --distributed output look dead
+    monkeypatch.setenv("DSCKPT_LEASE_EXPIRY_S", value)
+    assert atomic.lease_expiry_s() == want == max(want, 3 * atomic.LEASE_RENEW_S)
