@@ -8,7 +8,7 @@ writes ``torch.save({**rank0_model_states minus DeepSpeed's own keys, "state_dic
 ``LightningModule.load_from_checkpoint`` reads. :func:`plan_client_state` picks the same keys from the same file;
 lightning is never imported.
 
-Lightning loads with ``torch.load(weights_only=None)``, which means ``weights_only=True`` on torch >= 2.6: the file may
+Lightning loads with ``torch.load`` and ``weights_only=None``, which means ``weights_only=True`` on torch >= 2.6: the file may
 hold only tensors, ``torch.Size``/dtypes/devices, ``OrderedDict`` and builtins. Carried values are checked against
 that set at plan time; Lightning's ``AttributeDict`` is written as the plain ``dict`` Lightning itself writes
 (``dict(model.hparams)``); anything else is refused, naming its class and key (``--no-client-state`` leaves the
@@ -114,7 +114,7 @@ def _refused(obj: Any, key: tuple[Any, ...], out: list[str]) -> None:
 
 
 def plan_client_state(ckpt: LogicalCheckpoint, cache: FileCache) -> ClientStatePlan:
-    """Pick the client state an ``OUT.ckpt`` carries and check that ``torch.load(weights_only=True)`` can read it.
+    """Pick the client state an ``OUT.ckpt`` carries and check that ``torch.load`` with ``weights_only=True`` can read it.
 
     Reads pickle metadata only. Raises :class:`UnsafeCheckpointError` naming every value of another class."""
     source = _rank0_model_states(ckpt)
@@ -131,7 +131,7 @@ def plan_client_state(ckpt: LogicalCheckpoint, cache: FileCache) -> ClientStateP
         raise UnsafeCheckpointError(
             f"{source}: the client state holds {'; '.join(bad[:5])}"
             + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
-            + ": Lightning loads a .ckpt with torch.load(weights_only=True), which refuses such classes, and dsckpt "
+            + ": Lightning loads a .ckpt with torch.load and weights_only=True, which refuses such classes, and dsckpt "
             "writes only tensors, OrderedDict and builtins there. Pass --no-client-state to write state_dict alone, "
             "or export .safetensors / .pt")
     version = tree.get(LIGHTNING_VERSION_KEY)

@@ -1,5 +1,5 @@
 """``torch.save`` output (``.bin`` / ``.pt``): a plain ``{name: tensor}`` dict, loadable with
-``torch.load(weights_only=True)``. Unlike safetensors this needs the whole state dict in memory."""
+``torch.load`` with ``weights_only=True``. Unlike safetensors this needs the whole state dict in memory."""
 
 from __future__ import annotations
 
