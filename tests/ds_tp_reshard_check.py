@@ -11,16 +11,18 @@ plain ``engine.load_checkpoint(dir)``. Then, against ``truth.safetensors`` (what
 * per param, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(exp_avg / exp_avg_sq)`` -- at the
   source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``);
 * the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``), Adam's step, global steps and samples;
-* the logits of ``autotp_models.eval_ids`` against the recorded engine logits: equal bit for bit at the source's TP
-  size (the same local values run the same local ops); at another TP size the TP all-reduce sums in another order,
-  so within ``--logits-atol``, by default what phase 1 recorded for the fixture (``truth.json`` crosscheck
-  ``merged_fp32_logits``: a plain model holding DeepSpeed's merged fp32, run in the fixture's dtype, against the
-  engine's logits: 2.98e-8 for fp32 runs, 9.8e-4-1.95e-3 for bf16 runs);
+* the logits of ``autotp_models.eval_ids`` against the engine logits recorded on the machine that made the fixture.
+  They are computed here by another CPU's kernels, so never compared bit for bit (on the recording machine they were
+  equal at the source's TP size): within ``logits_slack`` (1e-5 for fp32 runs; two bf16 ulps of the largest logit
+  for bf16 runs, whose logits are bf16). At another TP size the TP all-reduce also sums in another order, so the
+  difference phase 1 recorded for the fixture is added (``--logits-atol`` overrides it; ``truth.json`` crosscheck
+  ``merged_fp32_logits``: 2.98e-8 for fp32 runs, 9.8e-4-1.95e-3 for bf16 runs);
 
 then one more training step, whose loss must be finite. Prints ``PASS`` / ``FAIL`` lines on rank 0 and writes the
 JSON result list (:func:`ds_launch.report_checks`); rank 0 also prints ``LOGITS name: max |diff|`` per checkpoint.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -42,6 +44,15 @@ p.add_argument("--logits-atol", type=float, default=None,
                help="allowed max |logit difference| at another TP size (default: what phase 1 recorded for the fixture: "
                     "a plain model loaded with DeepSpeed's merged fp32, run in the fixture's dtype)")
 args = p.parse_args()
+
+
+def logits_slack(max_abs_logit: float, dtype: str) -> float:
+    """How far logits the engine computes on this CPU may be from the recorded ones: fp32 kernels sum in another
+    order (1e-5 for logits below ~3); bf16 logits may land one rounding step either way (two bf16 ulps)."""
+    if dtype == "fp32":
+        return 1e-5
+    return 2 * 2.0 ** (math.floor(math.log2(max(max_abs_logit, 2.0 ** -126))) - 7)
+
 
 import deepspeed  # noqa: E402
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
@@ -116,13 +127,12 @@ def check_one(name, ckpt_dir):
     with torch.no_grad():
         logits = engine(input_ids=am.eval_ids(vocab)).logits.detach().float().cpu()
     diff = float((logits - truth["logits"]).abs().max())
-    if same_tp and not torch.equal(logits, truth["logits"]):
-        problems.append(f"logits differ from the source engine's (max |diff| {diff:.3g}; expected bit-equal)")
-    elif not same_tp:
+    atol = logits_slack(float(truth["logits"].abs().max()), meta["dtype"])
+    if not same_tp:
         recorded = meta["crosscheck"]["merged_fp32_logits"][f"max_abs_diff_{meta['dtype']}_model"]
-        atol = args.logits_atol if args.logits_atol is not None else recorded
-        if not diff <= atol:
-            problems.append(f"logits differ from the source engine's by {diff:.3g} > {atol:.3g}")
+        atol += args.logits_atol if args.logits_atol is not None else recorded
+    if not diff <= atol:
+        problems.append(f"logits differ from the source engine's by {diff:.3g} > {atol:.3g}")
     engine.train()
     loss = engine(input_ids=am.make_batch(am.STEPS, dp_rank, vocab), labels=am.make_batch(am.STEPS, dp_rank, vocab)).loss
     engine.backward(loss)
