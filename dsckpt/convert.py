@@ -486,7 +486,6 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
     A failure on any rank (or a rank lost) makes every rank raise; rank 0 then removes the temp output.
     Torch (.bin/.pt) and Lightning (.ckpt) outputs are one pickle-framed stream: not supported here."""
     import contextlib
-    import zlib
 
     from . import crc as crc_mod
     from .atomic import lease, leased_temp, replace_into_place
@@ -552,7 +551,7 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
                     state = [0, 0]  # CRC-32, bytes
 
                     def on_bytes(data: memoryview, state: list[int] = state) -> None:
-                        state[0] = zlib.crc32(data, state[0])
+                        state[0] = crc_mod.crc32(data, state[0])
                         state[1] += data.nbytes
 
                     write_safetensors_chunks(tmp / name, shard, produce_chunks, metadata=plan.metadata,
@@ -581,7 +580,7 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
                 if a >= b:
                     return
                 piece = data[a - at: b - at]
-                crc = zlib.crc32(piece, crc)
+                crc = crc_mod.crc32(piece, crc)
                 done = 0
                 while done < piece.nbytes:
                     done += os.pwrite(fd, piece[done:], a + done)
