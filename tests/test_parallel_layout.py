@@ -131,6 +131,23 @@ def test_global_rank_coordinates_agree_with_deepspeed_topology(pp: int, dp: int,
             [two.get_coord(r).data for r in range(lay.world_size)]
 
 
+@pytest.mark.parametrize(("dp", "tp"), [(1, 1), (1, 2), (2, 2), (3, 2), (2, 4)])
+def test_global_rank_coordinates_agree_with_autotp_groups(monkeypatch: pytest.MonkeyPatch, dp: int, tp: int) -> None:
+    """AutoTP's explicit-group fallback (``_init_tp_groups_with_new_group``, which mirrors its 2-D device mesh
+    ``(data_parallel, tensor_parallel)``): a rank's data-parallel and TP rank are its positions in its groups."""
+    groups = pytest.importorskip("deepspeed.utils.groups")
+    lay = ParallelLayout(dp, tp=tp)
+    for rank in range(lay.world_size):
+        with monkeypatch.context() as m:
+            comm = _RecordingComm(lay.world_size, rank)
+            m.setattr(groups, "dist", comm)
+            for attr in ("_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+                m.setattr(groups, attr, None)
+            data_group, tp_group = groups._init_tp_groups_with_new_group(tp, dp)
+            c = lay.coordinate(rank)
+            assert (c.dp, c.tp, c.pp) == (comm.get_rank(data_group), comm.get_rank(tp_group), 0)
+
+
 def test_expert_ranks_agree_with_the_fixture_runs() -> None:
     """What ``groups._get_expert_parallel_rank`` / ``_get_expert_data_parallel_rank`` returned on every rank of the
     real MoE fixture runs (generate_moe.py records them)."""
