@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
-    from .tensor_parallel import TpLayout
+    from .tensor_parallel import ParamCut, TpLayout
 
 __all__ = [
     "Fragment",
@@ -158,7 +158,7 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class MoeLayout:
-    """How a DeepSpeed MoE checkpoint spreads its experts (see :mod:`dsckpt.expert_parallel`).
+    """How a DeepSpeed MoE checkpoint spreads its experts (see :mod:`dsckpt.parallel_layout`).
 
     ``group_ep_sizes``: per optimizer param group, the expert-parallel size of an expert group, or
     None for a dense group. ``layers``: per MoE layer, ``(expert name prefix ("...deepspeed_experts."),
@@ -180,10 +180,13 @@ class MoeLayout:
     def num_experts(self) -> int:
         return sum(n for _, n, _ in self.layers)
 
-    def local_experts(self, prefix: str) -> int:
+    def expert_cut(self, prefix: str) -> ParamCut:
+        """MoE layer ``prefix``'s experts cut over its expert-parallel ranks (:func:`dsckpt.parallel_layout.expert_cut`)."""
+        from .parallel_layout import expert_cut
+
         for p, n, ep in self.layers:
             if p == prefix:
-                return n // ep
+                return expert_cut(p, n, ep)
         raise KeyError(prefix)
 
 

@@ -18,9 +18,9 @@ ZeRO partition boundary falls inside a row, instead of one fragment per row: a 7
 TP 8 would otherwise carry ~65k fragments per tensor per stored copy (~40M in all), held for the whole run.
 Consumers that need contiguous runs expand one tensor's fragments at a time (:meth:`Fragment.runs`).
 
-Expert parallelism (:mod:`dsckpt.expert_parallel`) could fold into the same record: an expert-parallel rank's local
-experts are a dim-0 cut of a stacked ``(num_experts, ...)`` logical tensor, i.e. a :class:`ParamCut` of kind
-``COLUMN`` over the expert index; MoE keeps its own mapping until its writers move to this record.
+Expert parallelism is described in the same vocabulary (:mod:`dsckpt.parallel_layout`, which holds the rank
+arithmetic of every parallel dimension): an expert-parallel rank's local experts are a dim-0 cut of a stacked
+``(num_experts, ...)`` logical tensor, i.e. a :class:`ParamCut` of kind ``COLUMN`` over the expert index.
 """
 
 from __future__ import annotations

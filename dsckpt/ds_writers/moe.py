@@ -2,7 +2,8 @@
 
 The expert-parallel size is kept: each expert param group is re-partitioned over the new
 expert-data-parallel size (``world / ep_size``, its ``partition_count``), every target rank holding
-its expert-parallel rank's experts under their *local* names (:mod:`dsckpt.expert_parallel`);
+its expert-parallel rank's experts under their *local* names (:mod:`dsckpt.parallel_layout`: the same
+rank arithmetic and expert cut as the reader, in the other direction);
 the ``layer_*_expert_*`` files (and at stage 0 the ``expp_rank_*`` optimizer files) are copied.
 """
 
@@ -12,14 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..expert_parallel import (
-    EXPERT_NAME,
-    ExpertTopology,
-    expert_data_parallel_rank,
-    expert_parallel_rank,
-    global_expert_name,
-)
 from ..model import LogicalCheckpoint
+from ..parallel_layout import EXPERT_NAME, ParallelLayout, global_expert_name, local_expert_name
 
 __all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_note", "rank_in_group"]
 
@@ -46,15 +41,15 @@ def rank_in_group(ckpt: LogicalCheckpoint, world: int, rank: int, ep: int | None
     if not ep or ckpt.moe is None:
         return rank, lambda name: name
     moe = ckpt.moe
-    topo = ExpertTopology(world, ep, moe.data_before_expert)
-    ep_rank = expert_parallel_rank(rank, topo)
+    topo = ParallelLayout(world, ep=ep, data_before_expert=moe.data_before_expert)
+    ep_rank = topo.expert_parallel_rank(rank)
 
     def resolve(name: str) -> str:
         m = EXPERT_NAME.match(name)
         if m is None:
             raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{name}' sits in an expert group but is no expert param")
-        return global_expert_name(name, ep_rank, moe.local_experts(m["prefix"]))
-    return expert_data_parallel_rank(rank, topo), resolve
+        return global_expert_name(name, ep_rank, moe.expert_cut(m["prefix"]))
+    return topo.expert_data_parallel_rank(rank), resolve
 
 
 def held_by_ep_rank_0(ckpt: LogicalCheckpoint, name: str) -> bool:
@@ -62,7 +57,7 @@ def held_by_ep_rank_0(ckpt: LogicalCheckpoint, name: str) -> bool:
     m = EXPERT_NAME.match(name)
     if m is None or ckpt.moe is None:
         return True
-    return int(m["id"]) < ckpt.moe.local_experts(m["prefix"])
+    return local_expert_name(name, ckpt.moe.expert_cut(m["prefix"]))[0] == 0
 
 
 def copied_files(ckpt: LogicalCheckpoint, *, stage0: bool) -> tuple[Path, ...]:

@@ -11,7 +11,7 @@ Files (DeepSpeed 0.19.8, engine.py:5040-5290, DEEPSPEED-NOTES 1.2/1.7):
   are partitioned over all ``dp`` ranks as in ZeRO-1/2 (:mod:`.zero12`); an expert group
   (``param_groups[g]["moe"]``) over the expert-data-parallel group of ``d`` only
   (``partition_count[g]`` = ``dp / ep_size``), and holds the experts of ``d``'s expert-parallel rank
-  under their local names. Which rank holds which experts is :mod:`dsckpt.expert_parallel`.
+  under their local names. Which rank holds which experts is :mod:`dsckpt.parallel_layout`.
 
 Bind, then prove: a wrong rank arithmetic would attach one expert's master to another's name. Every
 expert master is therefore compared, on a window of every fragment, with its module copy from the
@@ -39,16 +39,18 @@ import numpy as np
 
 from ..dtypes import DTYPES, from_float32, to_float32
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..expert_parallel import (
-    EXPERT_NAME,
-    ExpertTopology,
-    expert_data_parallel_ranks,
-    global_expert_name,
-)
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, MoeLayout, Piece, Role, TensorEntry
+from ..parallel_layout import (
+    EXPERT_NAME,
+    ParallelLayout,
+    expert_cut,
+    global_expert_name,
+    local_expert_name,
+)
 from ..partition import split_by_partitions
 from ..safe_load import DeepSpeedEnum, TensorRef
+from ..tensor_parallel import ParamCut
 from .common import (
     FileCache,
     alias_entry,
@@ -161,6 +163,7 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
     entries: dict[str, TensorEntry] = {}
     proofs: list[tuple[TensorEntry, int]] = []
     layers: dict[str, tuple[int, int]] = {}
+    cuts: dict[str, ParamCut] = {}  # MoE layer prefix -> its experts cut over the expert-parallel ranks
     for g, shapes in enumerate(param_shapes):
         p_numel = parts.partition_numel[g]
         names = [(str(n), tuple(int(s) for s in shp)) for n, shp in shapes.items()]
@@ -171,8 +174,8 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
             owners = [(None, list(range(world)))]
         else:
             ep = gep
-            topo = ExpertTopology(world, ep, data_before)
-            owners = [(e, expert_data_parallel_ranks(e, topo)) for e in range(ep)]
+            topo = ParallelLayout(world, ep=ep, data_before_expert=data_before)
+            owners = [(e, topo.expert_data_parallel_ranks(e)) for e in range(ep)]
             local_ids: dict[str, set[int]] = {}
             for n, _ in names:
                 m = EXPERT_NAME.match(n)
@@ -186,6 +189,7 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                         f"ep_size {ep}, so {len(ids) * ep} expert files, but {n_experts} were found; the save "
                         "is incomplete")
                 layers[prefix] = (n_experts, ep)
+                cuts[prefix] = expert_cut(prefix, n_experts, ep)
         for ep_rank, ranks in owners:
             starts = [k * p_numel for k in range(len(ranks))]
             offset = 0
@@ -214,7 +218,7 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                         pieces.append(module_piece(ms_path, name, ref))
                 else:
                     prefix = EXPERT_NAME.match(name)["prefix"]  # type: ignore[index]
-                    full = global_expert_name(name, ep_rank, layers[prefix][0] // layers[prefix][1])
+                    full = global_expert_name(name, ep_rank, cuts[prefix])
                     if full not in expert_refs:
                         raise CorruptCheckpointError(
                             f"'{files.tag_dir}': no expert file holds '{full}' (local '{name}' of expert-parallel "
@@ -323,6 +327,7 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                 f"'{files.tag_dir}': MoE layer '{prefix}' has expert files {sorted(ids)}, not 0..n-1 with n a "
                 f"multiple of the {ep} expert-parallel optimizer files; the save is incomplete")
         layers[prefix] = (len(ids), ep)
+    cuts = {prefix: expert_cut(prefix, n, ep) for prefix, (n, _) in layers.items()}
     entries: dict[str, TensorEntry] = {}
     ambiguous: list[str] = []
     group_ep: list[int | None] = []
@@ -345,13 +350,14 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                     "without ZeRO are not supported")
         # this rank's module as its engine saw it: dense params, then its local experts under local names
         local: dict[str, str] = {}
-        for prefix, (n_experts, _) in layers.items():
-            per_rank = n_experts // ep
+        for prefix, cut in cuts.items():
             for name in expert_refs:
                 m = EXPERT_NAME.match(name)
                 assert m is not None
-                if m["prefix"] == prefix and int(m["id"]) // per_rank == r:
-                    local[f"{prefix}{int(m['id']) % per_rank}{m['rest']}"] = name
+                if m["prefix"] == prefix:
+                    owner, local_name = local_expert_name(name, cut)
+                    if owner == r:
+                        local[local_name] = name
         local_names = sorted(local, key=lambda nm: expert_order[local[nm]])
         view = {**{nm: module[nm] for nm in dense}, **{nm: expert_refs[g][2] for nm, g in local.items()}}
         bound, amb = _plain(path, view, [*dense, *local_names], optimizer)

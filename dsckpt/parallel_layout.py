@@ -1,0 +1,201 @@
+"""The parallel layout of a DeepSpeed save, described once: data, tensor, pipeline and expert parallelism. Pure
+arithmetic, no I/O, no torch.
+
+:class:`ParallelLayout` is the frozen description of the parallel dimensions of a run: ``dp`` (data-parallel ranks,
+over which ZeRO partitions the dense param groups), ``tp`` (tensor-parallel ranks, each holding its local slices,
+cut as :class:`~dsckpt.tensor_parallel.ParamCut` s say), ``pp`` (pipeline stages) and ``ep`` (the expert-parallel
+size of one expert param group: the experts of a MoE layer spread over ``ep`` ranks, whose expert param groups ZeRO
+partitions over the ``expert_dp = dp / ep`` ranks holding the same experts). Its rank arithmetic says which global
+rank is which :class:`RankCoordinate` and back, which data-parallel ranks hold an expert-parallel rank's experts (the
+readers' direction) and which experts and partition a data-parallel rank holds (the ds_writers' direction).
+
+Global ranks (DeepSpeed 0.19.8): the pipeline topology ``PipeModelDataParallelTopology`` orders ranks by axes
+``['pipe', 'data', 'model']`` (``PipeDataParallelTopology``: ``['pipe', 'data']``; runtime/pipe/topology.py) and
+AutoTP's mesh is ``(data_parallel, tensor_parallel)`` (utils/groups.py ``_init_tp_mesh_device``), so
+``rank = (pp_stage * dp + dp_rank) * tp + tp_rank``. A coordinate's files are named by its data-parallel rank and its
+model-parallel rank (engine.py ``_get_ckpt_name``; :mod:`dsckpt.layout` parses the names): the TP rank, or with
+pipeline stages and no TP the stage (readers/pipeline.py).
+
+Expert parallelism (``deepspeed.moe.layer.MoE``; utils/groups.py ``_create_expert_and_data_parallel``, legacy path:
+no TP) is arithmetic on the data-parallel rank ``d`` (per pipeline stage, groups never cross a stage):
+
+* default (E + D): expert-parallel groups ``[i*E, (i+1)*E)``, expert-data-parallel groups ``range(i, dp, E)``; so
+  ``ep_rank = d % E`` and ``expert_dp_rank = d // E``;
+* ``"use_data_before_expert_parallelism": true`` (D + E): with ``stride = dp / E``, expert-data-parallel groups
+  ``[i*stride, (i+1)*stride)`` and expert-parallel groups ``range(i, dp, stride)``; so ``ep_rank = d // stride`` and
+  ``expert_dp_rank = d % stride``.
+
+A rank's rank inside a group (``dist.get_rank(group)``, used by ``_get_expert_parallel_rank`` /
+``_get_expert_data_parallel_rank``) is its position in the group's sorted rank list.
+
+Which experts an expert-parallel rank holds is a cut in the tensor-parallel vocabulary: stack a MoE layer's
+``num_experts`` experts into one logical ``(num_experts, ...)`` tensor; expert-parallel rank ``r`` holds its dim-0
+slice of ``num_experts / ep`` rows, i.e. a :class:`~dsckpt.tensor_parallel.ParamCut` of kind ``COLUMN`` over the
+expert index (:func:`expert_cut`). Its :meth:`~dsckpt.tensor_parallel.ParamCut.rank_blocks` give local expert ``l``
+of rank ``r`` the global id ``r * num_experts / ep + l`` -- the id ``engine.py::_save_moe_checkpoint`` writes into
+``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` -- and the same blocks read backwards give a global expert's
+owner and local id. The MoE reader maps local names to global ones (:func:`global_expert_name`), the MoE ds_writer
+both ways (:func:`local_expert_name`).
+
+How TP and MoE would compose (not implemented; the readers refuse MoE with TP): each TP rank's experts are cut
+twice -- over the expert index by the expert-parallel rank (:func:`expert_cut`), and inside each expert by the TP
+rank (a :class:`~dsckpt.tensor_parallel.ParamCut` of the expert's weight) -- so an expert param's full-tensor
+fragments come from composing the two cuts. DeepSpeed builds those groups differently (``mp_size > 1``:
+TP-strided expert groups, or AutoEP folding tables; ``use_data_before_expert_parallelism`` refused), so
+:class:`ParallelLayout` refuses ``ep > 1`` with ``tp > 1`` rather than apply the legacy arithmetic to them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .tensor_parallel import ParamCut, SplitKind, TpBlock
+
+__all__ = [
+    "EXPERT_NAME",
+    "ParallelLayout",
+    "RankCoordinate",
+    "expert_cut",
+    "expert_owner",
+    "global_expert_id",
+    "global_expert_name",
+    "local_expert_name",
+]
+
+# engine.py::_save_moe_checkpoint: moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(?P<id>\d+)(?P<rest>\..+)$")
+
+
+@dataclass(frozen=True)
+class RankCoordinate:
+    """One rank's place on every parallel dimension. ``ep``/``expert_dp``: its expert-parallel rank (which experts)
+    and expert-data-parallel rank (which ZeRO partition of the expert groups); 0 and ``dp`` without experts."""
+
+    dp: int
+    tp: int = 0
+    pp: int = 0
+    ep: int = 0
+    expert_dp: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The parallel dimensions of a run: ``dp`` data-parallel ranks, ``tp`` tensor-parallel ranks, ``pp`` pipeline
+    stages, ``ep`` expert-parallel size of an expert group (1: experts not split), ``data_before_expert``: ds_config
+    ``use_data_before_expert_parallelism``. The world size is ``dp * tp * pp``."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    data_before_expert: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.tp, self.pp, self.ep) < 1:
+            raise ValueError(f"parallel sizes must be >= 1: dp {self.dp}, tp {self.tp}, pp {self.pp}, ep {self.ep}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep_size {self.ep} does not divide data-parallel size {self.dp}")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError("expert parallelism with tensor parallelism (DeepSpeed's TP-strided expert groups) "
+                             "is not modelled")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts: the ZeRO ``partition_count`` of an expert param group."""
+        return self.dp // self.ep
+
+    # ---- global rank <-> coordinate
+
+    def coordinate(self, rank: int) -> RankCoordinate:
+        """Global ``rank``'s coordinate (``rank = (pp * dp + dp_rank) * tp + tp_rank``)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        t = rank % self.tp
+        d = rank // self.tp % self.dp
+        s = rank // (self.tp * self.dp)
+        return RankCoordinate(d, t, s, self.expert_parallel_rank(d), self.expert_data_parallel_rank(d))
+
+    def global_rank(self, c: RankCoordinate) -> int:
+        return (c.pp * self.dp + c.dp) * self.tp + c.tp
+
+    # ---- experts: the ds_writers' direction (a data-parallel rank's experts and partition) ...
+
+    def expert_parallel_rank(self, dp_rank: int) -> int:
+        """``groups._get_expert_parallel_rank``: which experts data-parallel rank ``dp_rank`` holds."""
+        if self.data_before_expert:
+            return dp_rank // self.expert_dp
+        return dp_rank % self.ep
+
+    def expert_data_parallel_rank(self, dp_rank: int) -> int:
+        """``groups._get_expert_data_parallel_rank``: ``dp_rank``'s ZeRO partition index of the expert groups."""
+        if self.data_before_expert:
+            return dp_rank % self.expert_dp
+        return dp_rank // self.ep
+
+    # ---- ... and the readers' direction (who holds an expert-parallel rank's partitions)
+
+    def expert_data_parallel_ranks(self, ep_rank: int) -> list[int]:
+        """The data-parallel ranks holding expert-parallel rank ``ep_rank``'s experts, in partition order (index
+        ``k`` holds partition ``k`` of each expert param group): the inverse of the two maps above."""
+        if not 0 <= ep_rank < self.ep:
+            raise ValueError(f"expert-parallel rank {ep_rank} is outside ep_size {self.ep}")
+        if self.data_before_expert:
+            return [ep_rank * self.expert_dp + k for k in range(self.expert_dp)]
+        return [k * self.ep + ep_rank for k in range(self.expert_dp)]
+
+
+# --------------------------------------------------------------------------------------------
+# The expert index as a tensor-parallel cut
+
+
+def expert_cut(prefix: str, num_experts: int, ep_size: int) -> ParamCut:
+    """MoE layer ``prefix``'s experts over ``ep_size`` expert-parallel ranks: a dim-0 (``COLUMN``) cut of the
+    stacked expert index, ``num_experts / ep_size`` experts per rank."""
+    if ep_size < 1 or num_experts < 1 or num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts do not split over ep_size {ep_size}")
+    n = num_experts // ep_size
+    return ParamCut(prefix, SplitKind.COLUMN, 0, (num_experts,), ((n,),) * ep_size, ((n,) * ep_size,))
+
+
+def _block(cut: ParamCut, ep_rank: int) -> TpBlock:
+    (b,) = cut.rank_blocks(ep_rank)  # a dim-0 cut of a 1-d index: one contiguous block per rank
+    return b
+
+
+def global_expert_id(cut: ParamCut, ep_rank: int, local_id: int) -> int:
+    """Local expert ``local_id`` of expert-parallel rank ``ep_rank`` -> its global id."""
+    b = _block(cut, ep_rank)
+    if not 0 <= local_id - b.local_offset < b.numel:
+        raise ValueError(f"'{cut.name}': expert-parallel rank {ep_rank} holds {b.numel} experts, not {local_id + 1}")
+    return b.full_index(local_id - b.local_offset)
+
+
+def expert_owner(cut: ParamCut, global_id: int) -> tuple[int, int]:
+    """Global expert ``global_id`` -> ``(expert-parallel rank, local id)``: :func:`global_expert_id` inverted."""
+    for r in range(cut.tp_size):
+        b = _block(cut, r)
+        if b.full_offset <= global_id < b.full_offset + b.numel:
+            return r, b.local_offset + global_id - b.full_offset
+    raise ValueError(f"'{cut.name}': no expert-parallel rank holds expert {global_id} of {cut.full_shape[0]}")
+
+
+def global_expert_name(local_name: str, ep_rank: int, cut: ParamCut) -> str:
+    """The name a one-rank model gives local expert param ``local_name`` of expert-parallel rank ``ep_rank``."""
+    m = EXPERT_NAME.match(local_name)
+    if m is None:
+        raise ValueError(f"'{local_name}' is not an expert parameter name")
+    return f"{m['prefix']}{global_expert_id(cut, ep_rank, int(m['id']))}{m['rest']}"
+
+
+def local_expert_name(global_name: str, cut: ParamCut) -> tuple[int, str]:
+    """Global expert param ``global_name`` -> ``(expert-parallel rank holding it, its local name there)``."""
+    m = EXPERT_NAME.match(global_name)
+    if m is None:
+        raise ValueError(f"'{global_name}' is not an expert parameter name")
+    r, local = expert_owner(cut, int(m["id"]))
+    return r, f"{m['prefix']}{local}{m['rest']}"
