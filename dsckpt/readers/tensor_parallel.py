@@ -11,7 +11,8 @@ Commands then see one ordinary logical checkpoint of full tensors.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
@@ -20,7 +21,7 @@ from ..model import Kind, LogicalCheckpoint, Piece, TensorEntry
 from ..tensor_parallel import ParamCut, SplitKind, TpLayout, compose, tp_layout_from_record
 from .common import FileCache, alias_entry
 
-__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 
@@ -143,3 +144,16 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
     return TensorEntry(name, cut.full_shape, e0.kind, e0.trainable, tuple(pieces), group=e0.group,
                        ambiguous=e0.ambiguous)
 
+
+
+def agreed_record(cache: FileCache, model_states: Sequence[Path]) -> tuple[Mapping[str, Any] | None, str]:
+    """The ``universal_checkpoint_info`` record of the first of ``model_states`` (None if absent) and where it was
+    found; refused when another file holds a different one (the files come from different runs)."""
+    first = model_states[0]
+    record = cache.tree(first).get(UNIVERSAL_CHECKPOINT_INFO)
+    for other in model_states[1:]:
+        if cache.tree(other).get(UNIVERSAL_CHECKPOINT_INFO) != record:
+            raise CorruptCheckpointError(
+                f"{other}: its {UNIVERSAL_CHECKPOINT_INFO} differs from {first.name}'s; the model-parallel ranks' "
+                "files come from different runs")
+    return (record if isinstance(record, Mapping) else None), str(first)
