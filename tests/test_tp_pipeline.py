@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from dsckpt import safe_load, safe_save
 from dsckpt.assemble import read_entry
 from dsckpt.cli import main
-from dsckpt.layout import classify_files, find_tag_dir
+from dsckpt.layout import CheckpointFiles, classify_files, find_tag_dir
 from dsckpt.model import Role
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.readers.common import lookup
@@ -77,6 +77,27 @@ def test_fixtures_are_what_the_tests_assume():
         assert m["crosscheck"]["live_merge_equals_ds_to_universal"]["ok"]
         assert m["crosscheck"]["tied_copies_equal_across_stages"]
         assert "layer_02-model_01-model_states.pt" in {Path(f).name for f in m["files"]}
+
+
+def test_tp_rank_files_maps_model_parallel_ranks_pipe_major():
+    """Pure: PP 2 x TP 2 x DP 2 file names -> TP rank t's plain pipeline view (model-parallel rank m = stage * 2 + t,
+    as PipeModelDataParallelTopology numbers them; layer files of model_0t only)."""
+    tag = Path("/x/global_step1")
+    ms = {m: tag / f"mp_rank_{m:02d}_model_states.pt" for m in range(4)}
+    optim = {(d, m): tag / f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(2) for m in range(4)}
+    layers = {(layer, t): tag / f"layer_{layer:02d}-model_{t:02d}-model_states.pt" for layer in range(4) for t in range(2)}
+    files = CheckpointFiles(root=tag.parent, tag=tag.name, tag_dir=tag, mp_to_model_states=ms,
+                            dp_mp_to_zero3_model_states={}, dp_mp_to_optim_states=optim, bf16_prefixed_optim=False,
+                            layer_files=layers, other_files=())
+    view = tp_rank_files(files, 1, 2)
+    assert {s: p.name for s, p in view.mp_to_model_states.items()} == {0: "mp_rank_01_model_states.pt",
+                                                                        1: "mp_rank_03_model_states.pt"}
+    assert {k: p.name for k, p in view.dp_mp_to_optim_states.items()} == {
+        (0, 0): "zero_pp_rank_0_mp_rank_01_optim_states.pt", (1, 0): "zero_pp_rank_1_mp_rank_01_optim_states.pt",
+        (0, 1): "zero_pp_rank_0_mp_rank_03_optim_states.pt", (1, 1): "zero_pp_rank_1_mp_rank_03_optim_states.pt"}
+    assert {k: p.name for k, p in view.layer_files.items()} == {
+        (layer, None): f"layer_{layer:02d}-model_01-model_states.pt" for layer in range(4)}
+    assert view.mp_world_size == 2 and view.optim_dp_world_size == 2
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
@@ -146,6 +167,7 @@ def test_info_shows_pipeline_and_tensor_sizes():
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert (s["dp_world_size"], s["pp_world_size"], s["tp_world_size"]) == (1, 2, 2)
+    assert (s["layout"], s["zero_stage"], s["optimizer_wrapper"]) == ("pipeline", 1, "BF16_Optimizer")
     assert s["tensor_parallel"]["tp_size"] == 2
     split = {t["name"]: t["tp_split"] for t in s["tensors"]}
     assert split[TIED] == "vocabulary dim 0 (16/16, 30 rows kept)"

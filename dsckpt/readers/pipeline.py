@@ -141,7 +141,9 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             zs = osd0.get("zero_stage")
             keeps_padding = zs is None
             wrapper = "BF16_Optimizer" if keeps_padding else "DeepSpeedZeroOptimizer"
-            stage_number = int(zs.value) if isinstance(zs, DeepSpeedEnum) else 0
+            # BF16_Optimizer files carry no zero_stage: the config says (stage 0, or 1 with fp32 grad accumulation)
+            stage_number = int(zs.value) if isinstance(zs, DeepSpeedEnum) else int(
+                ((meta0.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
             stage_entries = zero12_param_entries(
                 model_states=files.mp_to_model_states[s], optim_files=optim_files, cache=cache,
                 keeps_padding=keeps_padding, module_names_to_refs=layer_tensors)
