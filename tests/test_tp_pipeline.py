@@ -294,3 +294,22 @@ def test_reshard_refuses_pipeline_times_tensor_parallel(tmp_path, args):
     assert r.exit_code == 3, r.output
     assert "pipeline parallel size 2 x tensor parallel size 2" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_path):
+    """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) but
+    copies only the mp_rank_{stage * tp + t} files, not the layer files: reading that folder is refused, naming the
+    pipeline and tensor sizes, instead of taking the 4 model-parallel files for 4 TP ranks."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    out = tmp_path / "u" / "global_step3_universal"
+    res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          str(FP32 / "ckpt" / "global_step3"), "--output_folder", str(out), "--num_extract_workers",
+                          "1", "--num_merge_workers", "1"], check=False, capture_output=True, text=True, timeout=300,
+                         env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(p.name for p in out.glob("*.pt")) == [f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
+    r = CliRunner().invoke(main, ["info", str(out)])
+    assert r.exit_code == 3 and "pipeline 2 x tensor 2" in r.stderr and "not supported yet" in r.stderr
