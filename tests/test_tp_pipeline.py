@@ -313,3 +313,22 @@ def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_
     assert sorted(p.name for p in out.glob("*.pt")) == [f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
     r = CliRunner().invoke(main, ["info", str(out)])
     assert r.exit_code == 3 and "pipeline 2 x tensor 2" in r.stderr and "not supported yet" in r.stderr
+
+
+def test_repair_patches_a_layer_file_slice_from_its_master(tmp_path):
+    """A bf16 element of TP rank 1's row slice of 2.fc2.weight (stage 1) in its layer file set to inf is repaired from
+    the fp32 master in the stage-1 / TP-1 optimizer file: full index 3 * 12 + 6 + 5; the output reads back equal to
+    the live engine's module params and scans clean."""
+    ckpt = _copy(BF16, tmp_path)
+    name = "2.fc2.weight"
+    changed = _set_local(ckpt, 1, name, Role.MODULE, 3 * 6 + 5, float("inf"))
+    assert changed.name == "layer_02-model_01-model_states.pt"
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["repair", str(ckpt), str(out), "--from", "master", "-q"])
+    assert r.exit_code == 0, r.output
+    assert f"{name} (param): 1 of 96 values at [47]" in r.stdout
+    cache_ = FileCache()
+    fixed = read_checkpoint(out, cache=cache_)
+    assert torch.equal(read_entry(fixed.entry(name), cache_, Role.MODULE),
+                       _merge_local(name, [truth(BF16)[f"tp{t}/lowp/{name}"] for t in range(2)]))
+    assert scan(out).findings == ()
