@@ -281,11 +281,16 @@ def test_record_differing_between_model_parallel_ranks_is_refused(tmp_path):
     assert r.exit_code == 3 and "mp_rank_02_model_states.pt" in r.stderr and "differs" in r.stderr
 
 
-def test_missing_layer_file_of_one_tp_rank_is_named(tmp_path):
+@pytest.mark.parametrize("gone, named", [
+    ("layer_02-model_01-model_states.pt", "layer_02-model_01"),
+    ("zero_pp_rank_0_mp_rank_03_optim_states.pt", "(pipeline stage, TP rank (1, 1))"),
+    ("mp_rank_03_model_states.pt", "expected mp_rank_00 .. mp_rank_03"),
+], ids=["layer-file", "optim-file", "model-states"])
+def test_missing_file_of_one_model_parallel_rank_is_named(tmp_path, gone, named):
     ckpt = _copy(FP32, tmp_path)
-    (ckpt / "global_step3" / "layer_02-model_01-model_states.pt").unlink()
+    (ckpt / "global_step3" / gone).unlink()
     r = CliRunner().invoke(main, ["info", str(ckpt)])
-    assert r.exit_code == 3 and "layer_02-model_01" in r.stderr and "interrupted" in r.stderr
+    assert r.exit_code == 3 and named in r.stderr and "interrupted" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args", [["--world-size", "1"], ["--universal"]], ids=["world-size", "universal"])
