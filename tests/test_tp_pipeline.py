@@ -159,7 +159,7 @@ def test_export_reproduces_pipeline_engine_loss_and_logits(fx, tmp_path):
     tol = 1e-5 if meta(fx)["dtype"] == "fp32" else 2 * 2.0 ** -7 * float(want.abs().max())
     assert float((logits - want).abs().max()) <= tol
     loss = mm.pipe_loss(logits, tr["input_ids"])
-    assert abs(float(loss) - float(tr["loss"][0])) <= (1e-5 if meta(fx)["dtype"] == "fp32" else 2e-2)
+    assert abs(float(loss) - float(tr["loss"][0])) <= (1e-5 if meta(fx)["dtype"] == "fp32" else 5e-3)  # 2.4e-7, 2.5e-4
 
 
 def test_info_shows_pipeline_and_tensor_sizes():

@@ -145,7 +145,6 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
                        ambiguous=e0.ambiguous)
 
 
-
 def agreed_record(cache: FileCache, model_states: Sequence[Path]) -> tuple[Mapping[str, Any] | None, str]:
     """The ``universal_checkpoint_info`` record of the first of ``model_states`` (None if absent) and where it was
     found; refused when another file holds a different one (the files come from different runs)."""
