@@ -193,14 +193,15 @@ def _copy(fx: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float) -> Path:
-    """Set element ``local_index`` of TP rank ``tp_rank``'s local slice, located by the plain pipeline reader of
-    that TP rank's files alone (no TP mapping involved); returns the file changed."""
+def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float,
+               replica: int = 0) -> Path:
+    """Set element ``local_index`` of TP rank ``tp_rank``'s local slice (``replica`` 1: a tied param's stage-1 copy),
+    located by the plain pipeline reader of that TP rank's files alone (no TP mapping involved); returns the file
+    changed."""
     root, tag, tag_dir = find_tag_dir(ckpt, None)
     local = read_stages(tp_rank_files(classify_files(root, tag, tag_dir), tp_rank, 2), FileCache())
     assert local.tp_world_size == 1 and local.pp_world_size == 2
-    piece = local.entry(name).piece(role)
-    assert piece is not None
+    piece = next(p for p in local.entry(name).pieces if p.role is role and p.replica == replica)
     f = next(f for f in piece.fragments if f.dst_offset <= local_index < f.dst_offset + f.numel)
     tree = safe_load.materialize(safe_load.load(f.file))
     lookup(tree, f.key, f.file).view(-1)[f.src_offset + local_index - f.dst_offset] = value
@@ -235,6 +236,32 @@ def test_verify_flips_when_tp_replicas_disagree(tmp_path):
     assert r.exit_code == 1, r.output
     line = next(ln for ln in r.stdout.splitlines() if "3.weight" in ln)
     assert "differs from replica 0 in 1 element(s)" in line and "mp_rank_03" in line
+
+
+def test_tied_embedding_copy_of_the_last_stage_is_checked(tmp_path):
+    """The tied embedding is trained on stage 0 and stage 1 (grads all-reduced): stage 1's optimizer copies are
+    replicas of stage 0's. A stage-1 fp32 master that drifted makes verify fail naming the stage-1 / TP-1 file; an
+    inf there is found by scan at its full index (TP rank 1's local row 2 is full row 16 + 2)."""
+    e = read_checkpoint(FP32 / "ckpt").entry(TIED)
+    copies = sorted((p.role.value, p.replica, p.same_as) for p in e.pieces)
+    assert copies == sorted([(r.value, 0, None) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE)]
+                            + [(r.value, 1, 0) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ)])
+    ckpt = _copy(FP32, tmp_path / "drift")
+    changed = _set_local(ckpt, 1, TIED, Role.MASTER, 2 * 8 + 3, 0.125, replica=1)
+    assert changed.name == "zero_pp_rank_0_mp_rank_03_optim_states.pt"
+    r = CliRunner().invoke(main, ["verify", str(ckpt)])
+    assert r.exit_code == 1, r.output
+    line = next(ln for ln in r.stdout.splitlines() if TIED in ln)
+    assert "differs from replica 0 in 1 element(s)" in line and "mp_rank_03" in line
+    # to-fp32 keeps the first stage's copy (what ds_to_universal keeps: pipeline_replicated_parameter_patterns)
+    out = tmp_path / "m.safetensors"
+    assert CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)]).exit_code == 0
+    assert torch.equal(_load(out)[TIED], universal(FP32)[f"fp32/{TIED}"])
+    ckpt = _copy(FP32, tmp_path / "inf")
+    _set_local(ckpt, 1, TIED, Role.EXP_AVG_SQ, 2 * 8 + 3, float("inf"), replica=1)
+    hit = [f for f in scan(ckpt).findings if f.count and f.name == TIED]
+    assert len(hit) == 1 and hit[0].first_indices == ((16 + 2) * 8 + 3,) and hit[0].file.name == changed.name, \
+        [f.describe() for f in hit]
 
 
 def test_diff_export_vs_deepspeed_merge_is_equal(tmp_path):

@@ -147,10 +147,11 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             stage_entries = zero12_param_entries(
                 model_states=files.mp_to_model_states[s], optim_files=optim_files, cache=cache,
                 keeps_padding=keeps_padding, module_names_to_refs=layer_tensors)
-            # Tied modules are trained on every stage that uses them (kept equal by an all-reduce);
-            # the first stage's copy stands for all.
+            # Tied modules are trained on every stage that uses them (kept equal by an all-reduce of their
+            # grads): the first stage's copy stands for all, the later stages' optimizer copies are replicas
+            # that must equal it (verify compares them, scan checks them).
             for name, entry in stage_entries.items():
-                entries.setdefault(name, entry)
+                entries[name] = entry if name not in entries else _with_stage_copy(entries[name], entry)
             base = osd0.get("base_optimizer_state")
             step = step if step is not None else step_of(base.get("state") if isinstance(base, dict) else None)
     for name in order:
@@ -173,6 +174,15 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         optimizer_wrapper=wrapper, entries=tuple(ordered), files=tuple(files.all_files()),
         ds_config=meta0.ds_config,
     )
+
+
+def _with_stage_copy(first: TensorEntry, later: TensorEntry) -> TensorEntry:
+    """``first`` with ``later``'s optimizer-side copies (fp32 master, moments) added as one more replica that must
+    equal replica 0. The module copy is not repeated: only the first stage's layer file holds it."""
+    replica = 1 + max((p.replica for p in first.pieces), default=0)
+    extra = tuple(dataclasses.replace(p, replica=replica, same_as=0) for p in later.pieces
+                  if p.role is not Role.MODULE and p.replica == 0)
+    return dataclasses.replace(first, pieces=first.pieces + extra) if extra else first
 
 
 def _param_names(files: CheckpointFiles, cache: FileCache, stages: list[int]) -> set[str]:

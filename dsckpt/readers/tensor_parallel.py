@@ -127,7 +127,7 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
     if cut.kind is SplitKind.REPLICATED:
         stride = 1 + max((p.replica for e in per_rank for p in e.pieces), default=0)
         for t, e in enumerate(per_rank):
-            pieces += [dataclasses.replace(p, replica=t * stride + p.replica, same_as=p.replica if t else None)
+            pieces += [dataclasses.replace(p, replica=t * stride + p.replica, same_as=p.replica if t else p.same_as)
                        for p in e.pieces]
     else:
         for p0 in e0.pieces:
@@ -140,7 +140,7 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
                         "TP rank 0 has; the files come from different runs")
                 blocks = cut.rank_blocks(t)
                 frags += [g for f in p.fragments for g in compose(f, blocks)]
-            pieces.append(Piece(p0.role, p0.dtype, tuple(frags), p0.replica))
+            pieces.append(Piece(p0.role, p0.dtype, tuple(frags), p0.replica, p0.same_as))
     return TensorEntry(name, cut.full_shape, e0.kind, e0.trainable, tuple(pieces), group=e0.group,
                        ambiguous=e0.ambiguous)
 
