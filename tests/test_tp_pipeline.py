@@ -141,7 +141,10 @@ def test_export_reproduces_pipeline_engine_loss_and_logits(fx, tmp_path):
     import sys
 
     sys.path.insert(0, str(FIX_DIR))
-    import tp_megatron_models as mm
+    try:
+        import tp_megatron_models as mm
+    finally:
+        sys.path.remove(str(FIX_DIR))
 
     out = tmp_path / "m.safetensors"
     assert CliRunner().invoke(main, ["to-fp32", str(fx / "ckpt"), str(out)]).exit_code == 0
