@@ -250,7 +250,8 @@ def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
                     first_index = lo + int(differ[0])
                 count += int(differ.size)
             if count:
-                file = contiguous_fragments(p)[0].file.name
+                runs = contiguous_fragments(p)  # name the file holding the first differing element
+                file = next((f for f in runs if f.dst_offset <= first_index < f.dst_offset + f.numel), runs[0]).file.name
                 msg = (f"replica {p.replica} of its {p.role.value} copy ({file}) differs from replica {p.same_as} in "
                        f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
                 out.append((e.name, msg))

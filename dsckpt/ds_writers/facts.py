@@ -136,7 +136,8 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
     if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
-        problems.append(f"pipeline parallel size {ckpt.pp_world_size}")
+        problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
+            f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {ckpt.zero_stage}")
     if ckpt.layout.startswith("universal"):

@@ -147,7 +147,8 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         problems.append("Mixture-of-Experts layers")
     tp = ckpt.tensor_parallel
     if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
-        problems.append(f"pipeline parallel size {ckpt.pp_world_size}")
+        problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
+            f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.tp_world_size > 1 and (tp is None or tp.source != "autotp"):
         problems.append(f"tensor parallel size {ckpt.tp_world_size} with a Megatron-style record (ds_to_universal "
                         "writes per-category keys for it that dsckpt does not reproduce yet; only AutoTP records "

@@ -5,38 +5,111 @@ metadata; with ZeRO-1 or ``BF16_Optimizer`` the fp32 master of stage ``s`` is in
 ``[bf16_]zero_pp_rank_{d}_mp_rank_{s}_optim_states.pt`` with the stage-1/2 layout, its
 ``param_shapes`` naming params ``"{layer_index}.{param}"`` as ``PipelineModule.state_dict()`` does
 (DEEPSPEED-NOTES 1.2, 1.3; pipe/module.py:588-643).
+
+With tensor parallelism as well (Megatron-DeepSpeed: ``PipelineModule(topology=PipeModelDataParallelTopology(num_pp,
+num_mp, num_dp))``), each layer file is per TP rank, ``layer_XX-model_{t:02d}-model_states.pt`` (the topology's
+``model`` coordinate, pipe/module.py:588-596), and the model-parallel rank of the ``mp_rank_{m}`` / ``*_mp_rank_{m}``
+files is the rank's index among the ranks of its data-parallel coordinate, pipe-major on the topology's
+``['pipe', 'data', 'model']`` axes: ``m = stage * tp + t`` (pipe/topology.py:244-315, ``get_model_parallel_rank``;
+the same order ``ds_to_universal`` assumes, checkpoint/reshape_meg_2d.py ``simple_init``). Each TP rank's files are
+then an ordinary pipeline checkpoint of local slices, read as such and composed into full tensors by
+:func:`~dsckpt.readers.tensor_parallel.combine_tp_ranks` with the ``universal_checkpoint_info`` record that
+Megatron-DeepSpeed saves in ``client_state``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..safe_load import DeepSpeedEnum, TensorRef
 from .common import FileCache, is_floating, metadata_from_model_states, precision_of, step_of, whole
 from .zero12 import OSD, zero12_param_entries
 
-__all__ = ["read_pipeline"]
+__all__ = ["read_pipeline", "read_stages", "tp_rank_files"]
 
 
 def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
-    if any(tp is not None and tp > 0 for _, tp in files.layer_files):
-        raise UnsupportedCheckpointError(
-            f"'{files.tag_dir}' holds tensor-parallel layer files (layer_XX-model_NN-...); "
-            "tensor parallelism is not supported yet"
-        )
-    stages = sorted(files.mp_to_model_states)
-    if not stages:
+    if not files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{files.tag_dir}' has layer files but no mp_rank_XX_model_states.pt")
+    tp_size = _tp_size(files, cache)
+    if tp_size == 1:
+        return read_stages(files, cache)
+    from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, agreed_record, combine_tp_ranks
+
+    pp_size = len(files.mp_to_model_states) // tp_size
+    ranks = [read_stages(tp_rank_files(files, t, tp_size), cache) for t in range(tp_size)]
+    record, where = agreed_record(cache, [files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)])
+    ckpt = combine_tp_ranks(ranks, record, where=where)
+    return dataclasses.replace(
+        ckpt, pp_world_size=pp_size, files=tuple(files.all_files()),
+        notes=(*ckpt.notes, (f"pipeline parallelism {pp_size} x tensor parallelism {tp_size}: model-parallel rank "
+                             f"m = stage * {tp_size} + TP rank (PipeModelDataParallelTopology); "
+                             f"{UNIVERSAL_CHECKPOINT_INFO} from client_state")))
+
+
+def _tp_size(files: CheckpointFiles, cache: FileCache) -> int:
+    """The TP size of a pipeline checkpoint, from its layer files' ``model_NN`` and the model-states files' recorded
+    ``checkpoint_parallel_dimensions``; every disagreement is refused (all missing files listed)."""
+    where = files.tag_dir
+    models = {m for _, m in files.layer_files}
+    if None in models and len(models) > 1:
+        raise CorruptCheckpointError(f"'{where}' mixes layer files with and without a TP rank (layer_XX-model_NN-...); "
+                                     "the files come from different runs")
+    tp = 1 if None in models else max(m for m in models if m is not None) + 1
+    meta = metadata_from_model_states(cache.tree(files.mp_to_model_states[min(files.mp_to_model_states)]))
+    if tp == 1:
+        if meta.tp_degree > 1:
+            raise CorruptCheckpointError(
+                f"'{where}' was saved with tensor parallel degree {meta.tp_degree} (checkpoint_parallel_dimensions) "
+                "but its layer files carry no TP rank (layer_XX-model_NN-...); the files come from different runs")
+        return 1
+    layers = sorted({layer for layer, _ in files.layer_files})
+    missing = [f"layer_{layer:02d}-model_{t:02d}" for layer in layers for t in range(tp)
+               if (layer, t) not in files.layer_files]
+    if missing:
+        raise IncompleteCheckpointError(
+            f"'{where}' holds tensor-parallel layer files for {tp} TP ranks but lacks {', '.join(missing[:6])}"
+            + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+            + "; the save was probably interrupted; pick another tag with --tag")
+    mps = sorted(files.mp_to_model_states)
+    pp = meta.pp_degree if meta.tp_degree == tp and meta.pp_degree > 1 else len(mps) // tp
+    if meta.tp_degree not in (1, tp) or mps != list(range(pp * tp)):
+        raise IncompleteCheckpointError(
+            f"'{where}' holds layer files for {tp} TP ranks and {len(mps)} mp_rank_XX_model_states.pt files "
+            f"(checkpoint_parallel_dimensions: pipeline {meta.pp_degree}, tensor {meta.tp_degree}); expected "
+            f"mp_rank_00 .. mp_rank_{pp * tp - 1:02d} (pipeline stages x TP ranks); the save was probably interrupted "
+            "or files of another run were added; pick another tag with --tag")
+    no_optim = sorted(set(mps) - {mp for _, mp in files.dp_mp_to_optim_states}) if files.dp_mp_to_optim_states else []
+    if no_optim:
+        raise IncompleteCheckpointError(
+            f"'{where}' has no optimizer-state files for model-parallel rank(s) {no_optim} (pipeline stage, TP rank "
+            f"{', '.join(f'({m // tp}, {m % tp})' for m in no_optim)}); the save was probably interrupted; pick "
+            "another tag with --tag")
+    return tp
+
+
+def tp_rank_files(files: CheckpointFiles, t: int, tp_size: int) -> CheckpointFiles:
+    """TP rank ``t``'s files of a TP x pipeline checkpoint, as a plain pipeline checkpoint: model-parallel rank
+    ``stage * tp_size + t`` renumbered as stage, layer files ``layer_XX-model_{t}`` as ``layer_XX``."""
+    return dataclasses.replace(
+        files,
+        mp_to_model_states={mp // tp_size: p for mp, p in files.mp_to_model_states.items() if mp % tp_size == t},
+        dp_mp_to_optim_states={(d, mp // tp_size): p for (d, mp), p in files.dp_mp_to_optim_states.items()
+                               if mp % tp_size == t},
+        layer_files={(layer, None): p for (layer, m), p in files.layer_files.items() if m == t},
+    )
+
+
+def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+    """A pipeline checkpoint without tensor parallelism (or one TP rank's files of one, see :func:`tp_rank_files`)."""
+    stages = sorted(files.mp_to_model_states)
     metas = {s: metadata_from_model_states(cache.tree(files.mp_to_model_states[s])) for s in stages}
     meta0 = metas[stages[0]]
-    if meta0.tp_degree > 1:
-        raise UnsupportedCheckpointError(
-            f"'{files.tag_dir}' was saved with tensor parallel degree {meta0.tp_degree}; not supported yet"
-        )
     buffer_names = {b for m in metas.values() for b in m.buffer_names}
 
     known = _param_names(files, cache, stages)
@@ -68,14 +141,17 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
             zs = osd0.get("zero_stage")
             keeps_padding = zs is None
             wrapper = "BF16_Optimizer" if keeps_padding else "DeepSpeedZeroOptimizer"
-            stage_number = int(zs.value) if isinstance(zs, DeepSpeedEnum) else 0
+            # BF16_Optimizer files carry no zero_stage: the config says (stage 0, or 1 with fp32 grad accumulation)
+            stage_number = int(zs.value) if isinstance(zs, DeepSpeedEnum) else int(
+                ((meta0.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
             stage_entries = zero12_param_entries(
                 model_states=files.mp_to_model_states[s], optim_files=optim_files, cache=cache,
                 keeps_padding=keeps_padding, module_names_to_refs=layer_tensors)
-            # Tied modules are trained on every stage that uses them (kept equal by an all-reduce);
-            # the first stage's copy stands for all.
+            # Tied modules are trained on every stage that uses them (kept equal by an all-reduce of their
+            # grads): the first stage's copy stands for all, the later stages' optimizer copies are replicas
+            # that must equal it (verify compares them, scan checks them).
             for name, entry in stage_entries.items():
-                entries.setdefault(name, entry)
+                entries[name] = entry if name not in entries else _with_stage_copy(entries[name], entry)
             base = osd0.get("base_optimizer_state")
             step = step if step is not None else step_of(base.get("state") if isinstance(base, dict) else None)
     for name in order:
@@ -98,6 +174,15 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
         optimizer_wrapper=wrapper, entries=tuple(ordered), files=tuple(files.all_files()),
         ds_config=meta0.ds_config,
     )
+
+
+def _with_stage_copy(first: TensorEntry, later: TensorEntry) -> TensorEntry:
+    """``first`` with ``later``'s optimizer-side copies (fp32 master, moments) added as one more replica that must
+    equal replica 0. The module copy is not repeated: only the first stage's layer file holds it."""
+    replica = 1 + max((p.replica for p in first.pieces), default=0)
+    extra = tuple(dataclasses.replace(p, replica=replica, same_as=0) for p in later.pieces
+                  if p.role is not Role.MODULE and p.replica == 0)
+    return dataclasses.replace(first, pieces=first.pieces + extra) if extra else first
 
 
 def _param_names(files: CheckpointFiles, cache: FileCache, stages: list[int]) -> set[str]:

@@ -11,7 +11,8 @@ Commands then see one ordinary logical checkpoint of full tensors.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
@@ -20,7 +21,7 @@ from ..model import Kind, LogicalCheckpoint, Piece, TensorEntry
 from ..tensor_parallel import ParamCut, SplitKind, TpLayout, compose, tp_layout_from_record
 from .common import FileCache, alias_entry
 
-__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 
@@ -126,7 +127,7 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
     if cut.kind is SplitKind.REPLICATED:
         stride = 1 + max((p.replica for e in per_rank for p in e.pieces), default=0)
         for t, e in enumerate(per_rank):
-            pieces += [dataclasses.replace(p, replica=t * stride + p.replica, same_as=p.replica if t else None)
+            pieces += [dataclasses.replace(p, replica=t * stride + p.replica, same_as=p.replica if t else p.same_as)
                        for p in e.pieces]
     else:
         for p0 in e0.pieces:
@@ -139,7 +140,19 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
                         "TP rank 0 has; the files come from different runs")
                 blocks = cut.rank_blocks(t)
                 frags += [g for f in p.fragments for g in compose(f, blocks)]
-            pieces.append(Piece(p0.role, p0.dtype, tuple(frags), p0.replica))
+            pieces.append(Piece(p0.role, p0.dtype, tuple(frags), p0.replica, p0.same_as))
     return TensorEntry(name, cut.full_shape, e0.kind, e0.trainable, tuple(pieces), group=e0.group,
                        ambiguous=e0.ambiguous)
 
+
+def agreed_record(cache: FileCache, model_states: Sequence[Path]) -> tuple[Mapping[str, Any] | None, str]:
+    """The ``universal_checkpoint_info`` record of the first of ``model_states`` (None if absent) and where it was
+    found; refused when another file holds a different one (the files come from different runs)."""
+    first = model_states[0]
+    record = cache.tree(first).get(UNIVERSAL_CHECKPOINT_INFO)
+    for other in model_states[1:]:
+        if cache.tree(other).get(UNIVERSAL_CHECKPOINT_INFO) != record:
+            raise CorruptCheckpointError(
+                f"{other}: its {UNIVERSAL_CHECKPOINT_INFO} differs from {first.name}'s; the model-parallel ranks' "
+                "files come from different runs")
+    return (record if isinstance(record, Mapping) else None), str(first)

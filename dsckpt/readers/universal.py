@@ -116,6 +116,11 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         raise UnsupportedCheckpointError(f"{ms_path}: a Mixture-of-Experts model; universal checkpoints of MoE "
                                          "models are not supported")
     meta = metadata_from_model_states(ms)
+    if meta.pp_degree > 1 or ms.get("module", {}) is None:
+        # ds_to_universal copies a pipeline run's mp_rank_{stage * tp + t} files (module None) but no layer files
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}': a universal checkpoint of a pipeline-parallel run (pipeline {meta.pp_degree} x tensor "
+            f"{meta.tp_degree}), which is not supported yet; read the checkpoint it was converted from instead")
     param_shapes = ms.get("param_shapes")
     if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
         raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' list; not a ZeRO model-states file")

@@ -1,0 +1,369 @@
+"""Tensor parallelism x pipeline parallelism (issue 20): the Megatron-DeepSpeed-style PipelineModule fixtures
+(``tests/fixtures/tp_pipeline/``, PP 2 x TP 2, layer files ``layer_XX-model_0T-model_states.pt``) against DeepSpeed's
+own merge (``universal_truth.safetensors``, ``ds_to_universal``), the live engine's TP-local slices and the pipeline
+engine's loss and logits (``truth.safetensors``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsckpt import safe_load, safe_save
+from dsckpt.assemble import read_entry
+from dsckpt.cli import main
+from dsckpt.layout import CheckpointFiles, classify_files, find_tag_dir
+from dsckpt.model import Role
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.readers.common import lookup
+from dsckpt.readers.pipeline import read_stages, tp_rank_files
+from dsckpt.scan import scan
+
+FIX_DIR = Path(__file__).parent / "fixtures"
+PP_DIR = FIX_DIR / "tp_pipeline"
+FIXTURES = sorted(p.parent for p in PP_DIR.glob("*/truth.json"))
+IDS = [p.name for p in FIXTURES]
+ROLE_KEY = {Role.MASTER: "fp32", Role.EXP_AVG: "exp_avg", Role.EXP_AVG_SQ: "exp_avg_sq"}
+TIED = "tied_modules.embed.word_embeddings.weight"
+FP32 = PP_DIR / "megatron_pp2_tp2_z1_fp32"
+BF16 = PP_DIR / "megatron_pp2_tp2_z1_bf16_bf16opt"
+
+
+@cache
+def meta(fx: Path) -> dict:
+    return json.loads((fx / "truth.json").read_text())
+
+
+@cache
+def _load(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def universal(fx: Path) -> dict:
+    return _load(fx / "universal_truth.safetensors")
+
+
+def truth(fx: Path) -> dict:
+    return _load(fx / "truth.safetensors")
+
+
+def _merge_local(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
+    """The model's own construction (tp_megatron_models): vocabulary rows past 30 are padding, fc1 is [gate_t; up_t]
+    per rank, fc2 is split on dim 1, the rest is replicated."""
+    if name == TIED:
+        return torch.cat(slices, 0)[:30]
+    if name.endswith("fc1.weight"):
+        halves = [s.chunk(2, 0) for s in slices]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    if name.endswith("fc2.weight"):
+        return torch.cat(slices, 1)
+    return slices[0]
+
+
+def test_fixtures_are_what_the_tests_assume():
+    assert IDS == ["megatron_pp2_tp2_z1_bf16_bf16opt", "megatron_pp2_tp2_z1_fp32"]
+    for fx in FIXTURES:
+        m = meta(fx)
+        assert (m["pp_size"], m["tp_size"], m["dp_world_size"]) == (2, 2, 1)
+        assert [(r["stage"], r["tp"], r["mp_rank"]) for r in m["rank_map"]] == [(0, 0, 0), (0, 1, 1), (1, 0, 2),
+                                                                                 (1, 1, 3)]
+        assert m["crosscheck"]["live_merge_equals_ds_to_universal"]["ok"]
+        assert m["crosscheck"]["tied_copies_equal_across_stages"]
+        assert "layer_02-model_01-model_states.pt" in {Path(f).name for f in m["files"]}
+
+
+def test_tp_rank_files_maps_model_parallel_ranks_pipe_major():
+    """Pure: PP 2 x TP 2 x DP 2 file names -> TP rank t's plain pipeline view (model-parallel rank m = stage * 2 + t,
+    as PipeModelDataParallelTopology numbers them; layer files of model_0t only)."""
+    tag = Path("/x/global_step1")
+    ms = {m: tag / f"mp_rank_{m:02d}_model_states.pt" for m in range(4)}
+    optim = {(d, m): tag / f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(2) for m in range(4)}
+    layers = {(layer, t): tag / f"layer_{layer:02d}-model_{t:02d}-model_states.pt" for layer in range(4) for t in range(2)}
+    files = CheckpointFiles(root=tag.parent, tag=tag.name, tag_dir=tag, mp_to_model_states=ms,
+                            dp_mp_to_zero3_model_states={}, dp_mp_to_optim_states=optim, bf16_prefixed_optim=False,
+                            layer_files=layers, other_files=())
+    view = tp_rank_files(files, 1, 2)
+    assert {s: p.name for s, p in view.mp_to_model_states.items()} == {0: "mp_rank_01_model_states.pt",
+                                                                        1: "mp_rank_03_model_states.pt"}
+    assert {k: p.name for k, p in view.dp_mp_to_optim_states.items()} == {
+        (0, 0): "zero_pp_rank_0_mp_rank_01_optim_states.pt", (1, 0): "zero_pp_rank_1_mp_rank_01_optim_states.pt",
+        (0, 1): "zero_pp_rank_0_mp_rank_03_optim_states.pt", (1, 1): "zero_pp_rank_1_mp_rank_03_optim_states.pt"}
+    assert {k: p.name for k, p in view.layer_files.items()} == {
+        (layer, None): f"layer_{layer:02d}-model_01-model_states.pt" for layer in range(4)}
+    assert view.mp_world_size == 2 and view.optim_dp_world_size == 2
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_to_fp32_is_bit_identical_to_deepspeed_merge(fx, tmp_path):
+    out = tmp_path / "m.safetensors"
+    r = CliRunner().invoke(main, ["to-fp32", str(fx / "ckpt"), str(out)])
+    assert r.exit_code == 0, r.output
+    got, u = _load(out), universal(fx)
+    assert sorted(got) == sorted(meta(fx)["params"])
+    for n in meta(fx)["params"]:
+        assert got[n].dtype == torch.float32 and torch.equal(got[n], u[f"fp32/{n}"]), n
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_moments_and_layer_file_copies_merge_exactly(fx):
+    """Adam moments equal ds_to_universal's; the layer files' module copies, merged, equal the live engine's TP-local
+    params merged by the model's construction; the optimizer step is the engine's."""
+    cache_ = FileCache()
+    ckpt = read_checkpoint(fx / "ckpt", cache=cache_)
+    m = meta(fx)
+    assert (ckpt.pp_world_size, ckpt.tp_world_size, ckpt.dp_world_size) == (2, 2, 1)
+    assert ckpt.optimizer_wrapper == m["optimizer_wrapper"] and ckpt.optimizer_step == 3
+    assert [e.name for e in ckpt.entries if e.tied_to is None] == m["params"]
+    u, tr = universal(fx), truth(fx)
+    for n in m["params"]:
+        e = ckpt.entry(n)
+        assert list(e.shape) == m["full_shapes"][n]
+        for role, key in ROLE_KEY.items():
+            assert torch.equal(read_entry(e, cache_, role), u[f"{key}/{n}"]), (role, n)
+        lowp = _merge_local(n, [tr[f"tp{t}/lowp/{n}"] for t in range(2)])
+        got = read_entry(e, cache_, Role.MODULE)
+        assert got.dtype == lowp.dtype and torch.equal(got, lowp), n
+    cache_.finish_checks()
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_export_reproduces_pipeline_engine_loss_and_logits(fx, tmp_path):
+    """to-fp32's output loaded into the plain (TP 1, no pipeline) model gives the pipeline engine's logits and loss
+    on the recorded batch: within 1e-5 at fp32 (another reduction order: TP all-reduce, CPU), and at bf16 within two
+    bf16 ulps of the largest logit after casting the model to bf16 as the engine ran."""
+    import sys
+
+    sys.path.insert(0, str(FIX_DIR))
+    try:
+        import tp_megatron_models as mm
+    finally:
+        sys.path.remove(str(FIX_DIR))
+
+    out = tmp_path / "m.safetensors"
+    assert CliRunner().invoke(main, ["to-fp32", str(fx / "ckpt"), str(out)]).exit_code == 0
+    got = _load(out)
+    model = mm.MegatronNet(None, 0, 1).eval()
+    missing, unexpected = model.load_state_dict(
+        {plain: got[n] for n, plains in mm.pipe_to_plain_names().items() for plain in plains}, strict=True)
+    assert not missing and not unexpected
+    tr = truth(fx)
+    if meta(fx)["dtype"] == "bf16":
+        model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        logits = model(tr["input_ids"]).float()
+    want = tr["logits"]
+    tol = 1e-5 if meta(fx)["dtype"] == "fp32" else 2 * 2.0 ** -7 * float(want.abs().max())
+    assert float((logits - want).abs().max()) <= tol
+    loss = mm.pipe_loss(logits, tr["input_ids"])
+    assert abs(float(loss) - float(tr["loss"][0])) <= (1e-5 if meta(fx)["dtype"] == "fp32" else 5e-3)  # 2.4e-7, 2.5e-4
+
+
+def test_info_shows_pipeline_and_tensor_sizes():
+    r = CliRunner().invoke(main, ["info", "--json", str(BF16 / "ckpt")])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert (s["dp_world_size"], s["pp_world_size"], s["tp_world_size"]) == (1, 2, 2)
+    assert (s["layout"], s["zero_stage"], s["optimizer_wrapper"]) == ("pipeline", 1, "BF16_Optimizer")
+    assert s["tensor_parallel"]["tp_size"] == 2
+    split = {t["name"]: t["tp_split"] for t in s["tensors"]}
+    assert split[TIED] == "vocabulary dim 0 (16/16, 30 rows kept)"
+    assert split["1.fc1.weight"] == "sub-params dim 0 (12/12, 2 sub-params)"
+    assert split["2.fc2.weight"] == "row dim 1 (6/6)" and split["2.fc2.bias"] == "replicated"
+    assert split["3.weight"] == "replicated"
+    r = CliRunner().invoke(main, ["info", str(BF16 / "ckpt")])
+    assert "parallelism  data 1, pipeline 2, tensor 2" in r.stdout
+    assert "BF16_Optimizer" in r.stdout
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_scan_and_verify_clean(fx):
+    report = scan(fx / "ckpt")
+    assert report.findings == (), [f.describe() for f in report.findings]
+    r = CliRunner().invoke(main, ["verify", str(fx / "ckpt")])
+    assert r.exit_code == 0, r.output
+
+
+def _copy(fx: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / fx.name / "ckpt"
+    shutil.copytree(fx / "ckpt", dst)
+    return dst
+
+
+def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float,
+               replica: int = 0) -> Path:
+    """Set element ``local_index`` of TP rank ``tp_rank``'s local slice (``replica`` 1: a tied param's stage-1 copy),
+    located by the plain pipeline reader of that TP rank's files alone (no TP mapping involved); returns the file
+    changed."""
+    root, tag, tag_dir = find_tag_dir(ckpt, None)
+    local = read_stages(tp_rank_files(classify_files(root, tag, tag_dir), tp_rank, 2), FileCache())
+    assert local.tp_world_size == 1 and local.pp_world_size == 2
+    piece = next(p for p in local.entry(name).pieces if p.role is role and p.replica == replica)
+    f = next(f for f in piece.fragments if f.dst_offset <= local_index < f.dst_offset + f.numel)
+    tree = safe_load.materialize(safe_load.load(f.file))
+    lookup(tree, f.key, f.file).view(-1)[f.src_offset + local_index - f.dst_offset] = value
+    safe_save.save(tree, f.file)
+    return f.file
+
+
+@pytest.mark.parametrize("name, role, local_rc, cols, full_index, where", [
+    # row-parallel 2.fc2.weight (8, 12), stage 1: TP rank 1's local (3, 5) is full (3, 6 + 5); fp32 master in the
+    # stage-1 / TP-1 optimizer file (model-parallel rank 3)
+    ("2.fc2.weight", Role.MASTER, (3, 5), 6, 3 * 12 + 11, "mp_rank_03"),
+    # fused [gate; up] 1.fc1.weight (24, 8), stage 0: TP rank 1's local row 7 is its up-half row 1 -> full row
+    # 12 + 6 + 1; the module copy in layer_01's TP-1 file
+    ("1.fc1.weight", Role.MODULE, (7, 2), 8, 19 * 8 + 2, "layer_01-model_01"),
+])
+def test_scan_finds_inf_in_one_slice_at_full_index(tmp_path, name, role, local_rc, cols, full_index, where):
+    ckpt = _copy(FP32, tmp_path)
+    changed = _set_local(ckpt, 1, name, role, local_rc[0] * cols + local_rc[1], float("inf"))
+    assert where in changed.name
+    bad = [f for f in scan(ckpt).findings if f.count]
+    hit = [f for f in bad if f.name == name]
+    assert len(hit) == 1 and hit[0].first_indices == (full_index,) and hit[0].posinf == 1, [f.describe() for f in bad]
+    assert where in hit[0].file.name
+    r = CliRunner().invoke(main, ["scan", str(ckpt)])
+    assert r.exit_code == 1 and name in r.stdout
+
+
+def test_verify_flips_when_tp_replicas_disagree(tmp_path):
+    ckpt = _copy(BF16, tmp_path)
+    _set_local(ckpt, 1, "3.weight", Role.MASTER, 2, 0.5)
+    r = CliRunner().invoke(main, ["verify", str(ckpt)])
+    assert r.exit_code == 1, r.output
+    line = next(ln for ln in r.stdout.splitlines() if "3.weight" in ln)
+    assert "differs from replica 0 in 1 element(s)" in line and "mp_rank_03" in line
+
+
+def test_tied_embedding_copy_of_the_last_stage_is_checked(tmp_path):
+    """The tied embedding is trained on stage 0 and stage 1 (grads all-reduced): stage 1's optimizer copies are
+    replicas of stage 0's. A stage-1 fp32 master that drifted makes verify fail naming the stage-1 / TP-1 file; an
+    inf there is found by scan at its full index (TP rank 1's local row 2 is full row 16 + 2)."""
+    e = read_checkpoint(FP32 / "ckpt").entry(TIED)
+    copies = sorted((p.role.value, p.replica, p.same_as) for p in e.pieces)
+    assert copies == sorted([(r.value, 0, None) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE)]
+                            + [(r.value, 1, 0) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ)])
+    ckpt = _copy(FP32, tmp_path / "drift")
+    changed = _set_local(ckpt, 1, TIED, Role.MASTER, 2 * 8 + 3, 0.125, replica=1)
+    assert changed.name == "zero_pp_rank_0_mp_rank_03_optim_states.pt"
+    r = CliRunner().invoke(main, ["verify", str(ckpt)])
+    assert r.exit_code == 1, r.output
+    line = next(ln for ln in r.stdout.splitlines() if TIED in ln)
+    assert "differs from replica 0 in 1 element(s)" in line and "mp_rank_03" in line
+    # to-fp32 keeps the first stage's copy (what ds_to_universal keeps: pipeline_replicated_parameter_patterns)
+    out = tmp_path / "m.safetensors"
+    assert CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)]).exit_code == 0
+    assert torch.equal(_load(out)[TIED], universal(FP32)[f"fp32/{TIED}"])
+    ckpt = _copy(FP32, tmp_path / "inf")
+    _set_local(ckpt, 1, TIED, Role.EXP_AVG_SQ, 2 * 8 + 3, float("inf"), replica=1)
+    hit = [f for f in scan(ckpt).findings if f.count and f.name == TIED]
+    assert len(hit) == 1 and hit[0].first_indices == ((16 + 2) * 8 + 3,) and hit[0].file.name == changed.name, \
+        [f.describe() for f in hit]
+
+
+def test_diff_export_vs_deepspeed_merge_is_equal(tmp_path):
+    from safetensors.torch import save_file
+
+    ref = tmp_path / "ref.safetensors"
+    save_file({k[5:]: v.contiguous() for k, v in universal(BF16).items() if k.startswith("fp32/")}, str(ref))
+    r = CliRunner().invoke(main, ["diff", str(BF16 / "ckpt"), str(ref)])
+    assert r.exit_code == 0, r.output
+
+
+def _edit_model_states(ckpt: Path, edit) -> None:
+    for f in sorted((ckpt / "global_step3").glob("mp_rank_*_model_states.pt")):
+        tree = safe_load.materialize(safe_load.load(f))
+        edit(tree)
+        safe_save.save(tree, f)
+
+
+@pytest.mark.parametrize("edit, names", [
+    # no record at all: nothing says how any param is split
+    (lambda tree: tree.pop("universal_checkpoint_info"), [TIED, "1.ln.weight"]),
+    # a record that says two incompatible things: the fused fc1 (2 sub-params) also a vocabulary param
+    (lambda tree: tree["universal_checkpoint_info"]["vocabulary_parameter_patterns"].append(r"\d+.fc1.weight"),
+     ["1.fc1.weight", "2.fc1.weight"]),
+], ids=["no-record", "contradicting-record"])
+def test_params_the_record_does_not_cover_are_refused_by_name(tmp_path, edit, names):
+    ckpt = _copy(FP32, tmp_path)
+    _edit_model_states(ckpt, edit)
+    out = tmp_path / "o.safetensors"
+    r = CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)])
+    assert r.exit_code == 3, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "does not guess splits from shapes" in r.stderr
+    assert all(n in r.stderr for n in names), r.stderr
+    assert not out.exists()
+
+
+def test_record_differing_between_model_parallel_ranks_is_refused(tmp_path):
+    ckpt = _copy(FP32, tmp_path)
+    f = ckpt / "global_step3" / "mp_rank_02_model_states.pt"
+    tree = safe_load.materialize(safe_load.load(f))
+    tree["universal_checkpoint_info"]["padded_vocab_size"] = 34
+    safe_save.save(tree, f)
+    r = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert r.exit_code == 3 and "mp_rank_02_model_states.pt" in r.stderr and "differs" in r.stderr
+
+
+@pytest.mark.parametrize("gone, named", [
+    ("layer_02-model_01-model_states.pt", "layer_02-model_01"),
+    ("zero_pp_rank_0_mp_rank_03_optim_states.pt", "(pipeline stage, TP rank (1, 1))"),
+    ("mp_rank_03_model_states.pt", "expected mp_rank_00 .. mp_rank_03"),
+], ids=["layer-file", "optim-file", "model-states"])
+def test_missing_file_of_one_model_parallel_rank_is_named(tmp_path, gone, named):
+    ckpt = _copy(FP32, tmp_path)
+    (ckpt / "global_step3" / gone).unlink()
+    r = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert r.exit_code == 3 and named in r.stderr and "interrupted" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [["--world-size", "1"], ["--universal"]], ids=["world-size", "universal"])
+def test_reshard_refuses_pipeline_times_tensor_parallel(tmp_path, args):
+    r = CliRunner().invoke(main, ["reshard", str(FP32 / "ckpt"), str(tmp_path / "o"), *args])
+    assert r.exit_code == 3, r.output
+    assert "pipeline parallel size 2 x tensor parallel size 2" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_path):
+    """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) but
+    copies only the mp_rank_{stage * tp + t} files, not the layer files: reading that folder is refused, naming the
+    pipeline and tensor sizes, instead of taking the 4 model-parallel files for 4 TP ranks."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    out = tmp_path / "u" / "global_step3_universal"
+    res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          str(FP32 / "ckpt" / "global_step3"), "--output_folder", str(out), "--num_extract_workers",
+                          "1", "--num_merge_workers", "1"], check=False, capture_output=True, text=True, timeout=300,
+                         env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(p.name for p in out.glob("*.pt")) == [f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
+    r = CliRunner().invoke(main, ["info", str(out)])
+    assert r.exit_code == 3 and "pipeline 2 x tensor 2" in r.stderr and "not supported yet" in r.stderr
+
+
+def test_repair_patches_a_layer_file_slice_from_its_master(tmp_path):
+    """A bf16 element of TP rank 1's row slice of 2.fc2.weight (stage 1) in its layer file set to inf is repaired from
+    the fp32 master in the stage-1 / TP-1 optimizer file: full index 3 * 12 + 6 + 5; the output reads back equal to
+    the live engine's module params and scans clean."""
+    ckpt = _copy(BF16, tmp_path)
+    name = "2.fc2.weight"
+    changed = _set_local(ckpt, 1, name, Role.MODULE, 3 * 6 + 5, float("inf"))
+    assert changed.name == "layer_02-model_01-model_states.pt"
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["repair", str(ckpt), str(out), "--from", "master", "-q"])
+    assert r.exit_code == 0, r.output
+    assert f"{name} (param): 1 of 96 values at [47]" in r.stdout
+    cache_ = FileCache()
+    fixed = read_checkpoint(out, cache=cache_)
+    assert torch.equal(read_entry(fixed.entry(name), cache_, Role.MODULE),
+                       _merge_local(name, [truth(BF16)[f"tp{t}/lowp/{name}"] for t in range(2)]))
+    assert scan(out).findings == ()
