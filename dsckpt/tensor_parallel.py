@@ -75,7 +75,10 @@ class TpBlock:
 class ParamCut:
     """One param's cut: ``dim`` (None when replicated), the full shape, each rank's local shape, and per
     sub-param the width each rank holds along ``dim`` (one sub-param for a plain split). ``keep_rows``:
-    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding)."""
+    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding, :attr:`padding_rows`).
+    ``category``: the ``universal_checkpoint_info`` pattern list that decided the cut (e.g.
+    ``parameter_with_2_sub_params_cat_dim_0``; None for the default dim-0 split), which ds_to_universal's output
+    keys depend on."""
 
     name: str
     kind: SplitKind
@@ -84,6 +87,7 @@ class ParamCut:
     rank_shapes: tuple[tuple[int, ...], ...]
     sub_widths: tuple[tuple[int, ...], ...] = ()
     keep_rows: int | None = None
+    category: str | None = None
 
     @property
     def tp_size(self) -> int:
@@ -332,18 +336,21 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
             _match(ps, name) for ps in (row, vocab, two_sub))):
         if len(set(shapes)) != 1:
             raise ValueError(f"'{name}' is replicated but its TP ranks hold shapes {shapes}")
-        return ParamCut(name, SplitKind.REPLICATED, None, shapes[0], ranks)
+        return ParamCut(name, SplitKind.REPLICATED, None, shapes[0], ranks, category=_REPLICATED)
     if _match(average, name) is not None:
         raise ValueError(f"'{name}' is averaged across TP ranks (parameter_to_average_patterns), which has no exact "
                          "element source")
     sub = next((s for s in subs if _match([str(p) for p in s.get("patterns") or []], name)), None)
+    category: str | None = None
     if _match(two_sub, name) is not None:
+        category = _TWO_SUB
         dim = 0
         if any(s[0] % 2 for s in shapes):
             raise ValueError(f"'{name}' has 2 sub-params on dim 0 but a TP rank holds an odd row count {shapes}")
         sub_widths = tuple(tuple(s[0] // 2 for s in shapes) for _ in range(2))
         kind = SplitKind.SUB_PARAMS
     elif sub is not None:
+        category = _SUB
         dim = int(sub.get("partition_dim", 0))
         pat = _match([str(p) for p in widths], name)
         w = widths.get(pat) if pat is not None else None
@@ -353,6 +360,7 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
         kind = SplitKind.SUB_PARAMS
     else:
         dim = 1 if _match(row, name) is not None else 0
+        category = _ROW if dim == 1 else None
         sub_widths = (tuple(s[dim] if len(s) > dim else -1 for s in shapes),)
         kind = SplitKind.ROW if dim == 1 else SplitKind.COLUMN
     if any(len(s) <= dim for s in shapes):
@@ -376,9 +384,10 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
             raise ValueError(f"'{name}': TP ranks hold {full_d} rows, padded_vocab_size says {padded_vocab}")
         keep = orig_vocab
         kind = SplitKind.VOCABULARY
+        category = _VOCAB
     full_shape = list(shapes[0])
     full_shape[dim] = keep if keep is not None else full_d
-    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep)
+    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep, category)
 
 
 # --------------------------------------------------------------------------------------------

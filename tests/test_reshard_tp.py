@@ -20,9 +20,11 @@ from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.tensor_parallel import rank_view
 
-# Megatron-style fixtures pad their vocabulary (rows past original_vocab_size): refused for now (TP kept or not).
-RESHARDABLE = [fx for fx in TP_FIXTURES if not fx.name.startswith("megatron")]
+# Megatron-style fixtures pad their vocabulary (rows 30-31 past original_vocab_size 30): resharded with the TP size
+# kept (the padding rows carried), refused at another TP size (the padded size depends on the model).
+RESHARDABLE = list(TP_FIXTURES)
 PADDED = [fx for fx in TP_FIXTURES if fx.name.startswith("megatron")]
+UNPADDED = [fx for fx in TP_FIXTURES if fx not in PADDED]
 
 
 def _load(path: Path) -> dict:
@@ -109,7 +111,7 @@ def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
     assert (back.tp_world_size, back.dp_world_size) == (tp, dp)
 
 
-T1_CASES = [(fx, dp, stage) for fx in RESHARDABLE for dp, stage in ((1, None), (2, None), (3, 3 if meta(fx)["stage"] != 3 else 1))]
+T1_CASES = [(fx, dp, stage) for fx in UNPADDED for dp, stage in ((1, None), (2, None), (3, 3 if meta(fx)["stage"] != 3 else 1))]
 
 
 @pytest.mark.parametrize(("fx", "dp", "stage"), T1_CASES, ids=[f"{fx.name}-dp{dp}-z{s}" for fx, dp, s in T1_CASES])
@@ -175,12 +177,13 @@ def test_plan_is_one_data_parallel_plan_per_tp_rank():
 
 
 @pytest.mark.parametrize("fx", PADDED, ids=[fx.name for fx in PADDED])
-def test_padded_vocabulary_refused(fx, tmp_path):
-    for extra in ([], ["--tp-size", "1"]):
-        r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", *extra])
-        assert r.exit_code == 3, r.output
-        assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
-        assert not (tmp_path / "o").exists()
+def test_padded_vocabulary_tp_change_refused(fx, tmp_path):
+    """Another TP size pads the vocabulary to a size only the model knows: refused, pointing to --universal."""
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1"])
+    assert r.exit_code == 3, r.output
+    assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
+    assert "write --universal and load it with" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_tp_kept(tmp_path):
@@ -194,9 +197,12 @@ def test_cli_tp_kept(tmp_path):
 
 @pytest.mark.parametrize("fx", RESHARDABLE, ids=[fx.name for fx in RESHARDABLE])
 def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
-    """reshard --universal of an AutoTP checkpoint against DeepSpeed's own ds_to_universal of the same folder: the
-    same files (every TP rank's model-states file copied), and in each the same keys in order ({"param"}, and
-    {"vocab_tensor": True, "param"} for vocabulary params), dtypes, full shapes and values (torch.load, test side)."""
+    """reshard --universal of a TP checkpoint against DeepSpeed's own ds_to_universal of the same folder: the
+    same files (every TP rank's model-states file copied), and in each the same keys in order, dtypes, full shapes
+    and values (torch.load, test side). AutoTP: {"param"}, and {"vocab_tensor": True, "param"} for vocabulary
+    params; Megatron-style records: per-category keys ({"cat_dim": 1, "param"} row-parallel, {"cat_dim": 0,
+    "param_n_sub_params": 2, "param"} fused [gate; up], {"cat_dim": 0, "vocab_tensor": True, "param"} with the
+    vocabulary cut to original_vocab_size, {"param"} replicated)."""
     import subprocess
     import sys
 
@@ -219,11 +225,6 @@ def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
     for rel in want:
         if rel.endswith(".pt"):
             _same(torch.load(ds / rel, weights_only=False), torch.load(ours / rel, weights_only=False), [rel])
-
-
-def test_cli_universal_of_megatron_tp_refused(tmp_path):
-    r = CliRunner().invoke(main, ["reshard", str(PADDED[0] / "ckpt"), str(tmp_path / "o"), "--universal"])
-    assert r.exit_code == 3 and "Megatron-style record" in r.stderr
 
 
 def test_world_size_usage_errors():
