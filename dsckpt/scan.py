@@ -314,8 +314,8 @@ def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Calla
         if e.tied_to is not None:
             continue
         # The tensor, then its vocabulary padding rows (stored, trained values past its logical shape).
-        for all_pieces, numel, rows in ((e.pieces, e.numel, None),
-                                        (e.padding, e.padding_numel, (e.shape[0], e.shape[0] + e.padding_rows))):
+        padding = ((e.padding, e.padding_numel, (e.shape[0], e.shape[0] + e.padding_rows)),) if e.padding else ()
+        for all_pieces, numel, rows in ((e.pieces, e.numel, None), *padding):
             pieces = _distinct_pieces(tuple(p for p in all_pieces if dtype_info(p.dtype).is_floating), refs)
             if not pieces:
                 continue

@@ -16,8 +16,8 @@ from test_autotp_fixtures import STATES, TP_FIXTURES, meta
 from dsckpt.cli import main
 from dsckpt.ds_writers.facts import derive_facts
 from dsckpt.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
-from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.model import Role
+from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.tensor_parallel import rank_view
 
