@@ -386,6 +386,47 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
         assert rc == 0, log
 
 
+# A padded vocabulary at another TP size: refused by reshard, which points to --universal + load_universal. That
+# route, in real DeepSpeed: (launch ranks, TP size) -> fixtures written with reshard --universal.
+DS_TP_UNIVERSAL_CASES: dict[tuple[int, int], list[str]] = {
+    (2, 1): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 -> TP 1 x DP 2
+    (2, 2): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 x DP 1
+}
+
+
+@pytest.fixture(scope="module")
+def ds_tp_universal_runs(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_tp_universal")
+    written = {}
+    for name in dict.fromkeys(n for names in DS_TP_UNIVERSAL_CASES.values() for n in names):
+        out = base / name
+        r = CliRunner().invoke(main, ["reshard", str(TP_DIR / name / "ckpt"), str(out), "--universal", "-q"])
+        assert r.exit_code == 0, r.output
+        written[name] = out
+    runs = {}
+    for (world, tp), names in DS_TP_UNIVERSAL_CASES.items():
+        cwd = base / f"to{world}_tp{tp}"
+        cwd.mkdir()
+        runs[(world, tp)] = run_check_script("ds_tp_reshard_check.py", [f"{n}={written[n]}" for n in names],
+                                             args=["--tp-size", str(tp), "--universal"], world=world, cwd=cwd,
+                                             timeout=900)
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", list(DS_TP_UNIVERSAL_CASES), ids=lambda c: f"to{c[0]}ranks_tp{c[1]}")
+def test_deepspeed_loads_padded_vocabulary_universal(ds_tp_universal_runs, case):
+    """reshard --universal of a padded-vocabulary TP checkpoint, loaded with load_universal at TP 1 (the plain
+    30-row model) and at TP 2 (model + mpu): fp32 masters, Adam moments, module weights, step exact -- the padding
+    rows zero at TP 2, as DeepSpeed's universal loader re-pads them --, logits as for the reshard checks."""
+    rc, results, log = ds_tp_universal_runs[case]
+    results, _ = passed_except_controls(results, log)
+    assert [r["fixture"] for r in results] == DS_TP_UNIVERSAL_CASES[case]
+    assert rc == 0, log
+
+
 def test_cli_dry_run_names_tp_and_dp(tmp_path):
     fx = TP_DIR / "autotp_z2_fp32_tp2_dp2"
     r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1",
