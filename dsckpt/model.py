@@ -131,10 +131,27 @@ class TensorEntry:
     # The files do not determine whether this param owns an optimizer-side tensor (see
     # LogicalCheckpoint.ambiguities): ``trainable`` is then unknown and no master/moments are attached.
     ambiguous: bool = False
+    # Stored values past the logical shape that training keeps: the vocabulary padding rows of a tensor-parallel
+    # checkpoint (Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP; its
+    # vocab-parallel loss trains those rows). They are rows ``[shape[0], shape[0] + padding_rows)`` of the stored
+    # tensor, one Piece per stored copy (same role / replica as in ``pieces``) in flat coordinates of those rows.
+    # Not part of the tensor: commands that export or compare its values (to-fp32, diff, universal) leave them
+    # out, as DeepSpeed's ds_to_universal does; scan checks them and reshard carries them where the padded size
+    # is kept (dsckpt.tensor_parallel.rank_view).
+    padding: tuple[Piece, ...] = ()
+    padding_rows: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def padding_numel(self) -> int:
+        return self.padding_rows * math.prod(self.shape[1:])
+
+    def padding_piece(self, role: Role, replica: int = 0) -> Piece | None:
+        """The padding values of the stored copy with ``role`` and ``replica``, or None."""
+        return next((p for p in self.padding if p.role is role and p.replica == replica), None)
 
     def piece(self, role: Role) -> Piece | None:
         """The primary copy with ``role`` (replica 0), or None."""

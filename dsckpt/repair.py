@@ -217,6 +217,10 @@ def assess_damage(logical: LogicalCheckpoint, cache: FileCache, report: ScanRepo
         if f.name is None:
             orphans.append(f"{f.file.name} {f.key_str}: {f.count} non-finite values outside any tensor "
                            "(padding or unrecognised data)")
+        elif f.padding_rows is not None:
+            orphans.append(f"{f.file.name} {f.key_str}: {f.count} non-finite values in the vocabulary padding rows "
+                           f"{f.padding_rows[0]}-{f.padding_rows[1] - 1} of '{f.name}' (not part of the tensor; "
+                           "repair does not patch them)")
         elif f.name not in names:
             names.append(f.name)
     damage = {}

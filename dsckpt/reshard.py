@@ -520,7 +520,8 @@ def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) 
             f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
             f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
             f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
-    checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL)
+    # ds_to_universal cuts vocabulary padding rows: no padding values to compare
+    checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL, padding=False)
     new_cache.finish_checks()
     return checked
 

@@ -160,7 +160,9 @@ class Finding:
     """Suspicious values in one stored copy of one tensor, in one file.
 
     ``first_indices`` are flat indices into the logical tensor ``name`` (into the stored tensor at
-    ``key`` when ``name`` is None). For ``nonfinite``, ``count == nan + posinf + neginf``.
+    ``key`` when ``name`` is None; into the rows ``padding_rows = (first, end)`` of the stored tensor, past
+    its logical shape, for vocabulary padding, :attr:`~dsckpt.model.TensorEntry.padding`). For
+    ``nonfinite``, ``count == nan + posinf + neginf``.
     """
 
     check: Check
@@ -178,6 +180,7 @@ class Finding:
     rank: int | None = None
     replica: int = 0
     aliases: tuple[str, ...] = ()
+    padding_rows: tuple[int, int] | None = None
 
     @property
     def key_str(self) -> str:
@@ -188,6 +191,8 @@ class Finding:
             return (f"client state {self.file.name} {self.key_str}: {self.dtype}, {self._counts()} of "
                     f"{self.numel} values; kept by the trainer, not model data (not a finding)")
         what = self.name if self.name is not None else f"(no tensor) {self.key_str}"
+        if self.padding_rows is not None:
+            what += f" vocabulary padding rows {self.padding_rows[0]}-{self.padding_rows[1] - 1}"
         if self.check is Check.NONFINITE:
             detail = self._counts()
         elif self.check is Check.FP16_OVERFLOW:
@@ -209,6 +214,7 @@ class Finding:
             "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf,
             "first_indices": list(self.first_indices), "rank": self.rank, "replica": self.replica,
             "aliases": list(self.aliases),
+            "padding_rows": list(self.padding_rows) if self.padding_rows is not None else None,
         }
 
 
@@ -223,6 +229,7 @@ class EntryScan:
     overflow_pieces: tuple[int, ...]  # indices into pieces: fp32 masters of an fp16 run
     compare: tuple[int, int] | None  # (master piece, 16-bit module piece) to compare
     aliases: tuple[str, ...] = ()
+    padding_rows: tuple[int, int] | None = None  # the entry's vocabulary padding rows, not the tensor itself
 
 
 @dataclass(frozen=True)
@@ -306,22 +313,26 @@ def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Calla
     for e in logical.entries:
         if e.tied_to is not None:
             continue
-        pieces = _distinct_pieces(tuple(p for p in e.pieces if dtype_info(p.dtype).is_floating), refs)
-        if not pieces:
-            continue
-        kinds = tuple(stored_kind(e, p.role) for p in pieces)
-        overflow = tuple(i for i, p in enumerate(pieces)
-                         if Check.FP16_OVERFLOW in checks and logical.precision is Precision.FP16
-                         and p.role is Role.MASTER and p.dtype == "float32")
-        compare = None
-        if Check.MISMATCH in checks:
-            m = next((i for i, p in enumerate(pieces) if p.role is Role.MASTER and p.dtype == "float32"), None)
-            lp = next((i for i, p in enumerate(pieces)
-                       if p.role is Role.MODULE and p.replica == 0 and p.dtype in ("float16", "bfloat16")), None)
-            if m is not None and lp is not None:
-                compare = (m, lp)
-        entries.append(EntryScan(e.name, e.numel, pieces, kinds, overflow, compare, tuple(aliases.get(e.name, ()))))
-        nbytes += sum(p.numel * dtype_info(p.dtype).itemsize for p in pieces)
+        # The tensor, then its vocabulary padding rows (stored, trained values past its logical shape).
+        padding = ((e.padding, e.padding_numel, (e.shape[0], e.shape[0] + e.padding_rows)),) if e.padding else ()
+        for all_pieces, numel, rows in ((e.pieces, e.numel, None), *padding):
+            pieces = _distinct_pieces(tuple(p for p in all_pieces if dtype_info(p.dtype).is_floating), refs)
+            if not pieces:
+                continue
+            kinds = tuple(stored_kind(e, p.role) for p in pieces)
+            overflow = tuple(i for i, p in enumerate(pieces)
+                             if Check.FP16_OVERFLOW in checks and logical.precision is Precision.FP16
+                             and p.role is Role.MASTER and p.dtype == "float32")
+            compare = None
+            if Check.MISMATCH in checks:
+                m = next((i for i, p in enumerate(pieces) if p.role is Role.MASTER and p.dtype == "float32"), None)
+                lp = next((i for i, p in enumerate(pieces)
+                           if p.role is Role.MODULE and p.replica == 0 and p.dtype in ("float16", "bfloat16")), None)
+                if m is not None and lp is not None:
+                    compare = (m, lp)
+            entries.append(EntryScan(e.name, numel, pieces, kinds, overflow, compare, tuple(aliases.get(e.name, ())),
+                                     rows))
+            nbytes += sum(p.numel * dtype_info(p.dtype).itemsize for p in pieces)
     raw = _uncovered(logical, trees, refs)
     nbytes += sum(r.numel * dtype_info(r.dtype).itemsize for r in raw)
     scalars = nonfinite_scalars(trees) if target_kind is TargetKind.DEEPSPEED else ()
@@ -392,7 +403,7 @@ def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
     for e in logical.entries:
         if e.tied_to is not None:
             continue
-        for p in e.pieces:
+        for p in (*e.pieces, *e.padding):
             for f in p.fragments:
                 ref = refs(f.file, f.key)
                 if not isinstance(ref, TensorRef):
@@ -483,6 +494,7 @@ class _Where:
     rank: int | None
     replica: int
     aliases: tuple[str, ...]
+    padding_rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -546,10 +558,11 @@ class _Tally:
 
 class _Collector:
     def __init__(self) -> None:
-        self.tallies: dict[tuple[Check, str | None, Path, tuple[Any, ...], int], tuple[_Where, _Tally]] = {}
+        self.tallies: dict[tuple[Check, str | None, Path, tuple[Any, ...], int, tuple[int, int] | None],
+                           tuple[_Where, _Tally]] = {}
 
     def get(self, check: Check, where: _Where) -> _Tally:
-        k = (check, where.name, where.file, where.key, where.replica)
+        k = (check, where.name, where.file, where.key, where.replica, where.padding_rows)
         if k not in self.tallies:
             self.tallies[k] = (where, _Tally())
         return self.tallies[k][1]
@@ -559,7 +572,8 @@ class _Collector:
         for (check, *_), (w, t) in self.tallies.items():
             if t.count:
                 out.append(Finding(check, w.name, w.file, w.key, w.kind, w.dtype, t.count, t.numel,
-                                   tuple(t.first), t.nan, t.posinf, t.neginf, w.rank, w.replica, w.aliases))
+                                   tuple(t.first), t.nan, t.posinf, t.neginf, w.rank, w.replica, w.aliases,
+                                   w.padding_rows))
         return out
 
 
@@ -710,8 +724,8 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
         frags = [contiguous_fragments(piece) for piece in es.pieces]
         starts = [[f.dst_offset for f in fs] for fs in frags]
         for piece, kind, fs in zip(es.pieces, es.kinds, frags):
-            wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases)
-                           for f in fs])
+            wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases,
+                                  es.padding_rows) for f in fs])
             refs.append([cache.tensor(f.file, f.key) for f in fs])
             for f in fs:
                 stored.add((f.file, f.key))

@@ -75,7 +75,10 @@ class TpBlock:
 class ParamCut:
     """One param's cut: ``dim`` (None when replicated), the full shape, each rank's local shape, and per
     sub-param the width each rank holds along ``dim`` (one sub-param for a plain split). ``keep_rows``:
-    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding)."""
+    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding, :attr:`padding_rows`).
+    ``category``: the ``universal_checkpoint_info`` pattern list that decided the cut (e.g.
+    ``parameter_with_2_sub_params_cat_dim_0``; None for the default dim-0 split), which ds_to_universal's output
+    keys depend on."""
 
     name: str
     kind: SplitKind
@@ -84,6 +87,7 @@ class ParamCut:
     rank_shapes: tuple[tuple[int, ...], ...]
     sub_widths: tuple[tuple[int, ...], ...] = ()
     keep_rows: int | None = None
+    category: str | None = None
 
     @property
     def tp_size(self) -> int:
@@ -96,6 +100,29 @@ class ParamCut:
         extra = f", {len(self.sub_widths)} sub-params" if self.kind is SplitKind.SUB_PARAMS else ""
         keep = f", {self.keep_rows} rows kept" if self.keep_rows is not None else ""
         return f"{self.kind.value} dim {self.dim} ({w}{extra}{keep})"
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows of the padded vocabulary past ``keep_rows`` (0 for other params)."""
+        if self.keep_rows is None:
+            return 0
+        return sum(sum(ws) for ws in self.sub_widths) - self.keep_rows
+
+    def padding_blocks(self, t: int) -> tuple[TpBlock, ...]:
+        """Where TP rank ``t``'s local elements past ``keep_rows`` (vocabulary padding rows) go in the flattened
+        padding rows ``[keep_rows, padded)`` of the full tensor (:attr:`~dsckpt.model.TensorEntry.padding`).
+        Together with :meth:`rank_blocks` they cover every local element once."""
+        if not self.padding_rows:
+            return ()
+        assert self.kind is SplitKind.VOCABULARY and self.dim == 0 and len(self.sub_widths) == 1
+        inner = math.prod(self.full_shape[1:])
+        ws = self.sub_widths[0]
+        start = sum(ws[:t])
+        first = max(start, self.keep_rows or 0)
+        rows = start + ws[t] - first
+        if rows <= 0:
+            return ()
+        return (TpBlock((first - start) * inner, rows * inner, (first - (self.keep_rows or 0)) * inner),)
 
     def rank_blocks(self, t: int) -> tuple[TpBlock, ...]:
         """Where TP rank ``t``'s local flat elements go in the flattened full tensor (padding rows: nowhere)."""
@@ -144,7 +171,8 @@ class TpLayout:
 def compose(frag: Fragment, blocks: Sequence[TpBlock]) -> list[Fragment]:
     """Map a contiguous fragment of a TP rank's *local* flat tensor (``dst_offset`` in local coordinates) to
     fragments of the *full* flat tensor: contiguous ones, and for a strided block one strided fragment of whole
-    runs plus partial head/tail runs. Local elements no block covers (vocabulary padding) are dropped."""
+    runs plus partial head/tail runs. Local elements no block covers are left out: the readers map vocabulary
+    padding rows through :meth:`ParamCut.padding_blocks` into the entry's padding pieces instead."""
     assert not frag.run_numel, "readers give contiguous local fragments"
     out: list[Fragment] = []
     lo, hi = frag.dst_offset, frag.dst_offset + frag.numel
@@ -308,18 +336,21 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
             _match(ps, name) for ps in (row, vocab, two_sub))):
         if len(set(shapes)) != 1:
             raise ValueError(f"'{name}' is replicated but its TP ranks hold shapes {shapes}")
-        return ParamCut(name, SplitKind.REPLICATED, None, shapes[0], ranks)
+        return ParamCut(name, SplitKind.REPLICATED, None, shapes[0], ranks, category=_REPLICATED)
     if _match(average, name) is not None:
         raise ValueError(f"'{name}' is averaged across TP ranks (parameter_to_average_patterns), which has no exact "
                          "element source")
     sub = next((s for s in subs if _match([str(p) for p in s.get("patterns") or []], name)), None)
+    category: str | None = None
     if _match(two_sub, name) is not None:
+        category = _TWO_SUB
         dim = 0
         if any(s[0] % 2 for s in shapes):
             raise ValueError(f"'{name}' has 2 sub-params on dim 0 but a TP rank holds an odd row count {shapes}")
         sub_widths = tuple(tuple(s[0] // 2 for s in shapes) for _ in range(2))
         kind = SplitKind.SUB_PARAMS
     elif sub is not None:
+        category = _SUB
         dim = int(sub.get("partition_dim", 0))
         pat = _match([str(p) for p in widths], name)
         w = widths.get(pat) if pat is not None else None
@@ -329,6 +360,7 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
         kind = SplitKind.SUB_PARAMS
     else:
         dim = 1 if _match(row, name) is not None else 0
+        category = _ROW if dim == 1 else None
         sub_widths = (tuple(s[dim] if len(s) > dim else -1 for s in shapes),)
         kind = SplitKind.ROW if dim == 1 else SplitKind.COLUMN
     if any(len(s) <= dim for s in shapes):
@@ -352,9 +384,10 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
             raise ValueError(f"'{name}': TP ranks hold {full_d} rows, padded_vocab_size says {padded_vocab}")
         keep = orig_vocab
         kind = SplitKind.VOCABULARY
+        category = _VOCAB
     full_shape = list(shapes[0])
     full_shape[dim] = keep if keep is not None else full_d
-    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep)
+    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep, category)
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,18 +401,24 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
     :func:`compose`. The ZeRO writers then plan rank ``t``'s files from it like from any other checkpoint. Pure.
 
     A replicated param (and a buffer) takes the copy of source TP rank ``t`` (rank 0's where the source has fewer
-    TP ranks); its files (model states, optimizer files) are that source rank's. Local elements no full element
-    lands on (vocabulary padding rows) have no source: such a layout is refused."""
+    TP ranks); its files (model states, optimizer files) are that source rank's. Vocabulary padding rows (local
+    elements :meth:`ParamCut.padding_blocks` places past the kept rows) take their values from the entry's
+    padding pieces (:attr:`~dsckpt.model.TensorEntry.padding`), so a reshard that keeps the padded vocabulary
+    carries them bit for bit. Refused (:class:`~dsckpt.errors.UnsupportedCheckpointError`) where ``layout`` pads
+    to another row count than the source, or the source lacks a copy's padding values (a universal checkpoint:
+    ds_to_universal cut them)."""
     src_tp = max(1, ckpt.tp_world_size)
     s = t if t < src_tp else 0
-    padded = [n for n, c in layout.name_to_cut.items() if c.keep_rows is not None
-              and sum(b.numel for b in c.rank_blocks(t)) != math.prod(c.rank_shapes[t])]
-    if padded:
+    other_size = [f"{e.name} ({e.shape[0] + e.padding_rows} rows, {e.shape[0] + layout.name_to_cut[e.name].padding_rows}"
+                  " at the target)" for e in ckpt.entries
+                  if e.tied_to is None and layout.name_to_cut[e.name].padding_rows != e.padding_rows]
+    if other_size:
         raise UnsupportedCheckpointError(
-            f"cannot write TP rank {t} of '{ckpt.tag_dir}': its slices of {_list(padded)} hold padding rows past the "
-            "original vocabulary size, whose values dsckpt does not keep; resharding a padded vocabulary is not "
-            "supported yet")
+            f"cannot write TP rank {t} of '{ckpt.tag_dir}': the target pads the vocabulary of {_list(other_size)} "
+            "differently from the source, whose padding rows dsckpt would have to invent; keep the TP size, or write "
+            "--universal and load it with DeepSpeed's universal loader, which pads for the new model")
     entries: dict[str, TensorEntry] = {}
+    no_padding: list[str] = []
     for e in ckpt.entries:
         if e.tied_to is not None:
             continue
@@ -387,10 +426,26 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
         if cut.kind is SplitKind.REPLICATED or cut.dim is None:
             pieces = _replicas_of(e.pieces, s, src_tp)
         else:
-            blocks = cut.rank_blocks(t)
-            pieces = tuple(Piece(p.role, p.dtype, _local_fragments(p, blocks, e.name), p.replica) for p in e.pieces
-                           if p.same_as is None)
-        entries[e.name] = dataclasses.replace(e, shape=cut.rank_shapes[t], pieces=pieces)
+            blocks, pad_blocks = cut.rank_blocks(t), cut.padding_blocks(t)
+            out_pieces = []
+            for p in e.pieces:
+                if p.same_as is not None:
+                    continue
+                frags = _local_fragments(p, blocks, e.name)
+                if pad_blocks:
+                    pad = e.padding_piece(p.role, p.replica)
+                    if pad is None:
+                        no_padding.append(f"{e.name} ({p.role.value})")
+                        continue
+                    frags += _local_fragments(pad, pad_blocks, f"{e.name} (vocabulary padding rows)")
+                out_pieces.append(Piece(p.role, p.dtype, frags, p.replica))
+            pieces = tuple(out_pieces)
+        entries[e.name] = dataclasses.replace(e, shape=cut.rank_shapes[t], pieces=pieces, padding=(), padding_rows=0)
+    if no_padding:
+        raise UnsupportedCheckpointError(
+            f"cannot write TP rank {t} of '{ckpt.tag_dir}': the source holds no values for the vocabulary padding rows "
+            f"of {_list(no_padding)} (a universal checkpoint: ds_to_universal cuts them); load it with DeepSpeed's "
+            "universal loader, which pads with zeros")
     out = []
     for e in ckpt.entries:
         if e.tied_to is not None:
@@ -456,12 +511,13 @@ def resize_layout(layout: TpLayout, tp_size: int) -> TpLayout:
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size from {layout.tp_size} to {tp_size} is not supported yet (only to 1: "
             "a plain checkpoint of full tensors); keep the TP size, or write TP 1")
-    padded = [n for n, c in layout.name_to_cut.items()
-              if c.keep_rows is not None and c.keep_rows < sum(sum(ws) for ws in c.sub_widths)]
+    padded = [n for n, c in layout.name_to_cut.items() if c.padding_rows]
     if padded:
         raise UnsupportedCheckpointError(
             f"{_list(padded)} hold padding rows past the original vocabulary size, which a model at another TP size "
-            "pads differently; changing the TP size of a padded vocabulary is not supported yet")
+            "pads to a size only the model knows (Megatron: make_vocab_size_divisible_by x TP); changing the TP size "
+            "of a padded vocabulary is not supported: write --universal and load it with "
+            "\"checkpoint\": {\"load_universal\": true} (DeepSpeed re-pads the vocabulary with zeros for the new model)")
     cuts = {}
     for name, c in layout.name_to_cut.items():
         widths = tuple((sum(ws),) for ws in c.sub_widths)

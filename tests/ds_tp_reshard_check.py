@@ -6,7 +6,11 @@
 For each pair: the fixture's model (``tests/fixtures/autotp_models.py``, same seed) and ds_config, with
 ``"tensor_parallel": {"autotp_size": T}`` (no TP section at T = 1; DeepSpeed derives ``train_batch_size`` for the
 N / T data-parallel ranks) and, with ``--zero-stage``, that ZeRO stage; ``deepspeed.init_distributed("gloo")``, ``deepspeed.initialize``,
-plain ``engine.load_checkpoint(dir)``. Then, against ``truth.safetensors`` (what the source engine returned), exactly:
+plain ``engine.load_checkpoint(dir)``. ``megatron_*`` fixtures are rebuilt as generate_autotp.py built them: this TP
+rank's ``tp_megatron_models.MegatronNet`` (padded vocabulary: its local slices hold the padding rows) and its
+``MPU(T)`` passed to ``deepspeed.initialize`` (no AutoTP). With ``--universal`` the directories are ``reshard
+--universal`` folders, loaded with ``"checkpoint": {"load_universal": true}`` (a padded vocabulary's padding rows are
+then expected zero: DeepSpeed's universal loader re-pads the cut vocabulary with zeros). Then, against ``truth.safetensors`` (what the source engine returned), exactly:
 
 * per param, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(exp_avg / exp_avg_sq)`` -- at the
   source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``);
@@ -40,6 +44,9 @@ p.add_argument("--result", default=None)
 p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures", "autotp"))
 p.add_argument("--tp-size", type=int, required=True)
 p.add_argument("--zero-stage", type=int, default=None)
+p.add_argument("--universal", action="store_true",
+               help='the directories are universal folders (reshard --universal), loaded with "load_universal": the '
+                    "padding rows of a padded vocabulary are expected zero (DeepSpeed's loader pads with zeros)")
 p.add_argument("--logits-atol", type=float, default=None,
                help="allowed max |logit difference| at another TP size (default: what phase 1 recorded for the fixture: "
                     "a plain model loaded with DeepSpeed's merged fp32, run in the fixture's dtype)")
@@ -66,6 +73,7 @@ TP = args.tp_size
 
 
 def build(name):
+    """``(spec, engine, tp_rank, dp_rank)`` of the fixture's model at TP size ``TP``."""
     spec = dict(am.AUTOTP_FIXTURES[name])
     spec["tp"] = TP
     if args.zero_stage is not None:
@@ -73,9 +81,33 @@ def build(name):
     cfg = am.ds_config(spec)
     if TP == 1:
         cfg.pop("tensor_parallel", None)
+    if args.universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    if spec["arch"] == "megatron":  # as generate_autotp.py: this TP rank's slices + an mpu, no AutoTP
+        import tp_megatron_models as mm
+
+        mpu = mm.MPU(TP)
+        model = mm.MegatronNet(mpu.tp_group, mpu.tp_rank, TP)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+        return spec, engine, mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()
     model = am.make_model(spec["arch"])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    return spec, engine
+    if TP == 1:
+        return spec, engine, 0, dist.get_rank()
+    return spec, engine, groups.get_tensor_model_parallel_rank(), groups.get_data_parallel_rank()
+
+
+def expected(truth, key, n, tp_rank, same_tp, megatron):
+    """What the engine must hold for ``key`` of param ``n``: the source's TP-local slice at its TP size, else the
+    full tensor; from a universal folder the padding rows of a padded vocabulary are zeros (DeepSpeed's universal
+    loader re-pads what ds_to_universal cut, checkpoint/universal_checkpoint.py load_hp_checkpoint_state)."""
+    want = truth[f"tp{tp_rank}/{key}/{n}" if same_tp else f"{key}/{n}"]
+    if args.universal and megatron and same_tp and n in ("embed.weight", "head.weight"):
+        import tp_megatron_models as mm
+
+        want = want.clone()
+        want[max(0, mm.VOCAB - tp_rank * want.shape[0]):] = 0
+    return want
 
 
 def check_one(name, ckpt_dir):
@@ -85,11 +117,9 @@ def check_one(name, ckpt_dir):
     import json
 
     meta = json.load(open(os.path.join(fx, "truth.json")))
-    spec, engine = build(name)
-    tp_rank = groups.get_tensor_model_parallel_rank() if TP > 1 else 0
-    dp_rank = groups.get_data_parallel_rank() if TP > 1 else dist.get_rank()
+    spec, engine, tp_rank, dp_rank = build(name)
+    megatron = spec["arch"] == "megatron"
     same_tp = TP == meta["tp_size"]
-    prefix = f"tp{tp_rank}/" if same_tp else ""
     path, _ = engine.load_checkpoint(ckpt_dir)
     if path is None:
         return [f"load_checkpoint found nothing in {ckpt_dir}"]
@@ -102,7 +132,7 @@ def check_one(name, ckpt_dir):
         for key, got in (("param", safe_get_full_fp32_param(q)),
                          ("exp_avg", safe_get_full_optimizer_state(q, "exp_avg")),
                          ("exp_avg_sq", safe_get_full_optimizer_state(q, "exp_avg_sq"))):
-            want = truth[f"{prefix}{key}/{n}"]
+            want = expected(truth, key, n, tp_rank, same_tp, megatron)
             if got is None or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.float().cpu(), want):
                 problems.append(f"{key} of '{n}' differs from the source"
                                 + (f" (shape {list(got.shape)}, expected {list(want.shape)})"
@@ -112,7 +142,7 @@ def check_one(name, ckpt_dir):
                 lowp = q.data.detach().cpu().clone()
         else:
             lowp = q.data.detach().cpu()
-        want = truth[f"{prefix}lowp/{n}"]
+        want = expected(truth, "lowp", n, tp_rank, same_tp, megatron)
         if tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp.to(want.dtype), want):
             problems.append(f"module weight '{n}' differs from the source")
     if engine.global_steps != meta["global_steps"] or engine.global_samples != meta["global_samples"]:
@@ -123,9 +153,10 @@ def check_one(name, ckpt_dir):
     if steps != {float(am.STEPS)}:
         problems.append(f"Adam step {sorted(steps)} != {am.STEPS}")
     engine.eval()
-    vocab = meta["model_config"]["vocab_size"]
+    vocab = meta["model_config"]["vocab" if megatron else "vocab_size"]
     with torch.no_grad():
-        logits = engine(input_ids=am.eval_ids(vocab)).logits.detach().float().cpu()
+        ids = am.eval_ids(vocab)
+        logits = (engine(ids) if megatron else engine(input_ids=ids).logits).detach().float().cpu()
     diff = float((logits - truth["logits"]).abs().max())
     atol = logits_slack(float(truth["logits"].abs().max()), meta["dtype"])
     if not same_tp:
@@ -134,7 +165,12 @@ def check_one(name, ckpt_dir):
     if not diff <= atol:
         problems.append(f"logits differ from the source engine's by {diff:.3g} > {atol:.3g}")
     engine.train()
-    loss = engine(input_ids=am.make_batch(am.STEPS, dp_rank, vocab), labels=am.make_batch(am.STEPS, dp_rank, vocab)).loss
+    ids = am.make_batch(am.STEPS, dp_rank, vocab)
+    if megatron:  # as generate_autotp.forward_loss
+        out = engine(ids)
+        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), ids.reshape(-1))
+    else:
+        loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
     if not torch.isfinite(loss):

@@ -15,14 +15,17 @@ from test_autotp_fixtures import STATES, TP_FIXTURES, meta
 
 from dsckpt.cli import main
 from dsckpt.ds_writers.facts import derive_facts
-from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from dsckpt.model import Role
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.tensor_parallel import rank_view
 
-# Megatron-style fixtures pad their vocabulary (rows past original_vocab_size): refused for now (TP kept or not).
-RESHARDABLE = [fx for fx in TP_FIXTURES if not fx.name.startswith("megatron")]
+# Megatron-style fixtures pad their vocabulary (rows 30-31 past original_vocab_size 30): resharded with the TP size
+# kept (the padding rows carried), refused at another TP size (the padded size depends on the model).
+RESHARDABLE = list(TP_FIXTURES)
 PADDED = [fx for fx in TP_FIXTURES if fx.name.startswith("megatron")]
+UNPADDED = [fx for fx in TP_FIXTURES if fx not in PADDED]
 
 
 def _load(path: Path) -> dict:
@@ -79,8 +82,9 @@ CASES = [(fx, dp, stage) for fx in RESHARDABLE
 @pytest.mark.parametrize(("fx", "dp", "stage"), CASES, ids=[f"{fx.name}-dp{dp}-z{s}" for fx, dp, s in CASES])
 def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
     """TP kept, data-parallel size (and optionally the ZeRO stage) changed: every TP rank's local fp32 master and
-    Adam moments equal the source's exactly, file names carry the TP rank, and universal_checkpoint_info and the
-    other model-states keys are carried unchanged."""
+    Adam moments (and, between ZeRO-1/2 layouts, its 16-bit module weights) equal the source's exactly --
+    vocabulary padding rows included (megatron_*: local rows 14-15 of TP rank 1) --, file names carry the TP rank,
+    and universal_checkpoint_info and the other model-states keys are carried unchanged."""
     m = meta(fx)
     tp = m["tp_size"]
     out = tmp_path / "out"
@@ -100,6 +104,10 @@ def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
         ms_a, ms_b = _load(src_tag / src_model.format(t=t)), _load(new_tag / new_model.format(t=t))
         assert ms_b["universal_checkpoint_info"] == ms_a["universal_checkpoint_info"]
         assert ms_b["dp_world_size"] == dp
+        if 3 not in (m["stage"], new_stage):
+            assert ms_a["module"].keys() == ms_b["module"].keys()
+            for name, v in ms_a["module"].items():
+                assert v.dtype == ms_b["module"][name].dtype and torch.equal(v, ms_b["module"][name]), (t, name)
         for key in ("mp_world_size", "global_steps", "global_samples", "checkpoint_parallel_dimensions"):
             assert ms_b.get(key) == ms_a.get(key), key
     names = sorted(p.name for p in new_tag.iterdir())
@@ -109,7 +117,7 @@ def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
     assert (back.tp_world_size, back.dp_world_size) == (tp, dp)
 
 
-T1_CASES = [(fx, dp, stage) for fx in RESHARDABLE for dp, stage in ((1, None), (2, None), (3, 3 if meta(fx)["stage"] != 3 else 1))]
+T1_CASES = [(fx, dp, stage) for fx in UNPADDED for dp, stage in ((1, None), (2, None), (3, 3 if meta(fx)["stage"] != 3 else 1))]
 
 
 @pytest.mark.parametrize(("fx", "dp", "stage"), T1_CASES, ids=[f"{fx.name}-dp{dp}-z{s}" for fx, dp, s in T1_CASES])
@@ -158,6 +166,44 @@ def test_same_size_round_trip_reproduces_source_values(tmp_path):
             assert torch.equal(a[s][name], b[s][name])
 
 
+def test_verify_sees_the_padding_rows(tmp_path):
+    """The read-back verification compares the vocabulary padding rows too: one changed padding value of the
+    output (head.weight's exp_avg, TP rank 1's local row 15 = padding row 31) is a difference naming them."""
+    from dsckpt.ds_writers.readback import compare_checkpoints
+
+    fx = TP_DIR / "megatron_z2_fp32_tp2_dp2"
+    _reshard(fx, tmp_path / "o", 2)
+    f = tmp_path / "o" / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    sd = _load(f)
+    shapes = _load(tmp_path / "o" / "global_step3" / "mp_rank_01_model_states.pt")["param_shapes"][0]
+    assert list(shapes)[-1] == "head.weight"
+    sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][
+        sum(math.prod(s) for s in shapes.values()) - 1] += 1.0
+    torch.save(sd, f)
+    src_cache, new_cache = FileCache(), FileCache()
+    src, new = read_checkpoint(fx / "ckpt", cache=src_cache), read_checkpoint(tmp_path / "o", cache=new_cache)
+    assert compare_checkpoints(src, src_cache, new, new_cache, full=True, padding=False) > 0
+    with pytest.raises(CorruptCheckpointError, match=r"'head.weight' \(exp_avg padding rows\) differs in elements "
+                                                     r"\[0, 16\)"):
+        compare_checkpoints(src, src_cache, new, new_cache, full=True)
+
+
+def test_universal_source_has_no_padding_to_carry(tmp_path):
+    """A universal folder of a padded vocabulary keeps no padding values for the masters and moments
+    (ds_to_universal cuts them; the copied model-states files keep the module's): its TP rank 1 view (which holds
+    the padding rows) is refused, naming them; rank 0's holds none and is planned."""
+    fx = TP_DIR / "megatron_z1_bf16_tp2_dp1"
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    u = read_checkpoint(tmp_path / "u")
+    e = u.entry("embed.weight")
+    assert (e.padding_rows, [p.role for p in e.padding]) == (2, [Role.MODULE])
+    assert rank_view(u, u.tensor_parallel, 0).entry("embed.weight").shape == (16, 8)
+    with pytest.raises(UnsupportedCheckpointError, match=r"holds no values for the vocabulary padding rows of "
+                                                         r"embed.weight \(master\), embed.weight \(exp_avg\)"):
+        rank_view(u, u.tensor_parallel, 1)
+
+
 def test_plan_is_one_data_parallel_plan_per_tp_rank():
     """Pure: the plan of a TP checkpoint is one ordinary plan per TP rank, planned from that rank's view."""
     fx = next(f for f in RESHARDABLE if f.name == "autotp_z1_bf16_tp2_dp1_kv3")
@@ -175,12 +221,13 @@ def test_plan_is_one_data_parallel_plan_per_tp_rank():
 
 
 @pytest.mark.parametrize("fx", PADDED, ids=[fx.name for fx in PADDED])
-def test_padded_vocabulary_refused(fx, tmp_path):
-    for extra in ([], ["--tp-size", "1"]):
-        r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", *extra])
-        assert r.exit_code == 3, r.output
-        assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
-        assert not (tmp_path / "o").exists()
+def test_padded_vocabulary_tp_change_refused(fx, tmp_path):
+    """Another TP size pads the vocabulary to a size only the model knows: refused, pointing to --universal."""
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1"])
+    assert r.exit_code == 3, r.output
+    assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
+    assert "write --universal and load it with" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_tp_kept(tmp_path):
@@ -194,9 +241,12 @@ def test_cli_tp_kept(tmp_path):
 
 @pytest.mark.parametrize("fx", RESHARDABLE, ids=[fx.name for fx in RESHARDABLE])
 def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
-    """reshard --universal of an AutoTP checkpoint against DeepSpeed's own ds_to_universal of the same folder: the
-    same files (every TP rank's model-states file copied), and in each the same keys in order ({"param"}, and
-    {"vocab_tensor": True, "param"} for vocabulary params), dtypes, full shapes and values (torch.load, test side)."""
+    """reshard --universal of a TP checkpoint against DeepSpeed's own ds_to_universal of the same folder: the
+    same files (every TP rank's model-states file copied), and in each the same keys in order, dtypes, full shapes
+    and values (torch.load, test side). AutoTP: {"param"}, and {"vocab_tensor": True, "param"} for vocabulary
+    params; Megatron-style records: per-category keys ({"cat_dim": 1, "param"} row-parallel, {"cat_dim": 0,
+    "param_n_sub_params": 2, "param"} fused [gate; up], {"cat_dim": 0, "vocab_tensor": True, "param"} with the
+    vocabulary cut to original_vocab_size, {"param"} replicated)."""
     import subprocess
     import sys
 
@@ -221,11 +271,6 @@ def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
             _same(torch.load(ds / rel, weights_only=False), torch.load(ours / rel, weights_only=False), [rel])
 
 
-def test_cli_universal_of_megatron_tp_refused(tmp_path):
-    r = CliRunner().invoke(main, ["reshard", str(PADDED[0] / "ckpt"), str(tmp_path / "o"), "--universal"])
-    assert r.exit_code == 3 and "Megatron-style record" in r.stderr
-
-
 def test_world_size_usage_errors():
     fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
     ckpt = read_checkpoint(fx / "ckpt")
@@ -242,17 +287,21 @@ from ds_launch import DEEPSPEED, passed_except_controls, run_check_script  # noq
 
 TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
 # (launch ranks, TP size, --zero-stage) -> fixtures resharded for it
+# (megatron_*: padded vocabulary, the padding rows carried with the TP size kept)
 DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
-    (2, 2, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2"],  # DP 2 -> 1
+    (2, 2, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "megatron_z2_fp32_tp2_dp2",
+                   "megatron_z1_bf16_tp2_dp2_bf16opt"],  # DP 2 -> 1
     (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
-                   "autotp_z1_bf16_tp2_dp1_falcon"],  # DP 1 -> 2
-    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3"],  # DP 1 -> 2 and ZeRO-1 -> ZeRO-2, uneven KV heads
+                   "autotp_z1_bf16_tp2_dp1_falcon", "megatron_z1_bf16_tp2_dp1"],  # DP 1 -> 2
+    # DP 1 -> 2 and ZeRO-1 -> ZeRO-2: uneven KV heads; a padded vocabulary
+    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3", "megatron_z1_bf16_tp2_dp1"],
     # TP 2 -> 1: plain checkpoints of full tensors, DP 2
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon"],
 }
 TAMPERED_CASES = {(2, 2, None), (2, 1, None)}
+PADDING_TAMPERED_CASES = {(2, 2, None)}
 
 
 def _write_tampered(out: Path, tp: int) -> tuple[str, int]:
@@ -266,6 +315,24 @@ def _write_tampered(out: Path, tp: int) -> tuple[str, int]:
     torch.save(sd, f)
     name = next(iter(_load(out / "global_step3" / f"mp_rank_{tp - 1:02d}_model_states.pt")["param_shapes"][0]))
     return name, tp - 1
+
+
+def _write_padding_tampered(out: Path) -> tuple[str, int]:
+    """megatron_z2_fp32_tp2_dp2 at TP 2 x DP 1 with the fp32 master of head.weight's last padding element (row 31,
+    past the 30-row vocabulary, on TP rank 1) changed: the check must see the padding rows. Returns the param and
+    the global rank that holds it."""
+    _reshard(TP_DIR / "megatron_z2_fp32_tp2_dp2", out, 2)
+    shapes = _load(out / "global_step3" / "mp_rank_01_model_states.pt")["param_shapes"][0]
+    assert list(shapes)[-1] == "head.weight"
+    end = sum(math.prod(s) for s in shapes.values())
+    f = out / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    sd = _load(f)
+    flat = sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    assert flat.numel() == end  # the last element is head.weight[15, 7]: TP rank 1's local row 15 = padding row 31
+    with torch.no_grad():
+        flat[end - 1] += 1.0
+    torch.save(sd, f)
+    return "head.weight", 1
 
 
 @pytest.fixture(scope="module")
@@ -282,10 +349,13 @@ def ds_tp_runs(tmp_path_factory):
             out = cwd / name
             _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage)
             pairs.append(f"{name}={out}")
-        tampered = None
+        tampered = {}
         if (world, tp, stage) in TAMPERED_CASES:
-            tampered = _write_tampered(cwd / "tampered", tp)
+            tampered[str(cwd / "tampered")] = _write_tampered(cwd / "tampered", tp)
             pairs.append(f"autotp_z2_fp32_tp2_dp2={cwd / 'tampered'}")
+        if (world, tp, stage) in PADDING_TAMPERED_CASES:
+            tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered")
+            pairs.append(f"megatron_z2_fp32_tp2_dp2={cwd / 'padding_tampered'}")
         args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
         runs[(world, tp, stage)] = (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world,
                                                       cwd=cwd, timeout=900), tampered)
@@ -298,21 +368,63 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
     """fp32 masters, Adam moments, module weights, step, global steps/samples exact (each TP rank's slice through
     safe_get_full_fp32_param / safe_get_full_optimizer_state; at TP 1 the full tensors), logits within another
     CPU's rounding of the source engine's (ds_tp_reshard_check.logits_slack; plus what phase 1 recorded at TP 1);
-    one more step runs; the tampered control
-    fails naming the changed param on the rank that holds it (and nothing else)."""
+    one more step runs; each tampered control (one changed master element; for megatron one in a vocabulary padding
+    row) fails naming the changed param on the rank that holds it (and nothing else)."""
     rc, results, log, tampered = ds_tp_runs[case]
     results, controls = passed_except_controls(results, log)
     assert {r["fixture"] for r in results} == set(DS_TP_CASES[case])
-    if tampered is not None:
-        assert len(controls) == 1 and not controls[0]["ok"], log
-        problems = controls[0]["problems"]
-        name, holder = tampered
+    assert sorted(c["ckpt"] for c in controls) == sorted(tampered), log
+    for control in controls:
+        assert not control["ok"], log
+        problems = control["problems"]
+        name, holder = tampered[control["ckpt"]]
         if case[1] > 1:  # TP 2 x DP 1: only TP rank 1 (global rank 1) holds the changed slice
             assert problems == [f"rank {holder}: param of '{name}' differs from the source"], problems
         else:  # TP 1 x DP 2: safe_get_full_fp32_param gathers over DP, so every rank sees the changed element
             assert problems == [f"rank {r}: param of '{name}' differs from the source" for r in range(2)], problems
-    else:
+    if not tampered:
         assert rc == 0, log
+
+
+# A padded vocabulary at another TP size: refused by reshard, which points to --universal + load_universal. That
+# route, in real DeepSpeed: (launch ranks, TP size) -> fixtures written with reshard --universal.
+DS_TP_UNIVERSAL_CASES: dict[tuple[int, int], list[str]] = {
+    (2, 1): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 -> TP 1 x DP 2
+    (2, 2): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 x DP 1
+}
+
+
+@pytest.fixture(scope="module")
+def ds_tp_universal_runs(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_tp_universal")
+    written = {}
+    for name in dict.fromkeys(n for names in DS_TP_UNIVERSAL_CASES.values() for n in names):
+        out = base / name
+        r = CliRunner().invoke(main, ["reshard", str(TP_DIR / name / "ckpt"), str(out), "--universal", "-q"])
+        assert r.exit_code == 0, r.output
+        written[name] = out
+    runs = {}
+    for (world, tp), names in DS_TP_UNIVERSAL_CASES.items():
+        cwd = base / f"to{world}_tp{tp}"
+        cwd.mkdir()
+        runs[(world, tp)] = run_check_script("ds_tp_reshard_check.py", [f"{n}={written[n]}" for n in names],
+                                             args=["--tp-size", str(tp), "--universal"], world=world, cwd=cwd,
+                                             timeout=900)
+    return runs
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", list(DS_TP_UNIVERSAL_CASES), ids=lambda c: f"to{c[0]}ranks_tp{c[1]}")
+def test_deepspeed_loads_padded_vocabulary_universal(ds_tp_universal_runs, case):
+    """reshard --universal of a padded-vocabulary TP checkpoint, loaded with load_universal at TP 1 (the plain
+    30-row model) and at TP 2 (model + mpu): fp32 masters, Adam moments, module weights, step exact -- the padding
+    rows zero at TP 2, as DeepSpeed's universal loader re-pads them --, logits as for the reshard checks."""
+    rc, results, log = ds_tp_universal_runs[case]
+    results, _ = passed_except_controls(results, log)
+    assert [r["fixture"] for r in results] == DS_TP_UNIVERSAL_CASES[case]
+    assert rc == 0, log
 
 
 def test_cli_dry_run_names_tp_and_dp(tmp_path):

@@ -4,6 +4,7 @@ commands on the real AutoTP / Megatron-style fixtures (``tests/fixtures/autotp/`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -117,6 +118,34 @@ def test_compose_places_every_local_element_once(cut, data):
                 hits[idx] += 1
     assert (hits == 1).all()
     assert (out == logical).all()
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(cut=cuts())
+def test_padding_blocks_place_every_padding_row_once(cut):
+    """rank_blocks and padding_blocks together cover each rank's local elements exactly once; the padding blocks
+    place every element of the padding rows [keep_rows, padded) once, with its value (its padded full index)."""
+    full, locals_ = _reference(cut)
+    padded_full = np.arange(full.size).reshape(full.shape)
+    _, padded_locals = _reference(dataclasses.replace(cut, keep_rows=None))
+    inner = math.prod(cut.full_shape[1:]) if cut.dim == 0 else 0
+    pad_numel = cut.padding_rows * inner
+    pad_out = np.full(pad_numel, -7)
+    pad_hits = np.zeros(pad_numel, dtype=int)
+    for t, local in enumerate(locals_):
+        hits = np.zeros(local.size, dtype=int)
+        for b in cut.rank_blocks(t):
+            hits[b.local_offset: b.local_offset + b.numel] += 1
+        for b in cut.padding_blocks(t):
+            assert cut.kind is SplitKind.VOCABULARY and not b.run_numel
+            hits[b.local_offset: b.local_offset + b.numel] += 1
+            pad_out[b.full_offset: b.full_offset + b.numel] = padded_locals[t].reshape(-1)[
+                b.local_offset: b.local_offset + b.numel]
+            pad_hits[b.full_offset: b.full_offset + b.numel] += 1
+        assert (hits == 1).all()
+    assert (pad_hits == 1).all()
+    keep = cut.keep_rows or 0
+    assert (pad_out == padded_full.reshape(-1)[keep * inner: keep * inner + pad_numel]).all()
 
 
 def _record(**cats) -> dict:
@@ -271,6 +300,29 @@ def test_scan_finds_inf_in_one_tp_slice_at_full_index(tmp_path, fx_name, name, t
     assert f"mp_rank_{tp_rank:02d}" in master[0].file.name
     r = CliRunner().invoke(main, ["scan", str(ckpt)])
     assert r.exit_code == 1 and name in r.stdout
+
+
+@pytest.mark.parametrize("fx_name, role, kind", [
+    ("megatron_z2_fp32_tp2_dp2", Role.MASTER, "fp32 master"),
+    ("megatron_z1_bf16_tp2_dp1", Role.EXP_AVG_SQ, "exp_avg_sq"),
+    ("megatron_z1_bf16_tp2_dp1", Role.MODULE, "param"),
+])
+def test_scan_finds_inf_in_a_vocabulary_padding_row(tmp_path, fx_name, role, kind):
+    """Padding rows (30-31 of the 32-row vocabulary, on TP rank 1 as its local rows 14-15) are trained values: an
+    inf there is a finding under the param's name, saying which padding rows and where (file, key), with its index
+    into the padding rows; to-fp32 still writes the 30 real rows only."""
+    ckpt = _copy(TP_DIR / fx_name, tmp_path)
+    _set_local(ckpt, 1, "head.weight", role, 15 * 8 + 3, float("inf"))  # padding row 31, column 3
+    report = scan(ckpt)
+    assert [(f.name, f.padding_rows, f.kind.value, f.first_indices, f.posinf) for f in report.findings] == [
+        ("head.weight", (30, 32), kind, (8 + 3,), 1)], [f.describe() for f in report.findings]
+    assert "mp_rank_01" in report.findings[0].file.name
+    r = CliRunner().invoke(main, ["scan", str(ckpt)])
+    assert r.exit_code == 1 and "head.weight vocabulary padding rows 30-31: " in r.stdout
+    ckpt_logical = read_checkpoint(ckpt)
+    e = ckpt_logical.entry("head.weight")
+    assert (e.shape, e.padding_rows, e.padding_numel) == ((30, 8), 2, 16)
+    assert bool(torch.isfinite(read_entry(e, FileCache(), role)).all())
 
 
 def test_verify_flips_when_replicated_copies_disagree(tmp_path):

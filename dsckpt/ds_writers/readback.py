@@ -47,9 +47,10 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
 
 
 def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalCheckpoint, new_cache: Any, *,
-                        full: bool) -> int:
-    """Compare every stored copy (master, moments, module) of every tensor of ``new`` with ``src``
-    (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError` listing what
+                        full: bool, padding: bool = True) -> int:
+    """Compare every stored copy (master, moments, module) of every tensor of ``new`` with ``src``, vocabulary
+    padding rows included (:attr:`~dsckpt.model.TensorEntry.padding`; not with ``padding=False``: a universal
+    folder, which keeps none) (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError` listing what
     differs. Returns the number of copies compared."""
     from ..writers.torch_stream import element_nbytes
 
@@ -67,13 +68,18 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
         if n.shape != e.shape:
             problems.append(f"'{name}' has shape {list(n.shape)}, expected {list(e.shape)}")
             continue
-        for role, a, b in _copies_to_compare(e, n):
+        if padding and n.padding_rows != e.padding_rows:
+            problems.append(f"'{name}' has {n.padding_rows} vocabulary padding rows, expected {e.padding_rows}")
+            continue
+        for role, a, b, what in [*((r, a, b, r.value) for r, a, b in _copies_to_compare(e, n)),
+                                 *((r, e.padding_piece(r), n.padding_piece(r), f"{r.value} padding rows")
+                                   for r in dict.fromkeys(p.role for p in e.padding) if padding)]:
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
-                    problems.append(f"'{name}' lost its {role.value} copy")
+                    problems.append(f"'{name}' lost its {what} copy")
                 continue
             if a.dtype != b.dtype or a.numel != b.numel:
-                problems.append(f"'{name}' ({role.value}) is {b.dtype}[{b.numel}], expected {a.dtype}[{a.numel}]")
+                problems.append(f"'{name}' ({what}) is {b.dtype}[{b.numel}], expected {a.dtype}[{a.numel}]")
                 continue
             item = element_nbytes(a.dtype)
             if full:
@@ -83,7 +89,7 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
                 windows = _sample_windows(a, b)
             for lo, numel in windows:
                 if _read_bytes(a, lo, numel, item, src_cache) != _read_bytes(b, lo, numel, item, new_cache):
-                    problems.append(f"'{name}' ({role.value}) differs in elements [{lo}, {lo + numel})")
+                    problems.append(f"'{name}' ({what}) differs in elements [{lo}, {lo + numel})")
                     break
             checked += 1
     if problems:

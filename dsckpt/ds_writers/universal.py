@@ -41,7 +41,8 @@ from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
 from ..model import Kind, LogicalCheckpoint, Precision, Role
 from .plan import FlatSpec, coalesce, range_copies, rank_of
 
-__all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_trees"]
+__all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
+           "universal_trees"]
 
 STATES = ((Role.MASTER, "fp32"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq"))
 # ds_to_universal.py _save_optimizer_state: what a ZeRO-1/2 optimizer_state.pt leaves out
@@ -57,10 +58,10 @@ class StateFile:
     spec: FlatSpec
     shape: tuple[int, ...]  # as written: the param's shape (ZeRO-1/2 source) or flat (ZeRO-3 source)
     wrapped: bool  # {"cat_dim": 0, "param": t} (ZeRO-1/2 source) or the bare tensor (ZeRO-3 source)
-    # A tensor-parallel source with an AutoTP affine_map: {"param": t} at the full shape, any stage
-    # (ds_to_universal.merge_tp_slices rebuilds it from the affine map and adds no per-category key).
+    # A tensor-parallel source: {**dict(tp_keys), "param": t} at the full shape (vocabulary padding cut), any
+    # stage; ``tp_keys`` are the keys ds_to_universal.merge_tp_slices writes before "param" (universal_tp_keys).
     merged_tp: bool = False
-    vocab_tensor: bool = False  # merged_tp of a vocabulary param: {"vocab_tensor": True, "param": t}
+    tp_keys: tuple[tuple[str, Any], ...] = ()
 
     @property
     def path(self) -> str:
@@ -149,10 +150,13 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
-    if ckpt.tp_world_size > 1 and (tp is None or tp.source != "autotp"):
-        problems.append(f"tensor parallel size {ckpt.tp_world_size} with a Megatron-style record (ds_to_universal "
-                        "writes per-category keys for it that dsckpt does not reproduce yet; only AutoTP records "
-                        "with an affine_map are written)")
+    if ckpt.tp_world_size > 1 and tp is None:
+        problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
+    sub_params = [c.name for c in tp.name_to_cut.values() if universal_tp_keys(c, tp.source) is None] if tp else []
+    if sub_params:
+        problems.append(f"params with sub-params of varying shapes ({', '.join(sub_params[:5])}) in a Megatron-style "
+                        "record, for which ds_to_universal pickles one of its own classes (SubparamShape) that dsckpt "
+                        "does not write")
     if ckpt.layout.startswith("universal"):
         problems.append("a universal checkpoint already")
     if not optimizer_files:
@@ -174,10 +178,9 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {role.value} values")
             spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
             if tp is not None:
-                from ..tensor_parallel import SplitKind
-
-                vocab = tp.name_to_cut[e.name].kind is SplitKind.VOCABULARY
-                states.append(StateFile(e.name, state, spec, e.shape, True, merged_tp=True, vocab_tensor=vocab))
+                keys = universal_tp_keys(tp.name_to_cut[e.name], tp.source)
+                assert keys is not None
+                states.append(StateFile(e.name, state, spec, e.shape, True, merged_tp=True, tp_keys=keys))
             else:
                 states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
         written.add(e.name)
@@ -214,6 +217,28 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         optimizer_source=min(optimizer_files, key=rank_of), notes=tuple(notes))
 
 
+def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | None:
+    """The keys DeepSpeed 0.19.8's ``ds_to_universal.merge_tp_slices`` writes before ``"param"`` in a merged
+    tensor-parallel state file of the param cut by ``cut`` (a :class:`~dsckpt.tensor_parallel.ParamCut`), in its
+    order; None where dsckpt cannot write them (sub-params of varying shapes: a pickled ``SubparamShape``).
+
+    An AutoTP affine map decides the merge and adds no category key; a Megatron-style record adds ``cat_dim``
+    (0 for column-parallel and vocabulary params, 1 for row-parallel ones) and ``param_n_sub_params: 2`` for
+    ``parameter_with_2_sub_params_cat_dim_0``, nothing for replicated params. Either way a vocabulary param is cut
+    to ``original_vocab_size`` rows and marked ``vocab_tensor: True`` (the universal loader re-pads it with zeros
+    for the loading model's TP size, checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``)."""
+    from ..tensor_parallel import SplitKind
+
+    vocab: tuple[tuple[str, Any], ...] = (("vocab_tensor", True),) if cut.kind is SplitKind.VOCABULARY else ()
+    if source == "autotp" or cut.kind is SplitKind.REPLICATED:
+        return vocab
+    if cut.category == "parameter_with_2_sub_params_cat_dim_0":
+        return (("cat_dim", 0), ("param_n_sub_params", 2), *vocab)
+    if cut.kind is SplitKind.SUB_PARAMS:
+        return None
+    return (("cat_dim", cut.dim), *vocab)
+
+
 # --------------------------------------------------------------------------------------------
 # Trees
 
@@ -227,7 +252,7 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
     for f in plan.state_files:
         t = streamed(f.spec, cache, shape=f.shape)
         if f.merged_tp:
-            yield f.path, ({"vocab_tensor": True, "param": t} if f.vocab_tensor else {"param": t})
+            yield f.path, {**dict(f.tp_keys), "param": t}
         else:
             yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
     for s in plan.step_files:

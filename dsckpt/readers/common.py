@@ -183,7 +183,8 @@ def buffer_entries(path: Path, module: Mapping[str, Any], buffer_names: tuple[st
 
 def alias_entry(name: str, source: TensorEntry) -> TensorEntry:
     return TensorEntry(name, source.shape, source.kind, source.trainable, source.pieces,
-                       tied_to=source.name, group=source.group)
+                       tied_to=source.name, group=source.group, padding=source.padding,
+                       padding_rows=source.padding_rows)
 
 
 def order_like_module(entries: dict[str, TensorEntry], module_names: list[str]) -> list[TensorEntry]:

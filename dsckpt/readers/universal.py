@@ -185,7 +185,9 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                         step_ref = ref
                 else:
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
-            trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, (*pieces, *side.pieces), group=g)
+            # vocabulary padding: only the module copies (model-states files) keep it; ds_to_universal cut the rest
+            trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, (*pieces, *side.pieces), group=g,
+                                          padding=side.padding, padding_rows=side.padding_rows)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise IncompleteCheckpointError(
