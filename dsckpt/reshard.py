@@ -130,6 +130,13 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if problems:
         raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
     facts = facts if facts is not None else derive_facts(ckpt)
+    if tp not in (1, max(1, ckpt.tp_world_size)) and ckpt.tensor_parallel is not None and facts.autotp_meta is None:
+        from dataclasses import replace
+
+        from .autotp_widths import read_autotp_meta
+
+        # AutoTP's widths at another TP size depend on the model's key/value heads: its config.json, beside the tag
+        facts = replace(facts, autotp_meta=read_autotp_meta(ckpt.root, ckpt.ds_config))
     stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")

@@ -127,7 +127,7 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
             f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
             "and splitting full tensors for TP is not supported yet")
     try:
-        layout = resize_layout(ckpt.tensor_parallel, tp)
+        layout = resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
     except UnsupportedCheckpointError as e:
         raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
     parts = []
@@ -210,17 +210,21 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     if plan.tensor_ranks:
         from ..tensor_parallel import rank_view
 
+        layouts = (ckpt.tensor_parallel, plan.tp_layout)
         return [job for part in plan.tensor_ranks
-                for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache)]
+                for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache,
+                                            layouts)]
     return _build_rank_jobs(plan, ckpt, tag_dir, cache)
 
 
-def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any,
+                     layouts: tuple[Any, Any] | None = None) -> list[tuple[Path, Any]]:
+    """``layouts``: the source's and the target's :class:`~dsckpt.tensor_parallel.TpLayout` of a TP checkpoint."""
     jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys
 
-        jobs = [(path, retarget_tp_keys(tree, plan)) for path, tree in jobs]
+        jobs = [(path, retarget_tp_keys(tree, plan, layouts)) for path, tree in jobs]
     return jobs
 
 
