@@ -359,6 +359,16 @@ def test_cli_tp_resize(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
 
 
+def test_tp1_to_tp2_refused(tmp_path):
+    """A TP-1 checkpoint (here the kv6 model written at TP 1, config.json beside it) has no split record: refused,
+    saying what is missing, nothing written."""
+    _reshard(KV6_TP2, tmp_path / "tp1", 1, tp_size=1)
+    r = CliRunner().invoke(main, ["reshard", str(tmp_path / "tp1"), str(tmp_path / "o"), "-n", "2", "--tp-size", "2"])
+    assert r.exit_code == 3, r.output
+    assert "it was saved without tensor parallelism, so it has no record of how each param splits" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Real DeepSpeed (AutoTP on CPU ranks) loads the output with plain load_checkpoint()
 
@@ -373,7 +383,8 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (4, 4, None): ["autotp_z1_bf16_tp2_dp1_kv6"],  # TP 2 -> 4: uneven attention (q_proj 8/8/4/4)
     (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon"],  # DP 1 -> 2
-    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3"],  # DP 1 -> 2 and ZeRO-1 -> ZeRO-2, uneven KV heads
+    # DP 1 -> 2 and ZeRO-1 -> ZeRO-2: uneven KV heads; the kv6 model trained at TP 4 also TP 4 -> 2
+    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp4_dp1_kv6"],
     # TP 2 -> 1: plain checkpoints of full tensors, DP 2
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",

@@ -125,7 +125,9 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
     if ckpt.tensor_parallel is None:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
-            "and splitting full tensors for TP is not supported yet")
+            "so it has no record of how each param splits (DeepSpeed AutoTP writes universal_checkpoint_info only at "
+            "TP > 1), and dsckpt does not re-derive AutoTP's layer policy (HF tp_plan, presets, name heuristics) "
+            "from the model code; keep TP 1, or reshard a checkpoint the run saved at TP > 1")
     try:
         layout = resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
     except UnsupportedCheckpointError as e:
