@@ -103,7 +103,9 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     ``zero_stage`` (default: the source's). No tensor I/O.
 
     ``world_size`` counts every rank: ``tp_size`` tensor-parallel ranks (default: the source's) times the
-    data-parallel size, which is ``world_size / tp_size``.
+    data-parallel size, which is ``world_size / tp_size``. A TP size other than the source's and 1 takes AutoTP's
+    widths at that size (:mod:`dsckpt.autotp_widths`), whose key/value head count is read from the HF
+    ``config.json`` in ``ckpt.root`` unless ``facts.autotp_meta`` gives it.
 
     ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's
     default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
