@@ -352,6 +352,12 @@ def test_cli_tp_resize(tmp_path):
                                   "-q"])
     assert r.exit_code == 0, r.output
     assert "from 2 to 4 ranks (TP 2 x DP 1 -> TP 4 x DP 1)" in r.stdout
+    r = CliRunner().invoke(main, ["reshard", str(KV6_TP2 / "ckpt"), str(tmp_path / "d"), "-n", "4", "--tp-size", "4",
+                                  "--dry-run"])
+    assert r.exit_code == 1 and not (tmp_path / "d").exists()
+    assert "note: tensor parallelism 2 -> 4: every param cut as DeepSpeed AutoTP cuts it at autotp_size 4 " \
+           "(num_key_value_heads=6 in " in r.stdout and "the rule reproduced the source's widths of all 15 split " \
+           "params" in r.stdout
     # Llama with 2 KV heads at TP 4: refused naming what AutoTP would do, nothing written
     fx = TP_DIR / "autotp_z1_bf16_tp2_dp1"
     r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "p"), "-n", "4", "--tp-size", "4"])

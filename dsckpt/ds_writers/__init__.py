@@ -139,8 +139,15 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
         part_common = {**common, "source_optim_files": optim, "mp_rank": t, "hf_files": None,
                        "source_tp_size": src_tp, "tp_size": tp}
         parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1), facts, part_common))
+    notes = parts[0].notes
+    if tp not in (1, src_tp):
+        meta = facts.autotp_meta
+        split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
+        notes = (*notes, f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at "
+                         f"autotp_size {tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced "
+                         f"the source's widths of all {split} split params")
     return dataclasses.replace(parts[0], ranks=(), tensor_ranks=tuple(parts), tp_layout=layout,
-                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp)
+                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes)
 
 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
