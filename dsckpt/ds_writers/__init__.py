@@ -143,9 +143,10 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
     if tp not in (1, src_tp):
         meta = facts.autotp_meta
         split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
-        notes = (*notes, f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at "
-                         f"autotp_size {tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced "
-                         f"the source's widths of all {split} split params")
+        note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
+                f"{tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced the source's widths "
+                f"of all {split} split params")
+        notes = (*notes, note)
     return dataclasses.replace(parts[0], ranks=(), tensor_ranks=tuple(parts), tp_layout=layout,
                                hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes)
 
