@@ -103,7 +103,9 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     ``zero_stage`` (default: the source's). No tensor I/O.
 
     ``world_size`` counts every rank: ``tp_size`` tensor-parallel ranks (default: the source's) times the
-    data-parallel size, which is ``world_size / tp_size``.
+    data-parallel size, which is ``world_size / tp_size``. A TP size other than the source's and 1 takes AutoTP's
+    widths at that size (:mod:`dsckpt.autotp_widths`), whose key/value head count is read from the HF
+    ``config.json`` in ``ckpt.root`` unless ``facts.autotp_meta`` gives it.
 
     ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's
     default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
@@ -130,6 +132,13 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if problems:
         raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
     facts = facts if facts is not None else derive_facts(ckpt)
+    if tp not in (1, max(1, ckpt.tp_world_size)) and ckpt.tensor_parallel is not None and facts.autotp_meta is None:
+        from dataclasses import replace
+
+        from .autotp_widths import read_autotp_meta
+
+        # AutoTP's widths at another TP size depend on the model's key/value heads: its config.json, beside the tag
+        facts = replace(facts, autotp_meta=read_autotp_meta(ckpt.root, ckpt.ds_config))
     stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")

@@ -500,17 +500,14 @@ def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tupl
     return tuple(out)
 
 
-def resize_layout(layout: TpLayout, tp_size: int) -> TpLayout:
+def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayout:
     """``layout`` at another TP size: the same params cut for ``tp_size`` ranks. Pure.
 
-    TP 1 (every param whole on one rank) is always possible. Other sizes are not supported yet (they need the
-    head-aware widths AutoTP itself would choose, deepspeed/module_inject/layers.py): refused."""
+    TP 1 (every param whole on one rank) is always possible. Another size takes the widths DeepSpeed's AutoTP
+    would choose there (:func:`dsckpt.autotp_widths.target_layout`, proven on the source's widths first), which
+    needs ``meta`` (:class:`~dsckpt.autotp_widths.AutoTpMeta`, from the model's config.json); refused otherwise."""
     if tp_size == layout.tp_size:
         return layout
-    if tp_size != 1:
-        raise UnsupportedCheckpointError(
-            f"changing the tensor-parallel size from {layout.tp_size} to {tp_size} is not supported yet (only to 1: "
-            "a plain checkpoint of full tensors); keep the TP size, or write TP 1")
     padded = [n for n, c in layout.name_to_cut.items() if c.padding_rows]
     if padded:
         raise UnsupportedCheckpointError(
@@ -518,6 +515,10 @@ def resize_layout(layout: TpLayout, tp_size: int) -> TpLayout:
             "pads to a size only the model knows (Megatron: make_vocab_size_divisible_by x TP); changing the TP size "
             "of a padded vocabulary is not supported: write --universal and load it with "
             "\"checkpoint\": {\"load_universal\": true} (DeepSpeed re-pads the vocabulary with zeros for the new model)")
+    if tp_size != 1:
+        from .autotp_widths import target_layout
+
+        return target_layout(layout, tp_size, meta)
     cuts = {}
     for name, c in layout.name_to_cut.items():
         widths = tuple((sum(ws),) for ws in c.sub_widths)

@@ -13,7 +13,9 @@ rank's ``tp_megatron_models.MegatronNet`` (padded vocabulary: its local slices h
 then expected zero: DeepSpeed's universal loader re-pads the cut vocabulary with zeros). Then, against ``truth.safetensors`` (what the source engine returned), exactly:
 
 * per param, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(exp_avg / exp_avg_sq)`` -- at the
-  source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``);
+  source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``), at another
+  T > 1 the full tensor cut by DeepSpeed's own ``_partition_logical_tensor`` at the live layer's widths
+  (:func:`expected`);
 * the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``), Adam's step, global steps and samples;
 * the logits of ``autotp_models.eval_ids`` against the engine logits recorded on the machine that made the fixture.
   They are computed here by another CPU's kernels, so never compared bit for bit (on the recording machine they were
@@ -97,17 +99,31 @@ def build(name):
     return spec, engine, groups.get_tensor_model_parallel_rank(), groups.get_data_parallel_rank()
 
 
-def expected(truth, key, n, tp_rank, same_tp, megatron):
-    """What the engine must hold for ``key`` of param ``n``: the source's TP-local slice at its TP size, else the
-    full tensor; from a universal folder the padding rows of a padded vocabulary are zeros (DeepSpeed's universal
-    loader re-pads what ds_to_universal cut, checkpoint/universal_checkpoint.py load_hp_checkpoint_state)."""
+def expected(truth, key, n, q, tp_rank, same_tp, megatron):
+    """What the engine must hold for ``key`` of param ``n`` (live param ``q``): the recorded TP-local slice at the
+    source's TP size, the full tensor at TP 1, and at another TP size > 1 the full (merged) truth cut by DeepSpeed
+    itself: the live param's AutoTP metadata (its partition dim and frozen partition sizes / sub-param widths) through
+    AutoTP's own ``_partition_logical_tensor`` -- independent of dsckpt's width rule. From a universal folder the
+    padding rows of a padded vocabulary are zeros (DeepSpeed's universal loader re-pads what ds_to_universal cut,
+    checkpoint/universal_checkpoint.py load_hp_checkpoint_state)."""
     want = truth[f"tp{tp_rank}/{key}/{n}" if same_tp else f"{key}/{n}"]
     if args.universal and megatron and same_tp and n in ("embed.weight", "head.weight"):
         import tp_megatron_models as mm
 
         want = want.clone()
         want[max(0, mm.VOCAB - tp_rank * want.shape[0]):] = 0
-    return want
+    if same_tp or TP == 1:
+        return want
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+    from deepspeed.module_inject.layers import _partition_logical_tensor
+
+    m = getattr(q, DS_AUTOTP_UC_META, None)
+    if not m or m.get("replicated") or m.get("partition_dim") is None:
+        return want
+    dim = m["partition_dim"]
+    widths = m.get("sub_param_shard_widths") or [list(m["partition_sizes"])]
+    return _partition_logical_tensor(want, dim, TP, groups.get_tensor_model_parallel_rank(), widths,
+                                     subparam_sizes=m.get("sub_param_sizes")).contiguous()
 
 
 def check_one(name, ckpt_dir):
@@ -132,7 +148,7 @@ def check_one(name, ckpt_dir):
         for key, got in (("param", safe_get_full_fp32_param(q)),
                          ("exp_avg", safe_get_full_optimizer_state(q, "exp_avg")),
                          ("exp_avg_sq", safe_get_full_optimizer_state(q, "exp_avg_sq"))):
-            want = expected(truth, key, n, tp_rank, same_tp, megatron)
+            want = expected(truth, key, n, q, tp_rank, same_tp, megatron)
             if got is None or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.float().cpu(), want):
                 problems.append(f"{key} of '{n}' differs from the source"
                                 + (f" (shape {list(got.shape)}, expected {list(want.shape)})"
@@ -142,7 +158,7 @@ def check_one(name, ckpt_dir):
                 lowp = q.data.detach().cpu().clone()
         else:
             lowp = q.data.detach().cpu()
-        want = expected(truth, "lowp", n, tp_rank, same_tp, megatron)
+        want = expected(truth, "lowp", n, q, tp_rank, same_tp, megatron)
         if tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp.to(want.dtype), want):
             problems.append(f"module weight '{n}' differs from the source")
     if engine.global_steps != meta["global_steps"] or engine.global_samples != meta["global_samples"]:

@@ -146,6 +146,10 @@ def test_files_per_rank(fx):
     m = meta(fx)
     tp, dp = m["tp_size"], m["dp_world_size"]
     want = {"latest", "zero_to_fp32.py", "zero_to_torch.py"}
+    if "config.json" in m["files"]:  # the HF config beside the tag folder (the kv6 fixtures, spec "hf_config")
+        want.add("config.json")
+        assert json.loads((fx / "ckpt" / "config.json").read_text())["num_key_value_heads"] == \
+            m["model_config"]["num_key_value_heads"]
     for t in range(tp):
         for d in range(dp):
             want.add(str(optim_file(fx, t, d).relative_to(fx / "ckpt")))
@@ -285,5 +289,5 @@ def test_info_reads_tensor_parallel(fx):
     res = CliRunner().invoke(main, ["info", str(fx / "ckpt")])
     assert res.exit_code == 0, res.output
     assert res.stderr == ""
-    assert f"tensor {meta(fx)['tp_size']}" in res.stdout and "tensor par.  size 2" in res.stdout
+    assert f"tensor {meta(fx)['tp_size']}" in res.stdout and f"tensor par.  size {meta(fx)['tp_size']}" in res.stdout
     assert "health       ok" in res.stdout

@@ -276,8 +276,148 @@ def test_world_size_usage_errors():
     ckpt = read_checkpoint(fx / "ckpt")
     with pytest.raises(UsageError, match="not a multiple"):
         plan_reshard(ckpt, 3, facts=derive_facts(ckpt))
-    with pytest.raises(UnsupportedCheckpointError, match="from 2 to 4 is not supported yet"):
+    with pytest.raises(UnsupportedCheckpointError, match="from 2 to 4 needs the model's HF config.json beside the "
+                                                         "checkpoint"):
         plan_reshard(ckpt, 4, tp_size=4, facts=derive_facts(ckpt))
+
+
+# --------------------------------------------------------------------------------------------
+# Another TP size > 1 (dsckpt.autotp_widths): the kv6 model, which DeepSpeed trained at TP 2 and at TP 4
+
+KV6_TP2 = Path(__file__).parent / "fixtures" / "autotp" / "autotp_z1_bf16_tp2_dp1_kv6"
+KV6_TP4 = Path(__file__).parent / "fixtures" / "autotp" / "autotp_z1_bf16_tp4_dp1_kv6"
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def _cut_truth(fx: Path, layout_fx: Path, t: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``fx``'s full (merged) truth cut for TP rank ``t`` as DeepSpeed cut the same model in ``layout_fx`` (its
+    truth.json local shapes): state -> name -> the slice that rank must hold; ``lowp`` for the module copy."""
+    from test_autotp_fixtures import TRUTH_KIND, truth
+
+    full, shapes, tp = truth(fx), meta(layout_fx)["local_shapes"], meta(layout_fx)["tp_size"]
+    out: dict = {s: {} for s in (*STATES, "lowp")}
+    for s, slices in out.items():
+        for name in meta(fx)["params"]:
+            x = full[f"{TRUTH_KIND.get(s, s)}/{name}"]
+            mine = shapes[f"tp{t}"][name]
+            dim = next((d for d, (a, b) in enumerate(zip(mine, x.shape)) if a != b), None)
+            if dim is None:  # replicated
+                slices[name] = x
+            else:
+                widths = [shapes[f"tp{r}"][name][dim] for r in range(tp)]
+                slices[name] = torch.split(x, widths, dim=dim)[t]
+    return out
+
+
+def _check_values(out: Path, fx: Path, layout_fx: Path) -> None:
+    """Every TP rank's stored fp32 master, Adam moments and module copy in ``out`` equal ``fx``'s truth cut as
+    DeepSpeed cut the model in ``layout_fx``, exactly."""
+    m = meta(layout_fx)
+    for t in range(m["tp_size"]):
+        got = local_slices(out / "global_step3", t, stage=1, dp=1, bf16=True)
+        want = _cut_truth(fx, layout_fx, t)
+        for s in STATES:
+            for name, v in want[s].items():
+                assert torch.equal(got[s][name], v), (t, s, name)
+        module = _load(out / "global_step3" / f"mp_rank_{t:02d}_model_states.pt")["module"]
+        for name, v in want["lowp"].items():
+            assert torch.equal(module[name], v), (t, name)
+
+
+def _same_layout_files(ours: Path, ds: Path) -> None:
+    """``ours`` is laid out as DeepSpeed's own save ``ds`` of the same model at the same TP x DP: the same files;
+    per model-states file the same keys in order, the same universal_checkpoint_info (affine maps included), module
+    names/shapes/dtypes, param_shapes and size keys; per optimizer file the same keys and partition shapes. Values
+    differ (another training run) except where noted by the caller."""
+    assert _files(ours) == _files(ds)
+    for rel in sorted(_files(ds)):
+        if not rel.endswith(".pt"):
+            continue
+        a, b = _load(ours / rel), _load(ds / rel)
+        assert list(a) == list(b), rel
+        if "model_states" in rel:
+            assert a["universal_checkpoint_info"] == b["universal_checkpoint_info"], rel
+            assert [(k, v.shape, v.dtype) for k, v in a["module"].items()] == \
+                [(k, v.shape, v.dtype) for k, v in b["module"].items()], rel
+            for k in ("param_shapes", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
+                      "ds_config", "buffer_names", "shared_params"):
+                assert a[k] == b[k], (rel, k)
+        else:
+            oa, ob = a["optimizer_state_dict"], b["optimizer_state_dict"]
+            assert list(oa) == list(ob), rel
+            assert [x.shape for x in oa["single_partition_of_fp32_groups"]] == \
+                [x.shape for x in ob["single_partition_of_fp32_groups"]], rel
+            assert oa["param_slice_mappings"] == ob["param_slice_mappings"], rel
+
+
+def test_tp2_to_tp4_is_laid_out_as_deepspeed_at_tp4(tmp_path):
+    """TP 2 -> TP 4 of the kv6 model: the files, keys, record and every shape DeepSpeed wrote when training the same
+    model at TP 4 (uneven attention: q_proj 8/8/4/4); the values are the TP-2 source's, cut as DeepSpeed cuts at TP 4."""
+    out = tmp_path / "tp4"
+    _reshard(KV6_TP2, out, 4, tp_size=4)
+    _same_layout_files(out, KV6_TP4 / "ckpt")
+    _check_values(out, KV6_TP2, KV6_TP4)
+    back = read_checkpoint(out)
+    assert (back.tp_world_size, back.dp_world_size) == (4, 1)
+    assert back.tensor_parallel.name_to_cut == read_checkpoint(KV6_TP4 / "ckpt").tensor_parallel.name_to_cut
+
+
+def test_tp4_to_tp2_is_laid_out_as_deepspeed_at_tp2(tmp_path):
+    out = tmp_path / "tp2"
+    _reshard(KV6_TP4, out, 2, tp_size=2)
+    _same_layout_files(out, KV6_TP2 / "ckpt")
+    _check_values(out, KV6_TP4, KV6_TP2)
+
+
+def test_tp_round_trip_2_4_2_is_the_source(tmp_path):
+    """TP 2 -> TP 4 -> TP 2 (DP 1 -> 2 -> 1 on the way): every tensor of every file equal to the source's, bit for
+    bit (fp32 masters, moments, module copies, the record)."""
+    from test_universal import _same
+
+    _reshard(KV6_TP2, tmp_path / "tp4", 8, tp_size=4)
+    cache = FileCache()
+    mid = read_checkpoint(tmp_path / "tp4", cache=cache)
+    assert (mid.tp_world_size, mid.dp_world_size) == (4, 2)
+    run_reshard(plan_reshard(mid, 2, tp_size=2, facts=read_source_facts(mid, cache)), tmp_path / "tp2", cache=cache,
+                verify="full", workers=1)
+    src = KV6_TP2 / "ckpt"
+    assert _files(tmp_path / "tp2") == _files(src)
+    for rel in sorted(_files(src)):
+        if rel.endswith(".pt"):
+            _same(_load(src / rel), _load(tmp_path / "tp2" / rel), [rel])
+        else:
+            assert (src / rel).read_bytes() == (tmp_path / "tp2" / rel).read_bytes(), rel
+
+
+def test_cli_tp_resize(tmp_path):
+    r = CliRunner().invoke(main, ["reshard", str(KV6_TP2 / "ckpt"), str(tmp_path / "o"), "-n", "4", "--tp-size", "4",
+                                  "-q"])
+    assert r.exit_code == 0, r.output
+    assert "from 2 to 4 ranks (TP 2 x DP 1 -> TP 4 x DP 1)" in r.stdout
+    r = CliRunner().invoke(main, ["reshard", str(KV6_TP2 / "ckpt"), str(tmp_path / "d"), "-n", "4", "--tp-size", "4",
+                                  "--dry-run"])
+    assert r.exit_code == 1 and not (tmp_path / "d").exists()
+    assert "note: tensor parallelism 2 -> 4: every param cut as DeepSpeed AutoTP cuts it at autotp_size 4 " \
+           "(num_key_value_heads=6 in " in r.stdout and "the rule reproduced the source's widths of all 15 split " \
+           "params" in r.stdout
+    # Llama with 2 KV heads at TP 4: refused naming what AutoTP would do, nothing written
+    fx = TP_DIR / "autotp_z1_bf16_tp2_dp1"
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "p"), "-n", "4", "--tp-size", "4"])
+    assert r.exit_code == 3 and "needs the model's HF config.json beside the checkpoint" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
+
+
+def test_tp1_to_tp2_refused(tmp_path):
+    """A TP-1 checkpoint (here the kv6 model written at TP 1, config.json beside it) has no split record: refused,
+    saying what is missing, nothing written."""
+    _reshard(KV6_TP2, tmp_path / "tp1", 1, tp_size=1)
+    r = CliRunner().invoke(main, ["reshard", str(tmp_path / "tp1"), str(tmp_path / "o"), "-n", "2", "--tp-size", "2"])
+    assert r.exit_code == 3, r.output
+    assert "it was saved without tensor parallelism, so it has no record of how each param splits" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,27 +429,34 @@ TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
 # (launch ranks, TP size, --zero-stage) -> fixtures resharded for it
 # (megatron_*: padded vocabulary, the padding rows carried with the TP size kept)
 DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
+    # DP 2 -> 1 (megatron: the padded vocabulary carried); TP 4 -> 2 of the kv6 model trained at TP 4;
+    # TP 2 -> 4 -> 2 of the one trained at TP 2 (VIA_TP)
     (2, 2, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "megatron_z2_fp32_tp2_dp2",
-                   "megatron_z1_bf16_tp2_dp2_bf16opt"],  # DP 2 -> 1
+                   "megatron_z1_bf16_tp2_dp2_bf16opt", "autotp_z1_bf16_tp4_dp1_kv6", "autotp_z1_bf16_tp2_dp1_kv6"],
+    (4, 4, None): ["autotp_z1_bf16_tp2_dp1_kv6"],  # TP 2 -> 4: uneven attention (q_proj 8/8/4/4)
     (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon", "megatron_z1_bf16_tp2_dp1"],  # DP 1 -> 2
-    # DP 1 -> 2 and ZeRO-1 -> ZeRO-2: uneven KV heads; a padded vocabulary
-    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3", "megatron_z1_bf16_tp2_dp1"],
+    # DP 1 -> 2 and ZeRO-1 -> ZeRO-2: uneven KV heads; a padded vocabulary; the kv6 model trained at TP 4 also TP 4 -> 2
+    (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3", "megatron_z1_bf16_tp2_dp1", "autotp_z1_bf16_tp4_dp1_kv6"],
     # TP 2 -> 1: plain checkpoints of full tensors, DP 2
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon"],
 }
-TAMPERED_CASES = {(2, 2, None), (2, 1, None)}
+# case -> (fixture, launch ranks) of its tampered control
+TAMPERED_CASES = {(2, 2, None): ("autotp_z2_fp32_tp2_dp2", 2), (2, 1, None): ("autotp_z2_fp32_tp2_dp2", 2),
+                  (4, 4, None): ("autotp_z1_bf16_tp2_dp1_kv6", 4)}
 PADDING_TAMPERED_CASES = {(2, 2, None)}
+# (launch ranks, TP size, --zero-stage) -> {fixture: TP size it is resharded to first, at 1 DP rank per TP rank}
+VIA_TP = {(2, 2, None): {"autotp_z1_bf16_tp2_dp1_kv6": 4}}
 
 
-def _write_tampered(out: Path, tp: int) -> tuple[str, int]:
-    """autotp_z2_fp32_tp2_dp2 at TP ``tp`` x DP 2 / ``tp`` with one fp32 master element of the last TP rank changed:
-    the check must fail on it, or it could not see a wrong slice. Returns the param whose master was changed and
-    the global rank that holds it."""
-    _reshard(TP_DIR / "autotp_z2_fp32_tp2_dp2", out, 2, tp_size=tp)
-    f = out / "global_step3" / f"zero_pp_rank_0_mp_rank_{tp - 1:02d}_optim_states.pt"
+def _write_tampered(out: Path, tp: int, fixture: str, world: int) -> tuple[str, int]:
+    """``fixture`` resharded to TP ``tp`` x DP ``world / tp`` with one fp32 master element of the last TP rank
+    changed: the check must fail on it, or it could not see a wrong slice. Returns the param whose master was
+    changed and the global rank that holds it."""
+    _reshard(TP_DIR / fixture, out, world, tp_size=tp)
+    (f,) = (out / "global_step3").glob(f"*zero_pp_rank_0_mp_rank_{tp - 1:02d}_optim_states.pt")
     sd = _load(f)
     sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
     torch.save(sd, f)
@@ -337,29 +484,49 @@ def _write_padding_tampered(out: Path) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def ds_tp_runs(tmp_path_factory):
+    """``run(case)``: the case's reshards and their DeepSpeed launch, made on first use (so ``-k`` one case launches
+    only that one)."""
     if not DEEPSPEED.exists():
         pytest.skip("deepspeed launcher not installed")
     base = tmp_path_factory.mktemp("ds_tp_reshard")
-    runs = {}
-    for (world, tp, stage), names in DS_TP_CASES.items():
-        cwd = base / f"to{world}_tp{tp}_z{stage}"
-        cwd.mkdir()
-        pairs = []
-        for name in names:
-            out = cwd / name
+    runs: dict = {}
+
+    def run(case):
+        if case not in runs:
+            runs[case] = _ds_tp_run(base, *case)
+        return runs[case]
+
+    return run
+
+
+def _ds_tp_run(base: Path, world: int, tp: int, stage: int | None):
+    names = DS_TP_CASES[(world, tp, stage)]
+    cwd = base / f"to{world}_tp{tp}_z{stage}"
+    cwd.mkdir()
+    pairs = []
+    for name in names:
+        out = cwd / name
+        via = VIA_TP.get((world, tp, stage), {}).get(name)
+        if via is not None:
+            _reshard(TP_DIR / name, cwd / f"{name}_tp{via}", via, tp_size=via)
+            cache = FileCache()
+            mid = read_checkpoint(cwd / f"{name}_tp{via}", cache=cache)
+            run_reshard(plan_reshard(mid, world, tp_size=tp, zero_stage=stage, facts=read_source_facts(mid, cache)),
+                        out, cache=cache, verify="full", workers=1)
+        else:
             _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage)
-            pairs.append(f"{name}={out}")
-        tampered = {}
-        if (world, tp, stage) in TAMPERED_CASES:
-            tampered[str(cwd / "tampered")] = _write_tampered(cwd / "tampered", tp)
-            pairs.append(f"autotp_z2_fp32_tp2_dp2={cwd / 'tampered'}")
-        if (world, tp, stage) in PADDING_TAMPERED_CASES:
-            tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered")
-            pairs.append(f"megatron_z2_fp32_tp2_dp2={cwd / 'padding_tampered'}")
-        args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
-        runs[(world, tp, stage)] = (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world,
-                                                      cwd=cwd, timeout=900), tampered)
-    return runs
+        pairs.append(f"{name}={out}")
+    tampered = {}
+    if (world, tp, stage) in TAMPERED_CASES:
+        fixture, fixture_world = TAMPERED_CASES[(world, tp, stage)]
+        tampered[str(cwd / "tampered")] = _write_tampered(cwd / "tampered", tp, fixture, fixture_world)
+        pairs.append(f"{fixture}={cwd / 'tampered'}")
+    if (world, tp, stage) in PADDING_TAMPERED_CASES:
+        tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered")
+        pairs.append(f"megatron_z2_fp32_tp2_dp2={cwd / 'padding_tampered'}")
+    args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
+    return (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world, cwd=cwd, timeout=900),
+            tampered)
 
 
 @pytest.mark.deepspeed
@@ -370,7 +537,7 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
     CPU's rounding of the source engine's (ds_tp_reshard_check.logits_slack; plus what phase 1 recorded at TP 1);
     one more step runs; each tampered control (one changed master element; for megatron one in a vocabulary padding
     row) fails naming the changed param on the rank that holds it (and nothing else)."""
-    rc, results, log, tampered = ds_tp_runs[case]
+    rc, results, log, tampered = ds_tp_runs(case)
     results, controls = passed_except_controls(results, log)
     assert {r["fixture"] for r in results} == set(DS_TP_CASES[case])
     assert sorted(c["ckpt"] for c in controls) == sorted(tampered), log
@@ -378,7 +545,7 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
         assert not control["ok"], log
         problems = control["problems"]
         name, holder = tampered[control["ckpt"]]
-        if case[1] > 1:  # TP 2 x DP 1: only TP rank 1 (global rank 1) holds the changed slice
+        if case[1] > 1:  # TP T x DP 1: only TP rank T - 1 (global rank T - 1) holds the changed slice
             assert problems == [f"rank {holder}: param of '{name}' differs from the source"], problems
         else:  # TP 1 x DP 2: safe_get_full_fp32_param gathers over DP, so every rank sees the changed element
             assert problems == [f"rank {r}: param of '{name}' differs from the source" for r in range(2)], problems

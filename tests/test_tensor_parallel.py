@@ -384,11 +384,21 @@ def test_affine_map_contradicting_the_patterns_is_refused(tmp_path):
 
 
 def test_reshard_refuses_tensor_parallel_size_change(tmp_path):
-    # TP kept is supported (tests/test_reshard_tp.py); another TP size is not yet
+    # Another TP size needs the KV heads from config.json (tests/test_reshard_tp.py, tests/test_autotp_widths.py);
+    # with it, 2 KV heads at TP 4 would leave two ranks without a head: refused, nothing written
+    import json
+    import shutil
+
     r = CliRunner().invoke(main, ["reshard", str(TP_DIR / "autotp_z1_bf16_tp2_dp1" / "ckpt"), str(tmp_path / "o"),
                                   "-n", "4", "--tp-size", "4"])
     assert r.exit_code == 3
-    assert "tensor-parallel size from 2 to 4 is not supported yet" in r.stderr
+    assert "tensor-parallel size from 2 to 4 needs the model's HF config.json beside the checkpoint" in r.stderr
+    ckpt = shutil.copytree(TP_DIR / "autotp_z1_bf16_tp2_dp1" / "ckpt", tmp_path / "ckpt")
+    (ckpt / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2}))
+    r = CliRunner().invoke(main, ["reshard", str(ckpt), str(tmp_path / "o"), "-n", "4", "--tp-size", "4"])
+    assert r.exit_code == 3 and not (tmp_path / "o").exists()
+    assert "dsckpt cannot derive AutoTP's cut of 8 param(s): 'model.layers.0.self_attn.q_proj.weight': AutoTP's " \
+           "rule cuts its 16 along dim 0 as 8/8/0/0 at TP 4 (num_key_value_heads=2 in" in r.stderr
 
 
 UNIVERSAL_CASES = ["autotp_z1_bf16_tp2_dp1_falcon", "autotp_z3_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt"]

@@ -125,9 +125,11 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
     if ckpt.tensor_parallel is None:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
-            "and splitting full tensors for TP is not supported yet")
+            "so it has no record of how each param splits (DeepSpeed AutoTP writes universal_checkpoint_info only at "
+            "TP > 1), and dsckpt does not re-derive AutoTP's layer policy (HF tp_plan, presets, name heuristics) "
+            "from the model code; keep TP 1, or reshard a checkpoint the run saved at TP > 1")
     try:
-        layout = resize_layout(ckpt.tensor_parallel, tp)
+        layout = resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
     except UnsupportedCheckpointError as e:
         raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
     parts = []
@@ -137,8 +139,16 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
         part_common = {**common, "source_optim_files": optim, "mp_rank": t, "hf_files": None,
                        "source_tp_size": src_tp, "tp_size": tp}
         parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1), facts, part_common))
+    notes = parts[0].notes
+    if tp not in (1, src_tp):
+        meta = facts.autotp_meta
+        split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
+        note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
+                f"{tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced the source's widths "
+                f"of all {split} split params")
+        notes = (*notes, note)
     return dataclasses.replace(parts[0], ranks=(), tensor_ranks=tuple(parts), tp_layout=layout,
-                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp)
+                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes)
 
 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
@@ -210,17 +220,21 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     if plan.tensor_ranks:
         from ..tensor_parallel import rank_view
 
+        layouts = (ckpt.tensor_parallel, plan.tp_layout)
         return [job for part in plan.tensor_ranks
-                for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache)]
+                for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache,
+                                            layouts)]
     return _build_rank_jobs(plan, ckpt, tag_dir, cache)
 
 
-def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
+def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any,
+                     layouts: tuple[Any, Any] | None = None) -> list[tuple[Path, Any]]:
+    """``layouts``: the source's and the target's :class:`~dsckpt.tensor_parallel.TpLayout` of a TP checkpoint."""
     jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys
 
-        jobs = [(path, retarget_tp_keys(tree, plan)) for path, tree in jobs]
+        jobs = [(path, retarget_tp_keys(tree, plan, layouts)) for path, tree in jobs]
     return jobs
 
 

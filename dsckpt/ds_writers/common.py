@@ -194,12 +194,14 @@ def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -
     return out
 
 
-def retarget_tp_keys(tree: Any, plan: LayoutPlan) -> Any:
+def retarget_tp_keys(tree: Any, plan: LayoutPlan, layouts: tuple[Any, Any] | None = None) -> Any:
     """A file's top-level keys that record the tensor-parallel size, rewritten for ``plan.tp_size``:
     ``mp_world_size``, ``checkpoint_parallel_dimensions.tp_degree`` (engine.py:420-428), ``ds_config``'s
     ``tensor_parallel`` section, and ``universal_checkpoint_info``. DeepSpeed 0.19.8 attaches that record only when
     AutoTP partitions the model (``finalize_autotp(attach_uc_metadata=True)``; with ``autotp_size`` <= 1
-    ``_configure_tensor_parallel`` returns before, engine.py), so a TP-1 file has none: it is dropped."""
+    ``_configure_tensor_parallel`` returns before, engine.py), so a TP-1 file has none: it is dropped. At another
+    TP size > 1 it is rewritten for the target's cut (``layouts``: the source's and the target's
+    :class:`~dsckpt.tensor_parallel.TpLayout`; :func:`dsckpt.autotp_widths.record_at`)."""
     if not isinstance(tree, Mapping):
         return tree
     out = dict(tree)
@@ -219,4 +221,9 @@ def retarget_tp_keys(tree: Any, plan: LayoutPlan) -> Any:
         out["ds_config"] = cfg
     if tp == 1:
         out.pop("universal_checkpoint_info", None)
+    elif isinstance(out.get("universal_checkpoint_info"), Mapping):
+        from ..autotp_widths import record_at
+
+        assert layouts is not None, "a TP size change to TP > 1 plans both layouts"
+        out["universal_checkpoint_info"] = record_at(out["universal_checkpoint_info"], *layouts)
     return out

@@ -107,6 +107,7 @@ class SourceFacts:
     parameter_alignment: bool = False
     sub_group_size: int | None = DEFAULT_SUB_GROUP_SIZE
     param_ds_ids: tuple[tuple[str, int], ...] = ()
+    autotp_meta: Any = None  # a dsckpt.autotp_widths.AutoTpMeta (the model's config.json), for a TP size change
 
 
 @dataclass(frozen=True)
