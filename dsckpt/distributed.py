@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .errors import EXIT_INTERNAL, DsckptError, UsageError
+from .errors import EXIT_DISTRIBUTED, EXIT_INTERNAL, DsckptError, UsageError
 
 __all__ = [
     "DistributedError",
@@ -62,9 +62,10 @@ DEFAULT_TIMEOUT_S = 1800
 
 
 class DistributedError(DsckptError):
-    """The ranks could not work together (different plans, a lost peer)."""
+    """The ranks could not work together (different plans, a lost peer): the environment, not the checkpoint
+    and not a dsckpt bug, so its own exit code."""
 
-    exit_code = EXIT_INTERNAL
+    exit_code = EXIT_DISTRIBUTED
 
 
 class RankFailedError(DsckptError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "EXIT_BAD_CHECKPOINT",
+    "EXIT_DISTRIBUTED",
     "EXIT_FINDINGS",
     "EXIT_INTERNAL",
     "EXIT_OK",
@@ -29,6 +30,7 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_BAD_CHECKPOINT = 3
+EXIT_DISTRIBUTED = 4  # the ranks of a --distributed run could not work together (not a dsckpt bug)
 EXIT_INTERNAL = 70
 
 

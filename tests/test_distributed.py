@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from conftest import FIXTURES
 from ds_launch import free_port
 
-from dsckpt import atomic
+from dsckpt import atomic, distributed, errors
 from dsckpt.cli import main
 from dsckpt.convert import plan_file_ranges
 from dsckpt.distributed import detect_env, digest, split_by_nbytes
@@ -116,6 +116,62 @@ def test_leased_leftover_of_another_host_is_removed_once_the_lease_expires(tmp_p
     removed = atomic.remove_leftovers(target)
     assert removed == [dead]
     assert alive.exists() and unleased.exists()  # a live lease; another host's pid cannot be checked
+
+
+def test_same_hostname_other_pid_space_is_another_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two machines (or containers) with one hostname: a pid in a temp name is checked only where it is one of this
+    process table's (same hostname *and* pid space: boot id + pid namespace). Another pid space's leased leftover goes
+    by its lease, an unleased one is left alone -- even if that pid is dead here; this pid space's dead pid is removed,
+    and names written before pid spaces were recorded keep the hostname rule."""
+    monkeypatch.setenv("DSCKPT_LEASE_EXPIRY_S", "60")
+    target = tmp_path / "out"
+    dead_pid = 2 ** 22 + 17  # above pid_max's default: no such process here
+    other = "0123abcd" if atomic._PID_SPACE != "0123abcd" else "fedc9876"
+    h = atomic._HOST
+    live_lease = tmp_path / f".out.{dead_pid}@{h}+{other}~lease.aaaa.tmp"
+    dead_lease = tmp_path / f".out.{dead_pid + 1}@{h}+{other}~lease.bbbb.tmp"
+    unleased = tmp_path / f".out.{dead_pid + 2}@{h}+{other}.cccc.tmp"
+    mine_dead = tmp_path / f".out.{dead_pid + 3}@{h}+{atomic._PID_SPACE}~lease.dddd.tmp"
+    old_style = tmp_path / f".out.{dead_pid + 4}@{h}.eeee.tmp"
+    for p in (live_lease, dead_lease, unleased, mine_dead, old_style):
+        p.mkdir()
+    old = time.time() - 600
+    for p in (dead_lease, unleased):
+        os.utime(p, (old, old))
+    removed = atomic.remove_leftovers(target)
+    assert sorted(removed) == sorted([dead_lease, mine_dead, old_style])
+    assert live_lease.exists() and unleased.exists()
+    assert atomic._temp_prefix(target, leased=True) == f".out.{os.getpid()}@{h}+{atomic._PID_SPACE}~lease."
+    assert re.fullmatch(r"[0-9a-f]{8}", atomic._PID_SPACE)
+
+
+def test_atomic_dir_holds_its_lease_through_the_final_fsync_and_rename(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leased folder's lease is renewed until it is renamed into place: the final fsync of many shards on a
+    slow shared filesystem must not let another host's run take the folder for a dead run's."""
+    held: list[bool] = []
+    real_lease, real_replace = atomic.lease, atomic.replace_into_place
+    active = {"n": 0}
+
+    @contextlib.contextmanager
+    def counting_lease(path, **kw):
+        active["n"] += 1
+        try:
+            with real_lease(path, **kw):
+                yield
+        finally:
+            active["n"] -= 1
+
+    def replace(tmp, target, **kw):
+        held.append(active["n"] > 0)
+        real_replace(tmp, target, **kw)
+
+    monkeypatch.setattr(atomic, "lease", counting_lease)
+    monkeypatch.setattr(atomic, "replace_into_place", replace)
+    with atomic.atomic_dir(tmp_path / "out", leased=True) as tmp:
+        assert "~lease." in tmp.name and active["n"] == 1
+        (tmp / "a").write_bytes(b"x")
+    assert held == [True] and active["n"] == 0 and (tmp_path / "out" / "a").read_bytes() == b"x"
 
 
 def test_lease_renews_mtime(tmp_path: Path) -> None:
@@ -311,3 +367,29 @@ def test_lease_expiry_is_never_shorter_than_three_renewals(monkeypatch: pytest.M
     # DSCKPT_LEASE_EXPIRY_S=0 would make every other host's live --distributed output look dead
     monkeypatch.setenv("DSCKPT_LEASE_EXPIRY_S", value)
     assert atomic.lease_expiry_s() == want == max(want, 3 * atomic.LEASE_RENEW_S)
+
+
+class _FakeGroup(distributed.Group):
+    """A Group whose collectives return what the test says the other ranks sent (no process group)."""
+
+    def __init__(self, rank: int, others: list) -> None:
+        super().__init__(rank, len(others))
+        self.others = others
+
+    def all_gather(self, obj):
+        return [obj if r == self.rank else o for r, o in enumerate(self.others)]
+
+
+def test_ranks_that_disagree_exit_4_naming_them() -> None:
+    """Different plans on different ranks (the nodes see different files) are the environment's problem, not a dsckpt
+    bug: exit 4 (README 'Exit codes'), never 70, naming the ranks that differ."""
+    plan = {"a": 1}
+    group = _FakeGroup(0, [distributed.digest(plan), distributed.digest(plan), distributed.digest({"a": 2})])
+    with pytest.raises(distributed.DistributedError, match=r"rank\(s\) 2 computed another one") as e:
+        group.agree(plan, "the plan")
+    assert e.value.exit_code == 4 == errors.EXIT_DISTRIBUTED
+    lost = distributed._lost_peer(1, RuntimeError("[a/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                                  "[10.0.0.2]:36227. This is typically caused by ..."))
+    assert lost.exit_code == 4
+    assert str(lost) == ("rank 1: lost contact with another rank (Connection closed by peer [10.0.0.2]:36227); a rank "
+                         "died or was stopped (torchrun's summary names it); nothing was written")
