@@ -5,11 +5,12 @@ Every writing command wraps its output in :func:`claim_output`, which
 * takes a run-lock on OUT (``fcntl.flock`` on ``.OUT.dsckpt-lock`` beside it): a second dsckpt
   writing the same OUT is refused (:class:`~dsckpt.errors.OutputBusyError`), so two concurrent runs
   never both write it and OUT is never a mix;
-* removes what a killed run (SIGKILL, power loss) left beside OUT. Temp names carry the writer's pid
-  and host (``.OUT.<pid>@<host>.XXXXXXXX.tmp``); holding the lock proves no dsckpt is writing OUT, so
-  leftovers of this host whose pid is dead are removed (and logged). A pid means nothing on another
+* removes what a killed run (SIGKILL, power loss) left beside OUT. Temp names carry the writer's pid, host
+  and pid space (``.OUT.<pid>@<host>+<space>.XXXXXXXX.tmp``; the space is this kernel boot + pid namespace,
+  :func:`_pid_space`, so machines sharing a hostname differ); holding the lock proves no dsckpt is writing OUT,
+  so leftovers of this pid space whose pid is dead are removed (and logged). A pid means nothing on another
   host (a shared filesystem), so ``--distributed`` writers hold a **lease** instead: their temp names
-  say so (``.OUT.<pid>@<host>~lease.XXXXXXXX.tmp``) and rank 0 touches the temp's mtime every
+  say so (``.OUT.<pid>@<host>+<space>~lease.XXXXXXXX.tmp``) and rank 0 touches the temp's mtime every
   :data:`LEASE_RENEW_S` seconds while the run lives (:func:`lease`). Another host's leased leftover
   whose mtime is older than :func:`lease_expiry_s` is dead and removed; other leftovers of another host
   are left alone and logged with how to remove them. A previous OUT that a killed ``--force`` run had
@@ -66,6 +67,26 @@ WRITE_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None
                                      errno.EPERM, errno.EFBIG) if e is not None)
 
 _HOST = socket.gethostname() or "localhost"
+
+
+def _pid_space() -> str:
+    """8 hex digits naming the space this process's pids live in: this kernel boot (``boot_id``) and this pid
+    namespace (a container's own). Two machines that share a hostname (or two containers on one host) differ
+    here, so a pid in a temp name is only checked where it means this process table."""
+    import hashlib
+
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(Path(path).read_text().strip() if path.endswith("boot_id") else str(os.stat(path).st_ino))
+        except OSError:
+            parts.append("")
+    if not any(parts):  # not Linux: the hostname alone (as before)
+        return ""
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:8]
+
+
+_PID_SPACE = _pid_space()
 #: Added to every planned output size: headers, pickles, zip directories, file-system rounding.
 SPACE_MARGIN_NBYTES = 1 << 20
 
@@ -108,7 +129,8 @@ def check_free_space(directory: Path, nbytes: int) -> None:
 
 
 def _temp_prefix(target: Path, *, leased: bool = False) -> str:
-    return f".{target.name}.{os.getpid()}@{_HOST}{'~lease' if leased else ''}."
+    space = f"+{_PID_SPACE}" if _PID_SPACE else ""
+    return f".{target.name}.{os.getpid()}@{_HOST}{space}{'~lease' if leased else ''}."
 
 
 #: A ``--distributed`` run's rank 0 renews its lease (touches its temp output) this often.
@@ -225,7 +247,8 @@ def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bo
     An existing ``target`` (allowed by :func:`check_can_write`) is moved aside first and removed
     once the new one is in place. Every file is fsync'd before the rename, unless ``fsync=False``
     (see :func:`atomic_file`: atomic, not crash-durable). ``leased``: name the temporary directory
-    as a ``--distributed`` run's (:func:`leased_temp`); the caller holds its :func:`lease`.
+    as a ``--distributed`` run's (:func:`leased_temp`) and hold its :func:`lease` until it is renamed into place,
+    through the final fsync of every file (on a slow shared filesystem that can outlast the lease expiry).
     """
     target = Path(target)
     if leased:
@@ -234,12 +257,13 @@ def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bo
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
     try:
-        yield tmp
-        for p in tmp.rglob("*") if fsync else ():
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-        replace_into_place(tmp, target, fsync=fsync)
+        with lease(tmp) if leased else contextlib.nullcontext():
+            yield tmp
+            for p in tmp.rglob("*") if fsync else ():
+                if p.is_file():
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+            replace_into_place(tmp, target, fsync=fsync)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -377,9 +401,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _leftover_owner(target: Path, name: str) -> tuple[int, str, bool] | None:
-    """``(pid, host, leased)`` if ``name`` is a temp or moved-aside name of ``target``'s writers."""
-    m = re.fullmatch(re.escape(f".{target.name}.") + r"(\d+)@([^~]+?)(~lease)?\.(?:[A-Za-z0-9_]+\.tmp|old)", name)
-    return (int(m[1]), m[2], bool(m[3])) if m else None
+    """``(pid, host, leased)`` if ``name`` is a temp or moved-aside name of ``target``'s writers. ``host`` is
+    ``_HOST`` only where the pid is one of this process table's: the same hostname *and* pid space (names written
+    before pid spaces were recorded: the same hostname); otherwise the hostname with the writer's pid space."""
+    m = re.fullmatch(re.escape(f".{target.name}.") + r"(\d+)@([^~+]+?)(?:\+([0-9a-f]{8}))?(~lease)?\."
+                     r"(?:[A-Za-z0-9_]+\.tmp|old)", name)
+    if not m:
+        return None
+    host = m[2] if m[3] is None or (m[2] == _HOST and m[3] == _PID_SPACE) else f"{m[2]}+{m[3]}"
+    return int(m[1]), host, bool(m[4])
 
 
 def _lease_expired(path: Path) -> bool:

@@ -534,7 +534,7 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
                 tmp = leased_temp(plan.output, directory=False)
                 stack.callback(lambda: tmp.unlink(missing_ok=True))  # gone once renamed into place
                 os.truncate(tmp, total)
-            stack.enter_context(lease(tmp))
+                stack.enter_context(lease(tmp))  # (atomic_dir holds a folder's lease itself)
             return str(tmp)
 
         tmp = Path(group.step(claim, "claiming OUT")[0])

@@ -506,7 +506,6 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
     rank 0's result."""
     import contextlib
 
-    from .atomic import lease
     from .distributed import split_by_nbytes
 
     out = Path(output)
@@ -527,7 +526,6 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
                 return None
             stack.enter_context(claim_output(out, force=force, nbytes=_output_nbytes_bound(plan)))
             tmp = stack.enter_context(atomic_dir(out, leased=True))
-            stack.enter_context(lease(tmp))
             for src in entries:
                 if src.is_dir() and not src.is_symlink():
                     (tmp / src.relative_to(inp)).mkdir(parents=True, exist_ok=True)

@@ -297,7 +297,7 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
     import contextlib
 
     from . import crc
-    from .atomic import atomic_dir, claim_output, lease
+    from .atomic import atomic_dir, claim_output
     from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
     from .readers import read_checkpoint
 
@@ -314,7 +314,6 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
                 return None
             stack.enter_context(claim_output(out, force=force, nbytes=output_nbytes_bound(plan)))
             tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
-            stack.enter_context(lease(tmp))
             (tmp / plan.tag).mkdir()
             return str(tmp)
 
@@ -545,7 +544,7 @@ def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], 
     import contextlib
 
     from . import crc
-    from .atomic import atomic_dir, claim_output, lease
+    from .atomic import atomic_dir, claim_output
     from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
     from .ds_writers.universal import universal_trees
 
@@ -561,7 +560,6 @@ def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], 
                 return None
             stack.enter_context(claim_output(out, force=force, nbytes=_universal_nbytes(plan)))
             tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
-            stack.enter_context(lease(tmp))
             for rel, _ in trees:
                 (tmp / plan.out_tag / rel).parent.mkdir(parents=True, exist_ok=True)
             return str(tmp)
