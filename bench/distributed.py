@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
     report: dict = {"stage": args.stage, "params": args.params, "ranks": args.ranks, "cores": cores,
                     "generate_s": gen_s, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
                     "checkpoint_bytes": sum(p.stat().st_size for p in big.rglob("*") if p.is_file()),
-                    "samples": {}, "same_bytes": {}}
+                    "samples": {}, "same_bytes": {}, "digests": {}}
     rpath = Path(args.report)
 
     def save() -> None:
@@ -111,12 +111,14 @@ def run(args: argparse.Namespace) -> None:
             key = f"{name} | {cfg}"
             report["samples"].setdefault(key, []).append(asdict(s))
             log(f"{key:48s} {s.wall_s:8.2f} s  {s.cpu_s:7.2f} s CPU  {s.maxrss_bytes / 1e6:8.0f} MB")
+            save()  # before the identity check: a call cut short keeps the sample
             if r == 0 and cmd[0] != "-c":  # same bytes as the one-process run
                 if output is not None:
                     got: object = digest_tree(output)
                 else:
                     proc = subprocess.run(argv_of([*cmd, "--json"], nproc), capture_output=True, text=True, check=False)
                     got = {"rc": proc.returncode, "stdout_sha256": hashlib.sha256(proc.stdout.encode()).hexdigest()}
+                report.setdefault("digests", {})[key] = got
                 if nproc is None:
                     reference[name] = got
                 elif name in reference:
@@ -152,21 +154,33 @@ def table(paths: list[str]) -> str:
         gb = rep["checkpoint_bytes"] / 1e9
         lines.append(f"ZeRO-{rep['stage']}, {rep['params']} params, written by {rep['ranks']} ranks ({gb:.1f} GB); "
                      f"{rep['cores']} cores; {rep['date']}; rounds: "
-                     f"{max(len(v) for v in rep['samples'].values())} (medians)\n")
-        lines.append("| command | configuration | wall s | vs 1 process | CPU s | peak RSS per process | same bytes |")
-        lines.append("|---|---|---|---|---|---|---|")
-        base: dict[str, float] = {}
+                     "medians, samples in parentheses\n")
+        lines.append("| command | configuration | wall s | vs 1 process | beyond the start-up floor | CPU s | "
+                     "peak RSS per process | same bytes |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        med: dict[tuple[str, str], dict[str, float]] = {}
         for key, samples in rep["samples"].items():
             name, cfg = key.split(" | ")
-            wall = statistics.median(s["wall_s"] for s in samples)
-            cpu = statistics.median(s["cpu_s"] for s in samples)
-            rss = statistics.median(s["maxrss_bytes"] for s in samples)
-            if cfg == "1 process":
-                base[name] = wall
-            ratio = f"{wall / base[name]:.2f}x" if name in base else ""
-            same = {True: "yes", False: "**no**"}.get(rep["same_bytes"].get(key), "(reference)"
-                                                      if cfg == "1 process" else "")
-            lines.append(f"| {name} | {cfg} | {wall:.2f} | {ratio} | {cpu:.1f} | {rss / 1e6:.0f} MB | {same} |")
+            med[(name, cfg)] = {f: statistics.median(s[f] for s in samples) for f in ("wall_s", "cpu_s", "maxrss_bytes")}
+            med[(name, cfg)]["n"] = len(samples)
+        names = list(dict.fromkeys(n for n, _ in med))
+        floor = "torchrun + gloo start only"
+        names = [n for n in names if n != floor] + [floor]
+
+        def order(cfg: str) -> int:
+            return -1 if cfg == "1 process" else int(cfg.rsplit("=", 1)[1])
+
+        for name in names:
+            for cfg in sorted((c for n, c in med if n == name), key=order):
+                m = med[(name, cfg)]
+                base = med.get((name, "1 process"))
+                ratio = f"{m['wall_s'] / base['wall_s']:.2f}x" if base else ""
+                fl = med.get((floor, cfg))
+                beyond = f"{m['wall_s'] - fl['wall_s']:.2f}" if fl and name != floor else ""
+                same = {True: "yes", False: "**no**"}.get(rep["same_bytes"].get(f"{name} | {cfg}"),
+                                                          "(reference)" if cfg == "1 process" else "")
+                lines.append(f"| {name} | {cfg} | {m['wall_s']:.2f} ({int(m['n'])}) | {ratio} | {beyond} | "
+                             f"{m['cpu_s']:.1f} | {m['maxrss_bytes'] / 1e6:.0f} MB | {same} |")
         lines.append("")
     return "\n".join(lines)
 
