@@ -33,6 +33,7 @@ contains ``mlp`` or a MoE MLP name. The proof at the source's size catches that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -145,7 +146,7 @@ def target_layout(layout: TpLayout, tp: int, meta: AutoTpMeta | None) -> TpLayou
     cuts: dict[str, ParamCut] = {}
     for name, c in layout.name_to_cut.items():
         if c.kind is SplitKind.REPLICATED or c.dim is None:
-            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,) * tp)
+            cuts[name] = dataclasses.replace(c, rank_shapes=(c.full_shape,) * tp)
             continue
         if c.kind is SplitKind.SUB_PARAMS:
             problems.append(f"'{name}' is fused from {len(c.sub_widths)} sub-params, whose widths the fused layer "
@@ -178,7 +179,7 @@ def target_layout(layout: TpLayout, tp: int, meta: AutoTpMeta | None) -> TpLayou
             s = list(c.full_shape)
             s[c.dim] = w
             shapes.append(tuple(s))
-        cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, tuple(shapes), (widths,), c.keep_rows)
+        cuts[name] = dataclasses.replace(c, rank_shapes=tuple(shapes), sub_widths=(widths,))
     if problems:
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size from {src} to {tp}: dsckpt cannot derive AutoTP's cut of "

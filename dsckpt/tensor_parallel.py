@@ -523,7 +523,7 @@ def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayo
     for name, c in layout.name_to_cut.items():
         widths = tuple((sum(ws),) for ws in c.sub_widths)
         if c.dim is None or c.kind is SplitKind.REPLICATED:
-            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,))
+            cuts[name] = dataclasses.replace(c, rank_shapes=(c.full_shape,))
         else:
-            cuts[name] = ParamCut(name, c.kind, c.dim, c.full_shape, (c.full_shape,), widths, c.keep_rows)
+            cuts[name] = dataclasses.replace(c, rank_shapes=(c.full_shape,), sub_widths=widths)
     return TpLayout(1, layout.source, cuts)
