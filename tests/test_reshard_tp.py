@@ -417,6 +417,8 @@ def test_tp1_to_tp2_refused(tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(tmp_path / "tp1"), str(tmp_path / "o"), "-n", "2", "--tp-size", "2"])
     assert r.exit_code == 3, r.output
     assert "it was saved without tensor parallelism, so it has no record of how each param splits" in r.stderr
+    assert 'Write it with --universal instead and load that with "checkpoint": {"load_universal": true} and ' \
+           "autotp_size 2" in r.stderr  # the route test_deepspeed_loads_padded_vocabulary_universal runs
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
@@ -555,9 +557,13 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
 
 # A padded vocabulary at another TP size: refused by reshard, which points to --universal + load_universal. That
 # route, in real DeepSpeed: (launch ranks, TP size) -> fixtures written with reshard --universal.
+# The same route takes a checkpoint saved *without* TP to TP 2 (TP 1 -> 2; "NAME@tp1": the fixture first resharded
+# to TP 1 x DP 1, a plain checkpoint with no record, then written --universal): DeepSpeed's universal loader cuts each
+# param by the live AutoTP layer, which reshard cannot know from a TP-1 checkpoint.
 DS_TP_UNIVERSAL_CASES: dict[tuple[int, int], list[str]] = {
     (2, 1): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 -> TP 1 x DP 2
-    (2, 2): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 x DP 1
+    (2, 2): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1",  # TP 2 x DP 1
+             "autotp_z1_bf16_tp2_dp1_kv6@tp1", "autotp_z2_fp32_tp2_dp2@tp1"],  # TP 1 -> TP 2
 }
 
 
@@ -569,14 +575,22 @@ def ds_tp_universal_runs(tmp_path_factory):
     written = {}
     for name in dict.fromkeys(n for names in DS_TP_UNIVERSAL_CASES.values() for n in names):
         out = base / name
-        r = CliRunner().invoke(main, ["reshard", str(TP_DIR / name / "ckpt"), str(out), "--universal", "-q"])
+        src = TP_DIR / name.split("@")[0] / "ckpt"
+        if name.endswith("@tp1"):  # a plain TP-1 checkpoint first: no TP record left
+            r = CliRunner().invoke(main, ["reshard", str(src), str(base / f"{name}-plain"), "-n", "1", "--tp-size",
+                                          "1", "-q"])
+            assert r.exit_code == 0, r.output
+            src = base / f"{name}-plain"
+            assert read_checkpoint(src).tensor_parallel is None
+        r = CliRunner().invoke(main, ["reshard", str(src), str(out), "--universal", "-q"])
         assert r.exit_code == 0, r.output
         written[name] = out
     runs = {}
     for (world, tp), names in DS_TP_UNIVERSAL_CASES.items():
         cwd = base / f"to{world}_tp{tp}"
         cwd.mkdir()
-        runs[(world, tp)] = run_check_script("ds_tp_reshard_check.py", [f"{n}={written[n]}" for n in names],
+        runs[(world, tp)] = run_check_script("ds_tp_reshard_check.py",
+                                             [f"{n.split('@')[0]}={written[n]}" for n in names],
                                              args=["--tp-size", str(tp), "--universal"], world=world, cwd=cwd,
                                              timeout=900)
     return runs
@@ -587,10 +601,12 @@ def ds_tp_universal_runs(tmp_path_factory):
 def test_deepspeed_loads_padded_vocabulary_universal(ds_tp_universal_runs, case):
     """reshard --universal of a padded-vocabulary TP checkpoint, loaded with load_universal at TP 1 (the plain
     30-row model) and at TP 2 (model + mpu): fp32 masters, Adam moments, module weights, step exact -- the padding
-    rows zero at TP 2, as DeepSpeed's universal loader re-pads them --, logits as for the reshard checks."""
+    rows zero at TP 2, as DeepSpeed's universal loader re-pads them --, logits as for the reshard checks. And TP 1
+    -> 2: a plain TP-1 checkpoint (no record) written --universal, loaded by AutoTP at TP 2: each rank's slices
+    equal the TP-2 run's own (same AutoTP widths), exactly."""
     rc, results, log = ds_tp_universal_runs[case]
     results, _ = passed_except_controls(results, log)
-    assert [r["fixture"] for r in results] == DS_TP_UNIVERSAL_CASES[case]
+    assert [r["fixture"] for r in results] == [n.split("@")[0] for n in DS_TP_UNIVERSAL_CASES[case]]
     assert rc == 0, log
 
 

@@ -127,7 +127,9 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
             f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
             "so it has no record of how each param splits (DeepSpeed AutoTP writes universal_checkpoint_info only at "
             "TP > 1), and dsckpt does not re-derive AutoTP's layer policy (HF tp_plan, presets, name heuristics) "
-            "from the model code; keep TP 1, or reshard a checkpoint the run saved at TP > 1")
+            f"from the model code. Write it with --universal instead and load that with \"checkpoint\": "
+            f"{{\"load_universal\": true}} and autotp_size {tp}: DeepSpeed's universal loader cuts each param by the "
+            "live AutoTP layer")
     try:
         layout = resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
     except UnsupportedCheckpointError as e:
