@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -27,17 +26,14 @@ BIN = Path(sys.executable).parent
 
 
 def _run(cmd: list[str], out: Path) -> tuple[float, int]:
-    """Wall seconds and peak RSS (KB, from GNU time) of ``cmd``; ``out`` is removed afterwards."""
-    rss_file = out.parent / "rss.txt"
-    t0 = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(HERE.parent)})
-    dt = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    rss = int(rss_file.read_text().split()[-1])
+    """Wall seconds and peak RSS (KB) of ``cmd`` (bench/run.py's ``measure``: GNU time, or a small wait4 wrapper
+    where GNU time is missing, as on the lent hosts); ``out`` is removed afterwards."""
+    sys.path.insert(0, str(HERE))
+    from run import measure
+
+    s = measure(cmd, {"PYTHONPATH": str(HERE.parent)})
     shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
-    return dt, rss
+    return s.wall_s, s.maxrss_bytes // 1024
 
 
 def _warm(path: Path) -> None:
@@ -53,6 +49,8 @@ def main() -> None:
     ap.add_argument("--dp", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--anchor-rounds", type=int, default=None, help="time the anchors in the first N rounds only")
+    ap.add_argument("--ds-workers", type=int, default=2, help="ds_to_universal's extract/merge workers")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dsckpt-tp-bench-", dir=HERE / "out"))
     tag = {p: (p / "latest").read_text().strip() for p in (args.tp, args.dp)}
@@ -64,7 +62,7 @@ def main() -> None:
     if not args.no_anchors:
         cases["ds_to_universal, TP 2 x DP 1 (anchor)"] = (
             [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-             str(args.tp / tag[args.tp]), "--num_extract_workers", "2", "--num_merge_workers", "2",
+             str(args.tp / tag[args.tp]), "--num_extract_workers", str(args.ds_workers), "--num_merge_workers", str(args.ds_workers),
              "--output_folder"], "universal")
         cases["zero_to_fp32, TP 1 x DP 2 (anchor)"] = (
             [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(args.dp), "--safe_serialization"], "z2f")
@@ -73,8 +71,10 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in cases}
     rss: dict[str, int] = {k: 0 for k in cases}
     out_nbytes = 0
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name, (cmd, out_name) in cases.items():
+            if "(anchor)" in name and args.anchor_rounds is not None and r >= args.anchor_rounds:
+                continue
             out = tmp / out_name
             if name.startswith("dsckpt") and not out_nbytes:
                 subprocess.run([*cmd, str(out)], check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
