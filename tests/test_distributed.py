@@ -50,6 +50,7 @@ FAMILIES = {
     "hf_llama_z2_bf16_w2": "Hugging Face Trainer folder",
     "autotp/autotp_z2_fp32_tp2_dp2": "tensor parallel (AutoTP), row-parallel slices",
     "autotp/megatron_z1_bf16_tp2_dp2_bf16opt": "tensor parallel (Megatron-style record), BF16_Optimizer",
+    "tp_pipeline/megatron_pp2_tp2_z1_fp32": "tensor x pipeline parallel (Megatron-DeepSpeed layer files)",
 }
 
 
@@ -228,11 +229,14 @@ def _jobs(fx_root: Path, out: Path) -> list[list[str]]:
                        ("s1_bf16_w2_bf16opt", ["-n", "1"]), ("hf_llama_z2_bf16_w2", ["-n", "3", "--verify", "full"]),
                        ("moe_s2_bf16_w2_ep2", ["-n", "4"]),
                        ("autotp/autotp_z2_fp32_tp2_dp2", ["-n", "2"]),
-                       ("autotp/autotp_z3_bf16_tp2_dp1", ["-n", "2", "--tp-size", "1"])):
+                       ("autotp/autotp_z3_bf16_tp2_dp1", ["-n", "2", "--tp-size", "1"]),
+                       ("autotp/autotp_z1_bf16_tp2_dp1_kv6", ["-n", "4", "--tp-size", "4"]),  # AutoTP's width rule
+                       ("autotp/megatron_z2_fp32_tp2_dp2", ["-n", "2"])):  # padding rows carried
         jobs.append(["reshard", "-q", str(fx_root / name / "ckpt"), str(out / f"reshard_{name.replace('/', '_')}"),
                      *args])
-    for name in ("s2_fp32_w4", "s3_bf16_w3_subgroups"):
-        jobs.append(["reshard", "-q", "--universal", str(fx_root / name / "ckpt"), str(out / f"universal_{name}")])
+    for name in ("s2_fp32_w4", "s3_bf16_w3_subgroups", "autotp/megatron_z1_bf16_tp2_dp1"):
+        jobs.append(["reshard", "-q", "--universal", str(fx_root / name / "ckpt"),
+                     str(out / f"universal_{name.replace('/', '_')}")])
     fx = fx_root
     jobs += [["diff", str(fx / "s2_fp32_w4" / "ckpt"), str(fx / "s2_fp32_w4" / "ckpt"), "--role", "all"],
              ["diff", "--json", str(fx / "s2_fp16_w1_masterinf" / "ckpt"), str(fx / "s2_fp16_w1_bnoverflow" / "ckpt")],
