@@ -312,6 +312,35 @@ def test_a_written_file_failing_its_check_never_becomes_out(tmp_path, name, exis
         assert target.read_bytes() == b"the previous OUT"
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "force-over-old"])
+def test_a_shard_failing_its_check_leaves_no_folder(tmp_path, existing, monkeypatch):
+    """A folder OUT: each shard is checked inside the temporary folder; one that fails removes the folder."""
+    from dsckpt.writers import safetensors as st_writer
+
+    cmd = by_name("to-fp32-sharded")
+    _fx, out, argv = _prepare(tmp_path, cmd)
+    assert cmd.output is not None
+    target = cmd.output(out)
+    if existing:
+        target.mkdir()
+        (target / "old.txt").write_text("the previous OUT")
+        argv = [*argv[:1], "--force", *argv[1:]]
+    real = st_writer.verify_safetensors
+
+    def damaged_then_checked(path, specs, **kw):
+        assert path.parent.parent == out and path.parent != target  # inside the temporary folder
+        os.truncate(path, 8)
+        return real(path, specs, **kw)
+
+    monkeypatch.setattr(st_writer, "verify_safetensors", damaged_then_checked)
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 3, res.output
+    _one_error_line(res.stderr, "verification failed: '", "model-00001-of-", "cannot be reopened")
+    assert _beside(out) == ([target.name] if existing else [])
+    if existing:
+        assert [p.name for p in target.iterdir()] == ["old.txt"]
+
+
 @pytest.mark.parametrize("name", list(SINGLE_FILE_VERIFIERS))
 def test_a_written_file_is_checked_before_the_rename_and_passes(tmp_path, name, monkeypatch):
     """Without damage the same check passes on the temporary file and OUT appears (the check is not a no-op
