@@ -35,11 +35,17 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import NotEnoughSpaceError, OutputBusyError, OutputWriteError, UsageError
+from .errors import (
+    CorruptCheckpointError,
+    NotEnoughSpaceError,
+    OutputBusyError,
+    OutputWriteError,
+    UsageError,
+)
 
 __all__ = [
     "WRITE_ERRNOS",
@@ -58,6 +64,7 @@ __all__ = [
     "remove_leftovers",
     "replace_into_place",
     "scratch_dir",
+    "verification_failed",
 ]
 
 logger = logging.getLogger("dsckpt")
@@ -213,10 +220,15 @@ def _write_errors(target: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_parent: bool = True) -> Iterator[BinaryIO]:
+def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_parent: bool = True,
+                check: Callable[[Path], None] | None = None) -> Iterator[BinaryIO]:
     """Yield a binary file that becomes ``target`` only if the block completes. ``make_parent=False``:
     never create ``target``'s folder (a ``--distributed`` rank writing into rank 0's temp folder must not
     bring it back after rank 0 removed it).
+
+    ``check`` is called with the temporary file's path once it is complete (closed and fsync'd), before the
+    rename: if it raises, the temporary file is removed and ``target`` is left as it was (absent, or the
+    previous one), so a written file that fails its check never appears under ``target``'s name.
 
     ``fsync=False`` skips the fsyncs of the file and of its folder: ``target`` still appears complete
     or not at all to every process, but a power loss or kernel crash soon after may leave it empty
@@ -231,6 +243,8 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
+        if check is not None:
+            check(Path(tmp))
         os.replace(tmp, target)
         if fsync:
             _fsync_dir(target.parent)
@@ -238,6 +252,14 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def verification_failed(target: Path, what: str) -> CorruptCheckpointError:
+    """The error for a written output that fails its check before being moved into place (``what``: what
+    failed, e.g. ``"'w' was not written as planned"``), named by the path it would have had."""
+    return CorruptCheckpointError(
+        f"verification failed: '{target}': {what}; nothing was moved into place (an existing '{target.name}' is "
+        "kept). This is a dsckpt bug or a disk fault: please report it")
 
 
 @contextlib.contextmanager

@@ -35,7 +35,6 @@ from .lightning import (
     client_state_tree,
     lightning_name,
     plan_client_state,
-    verify_lightning_file,
 )
 from .model import Kind, LogicalCheckpoint, TensorEntry
 from .nonfinite import NonFinite, count_nonfinite_np
@@ -296,6 +295,7 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
         return t.to(want) if t.dtype != want else t
 
     if plan.format is OutputFormat.TORCH:
+        from .writers.torch_stream import verify_torch_file
         from .writers.torchfile import write_torch
 
         def tensors():  # type: ignore[no-untyped-def]
@@ -305,7 +305,9 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
                     on_tensor(spec)
             cache.finish_checks()  # write_torch has every tensor now and has not opened its output yet
 
-        return ConvertResult(plan, (write_torch(plan.output, tensors()),), tuple(found))
+        torch_file = write_torch(plan.output, tensors(),
+                                 check=lambda tmp: verify_torch_file(tmp, plan.specs, target=plan.output))
+        return ConvertResult(plan, (torch_file,), tuple(found))
 
     order = plan.specs if plan.shards is None else tuple(s for shard in plan.shards.shards for s in shard)
     last = order[-1].name if order else None
@@ -319,7 +321,7 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
     files: tuple[Path, ...]
     try:
         if plan.format is OutputFormat.LIGHTNING:
-            from .writers.torch_stream import ChunkedTensor, write_torch_tree
+            from .writers.torch_stream import ChunkedTensor, verify_torch_file, write_torch_tree
 
             def chunks_of(spec: TensorSpec) -> Callable[[], Iterator[Any]]:
                 def chunks() -> Iterator[Any]:
@@ -336,8 +338,9 @@ def _run_to_fp32(plan: ConvertPlan, cache: FileCache, *, strict: bool,
 
             tree = client_state_tree(plan.client_state, cache) if plan.client_state is not None else {}
             tree["state_dict"] = {s.name: ChunkedTensor(s.dtype, s.shape, chunks_of(s)) for s in plan.specs}
-            files = (write_torch_tree(plan.output, tree),)
-            verify_lightning_file(plan.output, tuple(tree), plan.specs)
+            keys = tuple(tree)
+            files = (write_torch_tree(plan.output, tree, check=lambda tmp: verify_torch_file(
+                tmp, plan.specs, keys=keys, target=plan.output)),)
         elif plan.format is OutputFormat.SAFETENSORS:
             files = (write_safetensors_chunks(plan.output, plan.specs, produce_chunks, metadata=plan.metadata,
                                               on_tensor=on_tensor),)
@@ -648,7 +651,7 @@ def run_to_fp32_distributed(plan: ConvertPlan, cache: FileCache, group: Any, *, 
             if pos != total or tmp.stat().st_size != total:
                 raise OutputWriteError(f"'{plan.output}': {tmp.stat().st_size} bytes on disk, {pos} reported, "
                                        f"{total} planned; nothing was moved into place")
-            verify_safetensors(tmp, plan.specs)
+            verify_safetensors(tmp, plan.specs, target=plan.output)
             logger.debug("%s: CRC-32 0x%08x of %d bytes written by %d ranks", plan.output, whole, total, world)
             return [plan.output]
 

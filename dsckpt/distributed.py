@@ -33,9 +33,12 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import EXIT_DISTRIBUTED, EXIT_INTERNAL, DsckptError, UsageError
+
+if TYPE_CHECKING:
+    from .readers import FileCache
 
 __all__ = [
     "DistributedError",
@@ -254,19 +257,14 @@ def init() -> Group:
 # CRC-32 checks of input records read by several ranks
 
 
-def record_checks(cache: Any) -> list[Any]:
+def record_checks(cache: FileCache) -> list[Any]:
     """Every zip record check (:class:`dsckpt.crc.RecordCheck`) of the files ``cache`` has parsed, once
     each, in file then record order (the same list on every rank holding the same plan)."""
-    from .safe_load import walk_tensors
-
-    # FileCache keeps its parsed trees private; finish_checks() walks the same dict.
-    trees: dict[Any, Any] = getattr(cache, "_trees", {})
     seen: dict[int, Any] = {}
-    for path in sorted(trees, key=str):
-        for _, ref in walk_tensors(trees[path]):
-            check = ref.storage.check
-            if check is not None and id(check) not in seen:
-                seen[id(check)] = check
+    for ref in cache.tensor_refs():
+        check = ref.storage.check
+        if check is not None and id(check) not in seen:
+            seen[id(check)] = check
     return list(seen.values())
 
 

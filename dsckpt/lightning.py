@@ -18,12 +18,12 @@ client state out).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from .errors import UnsafeCheckpointError, UnsupportedCheckpointError
 from .model import LogicalCheckpoint
 from .readers import FileCache
 from .safe_load import (
@@ -34,8 +34,6 @@ from .safe_load import (
     TorchDtype,
     TorchSize,
 )
-from .safe_load import load as safe_load_file
-from .writers.safetensors import TensorSpec
 
 __all__ = [
     "CONVERTER_DROPPED_KEYS",
@@ -45,7 +43,6 @@ __all__ = [
     "client_state_tree",
     "lightning_name",
     "plan_client_state",
-    "verify_lightning_file",
 ]
 
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
@@ -154,17 +151,3 @@ def client_state_tree(plan: ClientStatePlan, cache: FileCache) -> dict[str, Any]
     tree = cache.tree(plan.source)
     return {k: _plain(tree[k]) for k in plan.keys}
 
-
-def verify_lightning_file(path: Path, keys: tuple[str, ...], specs: Sequence[TensorSpec]) -> None:
-    """Reopen a written ``OUT.ckpt`` through the safe loader: top-level ``keys`` in order, and ``state_dict`` with
-    the planned names, shapes and dtypes."""
-    tree = safe_load_file(path)
-    sd = tree.get("state_dict") if isinstance(tree, dict) else None
-    if not isinstance(tree, dict) or tuple(tree) != keys or not isinstance(sd, dict):
-        raise CorruptCheckpointError(f"{path}: written file holds other top-level keys than planned")
-    if list(sd) != [s.name for s in specs]:
-        raise CorruptCheckpointError(f"{path}: written state_dict lists other tensors than planned")
-    for spec in specs:
-        t = sd[spec.name]
-        if not isinstance(t, TensorRef) or tuple(t.shape) != spec.shape or t.dtype_name != spec.dtype:
-            raise CorruptCheckpointError(f"{path}: '{spec.name}' was not written as planned")

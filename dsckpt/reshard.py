@@ -19,13 +19,14 @@ for another ZeRO stage (1, 2 and 3 from any of 1, 2, 3, ``BF16_Optimizer`` sourc
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,10 +295,7 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
     sizes against the filesystem, writes ``latest``, the scripts and the Trainer files, runs ``verify``
     over the whole output (on rank 0 alone, for now) and renames OUT into place. Same bytes as
     :func:`run_reshard`; OUT appears only if every rank succeeded."""
-    import contextlib
-
     from . import crc
-    from .atomic import atomic_dir, claim_output
     from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
     from .readers import read_checkpoint
 
@@ -309,15 +307,8 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
     workers = default_workers() if workers is None else workers
 
     with contextlib.ExitStack() as stack:
-        def claim() -> str | None:
-            if not group.is_root:
-                return None
-            stack.enter_context(claim_output(out, force=force, nbytes=output_nbytes_bound(plan)))
-            tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
-            (tmp / plan.tag).mkdir()
-            return str(tmp)
-
-        tmp = Path(group.step(claim, "claiming OUT")[0])
+        tmp = _claim_leased(group, stack, out, force=force, nbytes=lambda: output_nbytes_bound(plan), fsync=fsync,
+                            folders=[Path(plan.tag)])
         tag_dir = tmp / plan.tag
         jobs = build_jobs(plan, ckpt, tag_dir, cache)
         names = [path.name for path, _ in jobs]
@@ -365,6 +356,27 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
         group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
     return ReshardResult(out, plan.tag, tuple(out / plan.tag / n for n in names), checked, mode.value,
                          tuple(out / f for f in hf))
+
+
+def _claim_leased(group: Any, stack: contextlib.ExitStack, out: Path, *, force: bool, nbytes: Callable[[], int],
+                  fsync: bool, folders: Sequence[Path]) -> Path:
+    """The claim step of a ``--distributed`` reshard: rank 0 claims ``out`` (:func:`dsckpt.atomic.claim_output`)
+    and opens its leased temporary folder (:func:`dsckpt.atomic.atomic_dir`), both held on ``stack`` (closing it
+    renames the folder into place, or removes it after a failure), and makes ``folders`` (relative) in it.
+    ``nbytes()`` (the free-space check) runs on rank 0 alone, inside the step, so its failure reaches every rank.
+    Every rank gets the temporary folder's path."""
+    from .atomic import atomic_dir, claim_output
+
+    def claim() -> str | None:
+        if not group.is_root:
+            return None
+        stack.enter_context(claim_output(out, force=force, nbytes=nbytes()))
+        tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
+        for folder in folders:
+            (tmp / folder).mkdir(parents=True, exist_ok=True)
+        return str(tmp)
+
+    return Path(group.step(claim, "claiming OUT")[0])
 
 
 def _tree_nbytes(tree: Any) -> int:
@@ -541,10 +553,7 @@ def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], 
     """:func:`run_universal` spread over the ranks of ``group``, as :func:`run_reshard_distributed` does:
     the universal folder's files are split over the ranks by bytes; rank 0 makes the folders, checks the
     reported sizes, writes ``latest_universal``, verifies (alone, for now) and renames OUT into place."""
-    import contextlib
-
     from . import crc
-    from .atomic import atomic_dir, claim_output
     from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
     from .ds_writers.universal import universal_trees
 
@@ -555,16 +564,8 @@ def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], 
     workers = default_workers() if workers is None else workers
 
     with contextlib.ExitStack() as stack:
-        def claim() -> str | None:
-            if not group.is_root:
-                return None
-            stack.enter_context(claim_output(out, force=force, nbytes=_universal_nbytes(plan)))
-            tmp = stack.enter_context(atomic_dir(out, fsync=fsync, leased=True))
-            for rel, _ in trees:
-                (tmp / plan.out_tag / rel).parent.mkdir(parents=True, exist_ok=True)
-            return str(tmp)
-
-        tmp = Path(group.step(claim, "claiming OUT")[0])
+        tmp = _claim_leased(group, stack, out, force=force, nbytes=lambda: _universal_nbytes(plan), fsync=fsync,
+                            folders=[(Path(plan.out_tag) / rel).parent for rel, _ in trees])
         folder = tmp / plan.out_tag
         jobs = [(folder / rel, tree) for rel, tree in trees]
         mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]

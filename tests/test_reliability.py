@@ -261,6 +261,106 @@ def test_enospc_inside_the_safetensors_stream_names_the_file(tmp_path, monkeypat
     assert _beside(out) == []
 
 
+# --------------------------------------------------------------------------------------------
+# A written file is checked under its temporary name: one that fails never becomes OUT
+
+#: single-file outputs -> (module, verifier) that checks them before the rename
+SINGLE_FILE_VERIFIERS = {"to-fp32": ("dsckpt.writers.safetensors", "verify_safetensors"),
+                         "to-fp32-torch": ("dsckpt.writers.torch_stream", "verify_torch_file"),
+                         "to-fp32-lightning": ("dsckpt.writers.torch_stream", "verify_torch_file")}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other-tensors"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "force-over-old"])
+@pytest.mark.parametrize("name", list(SINGLE_FILE_VERIFIERS))
+def test_a_written_file_failing_its_check_never_becomes_out(tmp_path, name, existing, damage, monkeypatch):
+    """The real verifier runs on the temporary file, damaged first (cut to 8 bytes, or checked against a plan
+    without its last tensor): exit 3, one line naming OUT, no OUT (or the old one, byte for byte), no temp."""
+    import importlib
+
+    cmd = by_name(name)
+    _fx, out, argv = _prepare(tmp_path, cmd)
+    assert cmd.output is not None
+    target = cmd.output(out)
+    if existing:
+        target.write_bytes(b"the previous OUT")
+        argv = [*argv[:1], "--force", *argv[1:]]
+    module_name, attr = SINGLE_FILE_VERIFIERS[name]
+    module = importlib.import_module(module_name)
+    real = getattr(module, attr)
+    seen: list[Path] = []
+
+    def damaged_then_checked(path, specs, **kw):
+        seen.append(path)
+        assert path != target and path.parent == target.parent and kw["target"] == target
+        assert target.exists() == existing and (not existing or target.read_bytes() == b"the previous OUT")
+        if damage == "truncated":
+            os.truncate(path, 8)
+        else:
+            specs = specs[:-1]
+        return real(path, specs, **kw)
+
+    monkeypatch.setattr(module, attr, damaged_then_checked)
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 3, res.output
+    assert len(seen) == 1
+    what = "cannot be reopened" if damage == "truncated" else "lists other tensors than planned"
+    line = _one_error_line(res.stderr, f"verification failed: '{target}'", what, "nothing was moved into place")
+    assert str(seen[0]) not in line  # named by OUT, not by the temporary file that was removed
+    assert _beside(out) == ([target.name] if existing else [])
+    if existing:
+        assert target.read_bytes() == b"the previous OUT"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "force-over-old"])
+def test_a_shard_failing_its_check_leaves_no_folder(tmp_path, existing, monkeypatch):
+    """A folder OUT: each shard is checked inside the temporary folder; one that fails removes the folder."""
+    from dsckpt.writers import safetensors as st_writer
+
+    cmd = by_name("to-fp32-sharded")
+    _fx, out, argv = _prepare(tmp_path, cmd)
+    assert cmd.output is not None
+    target = cmd.output(out)
+    if existing:
+        target.mkdir()
+        (target / "old.txt").write_text("the previous OUT")
+        argv = [*argv[:1], "--force", *argv[1:]]
+    real = st_writer.verify_safetensors
+
+    def damaged_then_checked(path, specs, **kw):
+        assert path.parent.parent == out and path.parent != target  # inside the temporary folder
+        os.truncate(path, 8)
+        return real(path, specs, **kw)
+
+    monkeypatch.setattr(st_writer, "verify_safetensors", damaged_then_checked)
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 3, res.output
+    _one_error_line(res.stderr, "verification failed: '", "model-00001-of-", "cannot be reopened")
+    assert _beside(out) == ([target.name] if existing else [])
+    if existing:
+        assert [p.name for p in target.iterdir()] == ["old.txt"]
+
+
+@pytest.mark.parametrize("name", list(SINGLE_FILE_VERIFIERS))
+def test_a_written_file_is_checked_before_the_rename_and_passes(tmp_path, name, monkeypatch):
+    """Without damage the same check passes on the temporary file and OUT appears (the check is not a no-op
+    that only the damaged runs reach)."""
+    import importlib
+
+    cmd = by_name(name)
+    _fx, out, argv = _prepare(tmp_path, cmd)
+    assert cmd.output is not None
+    module_name, attr = SINGLE_FILE_VERIFIERS[name]
+    module = importlib.import_module(module_name)
+    real = getattr(module, attr)
+    seen: list[Path] = []
+    monkeypatch.setattr(module, attr, lambda path, specs, **kw: (seen.append(path), real(path, specs, **kw))[1])
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 0, res.output
+    assert len(seen) == 1 and not seen[0].exists()  # the checked temp is what became OUT
+    assert _beside(out) == [cmd.output(out).name]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders; permissions do not bite")
 def test_read_only_output_folder_is_a_one_line_exit_3(tmp_path):
     _fx, out, argv = _prepare(tmp_path, by_name("to-fp32"))

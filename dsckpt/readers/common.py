@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,13 @@ class FileCache:
         if tree is not None:
             safe_load.finish_checks(tree)
 
+    def tensor_refs(self) -> Iterator[TensorRef]:
+        """Every tensor of every file parsed so far, files in path order (the same order in every process that
+        parsed the same files), each file's tensors in tree order."""
+        for path in sorted(self._trees, key=str):
+            for _, ref in safe_load.walk_tensors(self._trees[path]):
+                yield ref
+
     def finish_checks(self) -> int:
         """Complete the CRC-32 checks of every zip record read through this cache: records read only
         partly have their other bytes read now (see :mod:`dsckpt.crc`). Every command calls this
@@ -58,8 +65,7 @@ class FileCache:
 
         Raises :class:`CorruptCheckpointError` naming every damaged record. Returns the number of
         records verified."""
-        return crc.finish(ref.storage.check for tree in self._trees.values()
-                          for _, ref in safe_load.walk_tensors(tree))
+        return crc.finish(ref.storage.check for ref in self.tensor_refs())
 
 
 def format_key(key: tuple[Any, ...]) -> str:

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, verification_failed
 from ..dtypes import dtype_info
-from ..errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +164,7 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names")
-    with atomic_file(path, make_parent=make_parent) as f:
+    with atomic_file(path, make_parent=make_parent, check=lambda tmp: verify_safetensors(tmp, specs, target=path)) as f:
         header = _header(specs, metadata)
         if on_bytes is not None:
             on_bytes(memoryview(header))
@@ -190,7 +189,6 @@ def write_safetensors_chunks(path: str | os.PathLike[str], specs: Sequence[Tenso
                 raise AssertionError(f"{spec.name}: produced {written} bytes, planned {spec} ({spec.nbytes} bytes)")
             if on_tensor is not None:
                 on_tensor(spec)
-    verify_safetensors(path, specs)
     return path
 
 
@@ -274,15 +272,21 @@ def write_shard_index(directory: Path, plan: ShardPlan, *, metadata: dict[str, s
     return index_path
 
 
-def verify_safetensors(path: Path, specs: Sequence[TensorSpec]) -> None:
-    """Reopen ``path`` with the safetensors library and check names, shapes and dtypes."""
-    from safetensors import safe_open
+def verify_safetensors(path: Path, specs: Sequence[TensorSpec], *, target: Path | None = None) -> None:
+    """Reopen ``path`` with the safetensors library and check names, shapes and dtypes. For a file not yet
+    moved into place: errors (:func:`dsckpt.atomic.verification_failed`) name it ``target`` (default ``path``)."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="numpy") as f:
+    target = path if target is None else target
+    try:
+        f = safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise verification_failed(target, f"the written file cannot be reopened ({e})") from e
+    with f:
         keys = set(f.keys())
         if keys != {s.name for s in specs}:
-            raise CorruptCheckpointError(f"{path}: written file lists other tensors than planned")
+            raise verification_failed(target, "the written file lists other tensors than planned")
         for spec in specs:
             sl = f.get_slice(spec.name)
             if tuple(sl.get_shape()) != spec.shape or sl.get_dtype() != spec.code:
-                raise CorruptCheckpointError(f"{path}: '{spec.name}' was not written as planned")
+                raise verification_failed(target, f"'{spec.name}' was not written as planned")

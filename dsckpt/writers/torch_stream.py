@@ -42,17 +42,21 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, verification_failed
 from ..crc import RecordCheck, crc32, crc32_combine
 from ..dtypes import DTYPES
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, DsckptError
 
-__all__ = ["CastTensor", "ChunkedTensor", "Extent", "Size", "StreamedTensor", "dtype_name", "element_nbytes", "write_torch_tree"]
+if TYPE_CHECKING:
+    from .safetensors import TensorSpec
+
+__all__ = ["CastTensor", "ChunkedTensor", "Extent", "Size", "StreamedTensor", "dtype_name", "element_nbytes",
+           "verify_torch_file", "write_torch_tree"]
 
 # Small buffers on purpose: the CRC pass and the write then read bytes that are still in the CPU's
 # cache. On the 2-core bench machine (1 MiB L2 per core) 4 x 512 KiB copied zero2-200m in 1.4-1.8 s,
@@ -500,22 +504,22 @@ class _ZipStream:
 
 def write_torch_tree(path: str | os.PathLike[str], tree: Any, *,
                      buffer_nbytes: int | None = None, fsync: bool = True, writeback: bool = True,
-                     make_parent: bool = True) -> Path:
+                     make_parent: bool = True, check: Callable[[Path], None] | None = None) -> Path:
     """Write ``tree`` to ``path`` atomically in ``torch.save``'s zip format, one storage at a time.
 
     Tensor leaves are described in the module docstring. Storages are written in the order the
     pickle first meets them, as ``torch.save`` does. Memory: :data:`BUFFERS` buffers of ``buffer_nbytes`` (default :data:`COPY_CHUNK_NBYTES`).
     ``fsync=False``: the file is not fsync'd before its rename (:func:`~dsckpt.atomic.atomic_file`; the
     caller fsyncs it later, or it is not crash-durable). ``writeback=False``: the kernel's write-back is
-    not started every :data:`WRITEBACK_KICK_NBYTES` (it only serves an fsync to come). ``make_parent``:
-    see :func:`~dsckpt.atomic.atomic_file`.
+    not started every :data:`WRITEBACK_KICK_NBYTES` (it only serves an fsync to come). ``make_parent`` and
+    ``check`` (run on the complete temporary file before the rename): see :func:`~dsckpt.atomic.atomic_file`.
     """
     path = Path(path)
     buf = io.BytesIO()
     pickler = _TreePickler(buf)
     pickler.dump(tree)
     prefix = "archive"
-    with atomic_file(path, fsync=fsync, make_parent=make_parent) as f:
+    with atomic_file(path, fsync=fsync, make_parent=make_parent, check=check) as f:
         z = _ZipStream(f.fileno(), buffer_nbytes or COPY_CHUNK_NBYTES, writeback=writeback)
         try:
             z.add_bytes(f"{prefix}/data.pkl", buf.getvalue())
@@ -543,3 +547,30 @@ def write_torch_tree(path: str | os.PathLike[str], tree: Any, *,
 
 def _uint8() -> Any:
     return sys.modules["torch"].uint8
+
+
+def verify_torch_file(path: Path, specs: Sequence[TensorSpec], *, keys: tuple[str, ...] | None = None,
+                      target: Path | None = None) -> None:
+    """Reopen a written torch file through the safe loader and check its state dict: the planned names in order,
+    shapes and dtypes. ``keys``: the file is a dict with these top-level keys in order, the state dict under
+    ``"state_dict"`` (a Lightning checkpoint); ``None``: the file is the state dict. For a file not yet moved into
+    place: errors (:func:`dsckpt.atomic.verification_failed`) name it ``target`` (default ``path``)."""
+    from ..safe_load import TensorRef
+    from ..safe_load import load as safe_load_file
+
+    target = path if target is None else target
+    try:
+        tree = safe_load_file(path)
+    except DsckptError as e:  # its message names the temporary file and blames an interrupted save: say why alone
+        cause = e.__cause__
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).removeprefix(f"{path}: ")
+        raise verification_failed(target, f"the written file cannot be reopened ({why})") from e
+    sd = tree if keys is None else tree.get("state_dict") if isinstance(tree, dict) else None
+    if keys is not None and (not isinstance(tree, dict) or tuple(tree) != keys):
+        raise verification_failed(target, "the written file holds other top-level keys than planned")
+    if not isinstance(sd, dict) or list(sd) != [s.name for s in specs]:
+        raise verification_failed(target, "the written state dict lists other tensors than planned")
+    for spec in specs:
+        t = sd[spec.name]
+        if not isinstance(t, TensorRef) or tuple(t.shape) != spec.shape or t.dtype_name != spec.dtype:
+            raise verification_failed(target, f"'{spec.name}' was not written as planned")
