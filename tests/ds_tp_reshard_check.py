@@ -70,7 +70,7 @@ def logits_slack(max_abs_logit: float, dtype: str) -> float:
 
 
 import deepspeed  # noqa: E402
-from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # noqa: E402
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from ds_launch import gloo_only, report_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -154,7 +154,8 @@ def expected(truth, key, n, q, tp_rank, same_tp, megatron):
 def check_one(name, ckpt_dir):
     import json
 
-    meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))
+    with open(os.path.join(args.fixtures, name, "truth.json")) as f:
+        meta = json.load(f)
     with forced_cpu_fp16(meta["dtype"] == "fp16"):
         return _check_one(name, ckpt_dir, meta)
 
