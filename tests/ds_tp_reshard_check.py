@@ -17,6 +17,9 @@ then expected zero: DeepSpeed's universal loader re-pads the cut vocabulary with
   T > 1 the full tensor cut by DeepSpeed's own ``_partition_logical_tensor`` at the live layer's widths
   (:func:`expected`);
 * the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``), Adam's step, global steps and samples;
+  where truth.json records them (the fp16 fixtures), skipped steps and the loss scaler's state (class, scale,
+  iteration, last overflow, hysteresis, ...); fp16 fixtures run with DeepSpeed's CPU-fp16 refusal patched out, as
+  they were made (:func:`forced_cpu_fp16`);
 * the logits of ``autotp_models.eval_ids`` against the engine logits recorded on the machine that made the fixture.
   They are computed here by another CPU's kernels, so never compared bit for bit (on the recording machine they were
   equal at the source's TP size): within ``logits_slack`` (1e-5 for fp32 runs; two bf16 ulps of the largest logit
@@ -28,6 +31,7 @@ then one more training step, whose loss must be finite. Prints ``PASS`` / ``FAIL
 JSON result list (:func:`ds_launch.report_checks`); rank 0 also prints ``LOGITS name: max |diff|`` per checkpoint.
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -57,13 +61,16 @@ args = p.parse_args()
 
 def logits_slack(max_abs_logit: float, dtype: str) -> float:
     """How far logits the engine computes on this CPU may be from the recorded ones: fp32 kernels sum in another
-    order (1e-5 for logits below ~3); bf16 logits may land one rounding step either way (two bf16 ulps)."""
+    order (1e-5 for logits below ~3); bf16 / fp16 logits may land one rounding step either way (two ulps: 7 / 10
+    mantissa bits)."""
     if dtype == "fp32":
         return 1e-5
-    return 2 * 2.0 ** (math.floor(math.log2(max(max_abs_logit, 2.0 ** -126))) - 7)
+    mantissa_bits = 10 if dtype == "fp16" else 7
+    return 2 * 2.0 ** (math.floor(math.log2(max(max_abs_logit, 2.0 ** -126))) - mantissa_bits)
 
 
 import deepspeed  # noqa: E402
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from ds_launch import gloo_only, report_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -72,6 +79,24 @@ gloo_only()
 deepspeed.init_distributed("gloo")
 world = dist.get_world_size()
 TP = args.tp_size
+
+
+@contextlib.contextmanager
+def forced_cpu_fp16(on: bool):
+    """fp16 fixtures (``device: cpu-forced-fp16``, generate_autotp.py): DeepSpeed's CPU accelerator refuses fp16
+    ("Type fp16 is not supported on your device", engine.py:2003) and leaves float16 out of ``supported_dtypes``
+    (gradient reduction, engine.py:169), so both are patched as the fixture's run patched them -- for this fixture's
+    initialize, load, checks and extra step only; the other fixtures of the launch run unpatched."""
+    if not on:
+        yield
+        return
+    saved = CPU_Accelerator.is_fp16_supported, CPU_Accelerator.supported_dtypes
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+    CPU_Accelerator.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
+    try:
+        yield
+    finally:
+        CPU_Accelerator.is_fp16_supported, CPU_Accelerator.supported_dtypes = saved
 
 
 def build(name):
@@ -127,12 +152,17 @@ def expected(truth, key, n, q, tp_rank, same_tp, megatron):
 
 
 def check_one(name, ckpt_dir):
-    problems = []
-    fx = os.path.join(args.fixtures, name)
-    truth = load_file(os.path.join(fx, "truth.safetensors"))
     import json
 
-    meta = json.load(open(os.path.join(fx, "truth.json")))
+    with open(os.path.join(args.fixtures, name, "truth.json")) as f:
+        meta = json.load(f)
+    with forced_cpu_fp16(meta["dtype"] == "fp16"):
+        return _check_one(name, ckpt_dir, meta)
+
+
+def _check_one(name, ckpt_dir, meta):
+    problems = []
+    truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
     spec, engine, tp_rank, dp_rank = build(name)
     megatron = spec["arch"] == "megatron"
     same_tp = TP == meta["tp_size"]
@@ -164,6 +194,14 @@ def check_one(name, ckpt_dir):
     if engine.global_steps != meta["global_steps"] or engine.global_samples != meta["global_samples"]:
         problems.append(f"global steps/samples {engine.global_steps}/{engine.global_samples} != "
                         f"{meta['global_steps']}/{meta['global_samples']}")
+    if "skipped_steps" in meta and engine.skipped_steps != meta["skipped_steps"]:
+        problems.append(f"skipped steps {engine.skipped_steps} != {meta['skipped_steps']}")
+    if meta.get("loss_scaler"):  # recorded by generate_autotp.py since the fp16 fixtures: the saved scaler's state
+        sc = getattr(opt, "loss_scaler", None)
+        got = {k: v for k, v in vars(sc).items() if k != "dtype"} if sc is not None else None
+        want = {k: v for k, v in meta["loss_scaler"].items() if k not in ("class", "dtype")}
+        if sc is None or type(sc).__name__ != meta["loss_scaler"]["class"] or got != want:
+            problems.append(f"loss scaler {type(sc).__name__} {got} != {meta['loss_scaler']}")
     opt = opt.optimizer if hasattr(opt, "optimizer") else opt
     steps = {float(s["step"]) for s in opt.state.values() if "step" in s}
     if steps != {float(am.STEPS)}:

@@ -67,6 +67,33 @@ def local_slices(tag: Path, t: int, *, stage: int, dp: int, bf16: bool) -> dict[
     return out
 
 
+def _scalers(tag: Path, t: int, dp: int, *, bf16: bool) -> list[tuple[str, dict]]:
+    """(class, attributes) of the loss scaler in each of TP rank ``t``'s ``dp`` optimizer files."""
+    prefix = "bf16_" if bf16 else ""
+    scalers = [_load(tag / f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")["optimizer_state_dict"].get(
+        "loss_scaler") for d in range(dp)]
+    return [(type(sc).__name__, dict(vars(sc)) if sc is not None else {}) for sc in scalers]  # BF16_Optimizer: None
+
+
+def _assert_scaler_carried(fx: Path, src_tag: Path, new_tag: Path, t_new: int, dp_new: int) -> None:
+    """Every optimizer file of TP rank ``t_new`` in the output holds the source's loss scaler (that of TP rank 0,
+    DP rank 0; all source files agree); for fp16 fixtures it is the DynamicLossScaler state generate_autotp.py
+    recorded from the live engine (scale, iteration, last overflow, hysteresis)."""
+    m = meta(fx)
+    bf16 = m["dtype"] == "bf16"
+    src = _scalers(src_tag, 0, m["dp_world_size"], bf16=bf16)
+    if src[0][0] == "NoneType":  # BF16_Optimizer keeps no loss scaler
+        return
+    assert all(s == src[0] for t in range(m["tp_size"]) for s in _scalers(src_tag, t, m["dp_world_size"], bf16=bf16))
+    assert _scalers(new_tag, t_new, dp_new, bf16=bf16) == [src[0]] * dp_new
+    if m["dtype"] == "fp16":
+        cls, attrs = src[0]
+        rec = m["loss_scaler"]
+        assert cls == rec["class"] == "DynamicLossScaler"
+        assert {k: str(v) if k == "dtype" else v for k, v in attrs.items()} == {
+            k: v for k, v in rec.items() if k != "class"}
+
+
 def _reshard(fx: Path, out: Path, world: int, **kw) -> None:
     cache = FileCache()
     ckpt = read_checkpoint(fx / "ckpt", cache=cache)
@@ -108,8 +135,10 @@ def test_dp_change_keeps_every_tp_rank_slice(fx, dp, stage, tmp_path):
             assert ms_a["module"].keys() == ms_b["module"].keys()
             for name, v in ms_a["module"].items():
                 assert v.dtype == ms_b["module"][name].dtype and torch.equal(v, ms_b["module"][name]), (t, name)
-        for key in ("mp_world_size", "global_steps", "global_samples", "checkpoint_parallel_dimensions"):
+        for key in ("mp_world_size", "global_steps", "global_samples", "skipped_steps",
+                    "checkpoint_parallel_dimensions"):
             assert ms_b.get(key) == ms_a.get(key), key
+        _assert_scaler_carried(fx, src_tag, new_tag, t, dp)
     names = sorted(p.name for p in new_tag.iterdir())
     assert all(any(f"mp_rank_{t:02d}" in n for t in range(tp)) for n in names)
     assert len([n for n in names if "optim_states" in n]) == tp * dp
@@ -144,6 +173,8 @@ def test_tp_to_1_is_a_plain_checkpoint_of_full_tensors(fx, dp, stage, tmp_path):
     assert "universal_checkpoint_info" not in ms
     assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]["tp_degree"], ms["dp_world_size"]) == (1, 1, dp)
     assert "tensor_parallel" not in ms["ds_config"]
+    assert ms["skipped_steps"] == m.get("skipped_steps", 0)
+    _assert_scaler_carried(fx, fx / "ckpt" / m["tag"], tag, 0, dp)
     if new_stage != 3:
         for name, v in ms["module"].items():
             assert torch.equal(v, want[f"lowp/{name}"]), name
@@ -437,18 +468,23 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
                    "megatron_z1_bf16_tp2_dp2_bf16opt", "autotp_z1_bf16_tp4_dp1_kv6", "autotp_z1_bf16_tp2_dp1_kv6"],
     (4, 4, None): ["autotp_z1_bf16_tp2_dp1_kv6"],  # TP 2 -> 4: uneven attention (q_proj 8/8/4/4)
     (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
-                   "autotp_z1_bf16_tp2_dp1_falcon", "megatron_z1_bf16_tp2_dp1"],  # DP 1 -> 2
+                   "autotp_z1_bf16_tp2_dp1_falcon", "megatron_z1_bf16_tp2_dp1",  # DP 1 -> 2
+                   "autotp_z1_fp16_tp2_dp1_cpuforced", "autotp_z3_fp16_tp2_dp1_cpuforced"],  # fp16 (CPU forced)
     # DP 1 -> 2 and ZeRO-1 -> ZeRO-2: uneven KV heads; a padded vocabulary; the kv6 model trained at TP 4 also TP 4 -> 2
     (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3", "megatron_z1_bf16_tp2_dp1", "autotp_z1_bf16_tp4_dp1_kv6"],
     # TP 2 -> 1: plain checkpoints of full tensors, DP 2
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
-                   "autotp_z1_bf16_tp2_dp1_falcon"],
+                   "autotp_z1_bf16_tp2_dp1_falcon", "autotp_z1_fp16_tp2_dp1_cpuforced",
+                   "autotp_z3_fp16_tp2_dp1_cpuforced"],
 }
 # case -> (fixture, launch ranks) of its tampered control
 TAMPERED_CASES = {(2, 2, None): ("autotp_z2_fp32_tp2_dp2", 2), (2, 1, None): ("autotp_z2_fp32_tp2_dp2", 2),
                   (4, 4, None): ("autotp_z1_bf16_tp2_dp1_kv6", 4)}
 PADDING_TAMPERED_CASES = {(2, 2, None)}
+# cases with an fp16 control whose loss scale was changed on one rank (the check must see the loss scaler)
+SCALER_TAMPERED_CASES = {(4, 2, None)}
+SCALER = "<loss scaler>"
 # (launch ranks, TP size, --zero-stage) -> {fixture: TP size it is resharded to first, at 1 DP rank per TP rank}
 VIA_TP = {(2, 2, None): {"autotp_z1_bf16_tp2_dp1_kv6": 4}}
 
@@ -464,6 +500,19 @@ def _write_tampered(out: Path, tp: int, fixture: str, world: int) -> tuple[str, 
     torch.save(sd, f)
     name = next(iter(_load(out / "global_step3" / f"mp_rank_{tp - 1:02d}_model_states.pt")["param_shapes"][0]))
     return name, tp - 1
+
+
+def _write_scaler_tampered(out: Path) -> tuple[str, int]:
+    """autotp_z1_fp16_tp2_dp1_cpuforced at TP 2 x DP 2 with the DynamicLossScaler's ``cur_scale`` halved (256 ->
+    128) in the optimizer file of TP rank 1, DP rank 1 (global rank 3 = t + 2 d), which only that rank loads."""
+    _reshard(TP_DIR / "autotp_z1_fp16_tp2_dp1_cpuforced", out, 4)
+    f = out / "global_step3" / "zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    sd = _load(f)
+    scaler = sd["optimizer_state_dict"]["loss_scaler"]
+    assert type(scaler).__name__ == "DynamicLossScaler" and scaler.cur_scale == 256
+    scaler.cur_scale = 128
+    torch.save(sd, f)
+    return SCALER, 3
 
 
 def _write_padding_tampered(out: Path) -> tuple[str, int]:
@@ -526,6 +575,9 @@ def _ds_tp_run(base: Path, world: int, tp: int, stage: int | None):
     if (world, tp, stage) in PADDING_TAMPERED_CASES:
         tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered")
         pairs.append(f"megatron_z2_fp32_tp2_dp2={cwd / 'padding_tampered'}")
+    if (world, tp, stage) in SCALER_TAMPERED_CASES:
+        tampered[str(cwd / "scaler_tampered")] = _write_scaler_tampered(cwd / "scaler_tampered")
+        pairs.append(f"autotp_z1_fp16_tp2_dp1_cpuforced={cwd / 'scaler_tampered'}")
     args = ["--tp-size", str(tp), *(("--zero-stage", str(stage)) if stage else ())]
     return (*run_check_script("ds_tp_reshard_check.py", pairs, args=args, world=world, cwd=cwd, timeout=900),
             tampered)
@@ -538,7 +590,8 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
     safe_get_full_fp32_param / safe_get_full_optimizer_state; at TP 1 the full tensors), logits within another
     CPU's rounding of the source engine's (ds_tp_reshard_check.logits_slack; plus what phase 1 recorded at TP 1);
     one more step runs; each tampered control (one changed master element; for megatron one in a vocabulary padding
-    row) fails naming the changed param on the rank that holds it (and nothing else)."""
+    row; for fp16 a changed loss scale) fails naming the changed param (the loss scaler) on the rank that holds it
+    (and nothing else). fp16 fixtures (CPU forced): loss scaler state and skipped steps exact too."""
     rc, results, log, tampered = ds_tp_runs(case)
     results, controls = passed_except_controls(results, log)
     assert {r["fixture"] for r in results} == set(DS_TP_CASES[case])
@@ -547,7 +600,10 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
         assert not control["ok"], log
         problems = control["problems"]
         name, holder = tampered[control["ckpt"]]
-        if case[1] > 1:  # TP T x DP 1: only TP rank T - 1 (global rank T - 1) holds the changed slice
+        if name == SCALER:  # the fp16 control: only the rank that loads the changed optimizer file
+            assert len(problems) == 1 and problems[0].startswith(f"rank {holder}: loss scaler DynamicLossScaler "
+                                                                 "{'cur_scale': 128,"), problems
+        elif case[1] > 1:  # TP T x DP 1: only TP rank T - 1 (global rank T - 1) holds the changed slice
             assert problems == [f"rank {holder}: param of '{name}' differs from the source"], problems
         else:  # TP 1 x DP 2: safe_get_full_fp32_param gathers over DP, so every rank sees the changed element
             assert problems == [f"rank {r}: param of '{name}' differs from the source" for r in range(2)], problems

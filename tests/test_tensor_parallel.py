@@ -286,6 +286,8 @@ def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int
     ("megatron_z2_fp32_tp2_dp2", "layers.0.fc1.weight", 1, (7, 2), 8, 19 * 8 + 2),
     # vocab33 lm_head: TP rank 1's local row 0 is full row 17
     ("autotp_z1_bf16_tp2_dp1_vocab33", "lm_head.weight", 1, (0, 4), 8, 17 * 8 + 4),
+    # fp16 (CPU forced): the same row-parallel o_proj cut as the fp32 one
+    ("autotp_z1_fp16_tp2_dp1_cpuforced", "model.layers.1.self_attn.o_proj.weight", 1, (3, 5), 8, 3 * 16 + 13),
 ])
 def test_scan_finds_inf_in_one_tp_slice_at_full_index(tmp_path, fx_name, name, tp_rank, local_rc, local_shape_cols,
                                                       full_index):
@@ -323,6 +325,48 @@ def test_scan_finds_inf_in_a_vocabulary_padding_row(tmp_path, fx_name, role, kin
     e = ckpt_logical.entry("head.weight")
     assert (e.shape, e.padding_rows, e.padding_numel) == ((30, 8), 2, 16)
     assert bool(torch.isfinite(read_entry(e, FileCache(), role)).all())
+
+
+FP16_TP = [TP_DIR / "autotp_z1_fp16_tp2_dp1_cpuforced", TP_DIR / "autotp_z3_fp16_tp2_dp1_cpuforced"]
+
+
+@pytest.mark.parametrize("fx", FP16_TP, ids=[f.name for f in FP16_TP])
+def test_fp16_tp_info_names_precision_and_loss_scale_checks(fx, tmp_path):
+    """fp16 AutoTP (CPU forced, DynamicLossScaler): info says fp16 and TP 2 and the ZeRO wrapper DeepSpeed used;
+    the recorded run had no overflow (skipped steps 0, scale 2**8 kept, Adam step = global steps). The loss scaler
+    is checked as in any fp16 checkpoint: an inf scale in both TP ranks' optimizer files is a scan finding per
+    file; a scale that differs between the TP ranks' files is a verify problem naming both files."""
+    m = meta(fx)
+    assert (m["device"], m["dtype"], m["skipped_steps"], m["global_steps"], m["adam_step"]) == \
+        ("cpu-forced-fp16", "fp16", 0, 3, [3.0])
+    assert (m["loss_scaler"]["class"], m["loss_scaler"]["cur_scale"], m["loss_scaler"]["last_overflow_iter"]) == \
+        ("DynamicLossScaler", 256, -1)
+    r = CliRunner().invoke(main, ["info", "--json", str(fx / "ckpt")])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert (s["precision"], s["tp_world_size"], s["dp_world_size"], s["zero_stage"], s["optimizer_wrapper"]) == \
+        ("fp16", 2, 1, m["stage"], m["optimizer_wrapper"])
+    assert s["health"]["ok"] and s["tensor_parallel"]["tp_size"] == 2
+
+    def set_scale(ckpt: Path, tp_rank: int, value: float) -> None:
+        f = ckpt / m["tag"] / f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_optim_states.pt"
+        tree = safe_load.materialize(safe_load.load(f))
+        tree["optimizer_state_dict"]["loss_scaler"].__dict__["cur_scale"] = value
+        safe_save.save(tree, f)
+
+    inf_scale = _copy(fx, tmp_path / "inf")
+    for t in range(2):
+        set_scale(inf_scale, t, math.inf)
+    report = scan(inf_scale)
+    key = "['optimizer_state_dict']['loss_scaler']['cur_scale']"
+    assert sorted((f.file.name, f.key_str, f.posinf) for f in report.findings) == [
+        (f"zero_pp_rank_0_mp_rank_{t:02d}_optim_states.pt", key, 1) for t in range(2)]
+    odd_scale = _copy(fx, tmp_path / "odd")
+    set_scale(odd_scale, 1, 128.0)
+    r = CliRunner().invoke(main, ["verify", str(odd_scale)])
+    assert r.exit_code == 1, r.output
+    assert ("loss_scaler: files disagree (loss_scaler.cur_scale = 256 in zero_pp_rank_0_mp_rank_00_optim_states.pt"
+            " | loss_scaler.cur_scale = 128.0 in zero_pp_rank_0_mp_rank_01_optim_states.pt)") in r.stdout
 
 
 def test_verify_flips_when_replicated_copies_disagree(tmp_path):
