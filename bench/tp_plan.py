@@ -7,6 +7,7 @@ coordinates by :func:`~dsckpt.tensor_parallel.compose`: one strided fragment per
     python bench/tp_plan.py                      # TP 8 -> 8 (kept), 80 layers, DP 8
     python bench/tp_plan.py --target-tp 4        # TP 8 -> 4 (two source runs per target row)
     python bench/tp_plan.py --layers 8 --memory  # peak Python memory of rank_view (tracemalloc, slower)
+    python bench/tp_plan.py --fixtures           # plan + write time of every real TP fixture, output digest
 
 Prints the source fragment count, the fragment count of the rank view (and how many are strided), rank_view's wall
 time the process's peak RSS (before and after rank_view) and, with ``--memory``, tracemalloc's peak
@@ -99,6 +100,43 @@ def build(args: argparse.Namespace) -> tuple[LogicalCheckpoint, TpLayout]:
     return ckpt, layout
 
 
+def fixtures() -> None:
+    import hashlib
+    import tempfile
+
+    from dsckpt.readers import FileCache, read_checkpoint
+    from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+    root = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "autotp"
+    cases = [(fx, None) for fx in sorted(root.iterdir()) if (fx / "ckpt").is_dir()]
+    cases += [(root / "autotp_z1_bf16_tp2_dp1_kv6", 4), (root / "autotp_z1_bf16_tp4_dp1_kv6", 2)]
+    total_plan = total_write = 0.0
+    for fx, tp in cases:
+        cache = FileCache()
+        ckpt = read_checkpoint(fx / "ckpt", cache=cache)
+        facts = read_source_facts(ckpt, cache)
+        tp_out = tp or ckpt.tp_world_size
+        world = tp_out * 2 * max(1, ckpt.dp_world_size)
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            plan = plan_reshard(ckpt, world, facts=facts, tp_size=tp)
+            best = min(best, time.perf_counter() - t0)
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            run_reshard(plan, Path(tmp) / "o", cache=cache, verify="none", workers=1, fsync=False)
+            wrote = time.perf_counter() - t0
+            h = hashlib.sha256()
+            for f in sorted((Path(tmp) / "o").rglob("*")):
+                if f.is_file():
+                    h.update(f.relative_to(tmp).as_posix().encode() + f.read_bytes())
+        total_plan += best
+        total_write += wrote
+        print(f"{fx.name:36s} TP {ckpt.tp_world_size} -> {tp_out}, world {world:2d}: plan {best * 1e3:7.1f} ms, "
+              f"write {wrote * 1e3:7.1f} ms, sha256 {h.hexdigest()[:16]}")
+    print(f"all {len(cases)}: plan {total_plan * 1e3:.0f} ms, write {total_write * 1e3:.0f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=80)
@@ -112,7 +150,11 @@ def main() -> None:
     ap.add_argument("--target-tp", type=int, default=None, help="plan for this TP size (default: the source's)")
     ap.add_argument("--rank", type=int, default=0, help="the target TP rank planned")
     ap.add_argument("--memory", action="store_true", help="trace peak Python memory of rank_view (slower)")
+    ap.add_argument("--fixtures", action="store_true", help="time reshard of the real TP fixtures instead")
     args = ap.parse_args()
+    if args.fixtures:
+        fixtures()
+        return
     t0 = time.perf_counter()
     ckpt, layout = build(args)
     src_frags = sum(len(p.fragments) for e in ckpt.entries for p in e.pieces)
