@@ -7,6 +7,7 @@ coordinates by :func:`~dsckpt.tensor_parallel.compose`: one strided fragment per
     python bench/tp_plan.py                      # TP 8 -> 8 (kept), 80 layers, DP 8
     python bench/tp_plan.py --target-tp 4        # TP 8 -> 4 (two source runs per target row)
     python bench/tp_plan.py --layers 8 --memory  # peak Python memory of rank_view (tracemalloc, slower)
+    python bench/tp_plan.py --plan               # + plan_reshard of all 8 TP ranks at DP 8 and DP 16
     python bench/tp_plan.py --fixtures           # plan + write time of every real TP fixture, output digest
 
 Prints the source fragment count, the fragment count of the rank view (and how many are strided), rank_view's wall
@@ -150,6 +151,8 @@ def main() -> None:
     ap.add_argument("--target-tp", type=int, default=None, help="plan for this TP size (default: the source's)")
     ap.add_argument("--rank", type=int, default=0, help="the target TP rank planned")
     ap.add_argument("--memory", action="store_true", help="trace peak Python memory of rank_view (slower)")
+    ap.add_argument("--plan", action="store_true",
+                    help="also time plan_reshard of every TP rank (TP kept, DP kept and doubled)")
     ap.add_argument("--fixtures", action="store_true", help="time reshard of the real TP fixtures instead")
     args = ap.parse_args()
     if args.fixtures:
@@ -180,6 +183,16 @@ def main() -> None:
     mem += f", process peak RSS {rss:.0f} MiB (source model {rss0:.0f} MiB)"
     print(f"rank_view TP {args.tp} -> {target.tp_size} rank {args.rank}: {n} fragments ({strided} strided), "
           f"{dt:.2f} s{mem}")
+    if args.plan:
+        from dsckpt.ds_writers.facts import derive_facts
+        from dsckpt.reshard import plan_reshard
+
+        for world in (args.tp * args.dp, 2 * args.tp * args.dp):
+            t0 = time.perf_counter()
+            plan = plan_reshard(ckpt, world, facts=derive_facts(ckpt))
+            print(f"plan_reshard TP {args.tp} x DP {args.dp} -> TP {plan.tp_size} x DP {plan.world_size}: "
+                  f"{time.perf_counter() - t0:.2f} s, process peak RSS "
+                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB")
 
 
 if __name__ == "__main__":
