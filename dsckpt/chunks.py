@@ -117,9 +117,53 @@ def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
                 f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_offset + frag.numel}) "
                 f"of a stored tensor with {ref.numel}; the checkpoint metadata does not match its tensors")
         sources.append((frag, ref))
+    why = _tiling_problem(piece.fragments, numel)
+    if why:
+        raise CorruptCheckpointError(f"tensor '{name}': its {piece.role.value} copy's fragments do not tile its "
+                                     f"{numel} elements ({why}); the checkpoint metadata is inconsistent")
     shared = tuple(sources)
     step = max(1, chunk_nbytes // shared[0][1].storage.itemsize)
     return tuple(GatherRead(name, shared[0][1], lo, min(step, numel - lo), shared) for lo in range(0, numel, step))
+
+
+def _tiling_problem(frags: tuple[Fragment, ...], numel: int) -> str | None:
+    """Why ``frags`` (strided ones among them, all of one stride) do not cover ``[0, numel)`` once each, or None;
+    their element count is checked already, so in bounds and disjoint is enough. O(fragments), not O(rows): in
+    the grid of rows of the common stride ``S`` a strided fragment is one rectangle (rows x a column range), a
+    contiguous one at most three (a partial row, whole rows, a partial row), and rectangles are compared, not
+    elements."""
+    strides = {f.dst_stride for f in frags if f.strided}
+    S = strides.pop()
+    if strides or S <= 0:
+        return f"strided fragments with strides {sorted(strides | {S})}"
+    rects: list[tuple[int, int, int, int]] = []  # (first row, row count, first column, column count)
+    for f in frags:
+        if f.numel <= 0:
+            continue
+        if f.dst_offset < 0 or f.dst_index(f.numel - 1) >= numel:
+            return f"elements [{f.dst_offset}, {f.dst_index(f.numel - 1) + 1}) reach outside the tensor"
+        row, col = divmod(f.dst_offset, S)
+        if f.strided:
+            if col + f.run_numel > S:
+                return f"runs of {f.run_numel} at column {col} cross rows of {S}"
+            rects.append((row, f.numel // f.run_numel, col, f.run_numel))
+            continue
+        head = min(f.numel, S - col)
+        rects.append((row, 1, col, head))
+        body, tail = divmod(f.numel - head, S)
+        if body:
+            rects.append((row + 1, body, 0, S))
+        if tail:
+            rects.append((row + 1 + body, 1, 0, tail))
+    rects.sort()
+    for i, (r0, nr, c0, nc) in enumerate(rects):
+        j = i + 1
+        while j < len(rects) and rects[j][0] < r0 + nr:  # the rectangles starting in this one's rows
+            r1, _, c1, nc1 = rects[j]
+            if c0 < c1 + nc1 and c1 < c0 + nc:
+                return f"two fragments overlap in row {r1}, columns [{max(c0, c1)}, {min(c0 + nc, c1 + nc1)})"
+            j += 1
+    return None
 
 
 def _gather(item: GatherRead, out: np.ndarray) -> np.ndarray:

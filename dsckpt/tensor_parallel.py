@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry, contiguous_fragments
+from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry
 
 __all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "rank_view",
            "resize_layout", "tp_layout_from_record"]
@@ -468,36 +468,102 @@ def _replicas_of(pieces: Sequence[Piece], s: int, tp: int) -> tuple[Piece, ...]:
 
 def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tuple[Fragment, ...]:
     """The fragments of a local slice (local coordinates) whose elements land in the full tensor as ``blocks``
-    say, found among ``piece``'s fragments (full coordinates, possibly strided); consecutive ones merged."""
-    runs = contiguous_fragments(piece)
-    starts = [f.dst_offset for f in runs]
+    say, found among ``piece``'s fragments (full coordinates, possibly strided); sorted by local offset,
+    consecutive contiguous ones merged.
+
+    Each (block, fragment) pair is intersected in closed form (:func:`_intersect`), never run by run where the
+    two share their stride: a row-parallel slice whose source runs are the target's (TP size kept) becomes one
+    contiguous local fragment, source runs inside longer target runs (TP merged) one strided local fragment; only
+    where a target run takes part of each source run (TP split, or a TP-1 source cut) is the source strided, and
+    the slice is one fragment per row. Cost O(blocks x fragments) plus the fragments emitted, not O(rows)."""
+    strided = [f for f in piece.fragments if f.strided]
+    flat = sorted((f for f in piece.fragments if not f.strided), key=lambda f: f.dst_offset)
+    starts = [f.dst_offset for f in flat]
     out: list[Fragment] = []
     for b in blocks:
-        r = b.run_numel
-        spans = ([(b.local_offset + i * r, b.full_offset + i * b.full_stride, r) for i in range(b.numel // r)]
-                 if r else [(b.local_offset, b.full_offset, b.numel)])
-        for local, full, n in spans:
-            i = max(0, bisect.bisect_right(starts, full) - 1)
-            covered = 0
-            while i < len(runs) and runs[i].dst_offset < full + n:
-                f = runs[i]
-                lo, hi = max(full, f.dst_offset), min(full + n, f.dst_offset + f.numel)
-                if lo < hi:
-                    g = Fragment(f.file, f.key, f.src_offset + lo - f.dst_offset, hi - lo, local + lo - full, f.rank)
-                    last = out[-1] if out else None
-                    if (last is not None and (last.file, last.key, last.rank) == (g.file, g.key, g.rank)
-                            and last.src_offset + last.numel == g.src_offset
-                            and last.dst_offset + last.numel == g.dst_offset):
-                        out[-1] = dataclasses.replace(last, numel=last.numel + g.numel)
-                    else:
-                        out.append(g)
-                    covered += hi - lo
-                i += 1
-            if covered != n:
-                raise CorruptCheckpointError(
-                    f"tensor '{name}': its {piece.role.value} copy covers {covered} of full elements "
-                    f"[{full}, {full + n}); the checkpoint's fragments are incomplete")
-    return tuple(out)
+        r = b.run_numel if b.run_numel and b.run_numel < b.numel else 0
+        rows = b.numel // r if r else 1
+        lo = b.full_offset
+        hi = b.full_offset + ((rows - 1) * b.full_stride + r if r else b.numel)  # the block's full span
+        covered = 0
+        for f in strided:
+            if f.dst_offset < hi and f.dst_index(f.numel - 1) >= lo:
+                covered += _intersect(f, b, out)
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(flat) and flat[i].dst_offset < hi:
+            if flat[i].dst_offset + flat[i].numel > lo:
+                covered += _intersect(flat[i], b, out)
+            i += 1
+        if covered != b.numel:
+            raise CorruptCheckpointError(
+                f"tensor '{name}': its {piece.role.value} copy covers {covered} of the {b.numel} full elements "
+                f"{'in runs of ' + str(r) + ' from ' if r else 'at '}[{lo}, {hi}); the checkpoint's fragments are "
+                "incomplete")
+    out.sort(key=lambda f: f.dst_offset)
+    merged: list[Fragment] = []
+    for g in out:
+        last = merged[-1] if merged else None
+        if (last is not None and not last.strided and not g.strided
+                and (last.file, last.key, last.rank) == (g.file, g.key, g.rank)
+                and last.src_offset + last.numel == g.src_offset and last.dst_offset + last.numel == g.dst_offset):
+            merged[-1] = Fragment(last.file, last.key, last.src_offset, last.numel + g.numel, last.dst_offset,
+                                  last.rank)
+        else:
+            merged.append(g)
+    return tuple(merged)
+
+
+def _rows(start: int, run: int, stride: int, n: int, lo: int, hi: int) -> range:
+    """The rows ``j < n`` of runs ``[start + j * stride, + run)`` that overlap ``[lo, hi)``."""
+    return range(max(0, (lo - run - start) // stride + 1), min(n, -(-(hi - start) // stride)))
+
+
+def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
+    """Append to ``out`` the local fragments of the elements both ``f`` (full coordinates) and ``b`` cover, and
+    return how many there are. Both are sets of equal runs at a fixed stride (one run when contiguous); where
+    they share the stride (or one has one run) and no run is longer than it, source run ``j`` meets the block's
+    row ``j + q + k`` (k = 0, 1: a source run may reach into the next row's period) in one window ``[a, e)``
+    of that row, the same for every row, so each window is one fragment: contiguous when it holds whole source
+    and block runs, strided in local coordinates when whole source runs only. Otherwise one side is cut into
+    its runs first (a source run against the block, or a contiguous source against each block row)."""
+    fr, fs, fm = (f.run_numel, f.dst_stride, f.numel // f.run_numel) if f.strided else (f.numel, 0, 1)
+    br, bs, bn = ((b.run_numel, b.full_stride, b.numel // b.run_numel) if b.run_numel and b.run_numel < b.numel
+                  else (b.numel, 0, 1))
+    D, F = f.dst_offset, b.full_offset
+    if fm == 1 and bn == 1:
+        lo, hi = max(D, F), min(D + fr, F + br)
+        if lo >= hi:
+            return 0
+        out.append(Fragment(f.file, f.key, f.src_offset + lo - D, hi - lo, b.local_offset + lo - F, f.rank))
+        return hi - lo
+    S = fs if fm > 1 else bs
+    if (fm > 1 and bn > 1 and fs != bs) or fr > S or br > S:
+        covered = 0
+        if fm > 1:  # each source run against the block
+            for j in _rows(D, fr, fs, fm, F, F + (bn - 1) * bs + br):
+                covered += _intersect(Fragment(f.file, f.key, f.src_offset + j * fr, fr, D + j * fs, f.rank), b, out)
+        else:  # a contiguous source longer than a block row: against each row it overlaps
+            for i in _rows(F, br, bs, bn, D, D + fr):
+                covered += _intersect(f, TpBlock(b.local_offset + i * br, br, F + i * bs), out)
+        return covered
+    q, c = divmod(D - F, S)  # source run j starts at column c of the block's row period j + q
+    covered = 0
+    for k in (0, 1):
+        a, e = max(c - k * S, 0), min(c - k * S + fr, br)
+        j0, j1 = max(0, -(q + k)), min(fm, bn - q - k)
+        if a >= e or j0 >= j1:
+            continue
+        w, n = e - a, j1 - j0
+        src = f.src_offset + j0 * fr + a - (c - k * S)
+        local = b.local_offset + (j0 + q + k) * br + a
+        if n == 1 or w == fr == br:
+            out.append(Fragment(f.file, f.key, src, n * w, local, f.rank))
+        elif w == fr:
+            out.append(Fragment(f.file, f.key, src, n * w, local, f.rank, run_numel=w, dst_stride=br))
+        else:  # part of each source run: the source side is strided, one fragment per row
+            out.extend(Fragment(f.file, f.key, src + x * fr, w, local + x * br, f.rank) for x in range(n))
+        covered += n * w
+    return covered
 
 
 def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayout:
