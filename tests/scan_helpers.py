@@ -17,6 +17,26 @@ def copy_fixture(fx, dest: Path) -> Path:
     return ckpt
 
 
+def assert_scan_and_verify_clean(ckpt: Path) -> None:
+    """``scan`` finds nothing and ``verify`` exits 0 (a clean fixture)."""
+    from click.testing import CliRunner
+
+    from dsckpt.cli import main
+    from dsckpt.scan import scan
+
+    report = scan(ckpt)
+    assert report.findings == (), [f.describe() for f in report.findings]
+    r = CliRunner().invoke(main, ["verify", str(ckpt)])
+    assert r.exit_code == 0, r.output
+
+
+def copy_tp_fixture(fx: Path, tmp_path: Path) -> Path:
+    """A copy of a TP fixture's ``ckpt`` folder at ``tmp_path/<fixture>/ckpt``."""
+    dst = tmp_path / fx.name / "ckpt"
+    shutil.copytree(fx / "ckpt", dst)
+    return dst
+
+
 def plant(ckpt: Path, name: str, role: Role, index: int, value: float, *, replica: int | None = 0) -> list[Path]:
     """Set logical element ``index`` of the ``role`` copy of ``name`` to ``value`` in the files (every
     replica when ``replica`` is None). Returns the files changed; legacy files stay legacy."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 import subprocess
 import sys
 from itertools import pairwise
@@ -19,6 +18,7 @@ import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scan_helpers import assert_scan_and_verify_clean, copy_tp_fixture
 from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, universal
 
 from dsckpt import safe_load, safe_save
@@ -254,16 +254,7 @@ def test_info_shows_split_per_tensor():
 
 @pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
 def test_scan_and_verify_clean(fx):
-    report = scan(fx / "ckpt")
-    assert report.findings == (), [f.describe() for f in report.findings]
-    r = CliRunner().invoke(main, ["verify", str(fx / "ckpt")])
-    assert r.exit_code == 0, r.output
-
-
-def _copy(fx: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / fx.name / "ckpt"
-    shutil.copytree(fx / "ckpt", dst)
-    return dst
+    assert_scan_and_verify_clean(fx / "ckpt")
 
 
 def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float) -> None:
@@ -291,7 +282,7 @@ def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int
 ])
 def test_scan_finds_inf_in_one_tp_slice_at_full_index(tmp_path, fx_name, name, tp_rank, local_rc, local_shape_cols,
                                                       full_index):
-    ckpt = _copy(TP_DIR / fx_name, tmp_path)
+    ckpt = copy_tp_fixture(TP_DIR / fx_name, tmp_path)
     _set_local(ckpt, tp_rank, name, Role.MASTER, local_rc[0] * local_shape_cols + local_rc[1], float("inf"))
     report = scan(ckpt)
     bad = [f for f in report.findings if f.count]
@@ -313,7 +304,7 @@ def test_scan_finds_inf_in_a_vocabulary_padding_row(tmp_path, fx_name, role, kin
     """Padding rows (30-31 of the 32-row vocabulary, on TP rank 1 as its local rows 14-15) are trained values: an
     inf there is a finding under the param's name, saying which padding rows and where (file, key), with its index
     into the padding rows; to-fp32 still writes the 30 real rows only."""
-    ckpt = _copy(TP_DIR / fx_name, tmp_path)
+    ckpt = copy_tp_fixture(TP_DIR / fx_name, tmp_path)
     _set_local(ckpt, 1, "head.weight", role, 15 * 8 + 3, float("inf"))  # padding row 31, column 3
     report = scan(ckpt)
     assert [(f.name, f.padding_rows, f.kind.value, f.first_indices, f.posinf) for f in report.findings] == [
@@ -354,14 +345,14 @@ def test_fp16_tp_info_names_precision_and_loss_scale_checks(fx, tmp_path):
         tree["optimizer_state_dict"]["loss_scaler"].__dict__["cur_scale"] = value
         safe_save.save(tree, f)
 
-    inf_scale = _copy(fx, tmp_path / "inf")
+    inf_scale = copy_tp_fixture(fx, tmp_path / "inf")
     for t in range(2):
         set_scale(inf_scale, t, math.inf)
     report = scan(inf_scale)
     key = "['optimizer_state_dict']['loss_scaler']['cur_scale']"
     assert sorted((f.file.name, f.key_str, f.posinf) for f in report.findings) == [
         (f"zero_pp_rank_0_mp_rank_{t:02d}_optim_states.pt", key, 1) for t in range(2)]
-    odd_scale = _copy(fx, tmp_path / "odd")
+    odd_scale = copy_tp_fixture(fx, tmp_path / "odd")
     set_scale(odd_scale, 1, 128.0)
     r = CliRunner().invoke(main, ["verify", str(odd_scale)])
     assert r.exit_code == 1, r.output
@@ -370,7 +361,7 @@ def test_fp16_tp_info_names_precision_and_loss_scale_checks(fx, tmp_path):
 
 
 def test_verify_flips_when_replicated_copies_disagree(tmp_path):
-    ckpt = _copy(TP_DIR / "autotp_z2_fp32_tp2_dp2", tmp_path)
+    ckpt = copy_tp_fixture(TP_DIR / "autotp_z2_fp32_tp2_dp2", tmp_path)
     _set_local(ckpt, 1, "model.norm.weight", Role.MASTER, 2, 0.5)
     r = CliRunner().invoke(main, ["verify", str(ckpt)])
     assert r.exit_code == 1, r.output
@@ -402,7 +393,7 @@ def _edit_record(ckpt: Path, edit) -> None:
 
 def test_record_without_param_is_refused(tmp_path):
     """A param the AutoTP record does not cover: exit 3 naming it, nothing guessed."""
-    ckpt = _copy(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+    ckpt = copy_tp_fixture(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
     _edit_record(ckpt, lambda uc: uc["affine_map"]["params"].pop(r"^model\.layers\.1\.mlp\.up_proj\.weight$"))
     r = CliRunner().invoke(main, ["to-fp32", str(ckpt), str(tmp_path / "o.safetensors")])
     assert r.exit_code == 3 and r.stdout == ""
@@ -414,7 +405,7 @@ def test_record_without_param_is_refused(tmp_path):
 def test_affine_map_contradicting_the_patterns_is_refused(tmp_path):
     """AutoTP's affine_map is checked against the category patterns: a row-parallel param whose map says it is
     cut by rows (as if column-parallel) is refused, not read either way."""
-    ckpt = _copy(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+    ckpt = copy_tp_fixture(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
     key = r"^model\.layers\.0\.self_attn\.o_proj\.weight$"
 
     def edit(uc):
@@ -452,7 +443,7 @@ UNIVERSAL_CASES = ["autotp_z1_bf16_tp2_dp1_falcon", "autotp_z3_fp32_tp2_dp2", "m
 def test_reads_ds_to_universal_output_of_tp_run(name, tmp_path):
     pytest.importorskip("deepspeed")
     fx = TP_DIR / name
-    src = _copy(fx, tmp_path)
+    src = copy_tp_fixture(fx, tmp_path)
     out = src / "universal"
     res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                           str(src / meta(fx)["tag"]), "--output_folder", str(out), "--num_extract_workers", "1",
@@ -484,7 +475,7 @@ def test_hf_export_reproduces_engine_logits(name, tmp_path):
     engine's own logits (max |logit| < 0.33 here)."""
     transformers = pytest.importorskip("transformers")
     fx = TP_DIR / name
-    ckpt = _copy(fx, tmp_path)
+    ckpt = copy_tp_fixture(fx, tmp_path)
     sys.path.insert(0, str(TP_DIR.parent))
     try:
         import autotp_models as am
@@ -510,7 +501,7 @@ def test_repair_patches_a_tp_slice_from_its_master(tmp_path):
     """A 16-bit element of TP rank 1's row slice set to inf is repaired from the fp32 master (the element's full
     index maps back to the right rank file and offset); the output equals the fixture byte for byte in values."""
     fx = TP_DIR / "autotp_z1_bf16_tp2_dp1"
-    ckpt = _copy(fx, tmp_path)
+    ckpt = copy_tp_fixture(fx, tmp_path)
     name = "model.layers.0.self_attn.o_proj.weight"
     _set_local(ckpt, 1, name, Role.MODULE, 3 * 8 + 5, float("inf"))
     out = tmp_path / "out"

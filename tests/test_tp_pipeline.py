@@ -6,13 +6,13 @@ engine's loss and logits (``truth.safetensors``)."""
 from __future__ import annotations
 
 import json
-import shutil
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from scan_helpers import assert_scan_and_verify_clean, copy_tp_fixture
 
 from dsckpt import safe_load, safe_save
 from dsckpt.assemble import read_entry
@@ -184,16 +184,7 @@ def test_info_shows_pipeline_and_tensor_sizes():
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
 def test_scan_and_verify_clean(fx):
-    report = scan(fx / "ckpt")
-    assert report.findings == (), [f.describe() for f in report.findings]
-    r = CliRunner().invoke(main, ["verify", str(fx / "ckpt")])
-    assert r.exit_code == 0, r.output
-
-
-def _copy(fx: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / fx.name / "ckpt"
-    shutil.copytree(fx / "ckpt", dst)
-    return dst
+    assert_scan_and_verify_clean(fx / "ckpt")
 
 
 def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float,
@@ -221,7 +212,7 @@ def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int
     ("1.fc1.weight", Role.MODULE, (7, 2), 8, 19 * 8 + 2, "layer_01-model_01"),
 ])
 def test_scan_finds_inf_in_one_slice_at_full_index(tmp_path, name, role, local_rc, cols, full_index, where):
-    ckpt = _copy(FP32, tmp_path)
+    ckpt = copy_tp_fixture(FP32, tmp_path)
     changed = _set_local(ckpt, 1, name, role, local_rc[0] * cols + local_rc[1], float("inf"))
     assert where in changed.name
     bad = [f for f in scan(ckpt).findings if f.count]
@@ -233,7 +224,7 @@ def test_scan_finds_inf_in_one_slice_at_full_index(tmp_path, name, role, local_r
 
 
 def test_verify_flips_when_tp_replicas_disagree(tmp_path):
-    ckpt = _copy(BF16, tmp_path)
+    ckpt = copy_tp_fixture(BF16, tmp_path)
     _set_local(ckpt, 1, "3.weight", Role.MASTER, 2, 0.5)
     r = CliRunner().invoke(main, ["verify", str(ckpt)])
     assert r.exit_code == 1, r.output
@@ -249,7 +240,7 @@ def test_tied_embedding_copy_of_the_last_stage_is_checked(tmp_path):
     copies = sorted((p.role.value, p.replica, p.same_as) for p in e.pieces)
     assert copies == sorted([(r.value, 0, None) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE)]
                             + [(r.value, 1, 0) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ)])
-    ckpt = _copy(FP32, tmp_path / "drift")
+    ckpt = copy_tp_fixture(FP32, tmp_path / "drift")
     changed = _set_local(ckpt, 1, TIED, Role.MASTER, 2 * 8 + 3, 0.125, replica=1)
     assert changed.name == "zero_pp_rank_0_mp_rank_03_optim_states.pt"
     r = CliRunner().invoke(main, ["verify", str(ckpt)])
@@ -260,7 +251,7 @@ def test_tied_embedding_copy_of_the_last_stage_is_checked(tmp_path):
     out = tmp_path / "m.safetensors"
     assert CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)]).exit_code == 0
     assert torch.equal(_load(out)[TIED], universal(FP32)[f"fp32/{TIED}"])
-    ckpt = _copy(FP32, tmp_path / "inf")
+    ckpt = copy_tp_fixture(FP32, tmp_path / "inf")
     _set_local(ckpt, 1, TIED, Role.EXP_AVG_SQ, 2 * 8 + 3, float("inf"), replica=1)
     hit = [f for f in scan(ckpt).findings if f.count and f.name == TIED]
     assert len(hit) == 1 and hit[0].first_indices == ((16 + 2) * 8 + 3,) and hit[0].file.name == changed.name, \
@@ -291,7 +282,7 @@ def _edit_model_states(ckpt: Path, edit) -> None:
      ["1.fc1.weight", "2.fc1.weight"]),
 ], ids=["no-record", "contradicting-record"])
 def test_params_the_record_does_not_cover_are_refused_by_name(tmp_path, edit, names):
-    ckpt = _copy(FP32, tmp_path)
+    ckpt = copy_tp_fixture(FP32, tmp_path)
     _edit_model_states(ckpt, edit)
     out = tmp_path / "o.safetensors"
     r = CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)])
@@ -302,7 +293,7 @@ def test_params_the_record_does_not_cover_are_refused_by_name(tmp_path, edit, na
 
 
 def test_record_differing_between_model_parallel_ranks_is_refused(tmp_path):
-    ckpt = _copy(FP32, tmp_path)
+    ckpt = copy_tp_fixture(FP32, tmp_path)
     f = ckpt / "global_step3" / "mp_rank_02_model_states.pt"
     tree = safe_load.materialize(safe_load.load(f))
     tree["universal_checkpoint_info"]["padded_vocab_size"] = 34
@@ -317,7 +308,7 @@ def test_record_differing_between_model_parallel_ranks_is_refused(tmp_path):
     ("mp_rank_03_model_states.pt", "expected mp_rank_00 .. mp_rank_03"),
 ], ids=["layer-file", "optim-file", "model-states"])
 def test_missing_file_of_one_model_parallel_rank_is_named(tmp_path, gone, named):
-    ckpt = _copy(FP32, tmp_path)
+    ckpt = copy_tp_fixture(FP32, tmp_path)
     (ckpt / "global_step3" / gone).unlink()
     r = CliRunner().invoke(main, ["info", str(ckpt)])
     assert r.exit_code == 3 and named in r.stderr and "interrupted" in r.stderr, r.stderr
@@ -354,7 +345,7 @@ def test_repair_patches_a_layer_file_slice_from_its_master(tmp_path):
     """A bf16 element of TP rank 1's row slice of 2.fc2.weight (stage 1) in its layer file set to inf is repaired from
     the fp32 master in the stage-1 / TP-1 optimizer file: full index 3 * 12 + 6 + 5; the output reads back equal to
     the live engine's module params and scans clean."""
-    ckpt = _copy(BF16, tmp_path)
+    ckpt = copy_tp_fixture(BF16, tmp_path)
     name = "2.fc2.weight"
     changed = _set_local(ckpt, 1, name, Role.MODULE, 3 * 6 + 5, float("inf"))
     assert changed.name == "layer_02-model_01-model_states.pt"
