@@ -65,7 +65,7 @@ def _elements(frags: Sequence[Fragment]) -> dict[int, tuple]:
         for k in range(f.numel):
             d = f.dst_index(k)
             assert d not in out, f"local element {d} mapped twice"
-            out[d] = (f.file, f.key, f.rank, f.src_offset + k)
+            out[d] = (f.file, f.key, f.rank, f.src_index(k))
     return out
 
 
@@ -237,3 +237,30 @@ def test_strided_source_against_one_block_longer_than_a_row(outer, cols, tp):
     piece = Piece(Role.MASTER, "float32", tuple(frags))
     blocks = (TpBlock(0, outer * cols, 0),)
     assert _elements(_local_fragments(piece, blocks, "w")) == _elements(_per_row(piece, blocks, "w"))
+
+
+# --------------------------------------------------------------------------------------------
+# Fragments strided in the source (a TP split's local slices) and the consumers that read them
+
+
+def test_fragment_strided_in_the_source():
+    """Run ``i`` from ``src_offset + i * src_stride`` to ``dst_offset + i * dst_stride``; ``src_stride`` 0 is the
+    contiguous source every reader's fragment has; contiguous runs on both sides are not strided."""
+    f = Fragment(Path("f"), ("flat",), 3, 6, 10, 1, run_numel=2, dst_stride=2, src_stride=5)
+    assert f.strided and f.src_strided and not f.dst_strided and f.src_step == 5
+    assert [f.src_index(k) for k in range(6)] == [3, 4, 8, 9, 13, 14]
+    assert [f.dst_index(k) for k in range(6)] == list(range(10, 16))
+    assert f.src_end == 15
+    assert list(f.runs()) == [Fragment(Path("f"), ("flat",), s, 2, d, 1) for s, d in [(3, 10), (8, 12), (13, 14)]]
+    both = dataclasses.replace(f, dst_stride=4)
+    assert both.src_strided and both.dst_strided
+    assert [(r.src_offset, r.dst_offset) for r in both.runs()] == [(3, 10), (8, 14), (13, 18)]
+    old = Fragment(Path("f"), ("flat",), 3, 6, 10, 1, run_numel=2, dst_stride=4)  # a reader's row slice
+    assert old.strided and not old.src_strided and old.src_step == 2 and old.src_end == 9
+    assert [old.src_index(k) for k in range(6)] == list(range(3, 9))
+    for flat in (Fragment(Path("f"), ("flat",), 3, 6, 10), dataclasses.replace(f, src_stride=2),
+                 Fragment(Path("f"), ("flat",), 3, 6, 10, run_numel=2, dst_stride=2, src_stride=2),
+                 dataclasses.replace(f, numel=2)):  # one run: nothing to stride
+        assert not flat.strided and flat.src_end == 3 + flat.numel
+        assert [flat.src_index(k) for k in range(flat.numel)] == list(range(3, 3 + flat.numel))
+        assert list(flat.runs()) == [Fragment(Path("f"), ("flat",), 3, flat.numel, 10, flat.rank)]
