@@ -264,3 +264,56 @@ def test_fragment_strided_in_the_source():
         assert not flat.strided and flat.src_end == 3 + flat.numel
         assert [flat.src_index(k) for k in range(flat.numel)] == list(range(3, 3 + flat.numel))
         assert list(flat.runs()) == [Fragment(Path("f"), ("flat",), 3, flat.numel, 10, flat.rank)]
+
+
+def _arange_piece(tmp_path: Path, numel: int, frags: Sequence[tuple[int, ...]]) -> tuple[FileCache, Piece]:
+    cache, path = _fake_cache(tmp_path, numel)
+    return cache, Piece(Role.MASTER, "float32", tuple(Fragment(path, ("flat",), s, n, d, None, run_numel=r,
+                                                               dst_stride=ds, src_stride=ss)
+                                                      for s, n, d, r, ds, ss in frags))
+
+
+# A 4 x 4 target read from a stored 0..39: rows 0-1 take 4 of every 10 stored elements (a TP split: part of each
+# source row), rows 2-3 columns 0-1 and 2-3 each strided on both sides, from the far end of the file.
+SPLIT = [(1, 8, 0, 4, 4, 10), (30, 4, 8, 2, 4, 3), (35, 4, 10, 2, 4, 3)]
+SPLIT_WANT = [1, 2, 3, 4, 11, 12, 13, 14, 30, 31, 35, 36, 33, 34, 38, 39]
+
+
+@pytest.mark.parametrize("gap_ratio", [3, 0], ids=["span", "per-run"])
+@pytest.mark.parametrize("chunk_nbytes", [4, 12, 20, 28, 1 << 20])
+def test_source_strided_pieces_are_read_right(tmp_path, monkeypatch, gap_ratio, chunk_nbytes):
+    """read_piece and to-fp32's streamed chunks (GatherRead) read fragments strided in the source: one read of the
+    span and a strided copy, or (gaps wider than SPAN_GAP_RATIO x the runs) one read per run, with chunk edges
+    inside and across runs."""
+    from dsckpt import chunks
+    from dsckpt.assemble import read_piece
+    from dsckpt.chunks import read_chunks
+
+    monkeypatch.setattr(chunks, "SPAN_GAP_RATIO", gap_ratio)
+    cache, piece = _arange_piece(tmp_path, 40, SPLIT)
+    assert read_piece(piece, (4, 4), cache, name="w").reshape(-1).tolist() == SPLIT_WANT
+    reads = plan_piece_chunks(piece, (4, 4), cache, name="w", chunk_nbytes=chunk_nbytes)
+    assert reads is not None
+    got = [x for _, a in read_chunks(reads, workers=0, chunk_nbytes=chunk_nbytes) for x in a.tolist()]
+    assert got == SPLIT_WANT
+
+
+def test_source_strided_piece_past_the_stored_tensor_is_refused(tmp_path):
+    """The bounds check covers the source span (runs and gaps), not ``numel`` elements from ``src_offset``."""
+    cache, piece = _arange_piece(tmp_path, 40, [(25, 16, 0, 4, 4, 5)])  # 16 elements, but the span ends at 44
+    with pytest.raises(CorruptCheckpointError, match=r"'w' needs elements \[25, 44\)"):
+        plan_piece_chunks(piece, (4, 4), cache, name="w")
+
+
+@pytest.mark.parametrize("start, numel", [(0, 16), (0, 5), (3, 6), (9, 1), (6, 10), (15, 1)])
+def test_range_copies_of_strided_fragments(tmp_path, start, numel):
+    """The ZeRO writers' copy list of a range: one copy per (partial) run the range meets, in destination order,
+    each pointing at the right stored elements (src-strided and dst-strided runs alike)."""
+    from dsckpt.ds_writers.plan import range_copies
+
+    _, piece = _arange_piece(tmp_path, 40, SPLIT)
+    copies = range_copies(piece, start, numel, 100, "w")
+    assert [c.dst_offset for c in copies] == sorted(c.dst_offset for c in copies)
+    got = {c.dst_offset + k: c.src_offset + k for c in copies for k in range(c.numel)}
+    assert got == {100 + i: SPLIT_WANT[start + i] for i in range(numel)}
+    assert len(copies) <= numel
