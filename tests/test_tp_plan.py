@@ -121,8 +121,10 @@ def _source_piece(draw, cut: ParamCut) -> Piece:
 @given(pair=layouts(), data=st.data())
 def test_closed_form_equals_per_row_mapping(pair, data):
     """For every target rank: the same (file, key, rank, source element) for every local element as the per-row
-    oracle, every local element of the target's blocks mapped once, and (where the source runs equal the target
-    runs, the TP-kept case) no more fragments than the source has pieces of the slice."""
+    oracle, every local element of the target's blocks mapped once, (where the source runs equal the target runs,
+    the TP-kept case) no more fragments than the source has pieces of the slice, and never one per row: at most
+    three per (block, source fragment) pair, strided in the source where a target run takes part of a source
+    run (TP split)."""
     src, dst = pair
     piece = _source_piece(data.draw, src)
     for t in range(dst.tp_size):
@@ -134,7 +136,12 @@ def test_closed_form_equals_per_row_mapping(pair, data):
         assert sorted(got) == sorted(b.local_offset + k for b in blocks for k in range(b.numel))
         assert [f.dst_offset for f in fast] == sorted(f.dst_offset for f in fast)
         for f in fast:
-            assert not f.run_numel or (f.strided and f.numel % f.run_numel == 0 and f.run_numel < f.dst_stride)
+            assert not f.run_numel or (f.strided and f.numel % f.run_numel == 0 and f.run_numel <= f.dst_stride
+                                       and f.run_numel <= f.src_step)
+            assert list(f.runs()) == [Fragment(f.file, f.key, f.src_index(k), f.run_numel or f.numel,
+                                               f.dst_index(k), f.rank)
+                                      for k in range(0, f.numel, f.run_numel or max(f.numel, 1))]
+        assert len(fast) <= 3 * len(blocks) * len(piece.fragments)
         if src == dst:
             assert len(fast) <= len(slow) and len(fast) <= len(piece.fragments)
 
@@ -168,11 +175,12 @@ def _row_cut(tp: int, rows: int, cols: int) -> ParamCut:
     return ParamCut("o_proj", SplitKind.ROW, 1, (rows, cols), ((rows, cols // tp),) * tp, ((cols // tp,) * tp,))
 
 
-@pytest.mark.parametrize("target_tp, expect_strided", [(8, False), (4, True), (1, True)])
+@pytest.mark.parametrize("target_tp, expect_strided", [(8, False), (4, True), (1, True), (16, True)])
 def test_70b_row_slice_is_a_few_fragments(target_tp, expect_strided):
     """o_proj of a 70B Llama (8192 x 8192) at TP 8, each rank's slice cut by 3 ZeRO partitions (mid-row): a target
     rank's slice at TP 8 (kept) is one contiguous fragment per source partition, at TP 4 / 1 (merged) one strided
-    fragment per source piece -- not one per row (8192) -- and planned in well under a second."""
+    fragment per source piece, at TP 16 (split) one fragment strided in the source per source piece -- not one per
+    row (8192) -- and planned in well under a second."""
     src = _row_cut(8, 8192, 8192)
     frags = []
     for t in range(8):
@@ -184,8 +192,9 @@ def test_70b_row_slice_is_a_few_fragments(target_tp, expect_strided):
     out = _local_fragments(piece, _row_cut(target_tp, 8192, 8192).rank_blocks(0), "o_proj")
     assert time.perf_counter() - t0 < 0.5
     per_source_rank = 3 * 3  # each partition: head run, strided body, tail run
-    assert len(out) <= (8 // target_tp) * per_source_rank
+    assert len(out) <= max(1, 8 // target_tp) * per_source_rank
     assert any(f.strided for f in out) == expect_strided
+    assert any(f.src_strided for f in out) == (target_tp > 8)
     assert sum(f.numel for f in out) == 8192 * 8192 // target_tp
 
 
@@ -317,3 +326,49 @@ def test_range_copies_of_strided_fragments(tmp_path, start, numel):
     got = {c.dst_offset + k: c.src_offset + k for c in copies for k in range(c.numel)}
     assert got == {100 + i: SPLIT_WANT[start + i] for i in range(numel)}
     assert len(copies) <= numel
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 4), (4, 2)], ids=["split", "merge"])
+def test_rank_view_of_real_slices_reads_the_target_slices(src_tp, dst_tp):
+    """Every target TP rank's view of a real AutoTP checkpoint (kv6: q/k/v split by KV heads, row-parallel o_proj and
+    down_proj), read through read_piece, the streamed chunks and the ZeRO writers' range copies, equals the full
+    tensor cut by the target layout, element for element. Both ways some row-parallel slices are strided in the
+    source: TP 2 -> 4 cuts o_proj's 12/12 columns into 8/8/4/4, and TP 4 -> 2 merges 8/8/4/4 into 12/12, so target
+    rank 0 takes part of each row of source rank 1."""
+    import numpy as np
+    import torch
+
+    from dsckpt.assemble import read_piece
+    from dsckpt.autotp_widths import read_autotp_meta
+    from dsckpt.chunks import read_chunks
+    from dsckpt.ds_writers.plan import range_copies
+    from dsckpt.readers import read_checkpoint
+    from dsckpt.tensor_parallel import rank_view, resize_layout
+
+    root = Path(__file__).parent / "fixtures" / "autotp" / f"autotp_z1_bf16_tp{src_tp}_dp1_kv6" / "ckpt"
+    cache = FileCache()
+    ckpt = read_checkpoint(root, cache=cache)
+    layout = resize_layout(ckpt.tensor_parallel, dst_tp, meta=read_autotp_meta(root, ckpt.ds_config))
+    src_strided = 0
+    for t in range(dst_tp):
+        for e in rank_view(ckpt, layout, t).entries:
+            cut = layout.name_to_cut[e.name]
+            if e.tied_to is not None or cut.dim is None or cut.kind is SplitKind.REPLICATED:
+                continue
+            idx = torch.tensor([b.full_index(k) for b in cut.rank_blocks(t) for k in range(b.numel)])
+            src = ckpt.entry(e.name)
+            for p in e.pieces:
+                full = next(q for q in src.pieces if (q.role, q.replica) == (p.role, p.replica))
+                want = read_piece(full, src.shape, cache, name=e.name).reshape(-1)[idx]
+                src_strided += sum(f.src_strided for f in p.fragments)
+                assert read_piece(p, e.shape, cache, name=e.name).reshape(-1).equal(want), (e.name, t, p.role)
+                reads = plan_piece_chunks(p, e.shape, cache, name=e.name, chunk_nbytes=64)
+                assert reads is not None
+                got = np.concatenate([a.copy() for _, a in read_chunks(reads, workers=0, chunk_nbytes=64)])
+                raw = want.view(torch.int16) if want.dtype == torch.bfloat16 else want
+                assert got.tobytes() == raw.numpy().tobytes(), (e.name, t, p.role)
+                for lo in range(0, e.numel, 37):
+                    for c in range_copies(p, lo, min(37, e.numel - lo), 0, e.name):
+                        stored = cache.tensor(c.file, c.key).read(c.src_offset, c.numel)
+                        assert stored.equal(want[lo + c.dst_offset: lo + c.dst_offset + c.numel]), (e.name, t)
+    assert src_strided > 0
