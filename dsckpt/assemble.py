@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import torch
 
-from .chunks import check_numel
+from .chunks import check_numel, reads_span
 from .errors import CorruptCheckpointError
-from .model import LogicalCheckpoint, Piece, Role, TensorEntry
+from .model import Fragment, LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
+from .safe_load import TensorRef
 
 __all__ = ["iter_tensors", "read_entry", "read_piece"]
 
@@ -27,17 +28,30 @@ def read_piece(piece: Piece, shape: tuple[int, ...], cache: FileCache, *, name: 
             out = torch.empty(numel, dtype=ref.dtype)
         if ref.dtype != out.dtype:
             raise CorruptCheckpointError(f"{frag.file}: tensor '{name}' fragments mix {ref.dtype} and {out.dtype}")
-        if frag.strided:  # a tensor-parallel row slice: read it whole, then scatter its runs
-            runs = frag.numel // frag.run_numel
-            tmp = torch.empty(frag.numel, dtype=ref.dtype)
-            ref.read(frag.src_offset, frag.numel, out=tmp)
-            out.as_strided((runs, frag.run_numel), (frag.dst_stride, 1), frag.dst_offset).copy_(
-                tmp.view(runs, frag.run_numel))
+        if frag.strided:  # a tensor-parallel row slice
+            _read_strided(frag, ref, out)
             continue
         ref.read(frag.src_offset, frag.numel, out=out[frag.dst_offset : frag.dst_offset + frag.numel])
     if out is None:
         out = torch.empty(0, dtype=getattr(torch, piece.dtype))
     return out.view(shape)
+
+
+def _read_strided(frag: Fragment, ref: TensorRef, out: torch.Tensor) -> None:
+    """Read the strided ``frag`` into ``out`` (flat): its source span in one read, gaps included, then one strided
+    copy of its runs into place; where the source gaps are wide (:func:`~dsckpt.chunks.reads_span`), one read per
+    run straight into place instead."""
+    r, step = frag.run_numel, frag.src_step
+    runs = frag.numel // r
+    dst = out.as_strided((runs, r), (frag.dst_stride, 1), frag.dst_offset)
+    if not reads_span(r, step):
+        for i in range(runs):
+            ref.read(frag.src_offset + i * step, r, out=dst[i])
+        return
+    span = frag.src_end - frag.src_offset
+    tmp = torch.empty(span, dtype=ref.dtype)
+    ref.read(frag.src_offset, span, out=tmp)
+    dst.copy_(tmp.as_strided((runs, r), (step, 1)))
 
 
 def read_entry(entry: TensorEntry, cache: FileCache, role: Role | None = None) -> torch.Tensor:

@@ -26,6 +26,9 @@ __all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "pl
 # Big enough that per-call overhead vanishes (~100 reads per GB), small enough to stay in cache
 # between the read and the checks that follow it.
 DEFAULT_CHUNK_NBYTES = 8 * 1024 * 1024
+# Runs strided in the source (a TP split) are read with their gaps while the gaps hold at most this many times
+# the runs' elements (see reads_span): a read then stays within 4 chunks' worth of bytes.
+SPAN_GAP_RATIO = 3
 
 
 def check_numel(piece: Piece, shape: tuple[int, ...], name: str) -> int:
@@ -112,9 +115,9 @@ def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
         if sources and ref.dtype_name != sources[0][1].dtype_name:
             raise CorruptCheckpointError(f"{frag.file}: tensor '{name}' fragments mix {ref.dtype_name} and "
                                          f"{sources[0][1].dtype_name}")
-        if frag.src_offset < 0 or frag.src_offset + frag.numel > ref.numel:
+        if frag.src_offset < 0 or frag.src_end > ref.numel:
             raise CorruptCheckpointError(
-                f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_offset + frag.numel}) "
+                f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_end}) "
                 f"of a stored tensor with {ref.numel}; the checkpoint metadata does not match its tensors")
         sources.append((frag, ref))
     why = _tiling_problem(piece.fragments, numel)
@@ -127,15 +130,15 @@ def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
 
 
 def _tiling_problem(frags: tuple[Fragment, ...], numel: int) -> str | None:
-    """Why ``frags`` (strided ones among them, all of one stride) do not cover ``[0, numel)`` once each, or None;
-    their element count is checked already, so in bounds and disjoint is enough. O(fragments), not O(rows): in
-    the grid of rows of the common stride ``S`` a strided fragment is one rectangle (rows x a column range), a
-    contiguous one at most three (a partial row, whole rows, a partial row), and rectangles are compared, not
-    elements."""
-    strides = {f.dst_stride for f in frags if f.strided}
-    S = strides.pop()
-    if strides or S <= 0:
-        return f"strided fragments with strides {sorted(strides | {S})}"
+    """Why ``frags`` (strided ones among them, all of one destination stride) do not cover ``[0, numel)`` once
+    each, or None; their element count is checked already, so in bounds and disjoint is enough. O(fragments), not
+    O(rows): in the grid of rows of the common stride ``S`` a fragment strided in the destination is one rectangle
+    (rows x a column range), a contiguous one at most three (a partial row, whole rows, a partial row), and
+    rectangles are compared, not elements. Destinations only: how the source is laid out does not matter here."""
+    strides = {f.dst_stride for f in frags if f.dst_strided}
+    if len(strides) > 1 or min(strides, default=1) <= 0:
+        return f"strided fragments with strides {sorted(strides)}"
+    S = strides.pop() if strides else max(numel, 1)
     rects: list[tuple[int, int, int, int]] = []  # (first row, row count, first column, column count)
     for f in frags:
         if f.numel <= 0:
@@ -143,7 +146,7 @@ def _tiling_problem(frags: tuple[Fragment, ...], numel: int) -> str | None:
         if f.dst_offset < 0 or f.dst_index(f.numel - 1) >= numel:
             return f"elements [{f.dst_offset}, {f.dst_index(f.numel - 1) + 1}) reach outside the tensor"
         row, col = divmod(f.dst_offset, S)
-        if f.strided:
+        if f.dst_strided:
             if col + f.run_numel > S:
                 return f"runs of {f.run_numel} at column {col} cross rows of {S}"
             rects.append((row, f.numel // f.run_numel, col, f.run_numel))
@@ -190,31 +193,49 @@ def _gather(item: GatherRead, out: np.ndarray) -> np.ndarray:
 def _gather_strided(frag: Fragment, ref: TensorRef, lo: int, hi: int, out: np.ndarray, fd: int) -> None:
     """Copy the runs of the strided ``frag`` that overlap output elements ``[lo, hi)`` into ``out``.
 
-    The runs a window needs are consecutive in the source, so they are read with one ``pread`` (the first and last
-    run may be cut by the window) and scattered with one strided numpy copy: a row-parallel slice costs the same
-    number of reads per chunk as a column slice, not one per row."""
-    r, stride, d0 = frag.run_numel, frag.dst_stride, frag.dst_offset
+    The runs a window needs are consecutive in the fragment, so a row-parallel slice costs the same number of
+    reads per chunk as a column slice, not one per row: where the source runs follow each other or their gaps are
+    short (:func:`reads_span`), one ``pread`` of the source span (the first and last run may be cut by the
+    window; gaps included) and one strided numpy copy; otherwise one ``pread`` per run, straight into place."""
+    r, stride, d0, step = frag.run_numel, frag.dst_stride, frag.dst_offset, frag.src_step
     first = max(0, (lo - r - d0) // stride + 1)  # the first run ending after lo
     last = min(frag.numel // r, -(-(hi - d0) // stride))  # one past the last run starting before hi
     if first >= last:
         return
     head = max(0, lo - (d0 + first * stride))  # elements of the first run before the window
     tail = max(0, d0 + (last - 1) * stride + r - hi)  # elements of the last run after the window
-    numel = (last - first) * r - head - tail
-    src = ref.read_numpy(frag.src_offset + first * r + head, numel, fd=fd)
-    if last - first == 1:
-        out[d0 + first * stride + head - lo:][:numel] = src
+    s0 = frag.src_offset + first * step + head  # source index of the first element needed
+    n = last - first
+    if not reads_span(r, step):
+        for i in range(n):
+            a, e = (head if i == 0 else 0), (r - tail if i == n - 1 else r)
+            at = d0 + (first + i) * stride + a - lo
+            ref.read_numpy(s0 - head + i * step + a, e - a, out=out[at: at + e - a], fd=fd)
+        return
+    src = ref.read_numpy(s0, (n - 1) * step + r - head - tail, fd=fd)
+    if n == 1:
+        out[d0 + first * stride + head - lo:][:r - head - tail] = src
         return
     # first run (cut at its head), the full middle runs as one strided copy, last run (cut at its tail)
     n0 = r - head
     out[d0 + first * stride + head - lo:][:n0] = src[:n0]
-    mid = last - first - 2
+    mid = n - 2
     if mid:
         start = d0 + (first + 1) * stride - lo
         dst = np.lib.stride_tricks.as_strided(out[start:], shape=(mid, r),
                                               strides=(stride * out.itemsize, out.itemsize), writeable=True)
-        dst[...] = src[n0: n0 + mid * r].reshape(mid, r)
-    out[d0 + (last - 1) * stride - lo:][:r - tail] = src[n0 + mid * r:]
+        dst[...] = np.lib.stride_tricks.as_strided(src[step - head:], shape=(mid, r),
+                                                   strides=(step * src.itemsize, src.itemsize), writeable=False)
+    out[d0 + (last - 1) * stride - lo:][:r - tail] = src[(n - 1) * step - head:]
+
+
+def reads_span(run_numel: int, src_step: int) -> bool:
+    """Whether runs of ``run_numel`` elements, ``src_step`` apart in the stored tensor, are read in one go with
+    the gaps between them rather than one read per run: when the gaps hold at most :data:`SPAN_GAP_RATIO` times
+    the runs' elements, so a span read costs at most that much more I/O and buffer than the runs (a TP split
+    halving rows, 2 -> 4 or 8 -> 16: gaps equal to the runs) and saves a syscall per row; wider gaps (a target
+    rank taking a small part of each row, e.g. TP 1 -> 8) are read run by run."""
+    return src_step - run_numel <= SPAN_GAP_RATIO * run_numel
 
 
 def _fill(buf: np.ndarray, item: ChunkRead) -> np.ndarray:

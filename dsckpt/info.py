@@ -36,9 +36,9 @@ def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
                 except DsckptError as err:
                     problems.append(str(err))
                     continue
-                if frag.src_offset + frag.numel > ref.numel:
+                if frag.src_end > ref.numel:
                     problems.append(f"{e.name}: {piece.role.value} fragment in {frag.file.name} ends at "
-                                    f"{frag.src_offset + frag.numel}, the stored tensor has {ref.numel}")
+                                    f"{frag.src_end}, the stored tensor has {ref.numel}")
     return problems
 
 

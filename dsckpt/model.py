@@ -56,11 +56,15 @@ class Fragment:
     """``numel`` elements of the flat tensor at ``key`` in ``file``, starting at ``src_offset``,
     which land at ``dst_offset`` of the flattened logical tensor.
 
-    The source range is always contiguous. The destination is too unless ``run_numel`` is set: then the
-    elements land in runs of ``run_numel`` (``numel`` is a multiple of it), ``dst_stride`` elements apart
-    -- a tensor-parallel row slice (see :mod:`dsckpt.tensor_parallel` for why one strided fragment rather
-    than one per row). Consumers needing contiguous destinations iterate :meth:`runs` for one tensor at
-    a time; :func:`contiguous_fragments` does that for a piece."""
+    Both sides are contiguous unless ``run_numel`` is set: then the elements move in runs of ``run_numel``
+    (``numel`` is a multiple of it), run ``i`` from ``src_offset + i * src_stride`` to
+    ``dst_offset + i * dst_stride``. ``src_stride`` 0 means ``run_numel``: the runs follow each other in the
+    source, as in every fragment a reader makes (a tensor-parallel row slice is stored contiguously and lands
+    strided in the full tensor). A strided source is the other direction: a target rank of a TP split takes
+    part of each source row (see :mod:`dsckpt.tensor_parallel` for why one strided fragment rather than one per
+    row). A fragment whose runs follow each other on both sides is not :attr:`strided`. Consumers needing
+    contiguous fragments iterate :meth:`runs` for one tensor at a time; :func:`contiguous_fragments` does that
+    for a piece; those reading the source in one go read ``[src_offset, src_end)``, gaps included."""
 
     file: Path
     key: tuple[Any, ...]
@@ -70,24 +74,50 @@ class Fragment:
     rank: int | None = None
     run_numel: int = 0
     dst_stride: int = 0
+    src_stride: int = 0
+
+    @property
+    def src_step(self) -> int:
+        """Source elements from one run's start to the next (``run_numel`` unless the source is strided)."""
+        return self.src_stride or self.run_numel
+
+    @property
+    def src_strided(self) -> bool:
+        return 0 < self.run_numel < self.numel and self.src_step != self.run_numel
+
+    @property
+    def dst_strided(self) -> bool:
+        return 0 < self.run_numel < self.numel and self.dst_stride != self.run_numel
 
     @property
     def strided(self) -> bool:
-        return bool(self.run_numel) and self.run_numel < self.numel
+        """Whether the runs are apart on either side."""
+        return self.src_strided or self.dst_strided
+
+    @property
+    def src_end(self) -> int:
+        """One past the last source element: the span ``[src_offset, src_end)`` holds the runs and their gaps."""
+        return self.src_index(self.numel - 1) + 1 if self.numel > 0 else self.src_offset
 
     def runs(self) -> Iterator[Fragment]:
         """This fragment as contiguous fragments, in source order."""
         if not self.strided:
             yield Fragment(self.file, self.key, self.src_offset, self.numel, self.dst_offset, self.rank)
             return
-        r = self.run_numel
+        r, step = self.run_numel, self.src_step
         for i in range(self.numel // r):
-            yield Fragment(self.file, self.key, self.src_offset + i * r, r, self.dst_offset + i * self.dst_stride,
+            yield Fragment(self.file, self.key, self.src_offset + i * step, r, self.dst_offset + i * self.dst_stride,
                            self.rank)
+
+    def src_index(self, k: int) -> int:
+        """Flat index, in the stored tensor, of this fragment's ``k``-th element."""
+        if not self.src_strided:
+            return self.src_offset + k
+        return self.src_offset + (k // self.run_numel) * self.src_step + k % self.run_numel
 
     def dst_index(self, k: int) -> int:
         """Flat logical index of this fragment's ``k``-th element."""
-        if not self.strided:
+        if not self.dst_strided:
             return self.dst_offset + k
         return self.dst_offset + (k // self.run_numel) * self.dst_stride + k % self.run_numel
 

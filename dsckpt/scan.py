@@ -378,10 +378,11 @@ def _distinct_pieces(pieces: tuple[Piece, ...], refs: Callable[[Path, tuple[Any,
         sig: list[tuple[Any, ...]] = []
         for f in p.fragments:
             ref = refs(f.file, f.key)
+            strides = (f.run_numel, f.src_stride, f.dst_stride)
             if isinstance(ref, TensorRef) and ref.is_contiguous():
-                sig.append((f.file, ref.storage.key, ref.storage_offset + f.src_offset, f.numel, f.dst_offset))
+                sig.append((f.file, ref.storage.key, ref.storage_offset + f.src_offset, f.numel, f.dst_offset, strides))
             else:
-                sig.append((f.file, f.key, f.src_offset, f.numel, f.dst_offset))
+                sig.append((f.file, f.key, f.src_offset, f.numel, f.dst_offset, strides))
         if tuple(sig) not in seen:
             seen.add(tuple(sig))
             out.append(p)
@@ -409,8 +410,9 @@ def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
                 if not isinstance(ref, TensorRef):
                     continue
                 if ref.is_contiguous():
-                    start = ref.storage_offset + f.src_offset
-                    covered.setdefault((f.file, ref.storage.key), []).append((start, start + f.numel))
+                    for g in f.runs() if f.src_strided else (f,):  # a strided source covers its runs, not its gaps
+                        start = ref.storage_offset + g.src_offset
+                        covered.setdefault((f.file, ref.storage.key), []).append((start, start + g.numel))
                 else:
                     covered_views.add((f.file, f.key))
     out: list[RawScan] = []

@@ -473,10 +473,11 @@ def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tupl
 
     Each (block, fragment) pair is intersected in closed form (:func:`_intersect`), never run by run where the
     two share their stride: a row-parallel slice whose source runs are the target's (TP size kept) becomes one
-    contiguous local fragment, source runs inside longer target runs (TP merged) one strided local fragment; only
-    where a target run takes part of each source run (TP split, or a TP-1 source cut) is the source strided, and
-    the slice is one fragment per row. Cost O(blocks x fragments) plus the fragments emitted, not O(rows)."""
+    contiguous local fragment, source runs inside longer target runs (TP merged) one fragment strided in local
+    coordinates, and a target run taking part of each source run (TP split, or a TP-1 source cut) one fragment
+    strided in the source (``src_stride``). Cost O(blocks x fragments) plus the fragments emitted, not O(rows)."""
     strided = [f for f in piece.fragments if f.strided]
+    assert not any(f.src_strided for f in strided), "a reader's fragments are contiguous in their files"
     flat = sorted((f for f in piece.fragments if not f.strided), key=lambda f: f.dst_offset)
     starts = [f.dst_offset for f in flat]
     out: list[Fragment] = []
@@ -524,8 +525,9 @@ def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
     they share the stride (or one has one run) and no run is longer than it, source run ``j`` meets the block's
     row ``j + q + k`` (k = 0, 1: a source run may reach into the next row's period) in one window ``[a, e)``
     of that row, the same for every row, so each window is one fragment: contiguous when it holds whole source
-    and block runs, strided in local coordinates when whole source runs only. Otherwise one side is cut into
-    its runs first (a source run against the block, or a contiguous source against each block row)."""
+    and block runs, strided in local coordinates when whole source runs only, strided in the source otherwise.
+    A contiguous source longer than a block row holds some rows whole (one fragment strided in the source) and
+    cuts at most two. Otherwise one side is cut into its runs first (a source run against the block)."""
     fr, fs, fm = (f.run_numel, f.dst_stride, f.numel // f.run_numel) if f.strided else (f.numel, 0, 1)
     br, bs, bn = ((b.run_numel, b.full_stride, b.numel // b.run_numel) if b.run_numel and b.run_numel < b.numel
                   else (b.numel, 0, 1))
@@ -542,8 +544,16 @@ def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
         if fm > 1:  # each source run against the block
             for j in _rows(D, fr, fs, fm, F, F + (bn - 1) * bs + br):
                 covered += _intersect(Fragment(f.file, f.key, f.src_offset + j * fr, fr, D + j * fs, f.rank), b, out)
-        else:  # a contiguous source longer than a block row: against each row it overlaps
-            for i in _rows(F, br, bs, bn, D, D + fr):
+        else:  # a contiguous source longer than a block row: the rows it holds whole, then the (two) it cuts
+            rows = _rows(F, br, bs, bn, D, D + fr)
+            i0 = min(max(rows.start, -(-(D - F) // bs)), rows.stop)
+            i1 = max(min(rows.stop, (D + fr - F - br) // bs + 1), i0)
+            if i0 < i1:
+                src, local, n = f.src_offset + F + i0 * bs - D, b.local_offset + i0 * br, (i1 - i0) * br
+                out.append(Fragment(f.file, f.key, src, n, local, f.rank, run_numel=br, dst_stride=br, src_stride=bs)
+                           if i1 - i0 > 1 and bs != br else Fragment(f.file, f.key, src, n, local, f.rank))
+                covered += n
+            for i in (*range(rows.start, i0), *range(i1, rows.stop)):
                 covered += _intersect(f, TpBlock(b.local_offset + i * br, br, F + i * bs), out)
         return covered
     q, c = divmod(D - F, S)  # source run j starts at column c of the block's row period j + q
@@ -560,8 +570,8 @@ def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
             out.append(Fragment(f.file, f.key, src, n * w, local, f.rank))
         elif w == fr:
             out.append(Fragment(f.file, f.key, src, n * w, local, f.rank, run_numel=w, dst_stride=br))
-        else:  # part of each source run: the source side is strided, one fragment per row
-            out.extend(Fragment(f.file, f.key, src + x * fr, w, local + x * br, f.rank) for x in range(n))
+        else:  # part of each source run (TP split): strided in the source, in runs of w
+            out.append(Fragment(f.file, f.key, src, n * w, local, f.rank, run_numel=w, dst_stride=br, src_stride=fr))
         covered += n * w
     return covered
 

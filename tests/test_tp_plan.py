@@ -65,7 +65,7 @@ def _elements(frags: Sequence[Fragment]) -> dict[int, tuple]:
         for k in range(f.numel):
             d = f.dst_index(k)
             assert d not in out, f"local element {d} mapped twice"
-            out[d] = (f.file, f.key, f.rank, f.src_offset + k)
+            out[d] = (f.file, f.key, f.rank, f.src_index(k))
     return out
 
 
@@ -121,8 +121,10 @@ def _source_piece(draw, cut: ParamCut) -> Piece:
 @given(pair=layouts(), data=st.data())
 def test_closed_form_equals_per_row_mapping(pair, data):
     """For every target rank: the same (file, key, rank, source element) for every local element as the per-row
-    oracle, every local element of the target's blocks mapped once, and (where the source runs equal the target
-    runs, the TP-kept case) no more fragments than the source has pieces of the slice."""
+    oracle, every local element of the target's blocks mapped once, (where the source runs equal the target runs,
+    the TP-kept case) no more fragments than the source has pieces of the slice, and never one per row: at most
+    three per (block, source fragment) pair, strided in the source where a target run takes part of a source
+    run (TP split)."""
     src, dst = pair
     piece = _source_piece(data.draw, src)
     for t in range(dst.tp_size):
@@ -134,7 +136,12 @@ def test_closed_form_equals_per_row_mapping(pair, data):
         assert sorted(got) == sorted(b.local_offset + k for b in blocks for k in range(b.numel))
         assert [f.dst_offset for f in fast] == sorted(f.dst_offset for f in fast)
         for f in fast:
-            assert not f.run_numel or (f.strided and f.numel % f.run_numel == 0 and f.run_numel < f.dst_stride)
+            assert not f.run_numel or (f.strided and f.numel % f.run_numel == 0 and f.run_numel <= f.dst_stride
+                                       and f.run_numel <= f.src_step)
+            assert list(f.runs()) == [Fragment(f.file, f.key, f.src_index(k), f.run_numel or f.numel,
+                                               f.dst_index(k), f.rank)
+                                      for k in range(0, f.numel, f.run_numel or max(f.numel, 1))]
+        assert len(fast) <= 3 * len(blocks) * len(piece.fragments)
         if src == dst:
             assert len(fast) <= len(slow) and len(fast) <= len(piece.fragments)
 
@@ -168,11 +175,12 @@ def _row_cut(tp: int, rows: int, cols: int) -> ParamCut:
     return ParamCut("o_proj", SplitKind.ROW, 1, (rows, cols), ((rows, cols // tp),) * tp, ((cols // tp,) * tp,))
 
 
-@pytest.mark.parametrize("target_tp, expect_strided", [(8, False), (4, True), (1, True)])
+@pytest.mark.parametrize("target_tp, expect_strided", [(8, False), (4, True), (1, True), (16, True)])
 def test_70b_row_slice_is_a_few_fragments(target_tp, expect_strided):
     """o_proj of a 70B Llama (8192 x 8192) at TP 8, each rank's slice cut by 3 ZeRO partitions (mid-row): a target
     rank's slice at TP 8 (kept) is one contiguous fragment per source partition, at TP 4 / 1 (merged) one strided
-    fragment per source piece -- not one per row (8192) -- and planned in well under a second."""
+    fragment per source piece, at TP 16 (split) one fragment strided in the source per source piece -- not one per
+    row (8192) -- and planned in well under a second."""
     src = _row_cut(8, 8192, 8192)
     frags = []
     for t in range(8):
@@ -184,8 +192,9 @@ def test_70b_row_slice_is_a_few_fragments(target_tp, expect_strided):
     out = _local_fragments(piece, _row_cut(target_tp, 8192, 8192).rank_blocks(0), "o_proj")
     assert time.perf_counter() - t0 < 0.5
     per_source_rank = 3 * 3  # each partition: head run, strided body, tail run
-    assert len(out) <= (8 // target_tp) * per_source_rank
+    assert len(out) <= max(1, 8 // target_tp) * per_source_rank
     assert any(f.strided for f in out) == expect_strided
+    assert any(f.src_strided for f in out) == (target_tp > 8)
     assert sum(f.numel for f in out) == 8192 * 8192 // target_tp
 
 
@@ -237,3 +246,129 @@ def test_strided_source_against_one_block_longer_than_a_row(outer, cols, tp):
     piece = Piece(Role.MASTER, "float32", tuple(frags))
     blocks = (TpBlock(0, outer * cols, 0),)
     assert _elements(_local_fragments(piece, blocks, "w")) == _elements(_per_row(piece, blocks, "w"))
+
+
+# --------------------------------------------------------------------------------------------
+# Fragments strided in the source (a TP split's local slices) and the consumers that read them
+
+
+def test_fragment_strided_in_the_source():
+    """Run ``i`` from ``src_offset + i * src_stride`` to ``dst_offset + i * dst_stride``; ``src_stride`` 0 is the
+    contiguous source every reader's fragment has; contiguous runs on both sides are not strided."""
+    f = Fragment(Path("f"), ("flat",), 3, 6, 10, 1, run_numel=2, dst_stride=2, src_stride=5)
+    assert f.strided and f.src_strided and not f.dst_strided and f.src_step == 5
+    assert [f.src_index(k) for k in range(6)] == [3, 4, 8, 9, 13, 14]
+    assert [f.dst_index(k) for k in range(6)] == list(range(10, 16))
+    assert f.src_end == 15
+    assert list(f.runs()) == [Fragment(Path("f"), ("flat",), s, 2, d, 1) for s, d in [(3, 10), (8, 12), (13, 14)]]
+    both = dataclasses.replace(f, dst_stride=4)
+    assert both.src_strided and both.dst_strided
+    assert [(r.src_offset, r.dst_offset) for r in both.runs()] == [(3, 10), (8, 14), (13, 18)]
+    old = Fragment(Path("f"), ("flat",), 3, 6, 10, 1, run_numel=2, dst_stride=4)  # a reader's row slice
+    assert old.strided and not old.src_strided and old.src_step == 2 and old.src_end == 9
+    assert [old.src_index(k) for k in range(6)] == list(range(3, 9))
+    for flat in (Fragment(Path("f"), ("flat",), 3, 6, 10), dataclasses.replace(f, src_stride=2),
+                 Fragment(Path("f"), ("flat",), 3, 6, 10, run_numel=2, dst_stride=2, src_stride=2),
+                 dataclasses.replace(f, numel=2)):  # one run: nothing to stride
+        assert not flat.strided and flat.src_end == 3 + flat.numel
+        assert [flat.src_index(k) for k in range(flat.numel)] == list(range(3, 3 + flat.numel))
+        assert list(flat.runs()) == [Fragment(Path("f"), ("flat",), 3, flat.numel, 10, flat.rank)]
+
+
+def _arange_piece(tmp_path: Path, numel: int, frags: Sequence[tuple[int, ...]]) -> tuple[FileCache, Piece]:
+    cache, path = _fake_cache(tmp_path, numel)
+    return cache, Piece(Role.MASTER, "float32", tuple(Fragment(path, ("flat",), s, n, d, None, run_numel=r,
+                                                               dst_stride=ds, src_stride=ss)
+                                                      for s, n, d, r, ds, ss in frags))
+
+
+# A 4 x 4 target read from a stored 0..39: rows 0-1 take 4 of every 10 stored elements (a TP split: part of each
+# source row), rows 2-3 columns 0-1 and 2-3 each strided on both sides, from the far end of the file.
+SPLIT = [(1, 8, 0, 4, 4, 10), (30, 4, 8, 2, 4, 3), (35, 4, 10, 2, 4, 3)]
+SPLIT_WANT = [1, 2, 3, 4, 11, 12, 13, 14, 30, 31, 35, 36, 33, 34, 38, 39]
+
+
+@pytest.mark.parametrize("gap_ratio", [3, 0], ids=["span", "per-run"])
+@pytest.mark.parametrize("chunk_nbytes", [4, 12, 20, 28, 1 << 20])
+def test_source_strided_pieces_are_read_right(tmp_path, monkeypatch, gap_ratio, chunk_nbytes):
+    """read_piece and to-fp32's streamed chunks (GatherRead) read fragments strided in the source: one read of the
+    span and a strided copy, or (gaps wider than SPAN_GAP_RATIO x the runs) one read per run, with chunk edges
+    inside and across runs."""
+    from dsckpt import chunks
+    from dsckpt.assemble import read_piece
+    from dsckpt.chunks import read_chunks
+
+    monkeypatch.setattr(chunks, "SPAN_GAP_RATIO", gap_ratio)
+    cache, piece = _arange_piece(tmp_path, 40, SPLIT)
+    assert read_piece(piece, (4, 4), cache, name="w").reshape(-1).tolist() == SPLIT_WANT
+    reads = plan_piece_chunks(piece, (4, 4), cache, name="w", chunk_nbytes=chunk_nbytes)
+    assert reads is not None
+    got = [x for _, a in read_chunks(reads, workers=0, chunk_nbytes=chunk_nbytes) for x in a.tolist()]
+    assert got == SPLIT_WANT
+
+
+def test_source_strided_piece_past_the_stored_tensor_is_refused(tmp_path):
+    """The bounds check covers the source span (runs and gaps), not ``numel`` elements from ``src_offset``."""
+    cache, piece = _arange_piece(tmp_path, 40, [(25, 16, 0, 4, 4, 5)])  # 16 elements, but the span ends at 44
+    with pytest.raises(CorruptCheckpointError, match=r"'w' needs elements \[25, 44\)"):
+        plan_piece_chunks(piece, (4, 4), cache, name="w")
+
+
+@pytest.mark.parametrize("start, numel", [(0, 16), (0, 5), (3, 6), (9, 1), (6, 10), (15, 1)])
+def test_range_copies_of_strided_fragments(tmp_path, start, numel):
+    """The ZeRO writers' copy list of a range: one copy per (partial) run the range meets, in destination order,
+    each pointing at the right stored elements (src-strided and dst-strided runs alike)."""
+    from dsckpt.ds_writers.plan import range_copies
+
+    _, piece = _arange_piece(tmp_path, 40, SPLIT)
+    copies = range_copies(piece, start, numel, 100, "w")
+    assert [c.dst_offset for c in copies] == sorted(c.dst_offset for c in copies)
+    got = {c.dst_offset + k: c.src_offset + k for c in copies for k in range(c.numel)}
+    assert got == {100 + i: SPLIT_WANT[start + i] for i in range(numel)}
+    assert len(copies) <= numel
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 4), (4, 2)], ids=["split", "merge"])
+def test_rank_view_of_real_slices_reads_the_target_slices(src_tp, dst_tp):
+    """Every target TP rank's view of a real AutoTP checkpoint (kv6: q/k/v split by KV heads, row-parallel o_proj and
+    down_proj), read through read_piece, the streamed chunks and the ZeRO writers' range copies, equals the full
+    tensor cut by the target layout, element for element. Both ways some row-parallel slices are strided in the
+    source: TP 2 -> 4 cuts o_proj's 12/12 columns into 8/8/4/4, and TP 4 -> 2 merges 8/8/4/4 into 12/12, so target
+    rank 0 takes part of each row of source rank 1."""
+    import numpy as np
+    import torch
+
+    from dsckpt.assemble import read_piece
+    from dsckpt.autotp_widths import read_autotp_meta
+    from dsckpt.chunks import read_chunks
+    from dsckpt.ds_writers.plan import range_copies
+    from dsckpt.readers import read_checkpoint
+    from dsckpt.tensor_parallel import rank_view, resize_layout
+
+    root = Path(__file__).parent / "fixtures" / "autotp" / f"autotp_z1_bf16_tp{src_tp}_dp1_kv6" / "ckpt"
+    cache = FileCache()
+    ckpt = read_checkpoint(root, cache=cache)
+    layout = resize_layout(ckpt.tensor_parallel, dst_tp, meta=read_autotp_meta(root, ckpt.ds_config))
+    src_strided = 0
+    for t in range(dst_tp):
+        for e in rank_view(ckpt, layout, t).entries:
+            cut = layout.name_to_cut[e.name]
+            if e.tied_to is not None or cut.dim is None or cut.kind is SplitKind.REPLICATED:
+                continue
+            idx = torch.tensor([b.full_index(k) for b in cut.rank_blocks(t) for k in range(b.numel)])
+            src = ckpt.entry(e.name)
+            for p in e.pieces:
+                full = next(q for q in src.pieces if (q.role, q.replica) == (p.role, p.replica))
+                want = read_piece(full, src.shape, cache, name=e.name).reshape(-1)[idx]
+                src_strided += sum(f.src_strided for f in p.fragments)
+                assert read_piece(p, e.shape, cache, name=e.name).reshape(-1).equal(want), (e.name, t, p.role)
+                reads = plan_piece_chunks(p, e.shape, cache, name=e.name, chunk_nbytes=64)
+                assert reads is not None
+                got = np.concatenate([a.copy() for _, a in read_chunks(reads, workers=0, chunk_nbytes=64)])
+                raw = want.view(torch.int16) if want.dtype == torch.bfloat16 else want
+                assert got.tobytes() == raw.numpy().tobytes(), (e.name, t, p.role)
+                for lo in range(0, e.numel, 37):
+                    for c in range_copies(p, lo, min(37, e.numel - lo), 0, e.name):
+                        stored = cache.tensor(c.file, c.key).read(c.src_offset, c.numel)
+                        assert stored.equal(want[lo + c.dst_offset: lo + c.dst_offset + c.numel]), (e.name, t)
+    assert src_strided > 0

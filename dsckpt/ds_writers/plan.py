@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
-from ..model import LogicalCheckpoint, Piece, Precision, contiguous_fragments
+from ..model import Fragment, LogicalCheckpoint, Piece, Precision
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -212,26 +212,38 @@ def element_nbytes(precision: Precision) -> int:
 
 def range_copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: int,
                  name: str) -> tuple[RangeCopy, ...]:
-    """Where elements ``[elem_start, elem_start + numel)`` of a logical tensor are stored."""
+    """Where elements ``[elem_start, elem_start + numel)`` of a logical tensor are stored: one copy per contiguous
+    stretch, in destination order where the piece has strided fragments (tensor-parallel row slices: one copy per
+    row run the range meets, found by arithmetic, not by expanding the fragment's every run)."""
     if piece is None or numel <= 0:
         return ()
-    out = []
+    out: list[RangeCopy] = []
     end = elem_start + numel
-    covered = 0
-    # a tensor-parallel row slice is one strided fragment: its row runs, in destination order
-    frags = contiguous_fragments(piece) if any(f.strided for f in piece.fragments) else piece.fragments
-    for f in frags:
-        lo = max(elem_start, f.dst_offset)
-        hi = min(end, f.dst_offset + f.numel)
-        if lo < hi:
-            out.append(RangeCopy(f.file, f.key, f.src_offset + (lo - f.dst_offset), hi - lo,
-                                 dst_offset + (lo - elem_start)))
-            covered += hi - lo
+    for f in piece.fragments:
+        for s, e, src in _runs_within(f, elem_start, end):
+            lo, hi = max(elem_start, s), min(end, e)
+            if lo < hi:
+                out.append(RangeCopy(f.file, f.key, src + (lo - s), hi - lo, dst_offset + (lo - elem_start)))
+    covered = sum(c.numel for c in out)
     if covered != numel:
         raise CorruptCheckpointError(
             f"tensor '{name}': its {piece.role.value} copy covers {covered} of elements "
             f"[{elem_start}, {end}); the checkpoint's fragments are incomplete")
+    if any(f.strided for f in piece.fragments):
+        out.sort(key=lambda c: c.dst_offset)
     return tuple(out)
+
+
+def _runs_within(f: Fragment, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``(dst start, dst end, src start)`` of the runs of ``f`` that overlap ``[lo, hi)`` (a contiguous ``f``: itself,
+    whether it overlaps or not)."""
+    if not f.strided:
+        return [(f.dst_offset, f.dst_offset + f.numel, f.src_offset)]
+    r, stride = f.run_numel, f.dst_stride
+    first = max(0, (lo - r - f.dst_offset) // stride + 1)
+    last = min(f.numel // r, -(-(hi - f.dst_offset) // stride))
+    return [(f.dst_offset + i * stride, f.dst_offset + i * stride + r, f.src_offset + i * f.src_step)
+            for i in range(first, last)]
 
 
 def coalesce(copies: Sequence[RangeCopy]) -> tuple[RangeCopy, ...]:
