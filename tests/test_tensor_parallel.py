@@ -77,10 +77,17 @@ def cuts(draw):
         total = 1
     other = [draw(st.integers(1, 4)) for _ in range(ndim)]
     keep = draw(st.integers(1, total)) if kind is SplitKind.VOCABULARY else None
+    return make_cut(kind, dim, other, widths, keep)
+
+
+def make_cut(kind: SplitKind, dim: int, other: list[int], widths: tuple[tuple[int, ...], ...],
+             keep: int | None) -> ParamCut:
+    """The cut of param ``w`` shaped ``other`` but on ``dim``: there each rank holds the sum of its sub-param
+    ``widths`` and the full tensor their total (``keep`` rows of it for a vocabulary)."""
     full_shape = list(other)
-    full_shape[dim] = keep if keep is not None else total
+    full_shape[dim] = keep if keep is not None else sum(map(sum, widths))
     ranks = []
-    for t in range(tp):
+    for t in range(len(widths[0])):
         s = list(other)
         s[dim] = sum(w[t] for w in widths)
         ranks.append(tuple(s))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tensor_parallel import make_cut
 
 from dsckpt.chunks import plan_piece_chunks
 from dsckpt.errors import CorruptCheckpointError
@@ -89,15 +90,7 @@ def layouts(draw):
     keep = draw(st.integers(1, sum(totals))) if kind is SplitKind.VOCABULARY else None
 
     def cut(tp: int) -> ParamCut:
-        widths = tuple(_split(draw, n, tp) for n in totals)
-        full = list(other)
-        full[dim] = keep if keep is not None else sum(totals)
-        ranks = []
-        for t in range(tp):
-            s = list(other)
-            s[dim] = sum(w[t] for w in widths)
-            ranks.append(tuple(s))
-        return ParamCut("w", kind, dim, tuple(full), tuple(ranks), widths, keep)
+        return make_cut(kind, dim, other, tuple(_split(draw, n, tp) for n in totals), keep)
 
     return cut(draw(st.integers(1, 4))), cut(draw(st.integers(1, 4)))
 
