@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,7 +21,8 @@ from .model import Fragment, Piece
 from .readers.common import FileCache
 from .safe_load import TensorRef
 
-__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "plan_piece_chunks", "read_chunks"]
+__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "fragment_views", "place",
+           "plan_piece_chunks", "read_chunks", "tiling_problem"]
 
 # Big enough that per-call overhead vanishes (~100 reads per GB), small enough to stay in cache
 # between the read and the checks that follow it.
@@ -120,7 +121,7 @@ def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
                 f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_end}) "
                 f"of a stored tensor with {ref.numel}; the checkpoint metadata does not match its tensors")
         sources.append((frag, ref))
-    why = _tiling_problem(piece.fragments, numel)
+    why = tiling_problem(piece.fragments, numel)
     if why:
         raise CorruptCheckpointError(f"tensor '{name}': its {piece.role.value} copy's fragments do not tile its "
                                      f"{numel} elements ({why}); the checkpoint metadata is inconsistent")
@@ -129,7 +130,7 @@ def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
     return tuple(GatherRead(name, shared[0][1], lo, min(step, numel - lo), shared) for lo in range(0, numel, step))
 
 
-def _tiling_problem(frags: tuple[Fragment, ...], numel: int) -> str | None:
+def tiling_problem(frags: tuple[Fragment, ...], numel: int) -> str | None:
     """Why ``frags`` (strided ones among them, all of one destination stride) do not cover ``[0, numel)`` once
     each, or None; their element count is checked already, so in bounds and disjoint is enough. O(fragments), not
     O(rows): in the grid of rows of the common stride ``S`` a fragment strided in the destination is one rectangle
@@ -197,36 +198,58 @@ def _gather_strided(frag: Fragment, ref: TensorRef, lo: int, hi: int, out: np.nd
     reads per chunk as a column slice, not one per row: where the source runs follow each other or their gaps are
     short (:func:`reads_span`), one ``pread`` of the source span (the first and last run may be cut by the
     window; gaps included) and one strided numpy copy; otherwise one ``pread`` per run, straight into place."""
-    r, stride, d0, step = frag.run_numel, frag.dst_stride, frag.dst_offset, frag.src_step
-    first = max(0, (lo - r - d0) // stride + 1)  # the first run ending after lo
-    last = min(frag.numel // r, -(-(hi - d0) // stride))  # one past the last run starting before hi
-    if first >= last:
+    k0, k1 = frag.window(lo, hi)
+    if k0 >= k1:
         return
-    head = max(0, lo - (d0 + first * stride))  # elements of the first run before the window
-    tail = max(0, d0 + (last - 1) * stride + r - hi)  # elements of the last run after the window
-    s0 = frag.src_offset + first * step + head  # source index of the first element needed
-    n = last - first
-    if not reads_span(r, step):
-        for i in range(n):
-            a, e = (head if i == 0 else 0), (r - tail if i == n - 1 else r)
-            at = d0 + (first + i) * stride + a - lo
-            ref.read_numpy(s0 - head + i * step + a, e - a, out=out[at: at + e - a], fd=fd)
+    if not frag.src_strided:
+        place(ref.read_numpy(frag.src_offset + k0, k1 - k0, fd=fd), out, frag, k0, lo)
         return
-    src = ref.read_numpy(s0, (n - 1) * step + r - head - tail, fd=fd)
-    if n == 1:
-        out[d0 + first * stride + head - lo:][:r - head - tail] = src
+    r = frag.run_numel
+    if not reads_span(r, frag.src_step):
+        for i in range(k0 // r, (k1 - 1) // r + 1):
+            a, e = max(k0, i * r), min(k1, (i + 1) * r)
+            at = frag.dst_index(a) - lo
+            ref.read_numpy(frag.src_index(a), e - a, out=out[at: at + e - a], fd=fd)
         return
-    # first run (cut at its head), the full middle runs as one strided copy, last run (cut at its tail)
-    n0 = r - head
-    out[d0 + first * stride + head - lo:][:n0] = src[:n0]
-    mid = n - 2
-    if mid:
-        start = d0 + (first + 1) * stride - lo
-        dst = np.lib.stride_tricks.as_strided(out[start:], shape=(mid, r),
-                                              strides=(stride * out.itemsize, out.itemsize), writeable=True)
-        dst[...] = np.lib.stride_tricks.as_strided(src[step - head:], shape=(mid, r),
-                                                   strides=(step * src.itemsize, src.itemsize), writeable=False)
-    out[d0 + (last - 1) * stride - lo:][:r - tail] = src[(n - 1) * step - head:]
+    s0 = frag.src_index(k0)
+    span = ref.read_numpy(s0, frag.src_index(k1 - 1) + 1 - s0, fd=fd)
+    # the source side as a fragment strided in its destination: views of the span's runs, in order
+    source = Fragment(frag.file, frag.key, 0, frag.numel, frag.src_offset, run_numel=r, dst_stride=frag.src_step)
+    runs = [v.reshape(-1) for _, v in fragment_views(span, source, k0, k1, s0)]
+    place(np.concatenate(runs) if len(runs) > 1 else runs[0], out, frag, k0, lo)
+
+
+def fragment_views(arr: np.ndarray, frag: Fragment, k0: int, k1: int,
+                   base: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Views into ``arr`` (whose element 0 is logical element ``base``) of ``frag``'s elements ``[k0, k1)``, in
+    order, each with the fragment index of its first element: one view for a contiguous destination; else a
+    partial first run, the whole runs between as one 2-D strided view, a partial last run. Assigning from (or
+    reading through) them places a fragment's elements, read in one go, with one strided copy instead of one per
+    row."""
+    if k0 >= k1:
+        return
+    if not frag.dst_strided:
+        start = frag.dst_offset + k0 - base
+        yield k0, arr[start: start + k1 - k0]
+        return
+    r, stride = frag.run_numel, frag.dst_stride
+    i0, i1 = k0 // r, (k1 - 1) // r  # the first and last run touched
+    if i0 == i1:
+        yield k0, arr[frag.dst_index(k0) - base:][: k1 - k0]
+        return
+    yield k0, arr[frag.dst_index(k0) - base:][: (i0 + 1) * r - k0]
+    if i1 - i0 > 1:
+        start = frag.dst_offset + (i0 + 1) * stride - base
+        yield (i0 + 1) * r, np.lib.stride_tricks.as_strided(arr[start:], shape=(i1 - i0 - 1, r),
+                                                           strides=(stride * arr.itemsize, arr.itemsize))
+    yield i1 * r, arr[frag.dst_offset + i1 * stride - base:][: k1 - i1 * r]
+
+
+def place(values: np.ndarray, arr: np.ndarray, frag: Fragment, k0: int, base: int) -> None:
+    """Put ``values``, ``frag``'s elements from ``k0`` on, at their logical places in ``arr`` (element 0 of which
+    is logical element ``base``)."""
+    for k, view in fragment_views(arr, frag, k0, k0 + len(values), base):
+        view[...] = values[k - k0: k - k0 + view.size].reshape(view.shape)
 
 
 def reads_span(run_numel: int, src_step: int) -> bool:

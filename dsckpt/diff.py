@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from .chunks import check_numel
+from .chunks import check_numel, place, tiling_problem
 from .dtypes import DTYPES, dtype_info, to_float32
 from .errors import CorruptCheckpointError, UsageError
-from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry, contiguous_fragments
+from .model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
 from .safe_load import TensorRef
 from .state_dict_files import TargetKind
@@ -424,8 +424,12 @@ def _tiling_problem(entry: TensorEntry, piece: Piece) -> str | None:
         numel = check_numel(piece, entry.shape, entry.name)
     except CorruptCheckpointError as e:
         return str(e)
+    if any(f.strided for f in piece.fragments):  # TP row slices: rectangles compared, not one run per row
+        why = tiling_problem(piece.fragments, numel)
+        return None if why is None else (f"tensor '{entry.name}': the fragments of its {piece.role.value} copy do not "
+                                         f"tile its {numel} elements ({why})")
     expected = 0
-    for f in contiguous_fragments(piece):
+    for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
         if f.dst_offset != expected or f.numel < 0 or f.src_offset < 0:
             return (f"tensor '{entry.name}': the fragments of its {piece.role.value} copy leave a gap or overlap "
                     f"at element {expected}")
@@ -438,19 +442,25 @@ def _tiling_problem(entry: TensorEntry, piece: Piece) -> str | None:
 
 
 class _PieceReader:
-    """Reads element windows ``[lo, hi)`` of one piece (in logical order) into reused buffers."""
+    """Reads element windows ``[lo, hi)`` of one piece (in logical order) into reused buffers. A fragment strided
+    in the logical tensor (a TP row slice) is read a window at a time in one go and placed with one strided copy."""
 
     def __init__(self, piece: Piece, cache: FileCache, name: str, pool: dict[tuple[int, str], np.ndarray],
                  slot: int, chunk_numel: int) -> None:
         self.piece = piece
-        self.frags = contiguous_fragments(piece)
+        frags = [r for f in piece.fragments for r in (f.runs() if f.src_strided else (f,))]
+        self.frags = sorted((f for f in frags if not f.strided), key=lambda f: f.dst_offset)
+        self.striding = [f for f in frags if f.strided]
         self.starts = [f.dst_offset for f in self.frags]
         self.cache = cache
         self.name = name
-        key = (slot, piece.dtype)
+        self.buf = self._pooled(pool, (slot, piece.dtype), chunk_numel)
+        self.tmp = self._pooled(pool, (slot, piece.dtype + " runs"), chunk_numel) if self.striding else self.buf
+
+    def _pooled(self, pool: dict[tuple[int, str], np.ndarray], key: tuple[int, str], numel: int) -> np.ndarray:
         if key not in pool:
-            pool[key] = np.empty(chunk_numel, dtype=DTYPES[piece.dtype].numpy)
-        self.buf = pool[key]
+            pool[key] = np.empty(numel, dtype=DTYPES[self.piece.dtype].numpy)
+        return pool[key]
 
     def read(self, lo: int, hi: int) -> np.ndarray:
         out = self.buf[: hi - lo]
@@ -459,14 +469,22 @@ class _PieceReader:
             f = self.frags[i]
             s, e = max(lo, f.dst_offset), min(hi, f.dst_offset + f.numel)
             if s < e:
-                ref = self.cache.tensor(f.file, f.key)
-                have = ref.dtype_name if isinstance(ref, TensorRef) else str(ref.dtype).removeprefix("torch.")
-                if have != self.piece.dtype:
-                    raise CorruptCheckpointError(f"{f.file}: tensor '{self.name}' is stored as {have}, its "
-                                                 f"{self.piece.role.value} copy is recorded as {self.piece.dtype}")
-                _read_into(ref, f.src_offset + s - f.dst_offset, out[s - lo: e - lo], self.piece.dtype)
+                _read_into(self._ref(f), f.src_offset + s - f.dst_offset, out[s - lo: e - lo], self.piece.dtype)
             i += 1
+        for f in self.striding:
+            k0, k1 = f.window(lo, hi)
+            if k0 < k1:
+                _read_into(self._ref(f), f.src_offset + k0, self.tmp[: k1 - k0], self.piece.dtype)
+                place(self.tmp[: k1 - k0], out, f, k0, lo)
         return out
+
+    def _ref(self, f: Fragment) -> Any:
+        ref = self.cache.tensor(f.file, f.key)
+        have = ref.dtype_name if isinstance(ref, TensorRef) else str(ref.dtype).removeprefix("torch.")
+        if have != self.piece.dtype:
+            raise CorruptCheckpointError(f"{f.file}: tensor '{self.name}' is stored as {have}, its "
+                                         f"{self.piece.role.value} copy is recorded as {self.piece.dtype}")
+        return ref
 
 
 def _read_into(ref: Any, start: int, out: np.ndarray, dtype: str) -> None:

@@ -115,6 +115,20 @@ class Fragment:
             return self.src_offset + k
         return self.src_offset + (k // self.run_numel) * self.src_step + k % self.run_numel
 
+    def window(self, lo: int, hi: int) -> tuple[int, int]:
+        """``(k0, k1)``: this fragment's elements whose logical index lies in ``[lo, hi)`` are ``[k0, k1)`` (the
+        logical index grows with ``k``, so they are consecutive); ``k0 == k1`` when there are none."""
+        if not self.dst_strided:
+            k0 = min(max(lo - self.dst_offset, 0), self.numel)
+            return k0, max(k0, min(hi - self.dst_offset, self.numel))
+        r, stride, d0 = self.run_numel, self.dst_stride, self.dst_offset
+        first = max(0, (lo - r - d0) // stride + 1)  # the first run ending after lo
+        last = min(self.numel // r, -(-(hi - d0) // stride))  # one past the last run starting before hi
+        if first >= last:
+            return 0, 0
+        k0 = first * r + max(0, lo - (d0 + first * stride))
+        return k0, max(k0, last * r - max(0, d0 + (last - 1) * stride + r - hi))
+
     def dst_index(self, k: int) -> int:
         """Flat logical index of this fragment's ``k``-th element."""
         if not self.dst_strided:

@@ -52,17 +52,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import safe_load
+from .chunks import fragment_views, place
 from .dtypes import DTYPES, dtype_info, from_float32, to_float32
 from .errors import CorruptCheckpointError
 from .layout import Owner, key_owner
 from .model import (
+    Fragment,
     Kind,
     LogicalCheckpoint,
     Piece,
     Precision,
     Role,
     TensorEntry,
-    contiguous_fragments,
 )
 from .nonfinite import NonFinite
 from .readers.common import FileCache, format_key, lookup
@@ -513,6 +514,14 @@ class _Part:
     lo: int
     overflow: bool
     padding: bool = False  # stage-3 partition padding (RawScan.partition_padding): read, never reported
+    # A fragment strided in the logical tensor (a TP row slice): the part is its elements [k0, k0 + numel), read
+    # in one go from ``src``; element i lands at logical ``frag.dst_index(k0 + i)`` (``dst``/``lo``: the first's).
+    frag: Fragment | None = None
+    k0: int = 0
+
+    def logical(self, i: int) -> int:
+        """Logical (or stored) index of this part's ``i``-th element."""
+        return self.lo + i if self.frag is None else self.frag.dst_index(self.k0 + i)
 
 
 @dataclass(frozen=True, eq=False)
@@ -524,7 +533,7 @@ class _Task:
     base: int
     numel: int
     compare: tuple[int, int] | None  # (master slot, 16-bit slot)
-    compare_wheres: tuple[tuple[_Where, int, int], ...]  # 16-bit fragments: (where, lo, hi)
+    compare_wheres: tuple[_Part, ...]  # 16-bit fragments' parts, for where their elements are
     numel_scanned: int
 
 
@@ -722,14 +731,19 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
     for es in plan.entries:
         wheres: list[list[_Where]] = []
         refs: list[list[Any]] = []
-        # Contiguous runs sorted by destination (tensor-parallel row slices expand here, one tensor at a time).
-        frags = [contiguous_fragments(piece) for piece in es.pieces]
+        # Contiguous fragments sorted by destination, for bisection; fragments strided in the logical tensor (TP
+        # row slices) apart: each becomes one part per chunk it meets, read in one go, not one per row.
+        frags, striding = [], []
+        for piece in es.pieces:
+            fs = [r for f in piece.fragments for r in (f.runs() if f.src_strided else (f,))]
+            frags.append(sorted((f for f in fs if not f.strided), key=lambda f: f.dst_offset))
+            striding.append([f for f in fs if f.strided])
         starts = [[f.dst_offset for f in fs] for fs in frags]
-        for piece, kind, fs in zip(es.pieces, es.kinds, frags):
+        for piece, kind, fs, ss in zip(es.pieces, es.kinds, frags, striding):
             wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases,
-                                  es.padding_rows) for f in fs])
-            refs.append([cache.tensor(f.file, f.key) for f in fs])
-            for f in fs:
+                                  es.padding_rows) for f in (*fs, *ss)])
+            refs.append([cache.tensor(f.file, f.key) for f in (*fs, *ss)])
+            for f in (*fs, *ss):
                 stored.add((f.file, f.key))
             if piece.numel != es.numel:
                 raise CorruptCheckpointError(
@@ -738,24 +752,10 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
         dtypes = tuple(p.dtype for p in es.pieces)
         for a in range(0, es.numel, chunk):
             b = min(es.numel, a + chunk)
-            parts = []
-            for pi, piece in enumerate(es.pieces):
-                for fi in range(max(0, bisect.bisect_right(starts[pi], a) - 1), len(frags[pi])):
-                    f = frags[pi][fi]
-                    if f.dst_offset >= b:
-                        break
-                    lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
-                    if lo < hi:
-                        parts.append(_Part(pi, wheres[pi][fi], refs[pi][fi], f.src_offset + lo - f.dst_offset,
-                                           hi - lo, lo - a, lo, pi in es.overflow_pieces))
-            compare_wheres: list[tuple[_Where, int, int]] = []
-            if es.compare is not None:
-                li = es.compare[1]
-                for fi, f in enumerate(frags[li]):
-                    lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
-                    if lo < hi:
-                        compare_wheres.append((wheres[li][fi], lo, hi))
-            yield _Task(dtypes, tuple(parts), a, b - a, es.compare, tuple(compare_wheres),
+            slots = [_chunk_parts(pi, frags[pi], starts[pi], striding[pi], wheres[pi], refs[pi], a, b,
+                                  pi in es.overflow_pieces) for pi in range(len(es.pieces))]
+            compare = slots[es.compare[1]] if es.compare is not None else []
+            yield _Task(dtypes, tuple(p for parts in slots for p in parts), a, b - a, es.compare, tuple(compare),
                         (b - a) * len(es.pieces))
     for r in plan.raw:
         stored.add((r.file, r.key))
@@ -766,6 +766,32 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
             n = min(chunk, r.numel - a)
             yield _Task((r.dtype,), (_Part(0, w, ref, r.start + a, n, 0, r.start + a, False, r.partition_padding),),
                         r.start + a, n, None, (), n)
+
+
+def _chunk_parts(slot: int, flat: list[Fragment], starts: list[int], striding: list[Fragment], wheres: list[_Where],
+                 refs: list[Any], a: int, b: int, overflow: bool) -> list[_Part]:
+    """The parts of one stored copy (``slot``) that chunk ``[a, b)`` reads: the contiguous fragments it meets
+    (found by bisection), and for each fragment strided in the logical tensor the run of its elements landing in
+    the chunk (consecutive in its source), in logical order of their first elements, so a finding lists its
+    indices in increasing order."""
+    parts = []
+    for fi in range(max(0, bisect.bisect_right(starts, a) - 1), len(flat)):
+        f = flat[fi]
+        if f.dst_offset >= b:
+            break
+        lo, hi = max(a, f.dst_offset), min(b, f.dst_offset + f.numel)
+        if lo < hi:
+            parts.append(_Part(slot, wheres[fi], refs[fi], f.src_offset + lo - f.dst_offset, hi - lo, lo - a, lo,
+                               overflow))
+    for si, f in enumerate(striding, len(flat)):
+        k0, k1 = f.window(a, b)
+        if k0 < k1:
+            lo = f.dst_index(k0)
+            parts.append(_Part(slot, wheres[si], refs[si], f.src_offset + k0, k1 - k0, lo - a, lo, overflow,
+                               frag=f, k0=k0))
+    if striding:
+        parts.sort(key=lambda p: p.lo)
+    return parts
 
 
 def _buffer(pool: dict[Any, np.ndarray], key: Any, dtype: Any, numel: int) -> np.ndarray:
@@ -812,11 +838,13 @@ def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray], files: _Open
     out: list[_Update] = []
     for p in task.parts:
         dtype = task.dtypes[p.slot]
-        if bufs:
+        if bufs and p.frag is None:
             part = bufs[p.slot][p.dst: p.dst + p.numel]
         else:
             part = _buffer(pool, "part", DTYPES[dtype].numpy, p.numel)
         _read_into(p.ref, p.src, p.numel, part, files)
+        if bufs and p.frag is not None:
+            place(part, bufs[p.slot], p.frag, p.k0, task.base)
         nan, posinf, neginf, first = _nonfinite(part, dtype, pool)
         if p.padding:
             if nan + posinf + neginf:
@@ -825,21 +853,28 @@ def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray], files: _Open
             out.append(_Update(Check.NONFINITE, p.where, 0, nbytes_read=part.nbytes))
             continue
         out.append(_Update(Check.NONFINITE, p.where, p.numel, nan + posinf + neginf, nan, posinf, neginf,
-                           tuple(int(i) + p.lo for i in first), part.nbytes))
+                           tuple(p.logical(int(i)) for i in first), part.nbytes))
         if p.overflow:
             count, first = _fp16_overflow(part)
-            out.append(_Update(Check.FP16_OVERFLOW, p.where, p.numel, count, first=tuple(int(i) + p.lo for i in first)))
+            out.append(_Update(Check.FP16_OVERFLOW, p.where, p.numel, count,
+                               first=tuple(p.logical(int(i)) for i in first)))
     if task.compare is not None:
         mi, li = task.compare
         differ = _differ(bufs[mi], bufs[li], task.dtypes[li], pool, chunk)
-        for where, lo, hi in task.compare_wheres:
+        for p in task.compare_wheres:
             if differ is None:
-                out.append(_Update(Check.MISMATCH, where, hi - lo))
-            else:
-                d = differ[lo - task.base: hi - task.base]
+                out.append(_Update(Check.MISMATCH, p.where, p.numel))
+            elif p.frag is None:
+                d = differ[p.dst: p.dst + p.numel]
                 first = np.flatnonzero(d)[:MAX_INDICES]
-                out.append(_Update(Check.MISMATCH, where, hi - lo, int(np.count_nonzero(d)),
-                                   first=tuple(int(i) + lo for i in first)))
+                out.append(_Update(Check.MISMATCH, p.where, p.numel, int(np.count_nonzero(d)),
+                                   first=tuple(int(i) + p.lo for i in first)))
+            else:  # the part's elements, wherever they lie in the chunk, in order
+                views = [(k, v.reshape(-1))
+                         for k, v in fragment_views(differ, p.frag, p.k0, p.k0 + p.numel, task.base)]
+                count = sum(int(np.count_nonzero(v)) for _, v in views)
+                at = [p.frag.dst_index(k + int(i)) for k, v in views for i in np.flatnonzero(v)[:MAX_INDICES]]
+                out.append(_Update(Check.MISMATCH, p.where, p.numel, count, first=tuple(at[:MAX_INDICES])))
     return out
 
 

@@ -218,6 +218,10 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
 REPLICA_WINDOW_NUMEL = 1 << 20
 
 
+# Unsigned integers as wide as an element: comparing through them is comparing bit for bit.
+_BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
 def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
     """``(tensor name, message)`` for every stored copy that differs from the copy it must equal
     (:attr:`~dsckpt.model.Piece.same_as`) -- compared bit for bit (NaN payloads included),
@@ -244,8 +248,12 @@ def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
             for lo in range(0, p.numel, REPLICA_WINDOW_NUMEL):
                 hi = min(p.numel, lo + REPLICA_WINDOW_NUMEL)
                 x, y = a.read(lo, hi), b.read(lo, hi)
-                xb, yb = x.view(np.uint8).reshape(hi - lo, -1), y.view(np.uint8).reshape(hi - lo, -1)
-                differ = np.flatnonzero((xb != yb).any(axis=1))
+                bits = _BITS.get(x.itemsize)
+                if bits is not None:  # one integer compare per element (an any() over bytes is ~10x slower)
+                    differ = np.flatnonzero(x.view(bits) != y.view(bits))
+                else:
+                    xb, yb = x.view(np.uint8).reshape(hi - lo, -1), y.view(np.uint8).reshape(hi - lo, -1)
+                    differ = np.flatnonzero((xb != yb).any(axis=1))
                 if differ.size and first_index < 0:
                     first_index = lo + int(differ[0])
                 count += int(differ.size)

@@ -302,6 +302,24 @@ def test_scan_finds_inf_in_one_tp_slice_at_full_index(tmp_path, fx_name, name, t
     assert r.exit_code == 1 and name in r.stdout
 
 
+@pytest.mark.parametrize("chunk_numel", [None, 7, 40])
+def test_scan_reads_a_row_slice_whole_and_names_full_indices_in_order(tmp_path, chunk_numel):
+    """A row-parallel slice is strided in the full tensor; scan reads the part of it each chunk needs in one go
+    (chunks of 7 cut its rows of 8 anywhere) and still reports every full index, in increasing order: two infs in
+    TP rank 1's master (full rows 1 and 6) and a changed 16-bit module value on TP rank 0 (a mismatch)."""
+    name = "model.layers.1.self_attn.o_proj.weight"  # (8, 16), rank 0 columns 0..7, rank 1 columns 8..15
+    ckpt = copy_tp_fixture(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+    _set_local(ckpt, 1, name, Role.MASTER, 6 * 8 + 2, float("-inf"))
+    _set_local(ckpt, 1, name, Role.MASTER, 1 * 8 + 7, float("inf"))
+    _set_local(ckpt, 0, name, Role.MODULE, 4 * 8 + 3, 1000.0)
+    report = scan(ckpt, chunk_numel=chunk_numel)
+    got = sorted((f.check.value, f.kind.value, f.count, f.first_indices, f.file.name) for f in report.findings)
+    assert got == [
+        ("mismatch", "param", 1, (4 * 16 + 3,), "mp_rank_00_model_states.pt"),
+        ("nonfinite", "fp32 master", 2, (1 * 16 + 15, 6 * 16 + 10), "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"),
+    ], [f.describe() for f in report.findings]
+
+
 @pytest.mark.parametrize("fx_name, role, kind", [
     ("megatron_z2_fp32_tp2_dp2", Role.MASTER, "fp32 master"),
     ("megatron_z1_bf16_tp2_dp1", Role.EXP_AVG_SQ, "exp_avg_sq"),
@@ -388,6 +406,23 @@ def test_diff_export_vs_deepspeed_merge_is_equal(tmp_path):
     for a in (out, fx / "ckpt"):
         r = CliRunner().invoke(main, ["diff", str(a), str(ref)])
         assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("chunk_numel", [1 << 20, 7])
+def test_diff_reads_row_slices_whole_and_names_full_indices(tmp_path, chunk_numel):
+    """diff reads a TP row slice a window at a time in one go and places it strided: two changed master elements
+    of TP rank 1's o_proj slice (full rows 1 and 6) are the only differences, at their full indices, whatever
+    the window; every other tensor, row-parallel ones included, is bitwise equal."""
+    from dsckpt.diff import diff
+
+    name = "model.layers.1.self_attn.o_proj.weight"  # (8, 16), rank 1 columns 8..15
+    ckpt = copy_tp_fixture(TP_DIR / "autotp_z1_bf16_tp2_dp1", tmp_path)
+    _set_local(ckpt, 1, name, Role.MASTER, 6 * 8 + 2, 5.0)
+    _set_local(ckpt, 1, name, Role.MASTER, 1 * 8 + 7, -5.0)
+    report = diff(ckpt, TP_DIR / "autotp_z1_bf16_tp2_dp1" / "ckpt", chunk_numel=chunk_numel)
+    differ = [(t.name, t.n_differ, t.first_indices) for t in report.tensors if not t.bitwise_equal]
+    assert differ == [(name, 2, (1 * 16 + 15, 6 * 16 + 10))], [t.describe() for t in report.tensors]
+    assert len(report.tensors) > 20
 
 
 def _edit_record(ckpt: Path, edit) -> None:

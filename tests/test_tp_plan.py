@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tensor_parallel import make_cut
 
-from dsckpt.chunks import plan_piece_chunks
+from dsckpt.chunks import fragment_views, place, plan_piece_chunks
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Fragment, Piece, Role, contiguous_fragments
 from dsckpt.readers import FileCache
@@ -266,6 +267,31 @@ def test_fragment_strided_in_the_source():
         assert not flat.strided and flat.src_end == 3 + flat.numel
         assert [flat.src_index(k) for k in range(flat.numel)] == list(range(3, 3 + flat.numel))
         assert list(flat.runs()) == [Fragment(Path("f"), ("flat",), 3, flat.numel, 10, flat.rank)]
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(run=st.integers(1, 5), gap=st.integers(0, 4), runs=st.integers(1, 6), d0=st.integers(0, 7),
+       head=st.integers(0, 4), tail=st.integers(0, 4), lo=st.integers(0, 60), width=st.integers(0, 60))
+def test_window_and_views_follow_the_destination(run, gap, runs, d0, head, tail, lo, width):
+    """``window(lo, hi)`` is exactly the fragment elements landing in ``[lo, hi)``; ``fragment_views`` of them
+    are, in order, the places ``dst_index`` names, and ``place`` puts values there and nowhere else."""
+    numel = run * runs
+    k_first, k_last = min(head, numel - 1), max(0, numel - tail)  # drop a few elements, as a chunk edge would
+    f = Fragment(Path("f"), ("flat",), 0, numel, d0, None, run_numel=run, dst_stride=run + gap)
+    hi = lo + width
+    inside = [k for k in range(numel) if lo <= f.dst_index(k) < hi]
+    k0, k1 = f.window(lo, hi)
+    assert list(range(k0, k1)) == inside
+    k0, k1 = max(k0, k_first), min(k1, max(k_last, k_first))
+    base = min(lo, d0)
+    arr = np.full(d0 + numel * (run + gap) + 8, -1, dtype=np.int64)
+    got = [(k, v.reshape(-1).tolist()) for k, v in fragment_views(arr, f, k0, k1, base)]
+    assert [k for ks, vals in got for k in range(ks, ks + len(vals))] == list(range(k0, k1))
+    place(np.arange(k0, k1, dtype=np.int64), arr, f, k0, base)
+    want = np.full_like(arr, -1)
+    for k in range(k0, k1):
+        want[f.dst_index(k) - base] = k
+    assert arr.tolist() == want.tolist()
 
 
 def _arange_piece(tmp_path: Path, numel: int, frags: Sequence[tuple[int, ...]]) -> tuple[FileCache, Piece]:
