@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .chunks import check_numel, reads_span
+from .chunks import check_numel, check_tiling, reads_span
 from .errors import CorruptCheckpointError
 from .model import Fragment, LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
@@ -19,8 +19,10 @@ __all__ = ["iter_tensors", "read_entry", "read_piece"]
 
 
 def read_piece(piece: Piece, shape: tuple[int, ...], cache: FileCache, *, name: str = "?") -> torch.Tensor:
-    """Assemble ``piece`` into a new tensor of ``shape`` in its stored dtype."""
+    """Assemble ``piece`` into a new tensor of ``shape`` in its stored dtype. Its fragments must cover every
+    element once (checked first, O(fragments)): a gap would leave uninitialised memory in the result."""
     numel = check_numel(piece, shape, name)
+    check_tiling(piece, numel, name)
     out: torch.Tensor | None = None
     for frag in piece.fragments:
         ref = cache.tensor(frag.file, frag.key)

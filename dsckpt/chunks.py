@@ -21,7 +21,7 @@ from .model import Fragment, Piece
 from .readers.common import FileCache
 from .safe_load import TensorRef
 
-__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "fragment_views", "place",
+__all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "check_tiling", "fragment_views", "place",
            "plan_piece_chunks", "read_chunks", "tiling_problem"]
 
 # Big enough that per-call overhead vanishes (~100 reads per GB), small enough to stay in cache
@@ -121,13 +121,19 @@ def _plan_gather_chunks(piece: Piece, numel: int, cache: FileCache, name: str,
                 f"{frag.file}: tensor '{name}' needs elements [{frag.src_offset}, {frag.src_end}) "
                 f"of a stored tensor with {ref.numel}; the checkpoint metadata does not match its tensors")
         sources.append((frag, ref))
+    check_tiling(piece, numel, name)
+    shared = tuple(sources)
+    step = max(1, chunk_nbytes // shared[0][1].storage.itemsize)
+    return tuple(GatherRead(name, shared[0][1], lo, min(step, numel - lo), shared) for lo in range(0, numel, step))
+
+
+def check_tiling(piece: Piece, numel: int, name: str) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``piece``'s fragments (``numel`` elements in all, see
+    :func:`check_numel`) cover its tensor once each."""
     why = tiling_problem(piece.fragments, numel)
     if why:
         raise CorruptCheckpointError(f"tensor '{name}': its {piece.role.value} copy's fragments do not tile its "
                                      f"{numel} elements ({why}); the checkpoint metadata is inconsistent")
-    shared = tuple(sources)
-    step = max(1, chunk_nbytes // shared[0][1].storage.itemsize)
-    return tuple(GatherRead(name, shared[0][1], lo, min(step, numel - lo), shared) for lo in range(0, numel, step))
 
 
 def tiling_problem(frags: tuple[Fragment, ...], numel: int) -> str | None:

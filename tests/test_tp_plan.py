@@ -213,13 +213,21 @@ def _fake_cache(tmp_path: Path, numel: int) -> tuple[FileCache, Path]:
     ([(0, 8, 2, 2, 4), (8, 8, 4, 2, 4)], "outside"),
     # a contiguous fragment covering elements a strided one covers too
     ([(0, 8, 0, 2, 4), (8, 8, 0, 0, 0)], "overlap"),
+    # contiguous only: elements 4-7 twice, 12-15 never (read_piece would have returned uninitialised memory)
+    ([(0, 8, 0, 0, 0), (8, 8, 4, 0, 0)], "overlap"),
 ])
 def test_strided_pieces_that_do_not_tile_are_refused(tmp_path, frags, why):
+    """Both ways of reading a piece refuse fragments that do not cover the tensor once each, naming it."""
+    from dsckpt.assemble import read_piece
+
     cache, path = _fake_cache(tmp_path, 16)
     piece = Piece(Role.MASTER, "float32", tuple(Fragment(path, ("flat",), s, n, d, None, run_numel=r, dst_stride=st_)
                                                 for s, n, d, r, st_ in frags))
-    with pytest.raises(CorruptCheckpointError, match=f"'w'.*{why}"):
-        plan_piece_chunks(piece, (4, 4), cache, name="w")
+    if any(r for _, _, _, r, _ in frags):
+        with pytest.raises(CorruptCheckpointError, match=f"'w'.*{why}"):
+            plan_piece_chunks(piece, (4, 4), cache, name="w")
+    with pytest.raises(CorruptCheckpointError, match=f"'w': its master copy's fragments do not tile.*{why}"):
+        read_piece(piece, (4, 4), cache, name="w")
 
 
 def test_strided_pieces_that_tile_are_planned(tmp_path):
