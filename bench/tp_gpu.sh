@@ -2,6 +2,7 @@
 # issue 20's TP-vs-DP export speed (bench/tp.py) on a lent 16-core host, in one device call:
 #   carry .gpu/scale (DeepSpeed + dsckpt deps, bench/README.md "Scale") and .gpu/tp (transformers + its deps)
 #   HIDDEN=2048 LAYERS=8 ROUNDS=5 bench/tp_gpu.sh
+#   SKIP_EXPORT=1 READERS=1 HIDDEN=2048 LAYERS=6 bench/tp_gpu.sh    # scan/verify/diff only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-/opt/torch/.venv/bin/python3}
@@ -18,5 +19,10 @@ for tp in 2 1; do
       --tp $tp --out "$WORK/$name" --hidden "${HIDDEN:-2048}" --layers "${LAYERS:-8}" > "$OUT/make-$name.log" 2>&1
   echo "wrote $name in $(( $(date +%s) - t0 )) s: $(du -sh "$WORK/$name" | cut -f1)"
 done
-"$PY" bench/tp.py --tp "$WORK/tp2-llama" --dp "$WORK/dp2-llama" --rounds "${ROUNDS:-5}" --anchor-rounds "${ANCHOR_ROUNDS:-1}" --ds-workers 8 ${NO_ANCHORS:+--no-anchors} \
-    2>&1 | tee "$OUT/tp.txt"
+if [ -z "${SKIP_EXPORT:-}" ]; then
+  "$PY" bench/tp.py --tp "$WORK/tp2-llama" --dp "$WORK/dp2-llama" --rounds "${ROUNDS:-5}" --anchor-rounds "${ANCHOR_ROUNDS:-1}" --ds-workers 8 ${NO_ANCHORS:+--no-anchors} \
+      2>&1 | tee "$OUT/tp.txt"
+fi
+if [ -n "${READERS:-}" ]; then  # scan, verify, diff: TP vs DP-only per input byte (READERS=1)
+  "$PY" bench/tp.py --tp "$WORK/tp2-llama" --dp "$WORK/dp2-llama" --rounds "${ROUNDS:-5}" --readers 2>&1 | tee "$OUT/tp-readers.txt"
+fi

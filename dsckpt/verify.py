@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,7 +207,8 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     problems += [Problem(Area.RECORDS, where, msg) for where, msg in record_problems]
     for f in report.findings:
         problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
-    problems += [Problem(Area.VALUES, name, msg) for name, msg in replica_disagreements(ckpt, cache)]
+    problems += [Problem(Area.VALUES, name, msg)
+                 for name, msg in replica_disagreements(ckpt, cache, workers=workers)]
     notes += audit.notes(ckpt.tag_dir)
     notes += ckpt.notes
     assert Check.MISMATCH in report.checks
@@ -222,17 +224,14 @@ REPLICA_WINDOW_NUMEL = 1 << 20
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
-def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
+def replica_disagreements(ckpt: Any, cache: FileCache, *, workers: int | None = None) -> list[tuple[str, str]]:
     """``(tensor name, message)`` for every stored copy that differs from the copy it must equal
     (:attr:`~dsckpt.model.Piece.same_as`) -- compared bit for bit (NaN payloads included),
-    ``REPLICA_WINDOW_NUMEL`` elements at a time."""
-    import numpy as np
+    ``REPLICA_WINDOW_NUMEL`` elements at a time, ``workers`` copies at once (default: one per core, as
+    :func:`dsckpt.scan.run_scan`; 0: this thread only)."""
+    from .scan import default_workers
 
-    from .diff import _PieceReader
-    from .model import contiguous_fragments
-
-    out: list[tuple[str, str]] = []
-    pool: dict[tuple[int, str], np.ndarray] = {}
+    pairs = []
     for e in ckpt.entries:
         if e.tied_to is not None:
             continue
@@ -242,28 +241,47 @@ def replica_disagreements(ckpt: Any, cache: FileCache) -> list[tuple[str, str]]:
             primary = next((q for q in e.pieces if q.role is p.role and q.replica == p.same_as), None)
             if primary is None or primary.dtype != p.dtype or primary.numel != p.numel:
                 continue
-            a = _PieceReader(primary, cache, e.name, pool, 0, REPLICA_WINDOW_NUMEL)
-            b = _PieceReader(p, cache, e.name, pool, 1, REPLICA_WINDOW_NUMEL)
-            count, first_index = 0, -1
-            for lo in range(0, p.numel, REPLICA_WINDOW_NUMEL):
-                hi = min(p.numel, lo + REPLICA_WINDOW_NUMEL)
-                x, y = a.read(lo, hi), b.read(lo, hi)
-                bits = _BITS.get(x.itemsize)
-                if bits is not None:  # one integer compare per element (an any() over bytes is ~10x slower)
-                    differ = np.flatnonzero(x.view(bits) != y.view(bits))
-                else:
-                    xb, yb = x.view(np.uint8).reshape(hi - lo, -1), y.view(np.uint8).reshape(hi - lo, -1)
-                    differ = np.flatnonzero((xb != yb).any(axis=1))
-                if differ.size and first_index < 0:
-                    first_index = lo + int(differ[0])
-                count += int(differ.size)
-            if count:
-                runs = contiguous_fragments(p)  # name the file holding the first differing element
-                file = next((f for f in runs if f.dst_offset <= first_index < f.dst_offset + f.numel), runs[0]).file.name
-                msg = (f"replica {p.replica} of its {p.role.value} copy ({file}) differs from replica {p.same_as} in "
-                       f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
-                out.append((e.name, msg))
-    return out
+            for f in (*primary.fragments, *p.fragments):  # parse every file here: the workers only look up
+                cache.tensor(f.file, f.key)
+            pairs.append((e.name, primary, p))
+    workers = default_workers() if workers is None else workers
+    if workers <= 0 or len(pairs) <= 1:
+        found = [_replica_disagreement(name, a, b, cache) for name, a, b in pairs]
+    else:
+        with ThreadPoolExecutor(min(workers, len(pairs)), thread_name_prefix="dsckpt-replicas") as ex:
+            found = list(ex.map(lambda pair: _replica_disagreement(pair[0], pair[1], pair[2], cache), pairs))
+    return [(name, msg) for (name, _, _), msg in zip(pairs, found) if msg is not None]
+
+
+def _replica_disagreement(name: str, primary: Any, p: Any, cache: FileCache) -> str | None:
+    """Why replica ``p`` differs from ``primary``, or None when they are equal bit for bit."""
+    import numpy as np
+
+    from .diff import _PieceReader
+    from .model import contiguous_fragments
+
+    pool: dict[tuple[int, str], np.ndarray] = {}
+    a = _PieceReader(primary, cache, name, pool, 0, REPLICA_WINDOW_NUMEL)
+    b = _PieceReader(p, cache, name, pool, 1, REPLICA_WINDOW_NUMEL)
+    count, first_index = 0, -1
+    for lo in range(0, p.numel, REPLICA_WINDOW_NUMEL):
+        hi = min(p.numel, lo + REPLICA_WINDOW_NUMEL)
+        x, y = a.read(lo, hi), b.read(lo, hi)
+        bits = _BITS.get(x.itemsize)
+        if bits is not None:  # one integer compare per element (an any() over bytes is ~10x slower)
+            differ = np.flatnonzero(x.view(bits) != y.view(bits))
+        else:
+            xb, yb = x.view(np.uint8).reshape(hi - lo, -1), y.view(np.uint8).reshape(hi - lo, -1)
+            differ = np.flatnonzero((xb != yb).any(axis=1))
+        if differ.size and first_index < 0:
+            first_index = lo + int(differ[0])
+        count += int(differ.size)
+    if not count:
+        return None
+    runs = contiguous_fragments(p)  # name the file holding the first differing element
+    file = next((f for f in runs if f.dst_offset <= first_index < f.dst_offset + f.numel), runs[0]).file.name
+    return (f"replica {p.replica} of its {p.role.value} copy ({file}) differs from replica {p.same_as} in "
+            f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
 
 
 def _distributed_pass(plan: Any, cache: FileCache, audit: _RecordAudit, group: Any, *,
