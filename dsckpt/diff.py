@@ -50,7 +50,7 @@ import numpy as np
 from .chunks import check_numel, place, tiling_problem
 from .dtypes import DTYPES, dtype_info, to_float32
 from .errors import CorruptCheckpointError, UsageError
-from .model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from .model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry, reading_fragments
 from .readers.common import FileCache
 from .safe_load import TensorRef
 from .state_dict_files import TargetKind
@@ -448,9 +448,7 @@ class _PieceReader:
     def __init__(self, piece: Piece, cache: FileCache, name: str, pool: dict[tuple[int, str], np.ndarray],
                  slot: int, chunk_numel: int) -> None:
         self.piece = piece
-        frags = [r for f in piece.fragments for r in (f.runs() if f.src_strided else (f,))]
-        self.frags = sorted((f for f in frags if not f.strided), key=lambda f: f.dst_offset)
-        self.striding = [f for f in frags if f.strided]
+        self.frags, self.striding = reading_fragments(piece)
         self.starts = [f.dst_offset for f in self.frags]
         self.cache = cache
         self.name = name

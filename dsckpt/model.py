@@ -28,6 +28,8 @@ __all__ = [
     "Role",
     "TensorEntry",
     "contiguous_fragments",
+    "reading_fragments",
+    "runs_overlapping",
 ]
 
 
@@ -122,10 +124,10 @@ class Fragment:
             k0 = min(max(lo - self.dst_offset, 0), self.numel)
             return k0, max(k0, min(hi - self.dst_offset, self.numel))
         r, stride, d0 = self.run_numel, self.dst_stride, self.dst_offset
-        first = max(0, (lo - r - d0) // stride + 1)  # the first run ending after lo
-        last = min(self.numel // r, -(-(hi - d0) // stride))  # one past the last run starting before hi
-        if first >= last:
+        runs = runs_overlapping(d0, r, stride, self.numel // r, lo, hi)
+        if not runs:
             return 0, 0
+        first, last = runs.start, runs.stop
         k0 = first * r + max(0, lo - (d0 + first * stride))
         return k0, max(k0, last * r - max(0, d0 + (last - 1) * stride + r - hi))
 
@@ -134,6 +136,20 @@ class Fragment:
         if not self.dst_strided:
             return self.dst_offset + k
         return self.dst_offset + (k // self.run_numel) * self.dst_stride + k % self.run_numel
+
+
+def runs_overlapping(start: int, run: int, stride: int, n: int, lo: int, hi: int) -> range:
+    """The indices ``j < n`` of the runs ``[start + j * stride, start + j * stride + run)`` that overlap
+    ``[lo, hi)``: from the first run ending after ``lo`` to the last starting before ``hi``."""
+    return range(max(0, (lo - run - start) // stride + 1), min(n, -(-(hi - start) // stride)))
+
+
+def reading_fragments(piece: Piece) -> tuple[list[Fragment], list[Fragment]]:
+    """``piece``'s fragments as readers of logical windows want them: the contiguous ones sorted by destination
+    (to bisect), and those strided in the logical tensor (TP row slices), each read a window at a time
+    (:meth:`Fragment.window`) rather than run by run; a fragment strided only in its source comes as its runs."""
+    frags = [r for f in piece.fragments for r in (f.runs() if f.src_strided else (f,))]
+    return sorted((f for f in frags if not f.strided), key=lambda f: f.dst_offset), [f for f in frags if f.strided]
 
 
 def contiguous_fragments(piece: Piece) -> tuple[Fragment, ...]:

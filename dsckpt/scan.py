@@ -64,6 +64,7 @@ from .model import (
     Precision,
     Role,
     TensorEntry,
+    reading_fragments,
 )
 from .nonfinite import NonFinite
 from .readers.common import FileCache, format_key, lookup
@@ -735,9 +736,9 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
         # row slices) apart: each becomes one part per chunk it meets, read in one go, not one per row.
         frags, striding = [], []
         for piece in es.pieces:
-            fs = [r for f in piece.fragments for r in (f.runs() if f.src_strided else (f,))]
-            frags.append(sorted((f for f in fs if not f.strided), key=lambda f: f.dst_offset))
-            striding.append([f for f in fs if f.strided])
+            fs, ss = reading_fragments(piece)
+            frags.append(fs)
+            striding.append(ss)
         starts = [[f.dst_offset for f in fs] for fs in frags]
         for piece, kind, fs, ss in zip(es.pieces, es.kinds, frags, striding):
             wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry
+from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry, runs_overlapping
 
 __all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "rank_view",
            "resize_layout", "tp_layout_from_record"]
@@ -514,11 +514,6 @@ def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tupl
     return tuple(merged)
 
 
-def _rows(start: int, run: int, stride: int, n: int, lo: int, hi: int) -> range:
-    """The rows ``j < n`` of runs ``[start + j * stride, + run)`` that overlap ``[lo, hi)``."""
-    return range(max(0, (lo - run - start) // stride + 1), min(n, -(-(hi - start) // stride)))
-
-
 def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
     """Append to ``out`` the local fragments of the elements both ``f`` (full coordinates) and ``b`` cover, and
     return how many there are. Both are sets of equal runs at a fixed stride (one run when contiguous); where
@@ -542,10 +537,10 @@ def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
     if (fm > 1 and bn > 1 and fs != bs) or fr > S or br > S:
         covered = 0
         if fm > 1:  # each source run against the block
-            for j in _rows(D, fr, fs, fm, F, F + (bn - 1) * bs + br):
+            for j in runs_overlapping(D, fr, fs, fm, F, F + (bn - 1) * bs + br):
                 covered += _intersect(Fragment(f.file, f.key, f.src_offset + j * fr, fr, D + j * fs, f.rank), b, out)
         else:  # a contiguous source longer than a block row: the rows it holds whole, then the (two) it cuts
-            rows = _rows(F, br, bs, bn, D, D + fr)
+            rows = runs_overlapping(F, br, bs, bn, D, D + fr)
             i0 = min(max(rows.start, -(-(D - F) // bs)), rows.stop)
             i1 = max(min(rows.stop, (D + fr - F - br) // bs + 1), i0)
             if i0 < i1:

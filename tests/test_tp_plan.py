@@ -9,7 +9,6 @@ import bisect
 import dataclasses
 import math
 import random
-import time
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -174,7 +173,7 @@ def test_70b_row_slice_is_a_few_fragments(target_tp, expect_strided):
     """o_proj of a 70B Llama (8192 x 8192) at TP 8, each rank's slice cut by 3 ZeRO partitions (mid-row): a target
     rank's slice at TP 8 (kept) is one contiguous fragment per source partition, at TP 4 / 1 (merged) one strided
     fragment per source piece, at TP 16 (split) one fragment strided in the source per source piece -- not one per
-    row (8192) -- and planned in well under a second."""
+    row (8192). How long planning takes is bench/tp_plan.py's business, not a unit test's."""
     src = _row_cut(8, 8192, 8192)
     frags = []
     for t in range(8):
@@ -182,9 +181,7 @@ def test_70b_row_slice_is_a_few_fragments(target_tp, expect_strided):
         for p, (a, b) in enumerate([(0, n // 3 + 5), (n // 3 + 5, 2 * n // 3 + 11), (2 * n // 3 + 11, n)]):
             frags += compose(Fragment(Path(f"r{t}p{p}"), ("flat",), 0, b - a, a, p), src.rank_blocks(t))
     piece = Piece(Role.MASTER, "float32", tuple(frags))
-    t0 = time.perf_counter()
     out = _local_fragments(piece, _row_cut(target_tp, 8192, 8192).rank_blocks(0), "o_proj")
-    assert time.perf_counter() - t0 < 0.5
     per_source_rank = 3 * 3  # each partition: head run, strided body, tail run
     assert len(out) <= max(1, 8 // target_tp) * per_source_rank
     assert any(f.strided for f in out) == expect_strided

@@ -239,11 +239,9 @@ def _runs_within(f: Fragment, lo: int, hi: int) -> list[tuple[int, int, int]]:
     whether it overlaps or not)."""
     if not f.strided:
         return [(f.dst_offset, f.dst_offset + f.numel, f.src_offset)]
-    r, stride = f.run_numel, f.dst_stride
-    first = max(0, (lo - r - f.dst_offset) // stride + 1)
-    last = min(f.numel // r, -(-(hi - f.dst_offset) // stride))
-    return [(f.dst_offset + i * stride, f.dst_offset + i * stride + r, f.src_offset + i * f.src_step)
-            for i in range(first, last)]
+    r = f.run_numel
+    k0, k1 = f.window(lo, hi)
+    return [(f.dst_index(i * r), f.dst_index(i * r) + r, f.src_index(i * r)) for i in range(k0 // r, -(-k1 // r))]
 
 
 def coalesce(copies: Sequence[RangeCopy]) -> tuple[RangeCopy, ...]:
