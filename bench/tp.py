@@ -59,17 +59,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="dsckpt-tp-bench-", dir=HERE / "out"))
     tag = {p: (p / "latest").read_text().strip() for p in (args.tp, args.dp)}
     dsckpt = [sys.executable, "-m", "dsckpt"]
-    cases: dict[str, tuple[list[str], str | None]] = {
-        "dsckpt to-fp32, TP 2 x DP 1": (dsckpt + ["to-fp32", "-q", str(args.tp)], "tp.safetensors"),
-        "dsckpt to-fp32, TP 1 x DP 2": (dsckpt + ["to-fp32", "-q", str(args.dp)], "dp.safetensors"),
-    }
-    if args.readers:  # kept apart from to-fp32's rounds: its fsync'd writes make the reads around them noisy
-        cases = {}
-        args.no_anchors = True
+    cases: dict[str, tuple[list[str], str | None]] = {}  # name -> (command, output name; None: writes nothing)
+    if args.readers:  # in rounds of their own: to-fp32's fsync'd writes make the reads around them noisy
         for cmd in ("scan", "verify", "diff"):
             for label, ck in (("TP 2 x DP 1", args.tp), ("TP 1 x DP 2", args.dp)):
                 cases[f"dsckpt {cmd}, {label}"] = (dsckpt + [cmd, str(ck)] + ([str(ck)] if cmd == "diff" else []), None)
-    if not args.no_anchors:
+    else:
+        cases["dsckpt to-fp32, TP 2 x DP 1"] = (dsckpt + ["to-fp32", "-q", str(args.tp)], "tp.safetensors")
+        cases["dsckpt to-fp32, TP 1 x DP 2"] = (dsckpt + ["to-fp32", "-q", str(args.dp)], "dp.safetensors")
+    if not args.no_anchors and not args.readers:
         cases["ds_to_universal, TP 2 x DP 1 (anchor)"] = (
             [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
              str(args.tp / tag[args.tp]), "--num_extract_workers", str(args.ds_workers), "--num_merge_workers", str(args.ds_workers),
