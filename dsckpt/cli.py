@@ -241,6 +241,17 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append(f"experts      {layer['prefix']}{{0..{layer['num_experts'] - 1}}}: {layer['num_experts']} experts "
                      f"(global ids), expert-parallel size {layer['ep_size']} ({layer['local_experts']} per rank), "
                      f"expert-data-parallel size {layer['expert_dp_size']}")
+    ae = s.get("autoep")
+    if ae is not None:
+        first = ae["layers"][0]
+        lines.append(f"autoep       preset {ae['preset'] or 'auto-detected'}, {len(ae['layers'])} MoE layers x "
+                     f"{first['num_experts']} experts, expert-parallel size {ae['ep_size']} "
+                     f"({first['local_experts']} per rank), expert-data-parallel size {ae['expert_dp_size']}, "
+                     f"data-parallel size {ae['dp_size']}")
+        lines.append(f"experts      {first['module']}.experts: " + ", ".join(p.rsplit(".", 1)[1] for p in first["params"])
+                     + f" stacked over {first['num_experts']} experts (cut over the expert index)"
+                     + (f"; likewise in {len(ae['layers']) - 1} more layer{'s' if len(ae['layers']) > 2 else ''}"
+                        if len(ae["layers"]) > 1 else ""))
     tp = s.get("tensor_parallel")
     if tp is not None:
         lines.append(f"tensor par.  size {tp['tp_size']} ({'AutoTP' if tp['record'] == 'autotp' else 'Megatron-style'} "

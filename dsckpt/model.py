@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
-    from .parallel_layout import MoeLayout, TpLayout
+    from .parallel_layout import AutoEpLayout, MoeLayout, TpLayout
 
 __all__ = [
     "Fragment",
@@ -257,6 +257,7 @@ class LogicalCheckpoint:
     ambiguities: tuple[Ambiguity, ...] = field(default_factory=tuple)
     moe: MoeLayout | None = None  # Mixture-of-Experts checkpoints only
     tensor_parallel: TpLayout | None = None  # TP > 1 only: how each param is cut across TP ranks
+    autoep: AutoEpLayout | None = None  # DeepSpeed AutoEP (HF MoE models) only: how the experts are cut
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)
