@@ -1,0 +1,214 @@
+"""DeepSpeed AutoEP (issue 27): Hugging Face MoE models trained with ``"expert_parallel": {"enabled": true, ...}``,
+read into the one logical model, exported under the HF model's own names, and handled by scan / verify / diff.
+
+Truth (tests/fixtures/autoep/<name>/, generate_autoep.py): the live engine's ``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` per rank, put at their global expert ids by the live params' AutoEP record; DeepSpeed's
+own ``ds_to_universal`` of the saved folder (``universal_truth.safetensors``); the engine's logits on a fixed input
+and those of a plain HF model loaded with the HF-named fp32 masters (``hf_logits``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsckpt.assemble import read_entry
+from dsckpt.autoep import hf_model_view
+from dsckpt.cli import main
+from dsckpt.errors import UnsupportedCheckpointError
+from dsckpt.model import Role
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.readers.autoep import autoep_layout_from_record
+
+AE_DIR = Path(__file__).parent / "fixtures" / "autoep"
+AE = sorted(p.parent for p in AE_DIR.glob("*/truth.json"))
+AE_IDS = [p.name for p in AE]
+ROLES = ((Role.MASTER, "param", "fp32"), (Role.EXP_AVG, "exp_avg", "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq",
+                                                                                 "exp_avg_sq"))
+
+
+@cache
+def meta(fx: Path) -> dict:
+    return json.loads((fx / "truth.json").read_text())
+
+
+@cache
+def truth(fx: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(fx / "truth.safetensors"))
+
+
+@cache
+def universal(fx: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(fx / "universal_truth.safetensors"))
+
+
+def test_fixture_set_covers_the_issue():
+    """Mixtral and Qwen3-MoE, ZeRO-1/2/3, fp32 and bf16, EP 2 with expert-DP 1 and 2, 4 experts per EP rank."""
+    ms = [meta(fx) for fx in AE]
+    assert {m["preset"] for m in ms} == {"mixtral", "qwen3_moe"}
+    assert {m["stage"] for m in ms} == {1, 2, 3}
+    assert {m["dtype"] for m in ms} == {"fp32", "bf16"}
+    assert {(m["ep_size"], m["expert_dp_size"]) for m in ms} >= {(2, 1), (2, 2)}
+    assert any(m["model_config"].get("num_local_experts", 0) // m["ep_size"] == 4 for m in ms)
+    for m in ms:  # the generator's own cross-checks against DeepSpeed
+        assert m["crosscheck"]["live_equals_ds_to_universal"]["ok"], m["name"]
+        assert m["crosscheck"]["logits_agree_across_ranks"], m["name"]
+        assert not m["crosscheck"]["zero_to_fp32"]["ok"], m["name"]  # DeepSpeed's own tool fails on these
+
+
+@pytest.mark.parametrize("fx", AE, ids=AE_IDS)
+def test_read_equals_engine_and_ds_to_universal(fx):
+    """Every master and both Adam moments equal, bit for bit, what the engine returned and ds_to_universal wrote;
+    the 16-bit module copies (ZeRO-1/2: the expert files) equal the engine's."""
+    m, t, u = meta(fx), truth(fx), universal(fx)
+    ckpt = read_checkpoint(fx / "ckpt")
+    cache_ = FileCache()
+    assert ckpt.layout == f"autoep-zero{m['stage']}"
+    assert ckpt.dp_world_size == m["world_size"]
+    assert (ckpt.global_steps, ckpt.optimizer_step) == (m["global_steps"], int(m["adam_step"][0]))
+    own = [e for e in ckpt.entries if e.tied_to is None]
+    assert sorted(e.name for e in own) == sorted(m["params"])
+    for e in own:
+        assert list(e.shape) == list(t[f"param/{e.name}"].shape), e.name
+        for role, key, ukey in ROLES:
+            got = read_entry(e, cache_, role)
+            assert torch.equal(got, t[f"{key}/{e.name}"]), (e.name, key)
+            assert torch.equal(got, u[f"{ukey}/{e.name}"]), (e.name, ukey)
+        if m["stage"] < 3:
+            assert torch.equal(read_entry(e, cache_, Role.MODULE), t[f"lowp/{e.name}"]), e.name
+    aliases = {e.name: e.tied_to for e in ckpt.entries if e.tied_to}
+    assert aliases == {n: n.replace(".mlp.gate.gate.", ".mlp.router.gate.") for n in m["state_dict_names"]
+                       if ".mlp.gate.gate." in n}
+
+
+@pytest.mark.parametrize("fx", AE, ids=AE_IDS)
+def test_info_shows_preset_experts_and_sizes(fx):
+    m = meta(fx)
+    res = CliRunner().invoke(main, ["info", "--json", str(fx / "ckpt")])
+    assert res.exit_code == 0, res.output
+    ae = json.loads(res.stdout)["autoep"]
+    n = m["model_config"].get("num_local_experts") or m["model_config"]["num_experts"]
+    assert ae == {"preset": m["preset"], "num_experts": 2 * n, "ep_size": m["ep_size"],
+                  "expert_dp_size": m["expert_dp_size"], "dp_size": m["world_size"],
+                  "layers": [{"module": f"model.layers.{i}.mlp", "layer_id": i, "num_experts": n,
+                              "local_experts": n // m["ep_size"],
+                              "params": [f"model.layers.{i}.mlp.experts.w{k}" for k in (1, 2, 3)]} for i in (0, 1)],
+                  "expert_files": 2 * n if m["stage"] < 3 else 0}
+    res = CliRunner().invoke(main, ["info", str(fx / "ckpt")])
+    assert (f"autoep       preset {m['preset']}, 2 MoE layers x {n} experts, expert-parallel size {m['ep_size']} "
+            f"({n // m['ep_size']} per rank), expert-data-parallel size {m['expert_dp_size']}, data-parallel size "
+            f"{m['world_size']}") in res.stdout.splitlines()
+
+
+@pytest.mark.parametrize("fx", AE, ids=AE_IDS)
+def test_to_fp32_file_equals_ds_to_universal(fx, tmp_path):
+    """OUT.safetensors keeps AutoEP's names, and each tensor is ds_to_universal's fp32 bit for bit."""
+    from safetensors.torch import load_file
+
+    res = CliRunner().invoke(main, ["to-fp32", str(fx / "ckpt"), str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 0, res.output
+    out, u = load_file(str(tmp_path / "m.safetensors")), universal(fx)
+    assert sorted(out) == sorted(meta(fx)["state_dict_names"])
+    for name, v in out.items():
+        src = name.replace(".mlp.gate.gate.", ".mlp.router.gate.")
+        assert torch.equal(v, u[f"fp32/{src}"]), name
+
+
+@pytest.mark.parametrize("fx", AE, ids=AE_IDS)
+def test_hf_export_loads_with_from_pretrained(fx, tmp_path):
+    """to-fp32 CKPT OUT/ (config.json beside 'latest') writes the HF model's names and fused expert layout:
+    from_pretrained(OUT) gives the logits of a plain HF model holding the engine's masters, and the engine's own
+    logits within the difference recorded at generation time (another kernel: AutoEP's grouped matmul vs HF's
+    per-expert loop; bf16 engines compute in bf16)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    m, t = meta(fx), truth(fx)
+    res = CliRunner().invoke(main, ["to-fp32", str(fx / "ckpt"), str(tmp_path / "hf") + "/"])
+    assert res.exit_code == 0, res.output
+    out = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(out) == sorted(m["hf_names"])
+    for name, v in out.items():
+        assert torch.equal(v, t[f"hf_fp32/{name}"]), name
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        logits = model(input_ids=t["input_ids"]).logits.float()
+    # same weights, same HF code path, another process and transformers 5.23 vs 5.22.2: float reassociation only
+    assert torch.allclose(logits, t["hf_logits"], rtol=0, atol=1e-6)
+    recorded = m["crosscheck"]["hf_model_logits"]["max_abs_diff_fp32_hf_model_vs_engine"]
+    assert float((logits - t["logits"]).abs().max()) <= recorded + 1e-6
+
+
+@pytest.mark.parametrize("fx", AE[:1] + [f for f in AE if meta(f)["stage"] == 3][:1], ids=lambda p: p.name)
+def test_scan_verify_diff_work_unchanged(fx, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["scan", str(fx / "ckpt")])
+    assert res.exit_code == 0 and "clean: nothing found" in res.stdout, res.output
+    res = runner.invoke(main, ["verify", str(fx / "ckpt")])
+    assert res.exit_code == 0 and res.stdout.splitlines()[-1].startswith("ok:"), res.output
+    assert runner.invoke(main, ["to-fp32", str(fx / "ckpt"), str(tmp_path / "m.safetensors")]).exit_code == 0
+    res = runner.invoke(main, ["diff", str(fx / "ckpt"), str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 0, res.output
+
+
+# --- the record decides the placement; what it does not cover is refused by name -------------------------------
+
+
+def _record_and_shapes(fx: Path):
+    from dsckpt.safe_load import TensorRef  # noqa: F401  (the cache yields TensorRefs)
+
+    ckpt = read_checkpoint(fx / "ckpt")
+    cache_ = FileCache()
+    ms = cache_.tree(next(f for f in ckpt.files if f.name.endswith("model_states.pt") and "expert" not in f.name))
+    shapes = {n: ckpt.autoep.name_to_cut[n].rank_shapes[0] for n in ckpt.autoep.expert_param_names}
+    return ms["ds_autoep_layers"], shapes, ckpt
+
+
+def test_record_with_permuted_placement_is_refused_by_name():
+    fx = AE[0]
+    record, shapes, ckpt = _record_and_shapes(fx)
+    bad = copy.deepcopy(record)
+    bad[0]["expert_placement"]["ranks"][0]["experts"].reverse()
+    with pytest.raises(UnsupportedCheckpointError, match=r"model.layers.0.mlp.*EP rank 0 holds experts \[1, 0\]"):
+        autoep_layout_from_record(bad, shapes, where="x", world=ckpt.dp_world_size, stage=ckpt.zero_stage,
+                                  preset=None)
+
+
+def test_record_missing_an_affine_map_is_refused_by_name():
+    record, shapes, ckpt = _record_and_shapes(AE[0])
+    bad = copy.deepcopy(record)
+    del bad[1]["affine_maps"]["params"]["model.layers.1.mlp.experts.w2"]
+    with pytest.raises(UnsupportedCheckpointError, match=r"model.layers.1.mlp.experts.w2 are in no layer's record"):
+        autoep_layout_from_record(bad, shapes, where="x", world=ckpt.dp_world_size, stage=ckpt.zero_stage,
+                                  preset=None)
+
+
+def test_affine_map_disagreeing_with_the_placement_is_refused():
+    record, shapes, ckpt = _record_and_shapes(AE[0])
+    bad = copy.deepcopy(record)
+    ranks = bad[0]["affine_maps"]["params"]["model.layers.0.mlp.experts.w1"]["ranks"]
+    ranks[0], ranks[1] = ranks[1], ranks[0]
+    with pytest.raises(UnsupportedCheckpointError, match=r"'model.layers.0.mlp.experts.w1': EP|'model.layers.0.mlp."
+                       r"experts.w1': TP rank 0's local element 0 goes to full element"):
+        autoep_layout_from_record(bad, shapes, where="x", world=ckpt.dp_world_size, stage=ckpt.zero_stage,
+                                  preset=None)
+
+
+def test_hf_export_of_an_unverified_preset_is_refused_by_name():
+    import dataclasses
+
+    ckpt = read_checkpoint(AE[0] / "ckpt")
+    other = dataclasses.replace(ckpt, autoep=dataclasses.replace(ckpt.autoep, preset="deepseek_v3"))
+    with pytest.raises(UnsupportedCheckpointError, match="AutoEP preset deepseek_v3: its Hugging Face names are not "
+                                                         "verified"):
+        hf_model_view(other)
