@@ -109,6 +109,24 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     """
     src_tp = max(1, ckpt.tp_world_size)
     tp = src_tp if target.tp_size is None else target.tp_size
+    if target.ep_size is not None and ckpt.autoep is None:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {target.ep_size}: --ep-size is for DeepSpeed "
+            "AutoEP checkpoints ('ds_autoep_layers'), and this one has none"
+            + ("; changing the expert-parallel size of native deepspeed.moe checkpoints is not supported yet"
+               if ckpt.moe is not None else ""))
+    if ckpt.autoep is not None:
+        from .autoep import autoep_target
+
+        if tp != 1:
+            raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
+                                             "together with AutoTP is not supported")
+        if target.zero_stage != source_layout_stage(ckpt) or target.zero_stage == 3:
+            raise UnsupportedCheckpointError(
+                f"cannot reshard '{ckpt.tag_dir}' (AutoEP, ZeRO stage {source_layout_stage(ckpt)}) to ZeRO stage "
+                f"{target.zero_stage}: AutoEP is resharded at ZeRO stage 1 or 2, keeping the stage; write "
+                "--universal for DeepSpeed's universal loader otherwise")
+        common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
     if ckpt.tensor_parallel is not None or tp != 1:
         return _plan_tensor_ranks(ckpt, target, tp, facts, common)
     return _plan_ranks(ckpt, target, facts, common)
@@ -233,6 +251,10 @@ def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, c
                      layouts: tuple[Any, Any] | None = None) -> list[tuple[Path, Any]]:
     """``layouts``: the source's and the target's :class:`~dsckpt.parallel_layout.TpLayout` of a TP checkpoint."""
     jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
+    if plan.autoep is not None:
+        from .autoep import retarget_tree
+
+        jobs = [(path, retarget_tree(path.name, tree, plan.autoep, plan.world_size)) for path, tree in jobs]
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys
 
