@@ -212,3 +212,159 @@ def test_hf_export_of_an_unverified_preset_is_refused_by_name():
     with pytest.raises(UnsupportedCheckpointError, match="AutoEP preset deepseek_v3: its Hugging Face names are not "
                                                          "verified"):
         hf_model_view(other)
+
+
+# --- reshard: DP changes with EP kept, EP changes; --ep-size and --tp-size are one mechanism ----------------------
+
+
+def _reshard(src: Path, out: Path, world: int, ep: int | None):
+    from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+    cache_ = FileCache()
+    ckpt = read_checkpoint(src, cache=cache_)
+    plan = plan_reshard(ckpt, world, facts=read_source_facts(ckpt, cache_), ep_size=ep, hf_files=False)
+    return plan, run_reshard(plan, out, cache=cache_, verify="full")
+
+
+def _fx(name: str) -> Path:
+    fx = AE_DIR / name
+    assert (fx / "truth.json").exists(), f"fixture {name} missing: run tests/fixtures/generate_autoep.sh"
+    return fx
+
+
+# (fixture, chain of (world, ep)): every step re-read (verify=full) and compared with the truth at the end
+RESHARD_CHAINS = [
+    ("autoep_mixtral_z2_bf16_ep2_dp1", [(4, 4), (2, 1), (2, 2)]),  # EP 2 -> 4 -> 1 -> 2
+    ("autoep_mixtral_z2_fp32_ep2_dp2", [(2, 2), (4, 4), (8, 2)]),  # DP 2 -> 1 (EP kept), EP 2 -> 4 -> 2
+    ("autoep_mixtral_z2_fp32_ep2_dp1_e8", [(4, 4), (8, 8), (2, 1)]),  # 4 experts per EP rank -> 2 -> 1 -> 8
+    ("autoep_qwen3_z1_bf16_ep2_dp2", [(2, 1), (4, 2)]),
+]
+
+
+@pytest.mark.parametrize("name,chain", RESHARD_CHAINS, ids=[c[0] for c in RESHARD_CHAINS])
+def test_reshard_changes_dp_and_ep_keeping_every_value(name, chain, tmp_path):
+    """Each step writes the target layout and re-reads it (verify=full compares every value with the input); the
+    end of the chain holds the engine's masters, moments and module copies bit for bit, at the last layout."""
+    fx = _fx(name)
+    src = fx / "ckpt"
+    for i, (world, ep) in enumerate(chain):
+        out = tmp_path / f"s{i}"
+        plan, res = _reshard(src, out, world, ep)
+        assert res.verified_tensors > 0
+        src = out
+    ckpt = read_checkpoint(src)
+    world, ep = chain[-1]
+    assert (ckpt.dp_world_size, ckpt.autoep.ep_size, ckpt.autoep.expert_dp) == (world, ep, world // ep)
+    t, m = truth(fx), meta(fx)
+    cache_ = FileCache()
+    for e in ckpt.entries:
+        if e.tied_to is None:
+            for role, key, _ in (*ROLES, (Role.MODULE, "lowp", None)):
+                assert torch.equal(read_entry(e, cache_, role), t[f"{key}/{e.name}"]), (e.name, key)
+    assert (ckpt.global_steps, ckpt.optimizer_step) == (m["global_steps"], int(m["adam_step"][0]))
+    tag = src / m["tag"]
+    n = len(m["expert_params"]) // 3 * (m["model_config"].get("num_local_experts") or m["model_config"]["num_experts"])
+    assert len(list(tag.glob("layer_*_expert_*_model_states.pt"))) == n  # per global expert, at any EP size
+    assert len(list(tag.glob("*optim_states.pt"))) == world
+
+
+def test_reshard_record_says_the_new_expert_parallel_size(tmp_path):
+    """The model states carry DeepSpeed's own record for the new size: placement, affine maps, group name."""
+    fx = _fx("autoep_mixtral_z2_bf16_ep2_dp1")
+    _reshard(fx / "ckpt", tmp_path / "o", 4, 4)
+    cache_ = FileCache()
+    tag = tmp_path / "o" / meta(fx)["tag"]
+    ms = cache_.tree(tag / "mp_rank_00_model_states.pt")
+    layer = ms["ds_autoep_layers"][0]
+    assert (layer["ep_size"], layer["num_local_experts"], layer["ep_group_name"],
+            layer["expert_data_parallel_world_size"]) == (4, 1, "ep_size_4", 1)
+    assert layer["expert_placement"]["ranks"] == [{"rank": r, "experts": [r]} for r in range(4)]
+    assert ms["universal_checkpoint_info"]["ds_autoep_layers"] == ms["ds_autoep_layers"]
+    assert ms["ds_config"]["expert_parallel"]["autoep_size"] == 4
+    osd = cache_.tree(tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert [pg["name"] for pg in osd["base_optimizer_state"]["param_groups"]] == ["dense-params", "ep_size_4"]
+    assert osd["partition_count"] == [4, 1]
+
+
+@pytest.mark.parametrize("world,ep,why", [
+    (2, 3, "4 experts per layer do not split over 3 ranks"),
+    (3, 2, "the expert-parallel size must divide the world size"),
+])
+def test_reshard_refuses_sizes_the_experts_do_not_allow(world, ep, why):
+    from dsckpt.reshard import plan_reshard
+
+    ckpt = read_checkpoint(_fx("autoep_mixtral_z2_bf16_ep2_dp1") / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match=why):
+        plan_reshard(ckpt, world, ep_size=ep, hf_files=False)
+
+
+def test_reshard_refuses_what_is_not_supported_by_name():
+    from dsckpt.reshard import plan_reshard
+
+    ckpt = read_checkpoint(_fx("autoep_mixtral_z2_bf16_ep2_dp1") / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="AutoEP together with AutoTP is not supported"):
+        plan_reshard(ckpt, 4, tp_size=2, hf_files=False)
+    with pytest.raises(UnsupportedCheckpointError, match="AutoEP is resharded at ZeRO stage 1 or 2, keeping the stage"):
+        plan_reshard(ckpt, 2, zero_stage=3, hf_files=False)
+    dense = read_checkpoint(Path(__file__).parent / "fixtures" / "s2_fp32_w4" / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="--ep-size is for DeepSpeed AutoEP checkpoints"):
+        plan_reshard(dense, 2, ep_size=2, hf_files=False)
+
+
+def test_cli_reshard_ep_size(tmp_path):
+    fx = _fx("autoep_mixtral_z1_fp32_ep2_dp1")
+    res = CliRunner().invoke(main, ["reshard", "-q", "--no-hf-files", str(fx / "ckpt"), str(tmp_path / "o"),
+                                    "--world-size", "2", "--ep-size", "1"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(f"resharded {fx / 'ckpt' / 'global_step3'} from 2 to 2 ranks (expert-parallel size "
+                                 "2 -> 1): wrote 11 files")
+
+
+# --- real DeepSpeed loads the resharded checkpoints with plain load_checkpoint() ------------------------------------
+
+DS_CASES = [  # (fixture, chain of (world, ep)); loaded on 2 CPU ranks at the last step's layout
+    ("autoep_mixtral_z2_bf16_ep2_dp1", [(4, 4), (2, 1)]),  # EP 2 -> 4 -> 1: loaded at EP 1
+    ("autoep_mixtral_z2_fp32_ep2_dp2", [(2, 2)]),  # 4 ranks -> 2, EP kept: logits bit for bit
+    ("autoep_qwen3_z1_bf16_ep2_dp2", [(4, 4), (2, 2)]),  # EP 2 -> 4 -> 2, DP 2 -> 1
+]
+
+
+@pytest.fixture(scope="module")
+def ds_autoep_runs(tmp_path_factory):
+    from ds_launch import DEEPSPEED, run_check_script
+    from scan_helpers import plant
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_autoep")
+    pairs = []
+    for name, chain in DS_CASES:
+        src = _fx(name) / "ckpt"
+        for i, (world, ep) in enumerate(chain):
+            out = base / f"{name}_{i}"
+            _reshard(src, out, world, ep)
+            src = out
+        pairs.append(f"{name}={src}")
+    bad = base / "negative"  # a changed expert master must fail the check
+    _reshard(_fx("autoep_mixtral_z2_bf16_ep2_dp1") / "ckpt", bad, 2, 2)
+    plant(bad, "model.layers.1.mlp.experts.w3", Role.MASTER, 3 * 16 * 8 + 5, 12.5)
+    pairs.append(f"autoep_mixtral_z2_bf16_ep2_dp1={bad}")
+    return run_check_script("ds_autoep_reshard_check.py", pairs, world=2, cwd=base, timeout=900)
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_resharded_autoep_checkpoints(ds_autoep_runs):
+    """Plain ``engine.load_checkpoint()`` with AutoEP at the new expert-parallel size on 2 CPU ranks: masters, both
+    Adam moments, module copies, Adam step and global steps bit for bit, the logits (see the check script), then one
+    more step trains."""
+    rc, results, log = ds_autoep_runs
+    assert results, log
+    good = [r for r in results if not r["ckpt"].endswith("negative")]
+    failed = [r for r in good if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    assert [r["fixture"] for r in good] == [n for n, _ in DS_CASES]
+    (neg,) = [r for r in results if r["ckpt"].endswith("negative")]
+    # expert 3 of layer 1 lives on EP rank 1 (experts 2, 3): only rank 1 sees the change; the logits move too
+    assert not neg["ok"] and "rank 1: param of 'model.layers.1.mlp.experts.w3' differs from the source" in neg[
+        "problems"], neg
+    assert rc == 1, log
