@@ -14,7 +14,8 @@ the HF MoE block AutoEP replaced: the router child (``router_pattern``, ``"gate"
 ``from_pretrained`` loads: ``gate_up_proj`` is ``w1`` and ``w3`` stacked on dim 1, each a sub-param of a
 ``SUB_PARAMS``-style cut (:class:`~dsckpt.parallel_layout.TpBlock` runs of ``ffn * hidden`` elements at a stride of
 ``2 * ffn * hidden``), so no tensor is read: only the fragments are re-addressed. The router alias
-``<mlp>.gate.gate.weight`` (a tied copy) is left out, as ``save_pretrained`` leaves tied names out.
+``<mlp>.gate.gate.weight`` (AutoEP's second name for its router, a tied copy) is left out: the HF model has no such
+name.
 
 The presets' HF side is only taken where a fixture proves ``from_pretrained`` gives the engine's logits
 (:data:`HF_PRESETS`: ``mixtral``, ``qwen3_moe``); the other presets DeepSpeed 0.19.8 ships (``deepseek_v2``,
@@ -92,6 +93,8 @@ def hf_model_view(ckpt: LogicalCheckpoint, *, config_dir: Path | None = None) ->
     for e in ckpt.entries:
         if e.name in done:
             continue
+        if e.tied_to is not None and any(e.tied_to.startswith(x.module_path + ".router.") for x in ae.layers):
+            continue  # AutoEP's alias of its router (<mlp>.gate.gate.weight): no HF model has that name
         la = layer_of.get(e.name) or next((x for x in ae.layers if e.name.startswith(x.module_path + ".router.")),
                                           None)
         if la is None:
@@ -118,8 +121,6 @@ def hf_model_view(ckpt: LogicalCheckpoint, *, config_dir: Path | None = None) ->
         else:
             raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': AutoEP expert param '{e.name}' has no HF name in "
                                              f"preset {preset}")
-    out = [dataclasses.replace(e, tied_to=_router_hf_name(e.tied_to, ae.layers, names)) if e.tied_to else e
-           for e in out]
     return dataclasses.replace(ckpt, entries=tuple(out))
 
 
