@@ -83,7 +83,13 @@ def test_read_equals_engine_and_ds_to_universal(fx):
         for role, key, ukey in ROLES:
             got = read_entry(e, cache_, role)
             assert torch.equal(got, t[f"{key}/{e.name}"]), (e.name, key)
-            assert torch.equal(got, u[f"{ukey}/{e.name}"]), (e.name, ukey)
+            want = u[f"{ukey}/{e.name}"]
+            if m["stage"] == 3 and e.name not in m["expert_params"]:
+                # ds_to_universal 0.19.8 writes AutoEP ZeRO-3's dense params as bare flat tensors (truth.json
+                # "universal": "bare_tensor_files"); the values are what is compared
+                assert want.shape == (e.numel,), e.name
+                want = want.view(e.shape)
+            assert torch.equal(got, want), (e.name, ukey)
         if m["stage"] < 3:
             assert torch.equal(read_entry(e, cache_, Role.MODULE), t[f"lowp/{e.name}"]), e.name
     aliases = {e.name: e.tied_to for e in ckpt.entries if e.tied_to}
@@ -120,8 +126,8 @@ def test_to_fp32_file_equals_ds_to_universal(fx, tmp_path):
     out, u = load_file(str(tmp_path / "m.safetensors")), universal(fx)
     assert sorted(out) == sorted(meta(fx)["state_dict_names"])
     for name, v in out.items():
-        src = name.replace(".mlp.gate.gate.", ".mlp.router.gate.")
-        assert torch.equal(v, u[f"fp32/{src}"]), name
+        src = name.replace(".mlp.gate.gate.", ".mlp.router.gate.")  # the router alias: ds_to_universal writes it
+        assert torch.equal(v, u[f"fp32/{src}"].view(v.shape)), name  # at ZeRO-1/2 only; its router's values
 
 
 @pytest.mark.parametrize("fx", AE, ids=AE_IDS)
