@@ -374,3 +374,43 @@ def test_deepspeed_resumes_resharded_autoep_checkpoints(ds_autoep_runs):
     assert not neg["ok"] and "rank 1: param of 'model.layers.1.mlp.experts.w3' differs from the source" in neg[
         "problems"], neg
     assert rc == 1, log
+
+
+# --- DeepSpeed's universal folder of an AutoEP run reads as the run itself ------------------------------------------
+
+
+def _safetensors_parts(path: Path) -> tuple[dict, dict, bytes]:
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    return header.pop("__metadata__"), header, raw[8 + n:]
+
+
+@pytest.mark.parametrize("name", ["autoep_mixtral_z2_bf16_ep2_dp1", "autoep_qwen3_z3_bf16_ep2_dp1"])
+def test_universal_folder_of_an_autoep_run_exports_the_same_file(name, tmp_path):
+    """ds_to_universal's folder (expert params whole, with is_expert_param / ep_num_experts; at ZeRO-3 dense params
+    bare and flat) gives the same to-fp32 file as the run it was made from, both with AutoEP's names and with the
+    HF names: same header, same bytes; only the metadata's source tag differs."""
+    import subprocess
+    import sys
+
+    fx = _fx(name)
+    uni = tmp_path / "u"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(fx / "ckpt" / "global_step3"), "--output_folder", str(uni / "global_step3_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True, capture_output=True,
+                   env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
+    (uni / "config.json").write_bytes((fx / "ckpt" / "config.json").read_bytes())
+    runner = CliRunner()
+    for src, tag in ((uni, "u"), (fx / "ckpt", "r")):
+        assert runner.invoke(main, ["to-fp32", "-q", str(src), str(tmp_path / f"{tag}.safetensors")]).exit_code == 0
+        assert runner.invoke(main, ["to-fp32", "-q", str(src), str(tmp_path / f"{tag}hf") + "/"]).exit_code == 0
+    for a, b in ((tmp_path / "u.safetensors", tmp_path / "r.safetensors"),
+                 (tmp_path / "uhf" / "model.safetensors", tmp_path / "rhf" / "model.safetensors")):
+        (ma, ha, da), (mb, hb, db) = _safetensors_parts(a), _safetensors_parts(b)
+        assert (ha, da) == (hb, db)
+        assert (ma.pop("source_tag"), mb.pop("source_tag")) == ("global_step3_universal", "global_step3") and ma == mb
+    info = json.loads(runner.invoke(main, ["info", "--json", str(uni)]).stdout)
+    assert info["autoep"]["ep_size"] == 2 and info["layout"].startswith("universal from zero")

@@ -51,7 +51,8 @@ from .common import (
 from .moe import PROOF_WINDOW_NUMEL, _agreeing
 from .zero12 import group_partitions, module_side_entries
 
-__all__ = ["autoep_layout_from_record", "is_autoep", "read_autoep"]
+__all__ = ["autoep_layout_from_record", "entry_order", "is_autoep", "placeholder_router_aliases", "read_autoep",
+           "router_aliases"]
 
 _FORMATS = {"per_expert_files": (1, 2), "zero3_partitioned": (3,)}
 
@@ -179,7 +180,7 @@ def _refuse_unsupported(cfg: Mapping[str, Any] | None, ms: Mapping[str, Any], wh
         raise _refuse(where, "AutoEP together with AutoTP (tensor parallelism, 'folding' metadata) is not supported")
 
 
-def _router_aliases(module: Mapping[str, Any], trainable: set[str], layers: Sequence[AutoEpLayer]) -> dict[str, str]:
+def router_aliases(module: Mapping[str, Any], trainable: set[str], layers: Sequence[AutoEpLayer]) -> dict[str, str]:
     """Module tensors that are another name of a trainable param: ``AutoEPMoELayer`` registers its router a second
     time under the HF router name (``setattr(self, "gate", self.router)``), so ``state_dict()`` holds
     ``<mlp>.gate.gate.weight`` beside ``<mlp>.router.gate.weight``; DeepSpeed saves the two as separate copies and
@@ -203,7 +204,25 @@ def _router_aliases(module: Mapping[str, Any], trainable: set[str], layers: Sequ
     return out
 
 
-def _order(entries: Mapping[str, TensorEntry], module_names: list[str], layers: Sequence[AutoEpLayer]) -> list[TensorEntry]:
+def placeholder_router_aliases(module: Mapping[str, Any], entries: Mapping[str, TensorEntry],
+                               layers: Sequence[AutoEpLayer]) -> dict[str, TensorEntry]:
+    """The router alias (see :func:`router_aliases`) of a ZeRO-3 save, where it is a 0-element placeholder like every
+    param: bound by name alone, as ``AutoEPMoELayer`` sets it (there are no values to compare)."""
+    from .common import alias_entry
+
+    out = {}
+    for name in module:
+        layer = next((la for la in layers if name.startswith(la.module_path + ".")), None)
+        if name in entries or layer is None:
+            continue
+        alias, _, rest = name[len(layer.module_path) + 1:].partition(".")
+        src = f"{layer.module_path}.router.{rest}"
+        if alias != "router" and src in entries:
+            out[name] = alias_entry(name, entries[src])
+    return out
+
+
+def entry_order(entries: Mapping[str, TensorEntry], module_names: list[str], layers: Sequence[AutoEpLayer]) -> list[TensorEntry]:
     """The engine's state-dict order: each layer's expert params right after the last module name of that layer
     (the router and its alias), as ``AutoEPMoELayer`` registers ``router`` before ``experts``."""
     names = [n for n in module_names if n in entries]
@@ -327,7 +346,7 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     _prove_expert_binding(files, cache, [entries[n] for n in layout.expert_param_names], topo)
 
     module = ms.get("module") or {}
-    aliases = _router_aliases(module, set(entries), layout.layers)
+    aliases = router_aliases(module, set(entries), layout.layers)
     ms_view = {**ms, "shared_params": {**(ms.get("shared_params") or {}), **aliases}}
     entries = module_side_entries(ms_path, ms_view, meta.buffer_names, entries)
     sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)),
@@ -337,7 +356,7 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         precision=precision_of(meta.ds_config, sample), dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
         optimizer_step=step_of(base.get("state")), optimizer_wrapper="DeepSpeedZeroOptimizer",
-        entries=tuple(_order(entries, list(module), layout.layers)), files=tuple(files.all_files()),
+        entries=tuple(entry_order(entries, list(module), layout.layers)), files=tuple(files.all_files()),
         ds_config=meta.ds_config,
         autoep=AutoEpLayout(layout.ep_size, layout.expert_dp, layout.preset, layout.layers, layout.name_to_cut,
                             tuple(sorted(files.layer_expert_to_files.values()))),
@@ -530,23 +549,12 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
 
     entries.update(zero3_module_side_entries(ms0_path, ms0, model_paths, meta.buffer_names, entries, cache))
     module0 = ms0.get("module") or {}
-    # The router alias (see _router_aliases) is a 0-element placeholder at ZeRO-3 like every param: bound by name
-    # alone, as AutoEPMoELayer sets it (there are no values to compare).
-    for name in module0:
-        layer = next((la for la in layout.layers if name.startswith(la.module_path + ".")), None)
-        if name in entries or layer is None:
-            continue
-        alias, _, rest = name[len(layer.module_path) + 1:].partition(".")
-        src = f"{layer.module_path}.router.{rest}"
-        if alias != "router" and src in entries:
-            from .common import alias_entry
-
-            entries[name] = alias_entry(name, entries[src])
+    entries.update(placeholder_router_aliases(module0, entries, layout.layers))
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="autoep-zero3", zero_stage=3,
         precision=precision_of(meta.ds_config, None), dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
         optimizer_step=step_of(inner.get("state")), optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
-        entries=tuple(_order(entries, list(module0), layout.layers)), files=tuple(files.all_files()),
+        entries=tuple(entry_order(entries, list(module0), layout.layers)), files=tuple(files.all_files()),
         ds_config=meta.ds_config, autoep=layout,
     )
