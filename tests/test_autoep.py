@@ -389,7 +389,7 @@ def _safetensors_parts(path: Path) -> tuple[dict, dict, bytes]:
 
 
 @pytest.mark.parametrize("name", ["autoep_mixtral_z2_bf16_ep2_dp1", "autoep_qwen3_z3_bf16_ep2_dp1"])
-def test_universal_folder_of_an_autoep_run_exports_the_same_file(name, tmp_path):
+def test_universal_folder_of_an_autoep_run_exports_the_same_file_and_reshard_universal_writes_it(name, tmp_path):
     """ds_to_universal's folder (expert params whole, with is_expert_param / ep_num_experts; at ZeRO-3 dense params
     bare and flat) gives the same to-fp32 file as the run it was made from, both with AutoEP's names and with the
     HF names: same header, same bytes; only the metadata's source tag differs."""
@@ -414,3 +414,24 @@ def test_universal_folder_of_an_autoep_run_exports_the_same_file(name, tmp_path)
         assert (ma.pop("source_tag"), mb.pop("source_tag")) == ("global_step3_universal", "global_step3") and ma == mb
     info = json.loads(runner.invoke(main, ["info", "--json", str(uni)]).stdout)
     assert info["autoep"]["ep_size"] == 2 and info["layout"].startswith("universal from zero")
+
+    # reshard --universal writes the same folder, file by file: same files, same keys in the same order, same
+    # tensors (dtype, shape, values), the same rewritten record and partition counts
+    res = runner.invoke(main, ["reshard", "--universal", "-q", "--no-hf-files", str(fx / "ckpt"), str(tmp_path / "w")])
+    assert res.exit_code == 0, res.output
+    mine, theirs = tmp_path / "w" / "global_step3_universal", uni / "global_step3_universal"
+    files = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*") if p.is_file()) == files
+
+    def same(x, y) -> bool:
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and list(x) == list(y) and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return type(x) is type(y) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
+        return x == y or str(x) == str(y)  # the pickled DeepSpeed objects (loss scaler, stage enum) by value
+
+    differ = [f for f in files if not same(torch.load(mine / f, weights_only=False),  # our output and DeepSpeed's
+                                           torch.load(theirs / f, weights_only=False))]
+    assert differ == []

@@ -62,7 +62,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         inner = osd0.get(OSD) or {}
         state = inner.get("state") or {}
         param_groups = inner.get("param_groups") or []
-        if osd0.get("ds_zero_partition_groups") is not None:
+        if osd0.get("ds_zero_partition_groups") is not None and ckpt.autoep is None:
             problems.append("AutoEP expert partition groups ('ds_zero_partition_groups')")
     else:
         ms0 = cache.tree(files.mp_to_model_states[0])
