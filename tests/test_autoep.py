@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from functools import cache
 from pathlib import Path
 
@@ -61,7 +62,10 @@ def test_fixture_set_covers_the_issue():
     assert {(m["ep_size"], m["expert_dp_size"]) for m in ms} >= {(2, 1), (2, 2)}
     assert any(m["model_config"].get("num_local_experts", 0) // m["ep_size"] == 4 for m in ms)
     for m in ms:  # the generator's own cross-checks against DeepSpeed
-        assert m["crosscheck"]["live_equals_ds_to_universal"]["ok"], m["name"]
+        differ = m["crosscheck"]["live_equals_ds_to_universal"]["differ"]
+        # at ZeRO-3 ds_to_universal writes dense params flat: only those shapes differ (values: the read test)
+        assert all(m["stage"] == 3 and k.split("/", 1)[1] not in m["expert_params"] and v.endswith(
+            f"vs [{math.prod(t.shape)}]") for k, v in differ.items() for t in [truth(AE_DIR / m["name"])[k]]), m["name"]
         assert m["crosscheck"]["logits_agree_across_ranks"], m["name"]
         assert not m["crosscheck"]["zero_to_fp32"]["ok"], m["name"]  # DeepSpeed's own tool fails on these
 
