@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from functools import cache
 from pathlib import Path
 
@@ -439,3 +440,32 @@ def test_universal_folder_of_an_autoep_run_exports_the_same_file_and_reshard_uni
     differ = [f for f in files if not same(torch.load(mine / f, weights_only=False),  # our output and DeepSpeed's
                                            torch.load(theirs / f, weights_only=False))]
     assert differ == []
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"ds_config": "etp"}, "expert tensor parallelism \\(expert_tensor_parallel_size 2\\) is not supported"),
+    ({"folding": {"tp_size": 2}}, "AutoEP together with AutoTP \\(tensor parallelism, 'folding' metadata\\) is not "
+                                  "supported"),
+])
+def test_expert_tensor_parallelism_and_autotp_folding_are_refused_by_name(change, why, tmp_path):
+    """Saves DeepSpeed would write with expert_tensor_parallel_size > 1 or AutoEP + AutoTP folding: refused by name
+    (no fixture: the first needs more ranks than experts here, the second a TP x EP mesh); the record is edited in a
+    copy of a real save."""
+    import shutil
+
+    from dsckpt import safe_load, safe_save
+
+    fx = _fx("autoep_mixtral_z2_bf16_ep2_dp1")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx / "ckpt", ckpt)
+    f = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    tree = safe_load.materialize(safe_load.load(f))
+    if "folding" in change:
+        tree["folding"] = change["folding"]
+    else:
+        tree["ds_config"]["expert_parallel"]["expert_tensor_parallel_size"] = 2
+    safe_save.save(tree, f)
+    res = CliRunner().invoke(main, ["info", str(ckpt)])
+    assert res.exit_code == 3
+    err = res.stderr.strip()
+    assert "\n" not in err and re.search(why, err), err
