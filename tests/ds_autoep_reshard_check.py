@@ -54,7 +54,10 @@ world = dist.get_world_size()
 
 def saved_ep(ckpt_dir):
     tag = open(os.path.join(ckpt_dir, "latest")).read().strip()
-    ms = torch.load(os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt"), map_location="cpu",
+    name = "mp_rank_00_model_states.pt"
+    if not os.path.exists(os.path.join(ckpt_dir, tag, name)):
+        name = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO-3
+    ms = torch.load(os.path.join(ckpt_dir, tag, name), map_location="cpu",
                     weights_only=False)  # our own output of a trusted fixture
     return int(ms["ds_config"]["expert_parallel"]["autoep_size"])
 

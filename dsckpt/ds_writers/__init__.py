@@ -121,11 +121,11 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         if tp != 1:
             raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
                                              "together with AutoTP is not supported")
-        if target.zero_stage != source_layout_stage(ckpt) or target.zero_stage == 3:
+        if (target.zero_stage == 3) != (source_layout_stage(ckpt) == 3):
             raise UnsupportedCheckpointError(
                 f"cannot reshard '{ckpt.tag_dir}' (AutoEP, ZeRO stage {source_layout_stage(ckpt)}) to ZeRO stage "
-                f"{target.zero_stage}: AutoEP is resharded at ZeRO stage 1 or 2, keeping the stage; write "
-                "--universal for DeepSpeed's universal loader otherwise")
+                f"{target.zero_stage}: AutoEP is resharded within ZeRO stages 1-2 or at stage 3 (its expert files "
+                "and records differ between the two); write --universal for DeepSpeed's universal loader otherwise")
         common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
     if ckpt.tensor_parallel is not None or tp != 1:
         return _plan_tensor_ranks(ckpt, target, tp, facts, common)
@@ -254,7 +254,7 @@ def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, c
     if plan.autoep is not None:
         from .autoep import retarget_tree
 
-        jobs = [(path, retarget_tree(path.name, tree, plan.autoep, plan.world_size)) for path, tree in jobs]
+        jobs = [(path, retarget_tree(path.name, tree, plan)) for path, tree in jobs]
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys
 

@@ -80,12 +80,14 @@ def autoep_groups(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Se
     return group_ep, position
 
 
-def retarget_record(record: Any, target: AutoEpLayout, world: int) -> Any:
-    """``ds_autoep_layers`` as DeepSpeed 0.19.8 writes it on rank 0 (ZeRO-1/2, ``per_expert_files``) for ``target``:
-    contiguous placement, one affine map per expert param (autoep_affine.py's lowering: one piece per EP rank), the
-    group name, and rank 0's coordinates."""
+def retarget_record(record: Any, target: AutoEpLayout, world: int, rank: int = 0, zero3: bool = False) -> Any:
+    """``ds_autoep_layers`` as DeepSpeed 0.19.8 writes it for ``target`` on ``rank`` (ZeRO-1/2: rank 0's, in the one
+    ``mp_rank_00`` file; ZeRO-3: each rank's own): contiguous placement, one affine map per expert param
+    (autoep_affine.py's lowering: one piece per EP rank), the group name, and the rank's coordinates."""
     if not isinstance(record, list):
         return record
+    topo = ParallelLayout(world, ep=target.ep_size)
+    ep_rank, edp_rank = topo.expert_parallel_rank(rank), topo.expert_data_parallel_rank(rank)
     out = []
     for entry in record:
         entry = copy.deepcopy(dict(entry))
@@ -95,16 +97,36 @@ def retarget_record(record: Any, target: AutoEpLayout, world: int) -> Any:
             continue
         n, ep = layer.num_experts, target.ep_size
         per = n // ep
-        entry.update(num_local_experts=per, ep_size=ep, ep_group_name=f"ep_size_{ep}", ep_rank=0,
-                     expert_data_parallel_rank=0, expert_data_parallel_world_size=world // ep,
-                     global_expert_start=0, global_expert_end=per)
+        entry.update(num_local_experts=per, ep_size=ep)
         entry["expert_placement"] = {"version": 1, "num_experts": n, "ep_size": ep,
                                      "ranks": [{"rank": r, "experts": list(range(r * per, (r + 1) * per))}
                                                for r in range(ep)]}
         maps = entry.get("affine_maps") or {"version": 1, "params": {}}
-        maps = {**maps, "params": {name: _affine_map(target.name_to_cut[name]) for name in layer.param_names}}
-        entry["affine_maps"] = maps
+        entry["affine_maps"] = {**maps, "params": {name: _affine_map(target.name_to_cut[name])
+                                                   for name in layer.param_names}}
+        entry.update(ep_group_name=f"ep_size_{ep}", ep_rank=ep_rank, expert_data_parallel_rank=edp_rank,
+                     expert_data_parallel_world_size=world // ep, global_expert_start=ep_rank * per,
+                     global_expert_end=(ep_rank + 1) * per)
         out.append(entry)
+    return out
+
+
+def partition_groups(plan: Any, rank: int) -> list[dict[str, Any]]:
+    """``ds_zero_partition_groups`` of a ZeRO-3 optimizer file (stage3.py ``_zero3_partition_group_metadata``, which
+    the loader compares for equality with the live engine's): per sub-group its partition count, this rank's index,
+    the partitioning ranks, placement families and group names."""
+    target: AutoEpLayout = plan.autoep
+    topo = ParallelLayout(plan.world_size, ep=target.ep_size)
+    experts = set(target.expert_param_names)
+    out = []
+    for s, shapes in enumerate(plan.param_shapes):
+        if any(n in experts for n, _ in shapes):
+            ranks = topo.expert_data_parallel_ranks(topo.expert_parallel_rank(rank))
+            fam, names = ["autoep_expert"], [f"ep_size_{target.ep_size}"]
+        else:
+            ranks, fam, names = list(range(plan.world_size)), ["replicated"], ["replicated"]
+        out.append({"sub_group": s, "partition_count": len(ranks), "partition_rank": ranks.index(rank),
+                    "partition_ranks": ranks, "families": fam, "group_names": names})
     return out
 
 
@@ -122,15 +144,21 @@ def _affine_map(cut: ParamCut) -> dict[str, Any]:
     return {"logical_shape": list(full), "ranks": ranks}
 
 
-def retarget_tree(name: str, tree: Mapping[str, Any], target: AutoEpLayout, world: int) -> dict[str, Any]:
+def retarget_tree(name: str, tree: Mapping[str, Any], plan: Any) -> dict[str, Any]:
     """A target file's tree with the AutoEP facts that depend on the expert-parallel and world size rewritten: the
     model states' record (and its copy in ``universal_checkpoint_info``), the expert group's name in the optimizer
-    state, and ``expert_parallel.autoep_size`` in every saved config."""
+    state, ZeRO-3's partition groups, and ``expert_parallel.autoep_size`` in every saved config."""
+    import re
+
     from .common import OSD
 
+    target: AutoEpLayout = plan.autoep
+    m = re.match(r"^(?:bf16_)?zero_pp_rank_(\d+)_", name)
+    rank = int(m[1]) if m else 0
+    zero3 = plan.zero_stage == 3
     out = dict(tree)
     if "ds_autoep_layers" in out:
-        out["ds_autoep_layers"] = retarget_record(out["ds_autoep_layers"], target, world)
+        out["ds_autoep_layers"] = retarget_record(out["ds_autoep_layers"], target, plan.world_size, rank, zero3)
         uci = out.get("universal_checkpoint_info")
         if isinstance(uci, Mapping) and "ds_autoep_layers" in uci:
             out["universal_checkpoint_info"] = {**uci, "ds_autoep_layers": out["ds_autoep_layers"]}
@@ -140,9 +168,15 @@ def retarget_tree(name: str, tree: Mapping[str, Any], target: AutoEpLayout, worl
             cfg["expert_parallel"] = {**cfg["expert_parallel"], "autoep_size": target.ep_size}
         out["ds_config"] = cfg
     osd = out.get(OSD)
-    base = osd.get("base_optimizer_state") if isinstance(osd, Mapping) else None
-    if isinstance(base, Mapping) and isinstance(base.get("param_groups"), list):
-        groups = [({**pg, "name": f"ep_size_{target.ep_size}"} if isinstance(pg, Mapping) and pg.get("moe") else pg)
-                  for pg in base["param_groups"]]
-        out[OSD] = {**osd, "base_optimizer_state": {**base, "param_groups": groups}}
+    if isinstance(osd, Mapping):
+        osd = dict(osd)
+        inner_key = OSD if zero3 else "base_optimizer_state"
+        base = osd.get(inner_key)
+        if isinstance(base, Mapping) and isinstance(base.get("param_groups"), list):
+            groups = [({**pg, "name": f"ep_size_{target.ep_size}"} if isinstance(pg, Mapping) and pg.get("moe")
+                       else pg) for pg in base["param_groups"]]
+            osd[inner_key] = {**base, "param_groups": groups}
+        if zero3 and "ds_zero_partition_groups" in osd:
+            osd["ds_zero_partition_groups"] = partition_groups(plan, rank)
+        out[OSD] = osd
     return out
