@@ -723,6 +723,9 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                   f"{plan.world_size})") + stages
     if plan.autoep is not None:
         stages = f" (expert-parallel size {logical.autoep.ep_size} -> {plan.autoep.ep_size})" + stages
+    elif plan.moe_ep_size is not None and logical.moe is not None:
+        stages = (f" (expert-parallel size {', '.join(map(str, logical.moe.ep_sizes))} -> {plan.moe_ep_size})"
+                  + stages)
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:

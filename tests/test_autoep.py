@@ -472,3 +472,77 @@ def test_expert_tensor_parallelism_and_autotp_folding_are_refused_by_name(change
     assert res.exit_code == 3
     err = res.stderr.strip()
     assert "\n" not in err and re.search(why, err), err
+
+
+# --- native deepspeed.moe: --ep-size is the same mechanism -----------------------------------------------------------
+
+
+def _moe_reshard(src: Path, out: Path, world: int, ep: int):
+    from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+    cache_ = FileCache()
+    ckpt = read_checkpoint(src, cache=cache_)
+    plan = plan_reshard(ckpt, world, facts=read_source_facts(ckpt, cache_), ep_size=ep, hf_files=False)
+    return plan, run_reshard(plan, out, cache=cache_, verify="full")
+
+
+MOE_DIR = Path(__file__).parent / "fixtures"
+MOE_EP_CASES = [("moe_s2_bf16_w2_ep2", [(4, 1)]), ("moe_s2_bf16_w2_ep2", [(4, 4), (2, 2)]),
+                ("moe_s1_bf16_w4_ep2", [(4, 4), (2, 1)]), ("moe_s2_fp32_w2_ep1", [(4, 2)])]
+
+
+@pytest.mark.parametrize("name,chain", MOE_EP_CASES, ids=[f"{n}-{'-'.join(str(e) for _, e in c)}"
+                                                          for n, c in MOE_EP_CASES])
+def test_native_moe_reshard_changes_the_expert_parallel_size(name, chain, tmp_path):
+    """Native MoE entries carry global expert names, so another expert-parallel size is the same plan with the expert
+    cut at that size: each step is re-read (verify=full) and the end holds the engine's values bit for bit."""
+    from safetensors.torch import load_file
+
+    fx = MOE_DIR / name
+    src = fx / "ckpt"
+    for i, (world, ep) in enumerate(chain):
+        plan, _ = _moe_reshard(src, tmp_path / f"s{i}", world, ep)
+        src = tmp_path / f"s{i}"
+    ckpt = read_checkpoint(src)
+    world, ep = chain[-1]
+    assert ckpt.moe.ep_sizes == (ep,) and ckpt.dp_world_size == world
+    t = load_file(str(fx / "truth.safetensors"))
+    cache_ = FileCache()
+    for e in ckpt.entries:
+        if e.tied_to is None and f"param/{e.name}" in t:
+            for role, key, _ in (*ROLES, (Role.MODULE, "lowp", None)):
+                assert torch.equal(read_entry(e, cache_, role), t[f"{key}/{e.name}"]), (e.name, key)
+
+
+def test_native_moe_ep_size_refusals():
+    from dsckpt.reshard import plan_reshard
+
+    ckpt = read_checkpoint(MOE_DIR / "moe_s2_bf16_w2_ep2" / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="the 4 experts of '.*' do not split over 3 ranks"):
+        plan_reshard(ckpt, 3, ep_size=3, hf_files=False)
+    stage0 = read_checkpoint(MOE_DIR / "moe_s0_fp32_w2_ep2" / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="without ZeRO the optimizer state lives in one 'expp_rank_"):
+        plan_reshard(stage0, 2, ep_size=1, hf_files=False)
+
+
+@pytest.fixture(scope="module")
+def ds_moe_ep_runs(tmp_path_factory):
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_moe_ep")
+    pairs = []
+    for i, (world, ep) in enumerate([(4, 1), (4, 4)]):
+        _moe_reshard(MOE_DIR / "moe_s2_bf16_w2_ep2" / "ckpt", base / f"ep{ep}", world, ep)
+        pairs.append(f"moe_s2_bf16_w2_ep2={base / f'ep{ep}'}")
+    return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=900)
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_native_moe_at_another_expert_parallel_size(ds_moe_ep_runs):
+    """moe_s2_bf16_w2_ep2 (EP 2 on 2 ranks) resharded to 4 ranks at EP 1 and at EP 4: plain load_checkpoint() with
+    MoE(ep_size=1 / 4) gives every rank's masters, moments and 16-bit weights bit for bit, then one more step."""
+    rc, results, log = ds_moe_ep_runs
+    assert [r["ok"] for r in results] == [True, True], log
+    assert rc == 0, log

@@ -109,12 +109,15 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     """
     src_tp = max(1, ckpt.tp_world_size)
     tp = src_tp if target.tp_size is None else target.tp_size
-    if target.ep_size is not None and ckpt.autoep is None:
+    if target.ep_size is not None and ckpt.autoep is None and ckpt.moe is None:
         raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {target.ep_size}: --ep-size is for DeepSpeed "
-            "AutoEP checkpoints ('ds_autoep_layers'), and this one has none"
-            + ("; changing the expert-parallel size of native deepspeed.moe checkpoints is not supported yet"
-               if ckpt.moe is not None else ""))
+            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {target.ep_size}: --ep-size is for "
+            "Mixture-of-Experts checkpoints (DeepSpeed AutoEP or deepspeed.moe), and this one has no experts")
+    if target.ep_size is not None and ckpt.moe is not None and set(ckpt.moe.ep_sizes) != {target.ep_size}:
+        from .moe import retarget_moe
+
+        ckpt, facts = retarget_moe(ckpt, facts, target)
+        common = {**common, "moe_ep_size": target.ep_size}
     if ckpt.autoep is not None:
         from .autoep import autoep_target
 
@@ -255,6 +258,10 @@ def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, c
         from .autoep import retarget_tree
 
         jobs = [(path, retarget_tree(path.name, tree, plan)) for path, tree in jobs]
+    if plan.moe_ep_size is not None:
+        from .moe import rename_expert_groups
+
+        jobs = [(path, rename_expert_groups(tree, plan.moe_ep_size)) for path, tree in jobs]
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys
 

@@ -164,6 +164,7 @@ class LayoutPlan:
     # dsckpt.tensor_parallel.rank_view) and the layout they were cut by; this plan's own ``ranks`` are then empty.
     tensor_ranks: tuple[LayoutPlan, ...] = ()
     autoep: Any = None  # AutoEP: the target's dsckpt.parallel_layout.AutoEpLayout (expert-parallel size, cuts)
+    moe_ep_size: int | None = None  # native MoE written at another expert-parallel size than the source's
     tp_layout: Any = None  # a dsckpt.parallel_layout.TpLayout
 
     def parts(self) -> tuple[LayoutPlan, ...]:
