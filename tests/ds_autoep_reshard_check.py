@@ -4,7 +4,8 @@
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
 
 FIXTURE names an ``autoep/<name>`` fixture (tests/fixtures/generate_autoep.py); the expert-parallel size of the
-resumed run is the one RESHARDED_DIR records (``expert_parallel.autoep_size`` of its saved config). Per pair: build
+resumed run and its ZeRO stage are the ones RESHARDED_DIR records (``expert_parallel.autoep_size`` and
+``zero_optimization.stage`` of its saved config). Per pair: build
 the fixture's tiny HF model, ``deepspeed.initialize`` with AutoEP at that size on N ranks, plain
 ``engine.load_checkpoint(dir)``, then compare with ``truth.safetensors`` (full stacked tensors; this rank's experts
 are the slice its live param's AutoEP record names):
@@ -52,20 +53,23 @@ rank = dist.get_rank()
 world = dist.get_world_size()
 
 
-def saved_ep(ckpt_dir):
+def saved_layout(ckpt_dir):
+    """(expert-parallel size, ZeRO stage) of the resharded save: from its saved config."""
     tag = open(os.path.join(ckpt_dir, "latest")).read().strip()
     name = "mp_rank_00_model_states.pt"
     if not os.path.exists(os.path.join(ckpt_dir, tag, name)):
         name = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO-3
     ms = torch.load(os.path.join(ckpt_dir, tag, name), map_location="cpu",
                     weights_only=False)  # our own output of a trusted fixture
-    return int(ms["ds_config"]["expert_parallel"]["autoep_size"])
+    cfg = ms["ds_config"]
+    return int(cfg["expert_parallel"]["autoep_size"]), int(cfg["zero_optimization"]["stage"])
 
 
 def check_one(name, ckpt_dir):
     problems = []
     spec = dict(am.AUTOEP_FIXTURES[name])
-    ep = saved_ep(ckpt_dir)
+    ep, stage = saved_layout(ckpt_dir)
+    spec["stage"] = stage
     cfg = am.ds_config({**spec, "ep": ep})
     cfg["train_batch_size"] = am.MICRO_BATCH * world
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))

@@ -228,12 +228,13 @@ def test_hf_export_of_an_unverified_preset_is_refused_by_name():
 # --- reshard: DP changes with EP kept, EP changes; --ep-size and --tp-size are one mechanism ----------------------
 
 
-def _reshard(src: Path, out: Path, world: int, ep: int | None):
+def _reshard(src: Path, out: Path, world: int, ep: int | None, stage: int | None = None):
     from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 
     cache_ = FileCache()
     ckpt = read_checkpoint(src, cache=cache_)
-    plan = plan_reshard(ckpt, world, facts=read_source_facts(ckpt, cache_), ep_size=ep, hf_files=False)
+    plan = plan_reshard(ckpt, world, facts=read_source_facts(ckpt, cache_), ep_size=ep, hf_files=False,
+                        zero_stage=stage)
     return plan, run_reshard(plan, out, cache=cache_, verify="full")
 
 
@@ -340,6 +341,7 @@ DS_CASES = [  # (fixture, chain of (world, ep)); loaded on 2 CPU ranks at the la
     ("autoep_mixtral_z2_fp32_ep2_dp2", [(2, 2)]),  # 4 ranks -> 2, EP kept: logits bit for bit
     ("autoep_qwen3_z1_bf16_ep2_dp2", [(4, 4), (2, 2)]),  # EP 2 -> 4 -> 2, DP 2 -> 1
     ("autoep_qwen3_z3_fp32_ep2_dp2", [(4, 4), (2, 1)]),  # ZeRO-3: EP 2 -> 4 -> 1, 4 ranks -> 2
+    ("autoep_mixtral_z1_fp32_ep2_dp1", [(2, 1, 2)]),  # ZeRO-1 -> ZeRO-2 with EP 2 -> 1
 ]
 
 
@@ -354,9 +356,9 @@ def ds_autoep_runs(tmp_path_factory):
     pairs = []
     for name, chain in DS_CASES:
         src = _fx(name) / "ckpt"
-        for i, (world, ep) in enumerate(chain):
+        for i, (world, ep, *stage) in enumerate(chain):
             out = base / f"{name}_{i}"
-            _reshard(src, out, world, ep)
+            _reshard(src, out, world, ep, *stage)
             src = out
         pairs.append(f"{name}={src}")
     bad = base / "negative"  # a changed expert master must fail the check
