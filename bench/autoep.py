@@ -97,7 +97,7 @@ def main() -> None:
     a, h, d = (med[k] / out_nbytes[k] for k in list(cases)[:3])
     print(f"AutoEP / dense, per output byte: {a / d:.2f}x (.safetensors), {h / d:.2f}x (HF folder); "
           "target <= 1.10x")
-    print(f"AutoEP to-fp32 vs ds_to_universal: {med[list(cases)[0]] / med[list(cases)[3]]:.2f}x the time")
+    print(f"AutoEP to-fp32 vs ds_to_universal: {med[next(iter(cases))] / med[list(cases)[3]]:.2f}x the time")
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ def test_reshard_changes_dp_and_ep_keeping_every_value(name, chain, tmp_path):
     src = fx / "ckpt"
     for i, (world, ep) in enumerate(chain):
         out = tmp_path / f"s{i}"
-        plan, res = _reshard(src, out, world, ep)
+        _, res = _reshard(src, out, world, ep)
         assert res.verified_tensors > 0
         src = out
     ckpt = read_checkpoint(src)
@@ -449,8 +449,8 @@ def test_universal_folder_of_an_autoep_run_exports_the_same_file_and_reshard_uni
 
 @pytest.mark.parametrize("change,why", [
     ({"ds_config": "etp"}, "expert tensor parallelism \\(expert_tensor_parallel_size 2\\) is not supported"),
-    ({"folding": {"tp_size": 2}}, "AutoEP together with AutoTP \\(tensor parallelism, 'folding' metadata\\) is not "
-                                  "supported"),
+    ({"folding": {"tp_size": 2}}, ("AutoEP together with AutoTP \\(tensor parallelism, 'folding' metadata\\) is "
+                                   "not supported")),
 ])
 def test_expert_tensor_parallelism_and_autotp_folding_are_refused_by_name(change, why, tmp_path):
     """Saves DeepSpeed would write with expert_tensor_parallel_size > 1 or AutoEP + AutoTP folding: refused by name
@@ -503,7 +503,7 @@ def test_native_moe_reshard_changes_the_expert_parallel_size(name, chain, tmp_pa
     fx = MOE_DIR / name
     src = fx / "ckpt"
     for i, (world, ep) in enumerate(chain):
-        plan, _ = _moe_reshard(src, tmp_path / f"s{i}", world, ep)
+        _moe_reshard(src, tmp_path / f"s{i}", world, ep)
         src = tmp_path / f"s{i}"
     ckpt = read_checkpoint(src)
     world, ep = chain[-1]

@@ -21,7 +21,14 @@ from typing import Any
 
 from ..errors import UnsupportedCheckpointError
 from ..model import LogicalCheckpoint, TensorEntry
-from ..parallel_layout import AutoEpLayout, ParallelLayout, ParamCut, SplitKind, TpLayout, stacked_expert_cut
+from ..parallel_layout import (
+    AutoEpLayout,
+    ParallelLayout,
+    ParamCut,
+    SplitKind,
+    TpLayout,
+    stacked_expert_cut,
+)
 
 __all__ = ["autoep_groups", "autoep_target", "retarget_record"]
 
@@ -37,7 +44,7 @@ def autoep_target(ckpt: LogicalCheckpoint, world: int, ep: int | None) -> AutoEp
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {world} ranks: "
             + (f"{ae.layers[0].num_experts} experts per layer do not split over {ep} ranks" if bad else
-               f"the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
+               "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
     by_name = {e.name: e for e in ckpt.entries}
     cuts = {n: stacked_expert_cut(n, by_name[n].shape, ep) for n in ae.expert_param_names}
     layers = tuple(type(la)(la.module_path, la.layer_id, la.num_experts, ep, la.expert_key_prefix, la.param_names)

@@ -13,8 +13,8 @@ entries carry global names, so only the cut, the expert groups' local names and 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import LogicalCheckpoint

@@ -31,13 +31,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..parallel_layout import AutoEpLayer, AutoEpLayout, ParallelLayout, ParamCut, stacked_expert_cut
+from ..parallel_layout import (
+    AutoEpLayer,
+    AutoEpLayout,
+    ParallelLayout,
+    ParamCut,
+    stacked_expert_cut,
+)
 from ..partition import split_by_partitions, zero3_partition_numel, zero3_spans
 from ..safe_load import DeepSpeedEnum, TensorRef
 from ..tensor_parallel import affine_disagreement, compose

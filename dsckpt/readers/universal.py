@@ -31,6 +31,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, Unsuppor
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_files, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..safe_load import DeepSpeedEnum, TensorRef
+from .autoep import entry_order
 from .common import (
     FileCache,
     alias_entry,
@@ -42,7 +43,6 @@ from .common import (
     precision_of,
     step_of,
 )
-from .autoep import entry_order
 from .zero3 import zero3_module_side_entries
 from .zero12 import module_side_entries
 
