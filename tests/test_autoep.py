@@ -321,7 +321,7 @@ def test_reshard_refuses_what_is_not_supported_by_name():
     with pytest.raises(UnsupportedCheckpointError, match="AutoEP is resharded within ZeRO stages 1-2 or at stage 3"):
         plan_reshard(ckpt, 2, zero_stage=3, hf_files=False)
     dense = read_checkpoint(Path(__file__).parent / "fixtures" / "s2_fp32_w4" / "ckpt")
-    with pytest.raises(UnsupportedCheckpointError, match="--ep-size is for DeepSpeed AutoEP checkpoints"):
+    with pytest.raises(UnsupportedCheckpointError, match="--ep-size is for Mixture-of-Experts checkpoints"):
         plan_reshard(dense, 2, ep_size=2, hf_files=False)
 
 
