@@ -154,7 +154,9 @@ def _fused(name: str, gate: TensorEntry, up: TensorEntry) -> TensorEntry:
             block = TpBlock(0, e * run, first, run_numel=run, full_stride=2 * run)
             for fr in src.fragments:
                 for r in (fr.runs() if fr.strided else (fr,)):
-                    frags.extend(compose(r, (block,)))
+                    # one contiguous fragment per expert half (runs of ffn * hidden elements): readers copy those
+                    # straight from the mapped file, where a strided fragment is read a window at a time
+                    frags.extend(x for g in compose(r, (block,)) for x in g.runs())
         pieces.append(Piece(pg.role, pg.dtype, tuple(sorted(frags, key=lambda x: x.dst_offset)), pg.replica))
     return TensorEntry(name, (e, 2 * f, h), gate.kind, gate.trainable and up.trainable, tuple(pieces),
                        group=gate.group)
