@@ -124,11 +124,11 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         if tp != 1:
             raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
                                              "together with AutoTP is not supported")
-        if (target.zero_stage == 3) != (source_layout_stage(ckpt) == 3):
+        if source_layout_stage(ckpt) == 3 and target.zero_stage != 3:
             raise UnsupportedCheckpointError(
-                f"cannot reshard '{ckpt.tag_dir}' (AutoEP, ZeRO stage {source_layout_stage(ckpt)}) to ZeRO stage "
-                f"{target.zero_stage}: AutoEP is resharded within ZeRO stages 1-2 or at stage 3 (its expert files "
-                "and records differ between the two); write --universal for DeepSpeed's universal loader otherwise")
+                f"cannot reshard '{ckpt.tag_dir}' (AutoEP, ZeRO stage 3) to ZeRO stage {target.zero_stage}: a ZeRO-1/2 "
+                "AutoEP save holds a 16-bit module file per expert, which dsckpt does not write yet; reshard it at "
+                "stage 3, or write --universal for DeepSpeed's universal loader")
         common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
     if ckpt.tensor_parallel is not None or tp != 1:
         return _plan_tensor_ranks(ckpt, target, tp, facts, common)

@@ -111,6 +111,10 @@ def retarget_record(record: Any, target: AutoEpLayout, world: int, rank: int = 0
         maps = entry.get("affine_maps") or {"version": 1, "params": {}}
         entry["affine_maps"] = {**maps, "params": {name: _affine_map(target.name_to_cut[name])
                                                    for name in layer.param_names}}
+        if zero3:  # engine.py: the ZeRO-3 record format (experts live in the optimizer partitions only)
+            entry.update(checkpoint_format="zero3_partitioned", checkpoint_format_version=1)
+        else:
+            entry.update(checkpoint_format="per_expert_files", checkpoint_format_version=None)
         entry.update(ep_group_name=f"ep_size_{ep}", ep_rank=ep_rank, expert_data_parallel_rank=edp_rank,
                      expert_data_parallel_world_size=world // ep, global_expert_start=ep_rank * per,
                      global_expert_end=(ep_rank + 1) * per)
@@ -183,7 +187,13 @@ def retarget_tree(name: str, tree: Mapping[str, Any], plan: Any) -> dict[str, An
             groups = [({**pg, "name": f"ep_size_{target.ep_size}"} if isinstance(pg, Mapping) and pg.get("moe")
                        else pg) for pg in base["param_groups"]]
             osd[inner_key] = {**base, "param_groups": groups}
-        if zero3 and "ds_zero_partition_groups" in osd:
-            osd["ds_zero_partition_groups"] = partition_groups(plan, rank)
+        if zero3 and "fp32_flat_groups" in osd:
+            # stage3.py _rigid_state_dict's key order: ... partition_count, ds_zero_partition_groups, optimizer_state_dict
+            groups = partition_groups(plan, rank)
+            osd = {k: v for k, v in osd.items() if k != "ds_zero_partition_groups"}
+            keys = list(osd)
+            at = keys.index("partition_count") + 1 if "partition_count" in keys else len(keys)
+            osd = {**{k: osd[k] for k in keys[:at]}, "ds_zero_partition_groups": groups,
+                   **{k: osd[k] for k in keys[at:]}}
         out[OSD] = osd
     return out
