@@ -124,11 +124,6 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         if tp != 1:
             raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
                                              "together with AutoTP is not supported")
-        if source_layout_stage(ckpt) == 3 and target.zero_stage != 3:
-            raise UnsupportedCheckpointError(
-                f"cannot reshard '{ckpt.tag_dir}' (AutoEP, ZeRO stage 3) to ZeRO stage {target.zero_stage}: a ZeRO-1/2 "
-                "AutoEP save holds a 16-bit module file per expert, which dsckpt does not write yet; reshard it at "
-                "stage 3, or write --universal for DeepSpeed's universal loader")
         common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
     if ckpt.tensor_parallel is not None or tp != 1:
         return _plan_tensor_ranks(ckpt, target, tp, facts, common)
@@ -286,6 +281,10 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         name, tree = zero12_model_tree(plan, ckpt, cache)
         jobs.append((tag_dir / name, tree))
         jobs += _copied(plan, tag_dir, cache)
+        if plan.autoep is not None and plan.from_stage == 3:
+            from .autoep import expert_file_trees
+
+            jobs += [(tag_dir / n, t) for n, t in expert_file_trees(plan, ckpt, cache)]
         for r in plan.ranks:
             assert r.optim_file is not None
             jobs.append((tag_dir / r.optim_file, zero12_optim_tree(plan, r, src0, scalars, cache)))

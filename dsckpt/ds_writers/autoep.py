@@ -197,3 +197,31 @@ def retarget_tree(name: str, tree: Mapping[str, Any], plan: Any) -> dict[str, An
                    **{k: osd[k] for k in keys[at:]}}
         out[OSD] = osd
     return out
+
+
+def expert_file_trees(plan: Any, ckpt: LogicalCheckpoint, cache: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The ``layer_{L}_expert_{X}_mp_rank_00_model_states.pt`` files of a ZeRO-1/2 target written from a ZeRO-3
+    AutoEP source, which has none (engine.py ``_save_moe_checkpoint``: per layer and global expert, its slice of every
+    stacked expert param under ``<param>.X``, in the module's dtype): each slice cast from the fp32 master. The
+    stacked master is read once per param (torch; the 16-bit cast needs it), one layer's worth in memory."""
+    import torch
+
+    from ..assemble import read_piece
+    from ..model import Precision, Role
+
+    target: AutoEpLayout = plan.autoep
+    dtype = torch.bfloat16 if ckpt.precision is Precision.BF16 else (
+        torch.float16 if ckpt.precision is Precision.FP16 else torch.float32)
+    by_name = {e.name: e for e in ckpt.entries}
+    out = []
+    for layer in target.layers:
+        full = {}
+        for name in layer.param_names:
+            master = by_name[name].piece(Role.MASTER)
+            if master is None:
+                raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': expert param '{name}' has no fp32 master")
+            full[name] = read_piece(master, by_name[name].shape, cache, name=name).to(dtype)
+        for x in range(layer.num_experts):
+            out.append((f"layer_{layer.layer_id}_expert_{x}_mp_rank_00_model_states.pt",
+                        {f"{name}.{x}": full[name][x].clone() for name in layer.param_names}))
+    return out
