@@ -3,7 +3,10 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus N --master_port P tests/ds_autoep_reshard_check.py \
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
 
-FIXTURE names an ``autoep/<name>`` fixture (tests/fixtures/generate_autoep.py); the expert-parallel size of the
+FIXTURE names an ``autoep/<name>`` fixture (tests/fixtures/generate_autoep.py); ``FIXTURE@E=UNIVERSAL_DIR`` loads a
+universal folder (``reshard --universal``, equal to ``ds_to_universal``'s) with ``"load_universal": true`` at
+expert-parallel size E: DeepSpeed's own route to another EP size, the second truth of the EP-change tests. The
+expert-parallel size of the
 resumed run and its ZeRO stage are the ones RESHARDED_DIR records (``expert_parallel.autoep_size`` and
 ``zero_optimization.stage`` of its saved config). Per pair: build
 the fixture's tiny HF model, ``deepspeed.initialize`` with AutoEP at that size on N ranks, plain
@@ -67,11 +70,18 @@ def saved_layout(ckpt_dir):
 
 def check_one(name, ckpt_dir):
     problems = []
+    universal = os.path.exists(os.path.join(ckpt_dir, "latest_universal"))
+    name, _, want_ep = name.partition("@")  # FIXTURE@EP: a universal folder, loaded at that EP size
     spec = dict(am.AUTOEP_FIXTURES[name])
-    ep, stage = saved_layout(ckpt_dir)
+    if universal:  # DeepSpeed's own route to another EP size: "checkpoint": {"load_universal": true}
+        ep, stage = int(want_ep), spec["stage"]
+    else:
+        ep, stage = saved_layout(ckpt_dir)
     spec["stage"] = stage
     cfg = am.ds_config({**spec, "ep": ep})
     cfg["train_batch_size"] = am.MICRO_BATCH * world
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))
     truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
     model = am.make_model(spec["arch"])  # values are overwritten by the load

@@ -361,6 +361,14 @@ def ds_autoep_runs(tmp_path_factory):
             _reshard(src, out, world, ep, *stage)
             src = out
         pairs.append(f"{name}={src}")
+    # DeepSpeed's own route to another EP size, the second truth: our --universal folder (= ds_to_universal's, tested
+    # above) loaded with "load_universal": true at EP 1. First: a universal ZeRO-2 load after ZeRO-3 engines in the
+    # same process hangs in DeepSpeed 0.19.8 (seen here: both ranks idle in a collective)
+    runner = CliRunner()
+    res = runner.invoke(main, ["reshard", "--universal", "-q", "--no-hf-files",
+                               str(_fx("autoep_mixtral_z2_bf16_ep2_dp1") / "ckpt"), str(base / "universal")])
+    assert res.exit_code == 0, res.output
+    pairs.insert(0, f"autoep_mixtral_z2_bf16_ep2_dp1@1={base / 'universal'}")
     bad = base / "negative"  # a changed expert master must fail the check
     _reshard(_fx("autoep_mixtral_z2_bf16_ep2_dp1") / "ckpt", bad, 2, 2)
     plant(bad, "model.layers.1.mlp.experts.w3", Role.MASTER, 3 * 16 * 8 + 5, 12.5)
@@ -378,7 +386,8 @@ def test_deepspeed_resumes_resharded_autoep_checkpoints(ds_autoep_runs):
     good = [r for r in results if not r["ckpt"].endswith("negative")]
     failed = [r for r in good if not r["ok"]]
     assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
-    assert [r["fixture"] for r in good] == [n for n, _ in DS_CASES]  # every case ran and passed
+    # every case ran and passed, and DeepSpeed's universal loader at EP 1 agrees with the same truth
+    assert [r["fixture"] for r in good] == ["autoep_mixtral_z2_bf16_ep2_dp1@1"] + [n for n, _ in DS_CASES]
     (neg,) = [r for r in results if r["ckpt"].endswith("negative")]
     # expert 3 of layer 1 lives on EP rank 1 (experts 2, 3): only rank 1 sees the change; the logits move too
     assert not neg["ok"] and "rank 1: param of 'model.layers.1.mlp.experts.w3' differs from the source" in neg[
