@@ -557,3 +557,30 @@ def test_deepspeed_resumes_native_moe_at_another_expert_parallel_size(ds_moe_ep_
     rc, results, log = ds_moe_ep_runs
     assert [r["ok"] for r in results] == [True, True], log
     assert rc == 0, log
+
+
+def test_scan_finds_and_repair_fixes_an_expert_copy_under_its_stacked_name(tmp_path):
+    """An inf planted in expert 3's 16-bit copy (its layer_1_expert_3 file) is reported under the stacked name at
+    the global element, and ``repair --from master`` restores it from the fp32 master: no AutoEP branch in either."""
+    import shutil
+
+    from scan_helpers import plant
+
+    fx = _fx("autoep_mixtral_z2_bf16_ep2_dp1")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx / "ckpt", ckpt)
+    index = 3 * 16 * 8 + 5  # expert 3, element 5 of model.layers.1.mlp.experts.w1 [4, 16, 8]
+    (changed,) = plant(ckpt, "model.layers.1.mlp.experts.w1", Role.MODULE, index, float("inf"))
+    assert changed.name == "layer_1_expert_3_mp_rank_00_model_states.pt"
+    runner = CliRunner()
+    res = runner.invoke(main, ["scan", "--json", str(ckpt)])
+    assert res.exit_code == 1, res.output
+    (f,) = json.loads(res.stdout)["findings"]
+    assert (f["name"], f["first_indices"], f["file"].endswith(changed.name)) == (
+        "model.layers.1.mlp.experts.w1", [index], True), f
+    res = runner.invoke(main, ["repair", "-q", "--from", "master", str(ckpt), str(tmp_path / "fixed")])
+    assert res.exit_code == 0, res.output
+    assert runner.invoke(main, ["scan", str(tmp_path / "fixed")]).exit_code == 0
+    cache_ = FileCache()
+    entry = read_checkpoint(tmp_path / "fixed").entry("model.layers.1.mlp.experts.w1")
+    assert torch.equal(read_entry(entry, cache_, Role.MODULE), truth(fx)["lowp/model.layers.1.mlp.experts.w1"])
