@@ -21,7 +21,8 @@ tests/fixtures/, and its shown output is compared. The convention (also in docs/
 
 Besides the examples: ``mkdocs build --strict`` (the site builds with no warning: every page in the nav,
 every link and anchor resolves, the API reference renders from the docstrings), README.md stays a landing
-page of at most 250 lines whose links resolve, and its error-message table is the one in docs/errors.md.
+page of at most 250 lines whose links resolve and whose test command is the one .ci/run runs, its error-message
+table is the one in docs/errors.md, and docs/api.md renders every name of dsckpt.__all__.
 """
 
 from __future__ import annotations
@@ -350,3 +351,21 @@ def test_shims_run_this_checkout(tmp_path: Path) -> None:
                          cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(out).resolve() == (REPO / "dsckpt" / "__init__.py").resolve()
     assert shutil.which("dsckpt", path=env["PATH"]) == str(tmp_path / "bin" / "dsckpt")
+
+
+def test_api_page_covers_the_public_surface() -> None:
+    import dsckpt
+
+    text = (DOCS / "api.md").read_text(encoding="utf-8")
+    shown = set(re.findall(r"^::: dsckpt\.(\w+)\s*$", text, flags=re.M))
+    public = set(dsckpt.__all__) - {"__version__"}
+    assert shown == public, f"docs/api.md lacks {sorted(public - shown)}, shows non-public {sorted(shown - public)}"
+
+
+TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert TEST_COMMAND in ci, f".ci/run does not run {TEST_COMMAND!r} on a line of its own"
+    assert TEST_COMMAND in (REPO / "README.md").read_text(encoding="utf-8").splitlines()
