@@ -45,7 +45,9 @@ PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 README_MAX_LINES = 250
 COMMAND_TIMEOUT_S = 300
 
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<lang>[\w+-]*)[^\n]*$")
+# a fence opens a code block only if its info string holds no backtick (CommonMark), so prose such as
+# "```` ```bash ```` blocks" at the start of a line is not one
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<lang>[\w+-]*)[^`\n]*$")
 _EXIT = re.compile(r"^\[exit (\d+)\]$")
 
 
@@ -353,6 +355,7 @@ def test_parse_examples() -> None:
         "text", "```console", "$ dsckpt info x", "line 1", "...", "$ false", "[exit 1]", "$ echo a \\", "  b", "```",
         "", "```python", "print(1)", "```", "", "```text", "1", "```", "- item", "    ```python", "    x = 2", "    ```",
         "```bash", "pip install dsckpt", "```", "```py", "not_run()", "```",
+        "  ```` ```console ```` in prose is no fence", "```console", "$ true", "```",
     ])
     exs = parse_examples(page)
     assert [(e.kind, e.line, e.source, e.expected, e.exit_code) for e in exs] == [
@@ -361,6 +364,7 @@ def test_parse_examples() -> None:
         ("console", 8, "echo a \\\n  b", (), 0),
         ("python", 13, "print(1)\n", ("1",), 0),
         ("python", 21, "x = 2\n", None, 0),
+        ("console", 31, "true", (), 0),
     ]
 
 
@@ -403,3 +407,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert TEST_COMMAND in ci, f".ci/run does not run {TEST_COMMAND!r} on a line of its own"
     assert TEST_COMMAND in (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+
+
+NOT_RUN = {"bash", "py", "text", "json", "yaml", "toml", "ini", "diff"}
+
+
+def test_every_command_example_runs() -> None:
+    """A ``$ `` command outside a console block, or a block with no language, would escape the checks."""
+    problems = []
+    for page in PAGES:
+        for b in parse_blocks(page.read_text(encoding="utf-8")):
+            where = f"{_page_id(page)}:{b.line}"
+            if b.lang not in NOT_RUN | {"console", "python"}:
+                problems.append(f"{where}: a ```{b.lang} block; use console or python (run), or one of {sorted(NOT_RUN)}")
+            elif b.lang != "console" and any(ln.startswith("$ ") for ln in b.lines):
+                problems.append(f"{where}: '$ ' commands in a ```{b.lang} block are not run; use ```console")
+    assert not problems, "\n".join(problems)
