@@ -24,7 +24,8 @@ import tracemalloc
 from pathlib import Path
 
 from dsckpt.model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
-from dsckpt.tensor_parallel import ParamCut, SplitKind, TpLayout, compose, rank_view
+from dsckpt.parallel_layout import ParamCut, SplitKind, TpLayout
+from dsckpt.tensor_parallel import compose, rank_view
 
 ROLES = (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ)
 

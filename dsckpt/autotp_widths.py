@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .tensor_parallel import ParamCut, SplitKind, TpLayout
+from .parallel_layout import ParamCut, SplitKind, TpLayout
 
 __all__ = ["KV_HEAD_ATTRS", "AutoTpMeta", "autotp_meta_from_config", "read_autotp_meta", "record_at",
            "shard_widths", "target_layout"]

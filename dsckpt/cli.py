@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from . import __version__
+from ._version import __version__
 from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError
 from .interrupts import Terminated, signals_as_exceptions
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
-    from .tensor_parallel import ParamCut, TpLayout
+    from .parallel_layout import MoeLayout, TpLayout
 
 __all__ = [
     "Fragment",
@@ -231,40 +231,6 @@ class TensorEntry:
         p = self.piece(Role.MASTER) or self.piece(Role.MODULE)
         assert p is not None, f"{self.name} has no readable copy"
         return p
-
-
-@dataclass(frozen=True)
-class MoeLayout:
-    """How a DeepSpeed MoE checkpoint spreads its experts (see :mod:`dsckpt.parallel_layout`).
-
-    ``group_ep_sizes``: per optimizer param group, the expert-parallel size of an expert group, or
-    None for a dense group. ``layers``: per MoE layer, ``(expert name prefix ("...deepspeed_experts."),
-    number of experts, expert-parallel size)``. Expert entries carry their global names; the files name
-    them by local id (optimizer side) and global id (expert files).
-    """
-
-    group_ep_sizes: tuple[int | None, ...]
-    layers: tuple[tuple[str, int, int], ...]
-    data_before_expert: bool
-    expert_files: tuple[Path, ...]
-    expp_optim_files: tuple[Path, ...] = ()  # stage 0: per expert-parallel rank optimizer files
-
-    @property
-    def ep_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({e for e in self.group_ep_sizes if e is not None}))
-
-    @property
-    def num_experts(self) -> int:
-        return sum(n for _, n, _ in self.layers)
-
-    def expert_cut(self, prefix: str) -> ParamCut:
-        """MoE layer ``prefix``'s experts cut over its expert-parallel ranks (:func:`dsckpt.parallel_layout.expert_cut`)."""
-        from .parallel_layout import expert_cut
-
-        for p, n, ep in self.layers:
-            if p == prefix:
-                return expert_cut(p, n, ep)
-        raise KeyError(prefix)
 
 
 @dataclass(frozen=True)

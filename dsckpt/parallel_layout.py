@@ -3,7 +3,7 @@ arithmetic, no I/O, no torch.
 
 :class:`ParallelLayout` is the frozen description of the parallel dimensions of a run: ``dp`` (data-parallel ranks,
 over which ZeRO partitions the dense param groups), ``tp`` (tensor-parallel ranks, each holding its local slices,
-cut as :class:`~dsckpt.tensor_parallel.ParamCut` s say), ``pp`` (pipeline stages) and ``ep`` (the expert-parallel
+cut as :class:`ParamCut` s say), ``pp`` (pipeline stages) and ``ep`` (the expert-parallel
 size of one expert param group: the experts of a MoE layer spread over ``ep`` ranks, whose expert param groups ZeRO
 partitions over the ``expert_dp = dp / ep`` ranks holding the same experts). Its rank arithmetic says which global
 rank is which :class:`RankCoordinate` and back, which data-parallel ranks hold an expert-parallel rank's experts (the
@@ -30,8 +30,8 @@ A rank's rank inside a group (``dist.get_rank(group)``, used by ``_get_expert_pa
 
 Which experts an expert-parallel rank holds is a cut in the tensor-parallel vocabulary: stack a MoE layer's
 ``num_experts`` experts into one logical ``(num_experts, ...)`` tensor; expert-parallel rank ``r`` holds its dim-0
-slice of ``num_experts / ep`` rows, i.e. a :class:`~dsckpt.tensor_parallel.ParamCut` of kind ``COLUMN`` over the
-expert index (:func:`expert_cut`). Its :meth:`~dsckpt.tensor_parallel.ParamCut.rank_blocks` give local expert ``l``
+slice of ``num_experts / ep`` rows, i.e. a :class:`ParamCut` of kind ``COLUMN`` over the
+expert index (:func:`expert_cut`). Its :meth:`ParamCut.rank_blocks` give local expert ``l``
 of rank ``r`` the global id ``r * num_experts / ep + l`` -- the id ``engine.py::_save_moe_checkpoint`` writes into
 ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` -- and the same blocks read backwards give a global expert's
 owner and local id. The MoE reader maps local names to global ones (:func:`global_expert_name`), the MoE ds_writer
@@ -39,7 +39,7 @@ both ways (:func:`local_expert_name`).
 
 How TP and MoE would compose (not implemented; the readers refuse MoE with TP): each TP rank's experts are cut
 twice -- over the expert index by the expert-parallel rank (:func:`expert_cut`), and inside each expert by the TP
-rank (a :class:`~dsckpt.tensor_parallel.ParamCut` of the expert's weight) -- so an expert param's full-tensor
+rank (a :class:`~dsckpt.parallel_layout.ParamCut` of the expert's weight) -- so an expert param's full-tensor
 fragments come from composing the two cuts. DeepSpeed builds those groups differently (``mp_size > 1``:
 TP-strided expert groups, or AutoEP folding tables; ``use_data_before_expert_parallelism`` refused), so
 :class:`ParallelLayout` refuses ``ep > 1`` with ``tp > 1`` rather than apply the legacy arithmetic to them.
@@ -47,21 +47,189 @@ TP-strided expert groups, or AutoEP folding tables; ``use_data_before_expert_par
 
 from __future__ import annotations
 
+import enum
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-from .tensor_parallel import ParamCut, SplitKind, TpBlock
+from pathlib import Path
 
 __all__ = [
     "EXPERT_NAME",
+    "MoeLayout",
     "ParallelLayout",
+    "ParamCut",
     "RankCoordinate",
+    "SplitKind",
+    "TpBlock",
+    "TpLayout",
     "expert_cut",
     "expert_owner",
     "global_expert_id",
     "global_expert_name",
     "local_expert_name",
 ]
+
+# --------------------------------------------------------------------------------------------
+# Cuts: how one param's full tensor is split over the ranks of one dimension (TP slices, experts)
+
+class SplitKind(enum.Enum):
+    """How one param is cut across TP ranks."""
+
+    REPLICATED = "replicated"  # every TP rank holds the full tensor (copies must agree)
+    COLUMN = "column"  # split on dim 0 (column-parallel linear: q/k/v/gate/up)
+    ROW = "row"  # split on dim 1 (row-parallel linear: o/down)
+    VOCABULARY = "vocabulary"  # split on dim 0, rows past the original vocabulary size are padding
+    SUB_PARAMS = "sub-params"  # fused sub-params (qkv, [gate; up]), each split on ``dim`` by its own widths
+
+
+@dataclass(frozen=True)
+class TpBlock:
+    """Local flat elements ``[local_offset, local_offset + numel)`` of one TP rank's slice land in the flattened
+    full tensor at ``full_offset``: contiguously when ``run_numel`` is 0, else in runs of ``run_numel`` elements
+    ``full_stride`` apart (``numel`` is then a multiple of ``run_numel``)."""
+
+    local_offset: int
+    numel: int
+    full_offset: int
+    run_numel: int = 0
+    full_stride: int = 0
+
+    def full_index(self, k: int) -> int:
+        """Full-tensor flat index of the block's ``k``-th element."""
+        if not self.run_numel:
+            return self.full_offset + k
+        return self.full_offset + (k // self.run_numel) * self.full_stride + k % self.run_numel
+
+
+@dataclass(frozen=True)
+class ParamCut:
+    """One param's cut: ``dim`` (None when replicated), the full shape, each rank's local shape, and per
+    sub-param the width each rank holds along ``dim`` (one sub-param for a plain split). ``keep_rows``:
+    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding, :attr:`padding_rows`).
+    ``category``: the ``universal_checkpoint_info`` pattern list that decided the cut (e.g.
+    ``parameter_with_2_sub_params_cat_dim_0``; None for the default dim-0 split), which ds_to_universal's output
+    keys depend on."""
+
+    name: str
+    kind: SplitKind
+    dim: int | None
+    full_shape: tuple[int, ...]
+    rank_shapes: tuple[tuple[int, ...], ...]
+    sub_widths: tuple[tuple[int, ...], ...] = ()
+    keep_rows: int | None = None
+    category: str | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.rank_shapes)
+
+    def describe(self) -> str:
+        if self.kind is SplitKind.REPLICATED:
+            return "replicated"
+        w = "/".join(str(s[self.dim]) for s in self.rank_shapes) if self.dim is not None else ""
+        extra = f", {len(self.sub_widths)} sub-params" if self.kind is SplitKind.SUB_PARAMS else ""
+        keep = f", {self.keep_rows} rows kept" if self.keep_rows is not None else ""
+        return f"{self.kind.value} dim {self.dim} ({w}{extra}{keep})"
+
+    @property
+    def padding_rows(self) -> int:
+        """Rows of the padded vocabulary past ``keep_rows`` (0 for other params)."""
+        if self.keep_rows is None:
+            return 0
+        return sum(sum(ws) for ws in self.sub_widths) - self.keep_rows
+
+    def padding_blocks(self, t: int) -> tuple[TpBlock, ...]:
+        """Where TP rank ``t``'s local elements past ``keep_rows`` (vocabulary padding rows) go in the flattened
+        padding rows ``[keep_rows, padded)`` of the full tensor (:attr:`~dsckpt.model.TensorEntry.padding`).
+        Together with :meth:`rank_blocks` they cover every local element once."""
+        if not self.padding_rows:
+            return ()
+        assert self.kind is SplitKind.VOCABULARY and self.dim == 0 and len(self.sub_widths) == 1
+        inner = math.prod(self.full_shape[1:])
+        ws = self.sub_widths[0]
+        start = sum(ws[:t])
+        first = max(start, self.keep_rows or 0)
+        rows = start + ws[t] - first
+        if rows <= 0:
+            return ()
+        return (TpBlock((first - start) * inner, rows * inner, (first - (self.keep_rows or 0)) * inner),)
+
+    def rank_blocks(self, t: int) -> tuple[TpBlock, ...]:
+        """Where TP rank ``t``'s local flat elements go in the flattened full tensor (padding rows: nowhere)."""
+        local = self.rank_shapes[t]
+        if self.kind is SplitKind.REPLICATED or self.dim is None:
+            return (TpBlock(0, math.prod(local), 0),)
+        d = self.dim
+        full = self.full_shape
+        outer = math.prod(full[:d])
+        inner = math.prod(full[d + 1:])
+        full_d = sum(sum(ws) for ws in self.sub_widths)  # before the vocabulary cut
+        local_d = local[d]
+        keep = self.keep_rows if self.keep_rows is not None else full_d
+        out: list[TpBlock] = []
+        local_pos = 0
+        full_base = 0
+        for ws in self.sub_widths:
+            w = ws[t]
+            full_pos = full_base + sum(ws[:t])
+            if d == 0:
+                w_kept = max(0, min(w, keep - full_pos))
+                if w_kept:
+                    out.append(TpBlock(local_pos * inner, w_kept * inner, full_pos * inner))
+            elif w:
+                if w == local_d:  # the whole local slice: one strided block
+                    out.append(TpBlock(local_pos * inner, outer * w * inner, full_pos * inner,
+                                       w * inner, full_d * inner))
+                else:  # several sub-params cut on dim > 0: one block per outer index
+                    for i in range(outer):
+                        out.append(TpBlock((i * local_d + local_pos) * inner, w * inner,
+                                           (i * full_d + full_pos) * inner))
+            local_pos += w
+            full_base += sum(ws)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """The tensor-parallel dimension of a checkpoint: its size, where the record came from, and every param's cut."""
+
+    tp_size: int
+    source: str  # "autotp" (affine_map) or "megatron" (category patterns, client state)
+    name_to_cut: Mapping[str, ParamCut]
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """How a DeepSpeed MoE checkpoint spreads its experts (see :mod:`dsckpt.parallel_layout`).
+
+    ``group_ep_sizes``: per optimizer param group, the expert-parallel size of an expert group, or
+    None for a dense group. ``layers``: per MoE layer, ``(expert name prefix ("...deepspeed_experts."),
+    number of experts, expert-parallel size)``. Expert entries carry their global names; the files name
+    them by local id (optimizer side) and global id (expert files).
+    """
+
+    group_ep_sizes: tuple[int | None, ...]
+    layers: tuple[tuple[str, int, int], ...]
+    data_before_expert: bool
+    expert_files: tuple[Path, ...]
+    expp_optim_files: tuple[Path, ...] = ()  # stage 0: per expert-parallel rank optimizer files
+
+    @property
+    def ep_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({e for e in self.group_ep_sizes if e is not None}))
+
+    @property
+    def num_experts(self) -> int:
+        return sum(n for _, n, _ in self.layers)
+
+    def expert_cut(self, prefix: str) -> ParamCut:
+        """MoE layer ``prefix``'s experts cut over its expert-parallel ranks (:func:`expert_cut`)."""
+        for p, n, ep in self.layers:
+            if p == prefix:
+                return expert_cut(p, n, ep)
+        raise KeyError(prefix)
+
 
 # engine.py::_save_moe_checkpoint: moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(?P<id>\d+)(?P<rest>\..+)$")

@@ -6,12 +6,14 @@ rank (tests/fixtures/README.md, "AutoTP fixtures"). How the slices make the full
 code itself in ``universal_checkpoint_info`` (model-states files): category pattern lists (replicated, row-parallel,
 vocabulary, sub-params) and, for AutoTP 0.4, an ``affine_map`` per param (checked against the patterns, :func:`affine_disagreement`).
 :func:`tp_layout_from_record` turns that
-record plus every rank's local shapes into a :class:`TpLayout`: per param a :class:`ParamCut` (split kind, dim,
+record plus every rank's local shapes into a :class:`~dsckpt.parallel_layout.TpLayout`: per param a
+:class:`~dsckpt.parallel_layout.ParamCut` (split kind, dim,
 per-rank widths of each sub-param, vocabulary rows kept). The merge rules are DeepSpeed 0.19.8's
 ``ds_to_universal.merge_tp_slices``; a split is never inferred from shapes.
 
-:meth:`ParamCut.rank_blocks` says where TP rank ``t``'s local flat elements land in the flattened full tensor as
-:class:`TpBlock` s, and :func:`compose` maps a reader's local :class:`~dsckpt.model.Fragment` through them. A
+:meth:`~dsckpt.parallel_layout.ParamCut.rank_blocks` (the general vocabulary of cuts lives in
+:mod:`dsckpt.parallel_layout`, below every record that produces one) says where TP rank ``t``'s local flat elements land in the flattened full tensor as
+:class:`~dsckpt.parallel_layout.TpBlock` s, and :func:`compose` maps a reader's local :class:`~dsckpt.model.Fragment` through them. A
 row-parallel slice (split on dim 1) is strided in the full tensor; it becomes **one strided fragment**
 (``run_numel``/``dst_stride``, see :class:`~dsckpt.model.Fragment`) plus at most a partial head and tail run where a
 ZeRO partition boundary falls inside a row, instead of one fragment per row: a 70B model's row-parallel weights at
@@ -35,137 +37,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .autotp_widths import target_layout
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry, runs_overlapping
+from .parallel_layout import ParamCut, SplitKind, TpBlock, TpLayout
 
-__all__ = ["ParamCut", "SplitKind", "TpBlock", "TpLayout", "affine_disagreement", "compose", "rank_view",
-           "resize_layout", "tp_layout_from_record"]
-
-
-class SplitKind(enum.Enum):
-    """How one param is cut across TP ranks."""
-
-    REPLICATED = "replicated"  # every TP rank holds the full tensor (copies must agree)
-    COLUMN = "column"  # split on dim 0 (column-parallel linear: q/k/v/gate/up)
-    ROW = "row"  # split on dim 1 (row-parallel linear: o/down)
-    VOCABULARY = "vocabulary"  # split on dim 0, rows past the original vocabulary size are padding
-    SUB_PARAMS = "sub-params"  # fused sub-params (qkv, [gate; up]), each split on ``dim`` by its own widths
-
-
-@dataclass(frozen=True)
-class TpBlock:
-    """Local flat elements ``[local_offset, local_offset + numel)`` of one TP rank's slice land in the flattened
-    full tensor at ``full_offset``: contiguously when ``run_numel`` is 0, else in runs of ``run_numel`` elements
-    ``full_stride`` apart (``numel`` is then a multiple of ``run_numel``)."""
-
-    local_offset: int
-    numel: int
-    full_offset: int
-    run_numel: int = 0
-    full_stride: int = 0
-
-    def full_index(self, k: int) -> int:
-        """Full-tensor flat index of the block's ``k``-th element."""
-        if not self.run_numel:
-            return self.full_offset + k
-        return self.full_offset + (k // self.run_numel) * self.full_stride + k % self.run_numel
-
-
-@dataclass(frozen=True)
-class ParamCut:
-    """One param's cut: ``dim`` (None when replicated), the full shape, each rank's local shape, and per
-    sub-param the width each rank holds along ``dim`` (one sub-param for a plain split). ``keep_rows``:
-    vocabulary params keep the first ``keep_rows`` full rows (the rest are padding, :attr:`padding_rows`).
-    ``category``: the ``universal_checkpoint_info`` pattern list that decided the cut (e.g.
-    ``parameter_with_2_sub_params_cat_dim_0``; None for the default dim-0 split), which ds_to_universal's output
-    keys depend on."""
-
-    name: str
-    kind: SplitKind
-    dim: int | None
-    full_shape: tuple[int, ...]
-    rank_shapes: tuple[tuple[int, ...], ...]
-    sub_widths: tuple[tuple[int, ...], ...] = ()
-    keep_rows: int | None = None
-    category: str | None = None
-
-    @property
-    def tp_size(self) -> int:
-        return len(self.rank_shapes)
-
-    def describe(self) -> str:
-        if self.kind is SplitKind.REPLICATED:
-            return "replicated"
-        w = "/".join(str(s[self.dim]) for s in self.rank_shapes) if self.dim is not None else ""
-        extra = f", {len(self.sub_widths)} sub-params" if self.kind is SplitKind.SUB_PARAMS else ""
-        keep = f", {self.keep_rows} rows kept" if self.keep_rows is not None else ""
-        return f"{self.kind.value} dim {self.dim} ({w}{extra}{keep})"
-
-    @property
-    def padding_rows(self) -> int:
-        """Rows of the padded vocabulary past ``keep_rows`` (0 for other params)."""
-        if self.keep_rows is None:
-            return 0
-        return sum(sum(ws) for ws in self.sub_widths) - self.keep_rows
-
-    def padding_blocks(self, t: int) -> tuple[TpBlock, ...]:
-        """Where TP rank ``t``'s local elements past ``keep_rows`` (vocabulary padding rows) go in the flattened
-        padding rows ``[keep_rows, padded)`` of the full tensor (:attr:`~dsckpt.model.TensorEntry.padding`).
-        Together with :meth:`rank_blocks` they cover every local element once."""
-        if not self.padding_rows:
-            return ()
-        assert self.kind is SplitKind.VOCABULARY and self.dim == 0 and len(self.sub_widths) == 1
-        inner = math.prod(self.full_shape[1:])
-        ws = self.sub_widths[0]
-        start = sum(ws[:t])
-        first = max(start, self.keep_rows or 0)
-        rows = start + ws[t] - first
-        if rows <= 0:
-            return ()
-        return (TpBlock((first - start) * inner, rows * inner, (first - (self.keep_rows or 0)) * inner),)
-
-    def rank_blocks(self, t: int) -> tuple[TpBlock, ...]:
-        """Where TP rank ``t``'s local flat elements go in the flattened full tensor (padding rows: nowhere)."""
-        local = self.rank_shapes[t]
-        if self.kind is SplitKind.REPLICATED or self.dim is None:
-            return (TpBlock(0, math.prod(local), 0),)
-        d = self.dim
-        full = self.full_shape
-        outer = math.prod(full[:d])
-        inner = math.prod(full[d + 1:])
-        full_d = sum(sum(ws) for ws in self.sub_widths)  # before the vocabulary cut
-        local_d = local[d]
-        keep = self.keep_rows if self.keep_rows is not None else full_d
-        out: list[TpBlock] = []
-        local_pos = 0
-        full_base = 0
-        for ws in self.sub_widths:
-            w = ws[t]
-            full_pos = full_base + sum(ws[:t])
-            if d == 0:
-                w_kept = max(0, min(w, keep - full_pos))
-                if w_kept:
-                    out.append(TpBlock(local_pos * inner, w_kept * inner, full_pos * inner))
-            elif w:
-                if w == local_d:  # the whole local slice: one strided block
-                    out.append(TpBlock(local_pos * inner, outer * w * inner, full_pos * inner,
-                                       w * inner, full_d * inner))
-                else:  # several sub-params cut on dim > 0: one block per outer index
-                    for i in range(outer):
-                        out.append(TpBlock((i * local_d + local_pos) * inner, w * inner,
-                                           (i * full_d + full_pos) * inner))
-            local_pos += w
-            full_base += sum(ws)
-        return tuple(out)
-
-
-@dataclass(frozen=True)
-class TpLayout:
-    """The tensor-parallel dimension of a checkpoint: its size, where the record came from, and every param's cut."""
-
-    tp_size: int
-    source: str  # "autotp" (affine_map) or "megatron" (category patterns, client state)
-    name_to_cut: Mapping[str, ParamCut]
+__all__ = ["affine_disagreement", "compose", "rank_view", "resize_layout", "tp_layout_from_record"]
 
 
 def compose(frag: Fragment, blocks: Sequence[TpBlock]) -> list[Fragment]:
@@ -587,8 +464,6 @@ def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayo
             "of a padded vocabulary is not supported: write --universal and load it with "
             "\"checkpoint\": {\"load_universal\": true} (DeepSpeed re-pads the vocabulary with zeros for the new model)")
     if tp_size != 1:
-        from .autotp_widths import target_layout
-
         return target_layout(layout, tp_size, meta)
     cuts = {}
     for name, c in layout.name_to_cut.items():

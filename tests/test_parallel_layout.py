@@ -23,7 +23,8 @@ from dsckpt.parallel_layout import (
     global_expert_name,
     local_expert_name,
 )
-from dsckpt.tensor_parallel import SplitKind, TpBlock, tp_layout_from_record
+from dsckpt.parallel_layout import SplitKind, TpBlock
+from dsckpt.tensor_parallel import tp_layout_from_record
 
 # (dp, ep) with ep dividing dp
 SIZES = [(dp, ep) for dp in range(1, 13) for ep in range(1, dp + 1) if dp % ep == 0]

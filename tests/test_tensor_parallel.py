@@ -32,7 +32,8 @@ from dsckpt.readers.common import lookup
 from dsckpt.readers.tensor_parallel import rank_files
 from dsckpt.readers.zero12 import read_zero12
 from dsckpt.scan import scan
-from dsckpt.tensor_parallel import ParamCut, SplitKind, compose, tp_layout_from_record
+from dsckpt.parallel_layout import ParamCut, SplitKind
+from dsckpt.tensor_parallel import compose, tp_layout_from_record
 
 ROLE_KEY = {Role.MASTER: "fp32", Role.EXP_AVG: "exp_avg", Role.EXP_AVG_SQ: "exp_avg_sq"}
 

@@ -23,7 +23,8 @@ from dsckpt.chunks import fragment_views, place, plan_piece_chunks
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Fragment, Piece, Role, contiguous_fragments
 from dsckpt.readers import FileCache
-from dsckpt.tensor_parallel import ParamCut, SplitKind, TpBlock, _local_fragments, compose
+from dsckpt.parallel_layout import ParamCut, SplitKind, TpBlock
+from dsckpt.tensor_parallel import _local_fragments, compose
 
 
 def _per_row(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tuple[Fragment, ...]:

@@ -104,7 +104,7 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
 
     Tensor parallelism is one more dimension of the same layout: each target TP rank is an ordinary
     data-parallel checkpoint of its local slices (:func:`dsckpt.tensor_parallel.rank_view` maps them through
-    the :class:`~dsckpt.tensor_parallel.TpLayout`), planned by the same writers into files named
+    the :class:`~dsckpt.parallel_layout.TpLayout`), planned by the same writers into files named
     ``..._mp_rank_{t:02d}_...`` (:attr:`LayoutPlan.tensor_ranks`).
     """
     src_tp = max(1, ckpt.tp_world_size)
@@ -231,7 +231,7 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
 
 def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any,
                      layouts: tuple[Any, Any] | None = None) -> list[tuple[Path, Any]]:
-    """``layouts``: the source's and the target's :class:`~dsckpt.tensor_parallel.TpLayout` of a TP checkpoint."""
+    """``layouts``: the source's and the target's :class:`~dsckpt.parallel_layout.TpLayout` of a TP checkpoint."""
     jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys

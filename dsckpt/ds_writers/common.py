@@ -201,7 +201,7 @@ def retarget_tp_keys(tree: Any, plan: LayoutPlan, layouts: tuple[Any, Any] | Non
     AutoTP partitions the model (``finalize_autotp(attach_uc_metadata=True)``; with ``autotp_size`` <= 1
     ``_configure_tensor_parallel`` returns before, engine.py), so a TP-1 file has none: it is dropped. At another
     TP size > 1 it is rewritten for the target's cut (``layouts``: the source's and the target's
-    :class:`~dsckpt.tensor_parallel.TpLayout`; :func:`dsckpt.autotp_widths.record_at`)."""
+    :class:`~dsckpt.parallel_layout.TpLayout`; :func:`dsckpt.autotp_widths.record_at`)."""
     if not isinstance(tree, Mapping):
         return tree
     out = dict(tree)

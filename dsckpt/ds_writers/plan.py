@@ -162,7 +162,7 @@ class LayoutPlan:
     # TP > 1: one plan per target TP rank (each an ordinary data-parallel plan of that rank's local slices, see
     # dsckpt.tensor_parallel.rank_view) and the layout they were cut by; this plan's own ``ranks`` are then empty.
     tensor_ranks: tuple[LayoutPlan, ...] = ()
-    tp_layout: Any = None  # a dsckpt.tensor_parallel.TpLayout
+    tp_layout: Any = None  # a dsckpt.parallel_layout.TpLayout
 
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per TP rank, or this plan itself."""

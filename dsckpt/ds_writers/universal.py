@@ -219,7 +219,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
 
 def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | None:
     """The keys DeepSpeed 0.19.8's ``ds_to_universal.merge_tp_slices`` writes before ``"param"`` in a merged
-    tensor-parallel state file of the param cut by ``cut`` (a :class:`~dsckpt.tensor_parallel.ParamCut`), in its
+    tensor-parallel state file of the param cut by ``cut`` (a :class:`~dsckpt.parallel_layout.ParamCut`), in its
     order; None where dsckpt cannot write them (sub-params of varying shapes: a pickled ``SubparamShape``).
 
     An AutoTP affine map decides the merge and adds no category key; a Megatron-style record adds ``cat_dim``
@@ -227,7 +227,7 @@ def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | No
     ``parameter_with_2_sub_params_cat_dim_0``, nothing for replicated params. Either way a vocabulary param is cut
     to ``original_vocab_size`` rows and marked ``vocab_tensor: True`` (the universal loader re-pads it with zeros
     for the loading model's TP size, checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``)."""
-    from ..tensor_parallel import SplitKind
+    from ..parallel_layout import SplitKind
 
     vocab: tuple[tuple[str, Any], ...] = (("vocab_tensor", True),) if cut.kind is SplitKind.VOCABULARY else ()
     if source == "autotp" or cut.kind is SplitKind.REPLICATED:

@@ -40,17 +40,18 @@ import numpy as np
 from ..dtypes import DTYPES, from_float32, to_float32
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
-from ..model import Fragment, Kind, LogicalCheckpoint, MoeLayout, Piece, Role, TensorEntry
+from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..parallel_layout import (
     EXPERT_NAME,
+    MoeLayout,
     ParallelLayout,
+    ParamCut,
     expert_cut,
     global_expert_name,
     local_expert_name,
 )
 from ..partition import split_by_partitions
 from ..safe_load import DeepSpeedEnum, TensorRef
-from ..tensor_parallel import ParamCut
 from .common import (
     FileCache,
     alias_entry,

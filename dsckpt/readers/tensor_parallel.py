@@ -3,7 +3,7 @@
 Each TP rank ``t`` is an ordinary ZeRO-1/2/3 or ``BF16_Optimizer`` checkpoint of its local slices, in the files
 named ``mp_rank_{t:02d}`` (tests/fixtures/README.md, "AutoTP fixtures"). This reader reads every TP rank with the
 reader of its layout, parses the ``universal_checkpoint_info`` record of the model-states files into a
-:class:`~dsckpt.tensor_parallel.TpLayout`, and maps each rank's local fragments to fragments of the full tensor
+:class:`~dsckpt.parallel_layout.TpLayout`, and maps each rank's local fragments to fragments of the full tensor
 (:func:`~dsckpt.tensor_parallel.compose`). Replicated params (and buffers) keep every TP rank's copy as a replica.
 Commands then see one ordinary logical checkpoint of full tensors.
 """
@@ -18,7 +18,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..layout import CheckpointFiles
 from ..model import Kind, LogicalCheckpoint, Piece, TensorEntry
-from ..tensor_parallel import ParamCut, SplitKind, TpLayout, compose, tp_layout_from_record
+from ..parallel_layout import ParamCut, SplitKind, TpLayout
+from ..tensor_parallel import compose, tp_layout_from_record
 from .common import FileCache, alias_entry
 
 __all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
