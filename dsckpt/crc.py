@@ -352,7 +352,9 @@ class FileCrcReport:
 
 def has_record_crcs(path: str | os.PathLike[str]) -> bool:
     """True for a zip-format torch file (records carry CRC-32s), False for the legacy format."""
-    with open(path, "rb") as f:
+    from .limits import open_regular
+
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read(4) == b"PK\x03\x04"
 
 

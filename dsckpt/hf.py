@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CorruptCheckpointError
+from .limits import read_small_file
 
 __all__ = [
     "FileCopy",
@@ -224,7 +225,7 @@ def plan_export_files(root: str | os.PathLike[str], *, tag_dirs: frozenset[str] 
 
 def _dtype_updates(config: Path, dtype: str) -> tuple[tuple[str, str], ...]:
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = json.loads(read_small_file(config).decode("utf-8"))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"cannot read '{config}' as JSON ({e}); fix or remove it, or pass "
                                      "--no-hf-files") from e

@@ -25,7 +25,9 @@ from .errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
     UsageError,
+    shorten,
 )
+from .limits import read_small_file
 
 __all__ = [
     "CONFIG_KEYS",
@@ -39,6 +41,8 @@ __all__ = [
     "choose_in_run_folder",
     "classify_files",
     "find_tag_dir",
+    "holds_own_partition",
+    "is_rank_file_name",
     "is_universal_dir",
     "key_owner",
     "list_tags",
@@ -282,13 +286,14 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
     if not latest.is_file() and (p / "latest_universal").is_file():
         latest = p / "latest_universal"
     if latest.is_file():
+        content = read_small_file(latest)
         try:
-            name = latest.read_text(encoding="utf-8").strip()
+            name = content.decode("utf-8").strip()
         except UnicodeDecodeError:
             name = ""
         if not _plain_tag(name):
             raise CorruptCheckpointError(
-                f"'{latest}' does not hold a tag folder name ({latest.read_bytes()[:60]!r}); it is corrupt. "
+                f"'{latest}' does not hold a tag folder name ({shorten(content, 60)}); it is corrupt. "
                 f"Available tags: {', '.join(tags) or 'none'}; pick one with --tag")
         if _is_tag_dir(p / name):
             return p, name, p / name
@@ -306,6 +311,18 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
         f"'{p}' is not a DeepSpeed checkpoint: no 'latest' file, no tag folder and no "
         "*model_states.pt files found"
     )
+
+
+def is_rank_file_name(name: str) -> bool:
+    """A file name DeepSpeed gives one rank's (or one layer's, one expert's) file. Pure."""
+    return any(r.match(name) for r in (_MODEL_STATES, _ZERO3_MODEL_STATES, _OPTIM_STATES, _LAYER, _EXPERT,
+                                       _LEGACY_EXPERT, _EXPP_OPTIM))
+
+
+def holds_own_partition(name: str) -> bool:
+    """A file that holds its rank's own partition of the model or optimizer, so two such files of one save
+    never hold the same bytes: the optimizer files, and ZeRO-3 model-states files. Pure."""
+    return any(r.match(name) for r in (_ZERO3_MODEL_STATES, _OPTIM_STATES, _EXPP_OPTIM))
 
 
 def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:

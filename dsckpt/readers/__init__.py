@@ -21,13 +21,25 @@ def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
                     cache: FileCache | None = None, allow_mixed_saves: bool = False) -> LogicalCheckpoint:
     """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model.
 
-    Rank files that do not all come from one save are refused (:mod:`.same_save`) unless
+    A rank file that is a copy of another (renamed, or two ranks holding the same bytes) is refused always; rank
+    files that do not all come from one save are refused (:mod:`.same_save`) unless
     ``allow_mixed_saves`` (``verify`` lists the disagreements instead)."""
     cache = cache if cache is not None else FileCache()
     logical = _read(path, tag, cache)
+    _check_rank_identity(logical, cache)
     if not allow_mixed_saves:
         _check_one_save(logical, cache)
     return logical
+
+
+def _check_rank_identity(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
+    from .same_save import rank_identity_problems
+
+    for f in ckpt.files:
+        cache.tree(f)
+    problems = rank_identity_problems(ckpt.files, cache.infos)
+    if problems:
+        raise CorruptCheckpointError("; ".join(problems))
 
 
 def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache) -> None:

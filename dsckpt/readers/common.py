@@ -23,10 +23,12 @@ class FileCache:
 
     def __init__(self) -> None:
         self._trees: dict[Path, Any] = {}
+        #: what each parsed file's container says about it (:class:`dsckpt.safe_load.FileInfo`)
+        self.infos: dict[Path, safe_load.FileInfo] = {}
 
     def tree(self, path: Path) -> Any:
         if path not in self._trees:
-            obj = safe_load.load(path)
+            obj, self.infos[path] = safe_load.load_with_info(path)
             # A bare tensor is a whole file only in universal checkpoints (ds_to_universal's ZeRO-3
             # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is ().
             if not isinstance(obj, (dict, TensorRef)):

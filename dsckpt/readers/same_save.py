@@ -10,13 +10,14 @@ another step of the same run). Reads a few one-element tensors (step counts); no
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..safe_load import DeepSpeedObject, TensorRef
 
-__all__ = ["file_facts", "same_save_problems"]
+__all__ = ["file_facts", "rank_identity_problems", "same_save_problems"]
 
 
 _MODEL_FACTS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
@@ -138,3 +139,81 @@ def file_facts(files: Iterable[Path], trees: Mapping[Path, Any], tag_dir: Path) 
         facts = _optim_facts(tree) if "optimizer_state_dict" in tree else _model_facts(tree)
         out.append((str(path.relative_to(tag_dir)), facts))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Rank identity: copies of one rank's file standing in for another's
+
+
+def _digest(path: Path, nbytes: int | None = None) -> str:
+    """sha256 of the first ``nbytes`` bytes and the last ``nbytes`` (the whole file for None)."""
+    import hashlib
+
+    from ..limits import open_regular
+
+    h = hashlib.sha256()
+    with os.fdopen(open_regular(path), "rb") as f:
+        if nbytes is None:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            h.update(f.read(nbytes))
+            f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+            h.update(f.read(nbytes))
+    return h.hexdigest()
+
+
+def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> list[str]:
+    """Why some rank files are copies of others (empty: none are), each naming both files.
+
+    * A zip-format file's records sit in a folder named after the file ``torch.save`` wrote
+      (``zero_pp_rank_1_mp_rank_00_optim_states/data.pkl``): a file whose folder names *another* DeepSpeed
+      rank file is a renamed copy of it (``cp`` after a failed save). Other folder names (``archive``, a tool's
+      temporary name) say nothing and are accepted.
+    * Files that hold their rank's own partition (optimizer files, ZeRO-3 model states,
+      :func:`~dsckpt.layout.holds_own_partition`) never hold the same bytes at two ranks: equal record lists
+      (name, CRC-32, size: free, from the zip directory) or, for legacy files (no CRCs), equal sizes and
+      sha256 are a copy.
+
+    ``infos``: :class:`dsckpt.safe_load.FileInfo` per file."""
+    from ..layout import holds_own_partition, is_rank_file_name
+
+    problems: list[str] = []
+    renamed: set[Path] = set()
+    by_records: dict[tuple[Any, ...], list[Path]] = {}
+    legacy_by_size: dict[int, list[Path]] = {}
+    for path in files:
+        info = infos.get(path)
+        if info is None:
+            continue
+        name = info.archive_name
+        if name is not None and name != path.stem and is_rank_file_name(name + ".pt"):
+            renamed.add(path)
+            problems.append(f"{path} is a renamed copy of {name}.pt: its records are named "
+                            f"'{name}/...', after the file torch.save wrote; restore {path.name} from the same save "
+                            "(a copy of another rank's file cannot stand in for it)")
+        if not holds_own_partition(path.name):
+            continue
+        if info.records:
+            by_records.setdefault(info.records, []).append(path)
+        else:
+            legacy_by_size.setdefault(path.stat().st_size, []).append(path)
+    groups = [g for g in by_records.values() if len(g) > 1]
+    for same_size in legacy_by_size.values():
+        if len(same_size) < 2:
+            continue
+        ends: dict[str, list[Path]] = {}
+        for p in same_size:  # cheap first: the first and last MiB, then the whole file
+            ends.setdefault(_digest(p, 1 << 20), []).append(p)
+        for candidates in ends.values():
+            full: dict[str, list[Path]] = {}
+            for p in candidates if len(candidates) > 1 else ():
+                full.setdefault(_digest(p), []).append(p)
+            groups += [g for g in full.values() if len(g) > 1]
+    for g in groups:
+        if renamed.intersection(g):
+            continue  # said already, more precisely
+        problems.append(f"{', '.join(str(p) for p in g)} hold the same bytes (every record has the same CRC-32), "
+                        "but each rank's file holds its own partition: all but one are copies; restore them from "
+                        "the same save, or pick another tag with --tag")
+    return problems
