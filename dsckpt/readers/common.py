@@ -13,6 +13,7 @@ from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
 from ..safe_load import DeepSpeedObject, TensorRef
+from ..validate import validate_tree
 
 __all__ = ["FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
 
@@ -36,6 +37,7 @@ class FileCache:
                     f"{path}: expected a dict at the top level, found {type(obj).__name__}; "
                     "this is not a DeepSpeed checkpoint file"
                 )
+            validate_tree(path, obj)  # names, shapes and key types, once for every command
             self._trees[path] = obj
         return self._trees[path]
 
