@@ -43,12 +43,17 @@ def _check_rank_identity(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
 
 
 def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
-    from .same_save import file_facts, same_save_problems
+    from .same_save import file_facts, same_save_problems, sampled_copy_disagreements
 
     facts = file_facts(ckpt.files, {f: cache.tree(f) for f in ckpt.files}, ckpt.tag_dir)
     problems = same_save_problems(facts)
     if problems:
         raise CorruptCheckpointError(f"'{ckpt.tag_dir}': " + "; ".join(f"{fact}: {msg}" for fact, msg in problems))
+    # The facts above cannot tell two saves of the same step and config apart; the master and the module copy
+    # can (ZeRO-1/2, TP: both are saved). ZeRO-3 saves no module copy: there nothing second can tell.
+    disagreements = sampled_copy_disagreements(ckpt, cache)
+    if disagreements:
+        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': " + "; ".join(disagreements))
 
 
 def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:

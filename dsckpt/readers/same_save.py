@@ -17,7 +17,7 @@ from typing import Any
 
 from ..safe_load import DeepSpeedObject, TensorRef
 
-__all__ = ["file_facts", "rank_identity_problems", "same_save_problems"]
+__all__ = ["file_facts", "rank_identity_problems", "same_save_problems", "sampled_copy_disagreements"]
 
 
 _MODEL_FACTS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
@@ -198,7 +198,8 @@ def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> 
             by_records.setdefault(info.records, []).append(path)
         else:
             legacy_by_size.setdefault(path.stat().st_size, []).append(path)
-    groups = [g for g in by_records.values() if len(g) > 1]
+    groups = [(g, "hold the same bytes (every record has the same name, size and CRC-32)")
+              for g in by_records.values() if len(g) > 1]
     for same_size in legacy_by_size.values():
         if len(same_size) < 2:
             continue
@@ -209,11 +210,104 @@ def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> 
             full: dict[str, list[Path]] = {}
             for p in candidates if len(candidates) > 1 else ():
                 full.setdefault(_digest(p), []).append(p)
-            groups += [g for g in full.values() if len(g) > 1]
-    for g in groups:
+            groups += [(g, "are byte-identical") for g in full.values() if len(g) > 1]
+    for g, how in groups:
         if renamed.intersection(g):
             continue  # said already, more precisely
-        problems.append(f"{', '.join(str(p) for p in g)} hold the same bytes (every record has the same CRC-32), "
-                        "but each rank's file holds its own partition: all but one are copies; restore them from "
+        problems.append(f"{', '.join(str(p) for p in g)} {how}, but each rank's file holds its own partition: "
+                        "all but one are copies; restore them from "
                         "the same save, or pick another tag with --tag")
     return problems
+
+
+# --------------------------------------------------------------------------------------------
+# The fp32 master against the module copy, sampled
+
+
+#: Elements compared at each end of every param (``sampled_copy_disagreements``).
+COPY_SAMPLE_NUMEL = 8
+
+
+def _read_elements(piece: Any, lo: int, hi: int, cache: Any, fds: dict[Path, int]) -> Any:
+    """Elements ``[lo, hi)`` of ``piece`` as a numpy array of its stored dtype, or None where a fragment is not
+    a contiguous stored tensor. Read with ``pread`` outside the CRC-32 accounting: a sample to compare, never
+    exported (a record touched here is not read whole at the end, as a partly read one would be)."""
+    import numpy as np
+
+    from ..dtypes import DTYPES
+    from ..model import contiguous_fragments
+
+    dtype = DTYPES[piece.dtype]
+    out = np.empty(hi - lo, dtype=dtype.numpy)
+    got = 0
+    for f in contiguous_fragments(piece):
+        a, b = max(lo, f.dst_offset), min(hi, f.dst_offset + f.numel)
+        if a >= b:
+            continue
+        ref = cache.tensor(f.file, f.key)
+        if not isinstance(ref, TensorRef) or not ref.is_contiguous() or ref.dtype_name != piece.dtype:
+            return None
+        first = ref.storage_offset + f.src_offset + (a - f.dst_offset)
+        if first < 0 or first + (b - a) > ref.storage.numel:
+            return None  # the readers refuse this with a message of their own
+        fd = fds.get(f.file)
+        if fd is None:
+            fd = fds[f.file] = os.open(f.file, os.O_RDONLY)
+        nbytes = (b - a) * dtype.itemsize
+        raw = os.pread(fd, nbytes, ref.storage.file_offset + first * dtype.itemsize)
+        if len(raw) != nbytes:
+            return None
+        out[a - lo: b - lo] = np.frombuffer(raw, dtype=dtype.numpy)
+        got += b - a
+    return out if got == hi - lo else None
+
+
+def sampled_copy_disagreements(ckpt: Any, cache: Any, *, sample: int = COPY_SAMPLE_NUMEL) -> list[str]:
+    """Params whose fp32 master (optimizer files) and module copy (model-states file) disagree on the first and
+    last ``sample`` elements: the master rounded to the copy's dtype must equal the copy wherever all three are
+    finite (``verify`` compares every element; this is its cheap form, for the commands that export the master).
+    Copies of different saves, or a rank's optimizer file replaced by another's, disagree almost everywhere,
+    so a few elements at each end of each param tell. At most one message per file pair."""
+    import numpy as np
+
+    from ..dtypes import from_float32, to_float32
+    from ..model import Role
+
+    fds: dict[Path, int] = {}
+    found: dict[tuple[Path, Path], str] = {}
+    try:
+        for e in ckpt.entries:
+            if e.tied_to is not None:
+                continue
+            master = next((p for p in e.pieces if p.role is Role.MASTER and p.dtype == "float32"), None)
+            module = next((p for p in e.pieces if p.role is Role.MODULE and p.replica == 0), None)
+            if master is None or module is None or module.numel != master.numel or not module.numel or \
+                    module.dtype not in ("float32", "bfloat16", "float16"):
+                continue
+            n = module.numel
+            for lo, hi in {(0, min(n, sample)), (max(0, n - sample), n)}:
+                m = _read_elements(master, lo, hi, cache, fds)
+                c = _read_elements(module, lo, hi, cache, fds)
+                if m is None or c is None:
+                    continue
+                if module.dtype == "float32":
+                    r, lowp = m, c
+                else:
+                    r, lowp = to_float32(from_float32(m, module.dtype), module.dtype), to_float32(c, module.dtype)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    bad = np.flatnonzero(np.isfinite(m) & np.isfinite(r) & np.isfinite(lowp) & (r != lowp))
+                if bad.size:
+                    i = int(bad[0])
+                    mf = master.fragments[0].file
+                    key = (mf, module.fragments[0].file)
+                    found.setdefault(key, (
+                        f"'{e.name}': its fp32 master in {mf.name} and its {module.dtype} module copy in "
+                        f"{module.fragments[0].file.name} disagree (element {lo + i}: the master {float(m[i])!r} "
+                        f"rounds to {float(r[i])!r}, the copy holds {float(lowp[i])!r}); the files come from "
+                        "different saves or one was replaced by another rank's — run 'dsckpt verify' for the full "
+                        "report, restore the files from one save or pick another tag with --tag"))
+                    break
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return list(found.values())
