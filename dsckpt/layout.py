@@ -320,9 +320,10 @@ def is_rank_file_name(name: str) -> bool:
 
 
 def holds_own_partition(name: str) -> bool:
-    """A file that holds its rank's own partition of the model or optimizer, so two such files of one save
-    never hold the same bytes: the optimizer files, and ZeRO-3 model-states files. Pure."""
-    return any(r.match(name) for r in (_ZERO3_MODEL_STATES, _OPTIM_STATES, _EXPP_OPTIM))
+    """A file that holds its rank's own partition of the optimizer state, so two such files of one save never
+    hold the same bytes: the optimizer files. (ZeRO-3 model-states files hold no partition, only placeholders,
+    shapes and buffers: those of two ranks may be identical, as Lightning's are.) Pure."""
+    return any(r.match(name) for r in (_OPTIM_STATES, _EXPP_OPTIM))
 
 
 def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:

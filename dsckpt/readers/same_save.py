@@ -170,8 +170,7 @@ def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> 
       (``zero_pp_rank_1_mp_rank_00_optim_states/data.pkl``): a file whose folder names *another* DeepSpeed
       rank file is a renamed copy of it (``cp`` after a failed save). Other folder names (``archive``, a tool's
       temporary name) say nothing and are accepted.
-    * Files that hold their rank's own partition (optimizer files, ZeRO-3 model states,
-      :func:`~dsckpt.layout.holds_own_partition`) never hold the same bytes at two ranks: equal record lists
+    * Files that hold their rank's own partition (optimizer files, :func:`~dsckpt.layout.holds_own_partition`) never hold the same bytes at two ranks: equal record lists
       (name, CRC-32, size: free, from the zip directory) or, for legacy files (no CRCs), equal sizes and
       sha256 are a copy.
 
