@@ -25,6 +25,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "UsageError",
     "shorten",
+    "shorten_runs",
 ]
 
 EXIT_OK = 0
@@ -96,3 +97,16 @@ def shorten(value: object, limit: int = SHORTEN_CHARS) -> str:
     if len(text) <= limit:
         return text
     return f"{text[: limit - 20]}... ({len(text)} chars)"
+
+
+#: A run of characters without a space longer than this in a message is a value (a name, a file's content)
+#: that :func:`shorten_runs` cuts.
+LONG_RUN_CHARS = 1000
+
+
+def shorten_runs(message: str) -> str:
+    """``message`` with every run of more than ``LONG_RUN_CHARS`` non-space characters shortened (see
+    :func:`shorten`): the CLI's last guard, so that no value a file holds makes an error line megabytes long."""
+    import re
+
+    return re.sub(r"\S{%d,}" % (LONG_RUN_CHARS + 1), lambda m: shorten(m.group(), 400), message)

@@ -971,21 +971,20 @@ def check_tree(obj: Any, where: object) -> None:
         """(height, references) of ``x`` if known now (a leaf, a finished container); None once pushed."""
         nonlocal objects
         children = _children(x)
-        if children is None:
-            leaf(x)
-            objects += 1
-            return (0, 1)
         key = id(x)
-        if key in done:
+        if children is not None and key in done:
             known = done[key]
             if known is None:
                 raise CorruptCheckpointError(f"{where}: a {type(x).__name__} in the pickle contains itself; no "
                                              "DeepSpeed checkpoint does, the file is corrupt or hostile")
             return known
-        objects += 1
+        objects += 1  # a container once, a leaf (a number, a string: often shared, cheap to count) each time
         if objects > lim.max_objects:
             raise limits.exceeded(where, f"more than {lim.max_objects} objects in one pickle", f"> {lim.max_objects}",
                                   "max_objects")
+        if children is None:
+            leaf(x)
+            return (0, 1)
         if len(stack) >= lim.max_depth:
             raise limits.exceeded(where, f"containers nested more than {lim.max_depth} deep", f"> {lim.max_depth}",
                                   "max_depth")

@@ -170,17 +170,17 @@ def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> 
       (``zero_pp_rank_1_mp_rank_00_optim_states/data.pkl``): a file whose folder names *another* DeepSpeed
       rank file is a renamed copy of it (``cp`` after a failed save). Other folder names (``archive``, a tool's
       temporary name) say nothing and are accepted.
-    * Files that hold their rank's own partition (optimizer files, :func:`~dsckpt.layout.holds_own_partition`) never hold the same bytes at two ranks: equal record lists
-      (name, CRC-32, size: free, from the zip directory) or, for legacy files (no CRCs), equal sizes and
-      sha256 are a copy.
+    * The optimizer files of the data-parallel ranks of one model-parallel rank each hold their own partition
+      (:func:`~dsckpt.layout.partition_set`), so two of them never hold the same bytes: equal record lists (name,
+      CRC-32, size: free, from the zip directory) or, for legacy files (no CRCs), equal sizes and sha256 are a copy.
 
     ``infos``: :class:`dsckpt.safe_load.FileInfo` per file."""
-    from ..layout import holds_own_partition, is_rank_file_name
+    from ..layout import is_rank_file_name, partition_set
 
     problems: list[str] = []
     renamed: set[Path] = set()
     by_records: dict[tuple[Any, ...], list[Path]] = {}
-    legacy_by_size: dict[int, list[Path]] = {}
+    legacy_by_size: dict[tuple[Any, int], list[Path]] = {}
     for path in files:
         info = infos.get(path)
         if info is None:
@@ -191,12 +191,13 @@ def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> 
             problems.append(f"{path} is a renamed copy of {name}.pt: its records are named "
                             f"'{name}/...', after the file torch.save wrote; restore {path.name} from the same save "
                             "(a copy of another rank's file cannot stand in for it)")
-        if not holds_own_partition(path.name):
+        family = partition_set(path.name)
+        if family is None:
             continue
         if info.records:
-            by_records.setdefault(info.records, []).append(path)
+            by_records.setdefault((family, info.records), []).append(path)
         else:
-            legacy_by_size.setdefault(path.stat().st_size, []).append(path)
+            legacy_by_size.setdefault((family, path.stat().st_size), []).append(path)
     groups = [(g, "hold the same bytes (every record has the same name, size and CRC-32)")
               for g in by_records.values() if len(g) > 1]
     for same_size in legacy_by_size.values():
@@ -270,7 +271,7 @@ def sampled_copy_disagreements(ckpt: Any, cache: Any, *, sample: int = COPY_SAMP
     import numpy as np
 
     from ..dtypes import from_float32, to_float32
-    from ..model import Role
+    from ..model import Role, contiguous_fragments
 
     fds: dict[Path, int] = {}
     found: dict[tuple[Path, Path], str] = {}
@@ -297,11 +298,13 @@ def sampled_copy_disagreements(ckpt: Any, cache: Any, *, sample: int = COPY_SAMP
                     bad = np.flatnonzero(np.isfinite(m) & np.isfinite(r) & np.isfinite(lowp) & (r != lowp))
                 if bad.size:
                     i = int(bad[0])
-                    mf = master.fragments[0].file
+                    at = lo + i
+                    mf = next((f.file for f in contiguous_fragments(master)
+                               if f.dst_offset <= at < f.dst_offset + f.numel), master.fragments[0].file)
                     key = (mf, module.fragments[0].file)
                     found.setdefault(key, (
                         f"'{e.name}': its fp32 master in {mf.name} and its {module.dtype} module copy in "
-                        f"{module.fragments[0].file.name} disagree (element {lo + i}: the master {float(m[i])!r} "
+                        f"{module.fragments[0].file.name} disagree (element {at}: the master {float(m[i])!r} "
                         f"rounds to {float(r[i])!r}, the copy holds {float(lowp[i])!r}); the files come from "
                         "different saves or one was replaced by another rank's — run 'dsckpt verify' for the full "
                         "report, restore the files from one save or pick another tag with --tag"))
