@@ -104,11 +104,13 @@ def current() -> ReadLimits:
     return _cached[1]
 
 
-def exceeded(where: object, what: str, value: int | str, name: str) -> LimitExceededError:
-    """The error for ``what`` (``value``) in ``where`` going past limit ``name``: says how to raise it."""
+def exceeded(where: object, what: str, value: int | str | None, name: str) -> LimitExceededError:
+    """The error for ``what`` (``value``, None: ``what`` says it) in ``where`` going past limit ``name``: says how
+    to raise it."""
     limit = getattr(current(), name)
+    shown = "" if value is None else f" ({value})"
     return LimitExceededError(
-        f"{where}: {what} ({value}) exceeds dsckpt's read limit {name}={limit}; the file is corrupt or hostile. "
+        f"{where}: {what}{shown} exceeds dsckpt's read limit {name}={limit}; the file is corrupt or hostile. "
         f"If it is a real checkpoint, raise the limit: {LIMITS_ENV}={name}={limit * 4}")
 
 
@@ -166,7 +168,7 @@ def read_small_file(path: str | os.PathLike[str]) -> bytes:
         size = os.fstat(fd).st_size
         limit = current().max_text_nbytes
         if size > limit:
-            raise exceeded(path, f"a file of {size} bytes where a small text file belongs", size, "max_text_nbytes")
+            raise exceeded(path, f"a file of {size} bytes where a small text file belongs", None, "max_text_nbytes")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read(limit + 1)
     finally:

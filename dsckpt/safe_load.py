@@ -701,7 +701,7 @@ def load_with_info(path: str | os.PathLike[str]) -> tuple[Any, FileInfo]:
     except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
     except RecursionError as e:  # a guard below missed a nesting: still a damaged file, never exit 70
-        raise limits.exceeded(p, "nesting deeper than Python can follow", "?", "max_depth") from e
+        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
     except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
             TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError,
             NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"
@@ -790,17 +790,16 @@ def _read_member(zf: zipfile.ZipFile, name: str, path: Path, budget: str = "max_
             bound = min(lim.max_inflated_nbytes, getattr(lim, budget))
             name_of = "max_inflated_nbytes" if bound == lim.max_inflated_nbytes else budget
             if info.file_size > bound:
-                raise limits.exceeded(path, f"compressed {what} declares {info.file_size} bytes inflated",
-                                      info.file_size, name_of)
+                raise limits.exceeded(path, f"compressed {what} declares {info.file_size} bytes inflated", None,
+                                      name_of)
             with zf.open(info) as member:
                 data = member.read(bound + 1)
                 if len(data) > bound:  # the header lied about the inflated size
-                    raise limits.exceeded(path, f"compressed {what} inflates past {bound} bytes", f"> {bound}",
-                                          name_of)
+                    raise limits.exceeded(path, f"compressed {what} inflates past {bound} bytes", None, name_of)
                 member.read()  # the rest (none, if the header is right) and zipfile's CRC check
             return data
         if info.file_size > getattr(lim, budget):
-            raise limits.exceeded(path, f"{what} of {info.file_size} bytes", info.file_size, budget)
+            raise limits.exceeded(path, f"{what} of {info.file_size} bytes", None, budget)
         return zf.read(name)
     except zipfile.BadZipFile as e:
         if "CRC" not in str(e):
@@ -878,8 +877,8 @@ class _BoundedReader:
 
     def _check(self, n: int | None) -> None:
         if n is not None and self.limit_end is not None and self._f.tell() + n > self.limit_end:
-            raise limits.exceeded(self._path, f"a pickle running past byte {self.limit_end}",
-                                  f"{self._f.tell() + n} bytes", "max_pickle_nbytes")
+            raise limits.exceeded(self._path, f"a pickle running past byte {self.limit_end}", None,
+                                  "max_pickle_nbytes")
         if n is not None and n > self._size - self._f.tell():
             raise CorruptCheckpointError(
                 f"{self._path}: the pickle stream asks for {n} bytes at offset {self._f.tell()}, past the end "
@@ -961,10 +960,10 @@ def check_tree(obj: Any, where: object) -> None:
     def leaf(x: Any) -> None:
         if type(x) is int or isinstance(x, int) and not isinstance(x, bool):
             if x.bit_length() > lim.max_int_bits:
-                raise limits.exceeded(where, f"an integer of {x.bit_length()} bits", x.bit_length(), "max_int_bits")
+                raise limits.exceeded(where, f"an integer of {x.bit_length()} bits", None, "max_int_bits")
         elif isinstance(x, (str, bytes, bytearray)):
             if len(x) > lim.max_str_nbytes:
-                raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", len(x),
+                raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", None,
                                       "max_str_nbytes")
 
     def enter(x: Any) -> tuple[int, int] | None:
@@ -980,13 +979,13 @@ def check_tree(obj: Any, where: object) -> None:
             return known
         objects += 1  # a container once, a leaf (a number, a string: often shared, cheap to count) each time
         if objects > lim.max_objects:
-            raise limits.exceeded(where, f"more than {lim.max_objects} objects in one pickle", f"> {lim.max_objects}",
+            raise limits.exceeded(where, f"more than {lim.max_objects} objects in one pickle", None,
                                   "max_objects")
         if children is None:
             leaf(x)
             return (0, 1)
         if len(stack) >= lim.max_depth:
-            raise limits.exceeded(where, f"containers nested more than {lim.max_depth} deep", f"> {lim.max_depth}",
+            raise limits.exceeded(where, f"containers nested more than {lim.max_depth} deep", None,
                                   "max_depth")
         done[key] = None
         stack.append([x, children, 0, 0, 1])
@@ -1007,14 +1006,14 @@ def check_tree(obj: Any, where: object) -> None:
         stack.pop()
         height, refs = top[3] + 1, top[4]
         if refs > lim.max_references:
-            raise limits.exceeded(where, f"{refs} objects reached through shared references", refs, "max_references")
+            raise limits.exceeded(where, f"{refs} objects reached through shared references", None, "max_references")
         done[id(top[0])] = (height, refs)
         if stack:
             parent = stack[-1]
             parent[3] = max(parent[3], height)
             parent[4] += refs
         elif height > lim.max_depth:
-            raise limits.exceeded(where, f"containers nested {height} deep", height, "max_depth")
+            raise limits.exceeded(where, f"containers nested {height} deep", None, "max_depth")
 
 
 def _children(x: Any) -> list[Any] | None:
