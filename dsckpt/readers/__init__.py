@@ -60,7 +60,13 @@ def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache, check_master_copi
     # can (ZeRO-1/2, TP: both are saved). ZeRO-3 saves no module copy: there nothing second can tell.
     disagreements = sampled_copy_disagreements(ckpt, cache) if check_master_copies else []
     if disagreements:
-        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': " + "; ".join(disagreements))
+        # Bit rot in either copy disagrees too: a record that fails its CRC-32 is the precise answer.
+        from ..crc import check_file_records
+
+        damaged = [p.message for f in dict.fromkeys(f for _, files in disagreements for f in files)
+                   for p in check_file_records(f).problems]
+        raise CorruptCheckpointError("; ".join(damaged) if damaged else
+                                     f"'{ckpt.tag_dir}': " + "; ".join(msg for msg, _ in disagreements))
 
 
 def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:

@@ -262,12 +262,14 @@ def _read_elements(piece: Any, lo: int, hi: int, cache: Any, fds: dict[Path, int
     return out if got == hi - lo else None
 
 
-def sampled_copy_disagreements(ckpt: Any, cache: Any, *, sample: int = COPY_SAMPLE_NUMEL) -> list[str]:
+def sampled_copy_disagreements(ckpt: Any, cache: Any, *,
+                               sample: int = COPY_SAMPLE_NUMEL) -> list[tuple[str, tuple[Path, Path]]]:
     """Params whose fp32 master (optimizer files) and module copy (model-states file) disagree on the first and
     last ``sample`` elements: the master rounded to the copy's dtype must equal the copy wherever all three are
     finite (``verify`` compares every element; this is its cheap form, for the commands that export the master).
     Copies of different saves, or a rank's optimizer file replaced by another's, disagree almost everywhere,
-    so a few elements at each end of each param tell. At most one message per file pair."""
+    so a few elements at each end of each param tell. At most one ``(message, (master file, module file))`` per
+    file pair."""
     import numpy as np
 
     from ..dtypes import from_float32, to_float32
@@ -312,4 +314,4 @@ def sampled_copy_disagreements(ckpt: Any, cache: Any, *, sample: int = COPY_SAMP
     finally:
         for fd in fds.values():
             os.close(fd)
-    return list(found.values())
+    return [(msg, files) for files, msg in found.items()]
