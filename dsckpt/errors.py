@@ -109,4 +109,4 @@ def shorten_runs(message: str) -> str:
     :func:`shorten`): the CLI's last guard, so that no value a file holds makes an error line megabytes long."""
     import re
 
-    return re.sub(r"\S{%d,}" % (LONG_RUN_CHARS + 1), lambda m: shorten(m.group(), 400), message)
+    return re.sub(rf"\S{{{LONG_RUN_CHARS + 1},}}", lambda m: shorten(m.group(), 400), message)

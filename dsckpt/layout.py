@@ -41,11 +41,11 @@ __all__ = [
     "choose_in_run_folder",
     "classify_files",
     "find_tag_dir",
-    "partition_set",
     "is_rank_file_name",
     "is_universal_dir",
     "key_owner",
     "list_tags",
+    "partition_set",
     "resolve_run_folder",
 ]
 

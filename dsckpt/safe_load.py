@@ -958,13 +958,11 @@ def check_tree(obj: Any, where: object) -> None:
     stack: list[list[Any]] = []
 
     def leaf(x: Any) -> None:
-        if type(x) is int or isinstance(x, int) and not isinstance(x, bool):
-            if x.bit_length() > lim.max_int_bits:
-                raise limits.exceeded(where, f"an integer of {x.bit_length()} bits", None, "max_int_bits")
-        elif isinstance(x, (str, bytes, bytearray)):
-            if len(x) > lim.max_str_nbytes:
-                raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", None,
-                                      "max_str_nbytes")
+        if isinstance(x, int) and x.bit_length() > lim.max_int_bits:  # bools are 1 bit
+            raise limits.exceeded(where, f"an integer of {x.bit_length()} bits", None, "max_int_bits")
+        if isinstance(x, (str, bytes, bytearray)) and len(x) > lim.max_str_nbytes:
+            raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", None,
+                                  "max_str_nbytes")
 
     def enter(x: Any) -> tuple[int, int] | None:
         """(height, references) of ``x`` if known now (a leaf, a finished container); None once pushed."""

@@ -254,9 +254,9 @@ def ds_version_problems(trees: dict[Path, Any], tag_dir: Path) -> list[tuple[str
         for where, holder in (("ds_version", tree), ("optimizer_state_dict.ds_version", osd)):
             if isinstance(holder, Mapping) and "ds_version" in holder and not is_pep440(holder["ds_version"]):
                 value = holder["ds_version"]
-                out.append((f"{path.relative_to(tag_dir)} {where}",
-                            f"{shorten(value)} ({type(value).__name__}) is not a version DeepSpeed can parse "
-                            "(packaging.version.parse: PEP 440); DeepSpeed's load_checkpoint would fail on it"))
+                message = (f"{shorten(value)} ({type(value).__name__}) is not a version DeepSpeed can parse "
+                           "(packaging.version.parse: PEP 440); DeepSpeed's load_checkpoint would fail on it")
+                out.append((f"{path.relative_to(tag_dir)} {where}", message))
     return out
 
 

@@ -53,6 +53,7 @@ PEAK_RSS = 256 << 20
 ZERO2 = "s2_bf16_w2_2groups"  # zip, bf16 module copy + fp32 master partitions on 2 ranks
 ZERO3 = "s3_fp32_w2"  # zip, ZeRO-3: no module copy, identical optimizer pickles on both ranks
 LEGACY = "s2_fp32_w2_legacy"  # legacy non-zip format (no CRCs, no record names)
+HF = "hf_llama_z2_bf16_w2"  # a Trainer checkpoint-N folder: model-side files are copied beside the weights
 STEP = "global_step3"
 
 
@@ -243,6 +244,13 @@ def _replace_with(path: Path, text: bytes) -> Path:
     return path
 
 
+def _dev_zero_tokenizer(ckpt: Path) -> Path:
+    victim = ckpt / "tokenizer.json"
+    victim.unlink()
+    victim.symlink_to("/dev/zero")
+    return victim
+
+
 def _set(key: str, value: Any) -> Callable[[Any], None]:
     def edit(tree: Any) -> None:
         tree[key] = value
@@ -327,6 +335,9 @@ def cases() -> list[Case]:
         "(10^9 references, 2 KB pickled)",
         lambda c: edit_torch_file(_model_states(c, ZERO2), _set("laughs", billion_laughs())),
         _refused(TO_FP32, INFO, phrases=("max_references", "DSCKPT_LIMITS")), limited=True)
+    add("device-as-tokenizer", "hang", HF, "tokenizer.json of a Trainer folder a symlink to /dev/zero (copied "
+        "with the weights)", _dev_zero_tokenizer,
+        _refused(("to-fp32", "-q", "{ckpt}", "{out}/hf"), RESHARD, phrases=("character device", "tokenizer.json")), limited=True)
     # ---- memory
     add("deflated-pickle-bomb", "memory", ZERO2, "data.pkl deflated, inflating to 1 GiB, the zip header "
         "declaring 1 GiB", lambda c: rewrite_zip(_model_states(c, ZERO2), compressed_pkl=(zeros_deflated(1 << 30),
@@ -448,7 +459,8 @@ def run_subprocess(argv: list[str], env: dict[str, str]) -> Result:
         with open(Path(tmp) / "out", "w+b") as out, open(Path(tmp) / "err", "w+b") as err:
             start = time.monotonic()
             proc = subprocess.Popen([*timed, sys.executable, "-m", "dsckpt", *argv], stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, env=env, preexec_fn=_limits, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=env, preexec_fn=_limits,  # noqa: PLW1509 (setrlimit only)
+                                    start_new_session=True)
             try:
                 code = proc.wait(timeout=WALL_S)
             except subprocess.TimeoutExpired:
