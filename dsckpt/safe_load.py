@@ -876,13 +876,13 @@ class _BoundedReader:
         self._size = os.fstat(f.fileno()).st_size if size is None else size
 
     def _check(self, n: int | None) -> None:
-        if n is not None and self.limit_end is not None and self._f.tell() + n > self.limit_end:
-            raise limits.exceeded(self._path, f"a pickle running past byte {self.limit_end}", None,
-                                  "max_pickle_nbytes")
-        if n is not None and n > self._size - self._f.tell():
+        if n is not None and n > self._size - self._f.tell():  # the more precise answer first
             raise CorruptCheckpointError(
                 f"{self._path}: the pickle stream asks for {n} bytes at offset {self._f.tell()}, past the end "
                 "of the file; it is corrupt")
+        if n is not None and self.limit_end is not None and self._f.tell() + n > self.limit_end:
+            raise limits.exceeded(self._path, f"a pickle running past byte {self.limit_end}", None,
+                                  "max_pickle_nbytes")
 
     def read(self, n: int = -1) -> bytes:
         self._check(n if n is not None and n >= 0 else None)
