@@ -78,6 +78,11 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except RecursionError:  # only a checkpoint nested deeper than max_depth allows gets here (the limit was raised)
+            if os.environ.get("DSCKPT_DEBUG"):
+                raise
+            _fail("the checkpoint nests its data deeper than Python can follow (DSCKPT_LIMITS max_depth was raised "
+                  "past what Python's recursion limit allows); the file is corrupt or hostile", EXIT_BAD_CHECKPOINT)
         except BrokenPipeError:
             # stdout's reader went away (`dsckpt ... | head`): not an error worth a message. Point stdout
             # at /dev/null so the interpreter's final flush does not fail again; exit as SIGPIPE would.
