@@ -108,8 +108,9 @@ def format_nbytes(nbytes: int) -> str:
 
 
 def check_can_write(target: Path, *, force: bool) -> None:
-    """Refuse to overwrite an existing output unless ``force``."""
-    if target.exists() and not force:
+    """Refuse to overwrite an existing output unless ``force`` (a symlink at ``target``, dangling or not, is an
+    existing output: ``--force`` replaces the link itself, never what it points to)."""
+    if (target.exists() or target.is_symlink()) and not force:
         if target.is_dir() and not any(target.iterdir()):
             return
         raise UsageError(f"'{target}' already exists; pass --force to replace it")
@@ -245,7 +246,11 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
                 os.fsync(f.fileno())
         if check is not None:
             check(Path(tmp))
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)  # a symlink at target is replaced as a link
+        except OSError as e:
+            raise OutputWriteError(f"cannot put the output in place at '{target}': {e.strerror or e}; nothing was "
+                                   "written") from e
         if fsync:
             _fsync_dir(target.parent)
     except BaseException:
@@ -295,14 +300,21 @@ def replace_into_place(tmp: Path, target: Path, *, fsync: bool = True) -> None:
     """``os.replace(tmp, target)``; an existing ``target`` is moved aside first (named so that a killed
     run's is put back by :func:`remove_leftovers`) and removed once ``tmp`` is in place."""
     old = None
-    if target.exists():
-        old = target.with_name(f"{_temp_prefix(target)}old")
-        os.replace(target, old)
-    os.replace(tmp, target)
+    try:
+        if target.exists() or target.is_symlink():  # a symlink is moved aside as a link (rename never follows it)
+            old = target.with_name(f"{_temp_prefix(target)}old")
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except OSError as e:
+        if old is not None and not (target.exists() or target.is_symlink()):
+            with contextlib.suppress(OSError):
+                os.replace(old, target)
+        raise OutputWriteError(f"cannot put the output in place at '{target}': {e.strerror or e}; nothing was "
+                               "written (an existing output is kept)") from e
     if fsync:
         _fsync_dir(target.parent)
     if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        _remove(old)
 
 
 FSYNC_THREADS = 8  # files fsync'd at once by background_fsync: the disk queues their write-back together

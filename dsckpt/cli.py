@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from ._version import __version__
-from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError
+from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError, shorten_runs
 from .interrupts import Terminated, signals_as_exceptions
 
 __all__ = ["main"]
@@ -38,7 +38,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 def one_line(message: str) -> str:
     """``message`` on one line: newlines become spaces, other control characters (a damaged name can
     hold a carriage return) are shown escaped."""
-    return _CONTROL.sub(lambda m: " " if m.group() == "\n" else repr(m.group())[1:-1], message)
+    return shorten_runs(_CONTROL.sub(lambda m: " " if m.group() == "\n" else repr(m.group())[1:-1], message))
 
 
 def _fail(message: str, code: int) -> None:
@@ -78,6 +78,11 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except RecursionError:  # only a checkpoint nested deeper than max_depth allows gets here (the limit was raised)
+            if os.environ.get("DSCKPT_DEBUG"):
+                raise
+            _fail("the checkpoint nests its data deeper than Python can follow (DSCKPT_LIMITS max_depth was raised "
+                  "past what Python's recursion limit allows); the file is corrupt or hostile", EXIT_BAD_CHECKPOINT)
         except BrokenPipeError:
             # stdout's reader went away (`dsckpt ... | head`): not an error worth a message. Point stdout
             # at /dev/null so the interpreter's final flush does not fail again; exit as SIGPIPE would.
@@ -322,7 +327,7 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
 
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
-    c = open_checkpoint(ckpt, tag=tag)
+    c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
                         max_shard_size=max_shard_size, hf_files=not no_hf_files,
                         client_state=not no_client_state, cache=c.cache)
@@ -678,7 +683,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if world_size is None:
         raise UsageError("missing option '--world-size' / '-n' (or write a universal checkpoint with --universal)")
     cache = FileCache()
-    logical = read_checkpoint(ckpt, tag=tag, cache=cache)
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
                         facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size)
     if dry_run:
@@ -732,7 +737,7 @@ def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, f
     )
 
     cache = FileCache()
-    logical = read_checkpoint(ckpt, tag=tag, cache=cache)
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
     plan = plan_universal_reshard(logical, read_source_facts(logical, cache))
     if dry_run:
         click.echo("\n".join(plan.describe()))

@@ -11,6 +11,7 @@ from .crc import has_record_crcs
 from .errors import DsckptError
 from .hf import classify, is_hf_folder
 from .layout import list_tags
+from .limits import read_small_file
 from .model import Kind, LogicalCheckpoint
 from .readers import FileCache
 
@@ -153,7 +154,7 @@ def hf_trainer_summary(root: Path) -> dict[str, Any] | None:
             by_role.setdefault(classify(p, tag_dirs=tags).value, []).append(p.name)
     step = None
     try:
-        step = json.loads((root / "trainer_state.json").read_text(encoding="utf-8")).get("global_step")
-    except (OSError, ValueError, AttributeError):
+        step = json.loads(read_small_file(root / "trainer_state.json").decode("utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError, DsckptError):
         pass
     return {"folder": str(root), "files": by_role, "trainer_global_step": step}

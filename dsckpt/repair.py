@@ -455,9 +455,9 @@ def _apply(tensor_at: Callable[[tuple[Any, ...], PatchTarget], torch.Tensor], pa
 
 
 def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> None:
+    parsed = safe_load.load(src)  # first: it checks that src is a regular file before opening it
     with open(src, "rb") as f:
         legacy = f.read(2) != b"PK"
-    parsed = safe_load.load(src)
     tree = safe_load.materialize(parsed)
     safe_load.finish_checks(parsed)  # materialize read every storage; a record longer than its storage has more
     promoted: set[tuple[Any, ...]] = set()

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import crc
+from . import crc, limits
 from .dtypes import DTYPES, dtype_info
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .errors import CorruptCheckpointError, UnsafeCheckpointError, shorten
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +55,10 @@ __all__ = [
     "TorchDevice",
     "TorchDtype",
     "TorchSize",
+    "check_tree",
     "finish_checks",
     "load",
+    "load_with_info",
     "materialize",
     "walk_tensors",
 ]
@@ -492,9 +494,14 @@ def _rebuild_tensor_v2(
 ) -> TensorRef:
     if not isinstance(storage, (StorageRef, _LegacyStorage)):
         raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
+    shape, strides, offset = tuple(int(s) for s in size), tuple(int(s) for s in stride), int(storage_offset)
+    # torch refuses these too (sizes and strides are int64, a size is never negative).
+    if len(shape) != len(strides) or any(not 0 <= s < 1 << 63 for s in (*shape, offset)) or \
+            any(not -(1 << 63) <= s < 1 << 63 for s in strides):
+        raise pickle.UnpicklingError(f"a tensor with shape {shorten(list(shape))}, stride {shorten(list(strides))} "
+                                     f"and offset {shorten(offset)}, which torch cannot hold")
     # A legacy-format placeholder is swapped for its located StorageRef by _replace_legacy.
-    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size),  # type: ignore[arg-type]
-                     tuple(int(s) for s in stride), bool(requires_grad))
+    return TensorRef(storage, offset, shape, strides, bool(requires_grad))  # type: ignore[arg-type]
 
 
 def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any) -> TensorRef:
@@ -530,6 +537,14 @@ def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") ->
     if not isinstance(obj, str) or encoding not in ("latin1", "latin-1") or errors != "strict":
         raise pickle.UnpicklingError(f"_codecs.encode called with {type(obj).__name__}, {encoding!r}")
     return obj.encode("latin1")
+
+
+def _bytearray(source: Any = b"", *args: Any) -> bytearray:
+    # Protocols < 5 pickle a bytearray as bytearray(<str>, "latin-1"); bytearray(<int>) would allocate (and zero)
+    # as many bytes as the pickle asks for.
+    if not isinstance(source, (bytes, str)):
+        raise pickle.UnpicklingError(f"bytearray built from {type(source).__name__}, not from bytes")
+    return bytearray(source, *args)
 
 
 def _numpy_globals() -> dict[tuple[str, str], Any]:
@@ -577,7 +592,7 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("builtins", "frozenset"): frozenset,
         ("builtins", "slice"): slice,
         ("builtins", "complex"): complex,
-        ("builtins", "bytearray"): bytearray,
+        ("builtins", "bytearray"): _bytearray,
         ("__builtin__", "set"): set,
         ("_codecs", "encode"): _codecs_encode,
     }
@@ -655,28 +670,53 @@ def load(path: str | os.PathLike[str]) -> Any:
     Raises :class:`UnsafeCheckpointError` for a global outside the allow-list and
     :class:`CorruptCheckpointError` for a truncated or malformed file.
     """
+    return load_with_info(path)[0]
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """What the container of a parsed file says about the file itself.
+
+    ``archive_name``: the folder its zip records sit in — ``torch.save`` names it after the file it
+    saves to (``zero_pp_rank_1_mp_rank_00_optim_states/data.pkl``), so a renamed copy still carries the
+    old name (None: legacy format). ``records``: ``(record name without that folder, CRC-32, size)`` of
+    every zip record, sorted; two files with equal records hold the same bytes."""
+
+    archive_name: str | None
+    records: tuple[tuple[str, int, int], ...] = ()
+
+
+def load_with_info(path: str | os.PathLike[str]) -> tuple[Any, FileInfo]:
+    """:func:`load`, and what the file's container says about it (:class:`FileInfo`)."""
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with os.fdopen(limits.open_regular(p), "rb") as f:
             head = f.read(4)
             if head[:2] == b"PK":
-                return _load_zip(p)
-            return _load_legacy(p)
+                obj, info = _load_zip(p, f)
+            else:
+                obj, info = _load_legacy(p, f), FileInfo(None)
+        check_tree(obj, p)
+        return obj, info
     except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{p}: file not found") from e
+    except RecursionError as e:  # a guard below missed a nesting: still a damaged file, never exit 70
+        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
     except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
             TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError,
             NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"
         raise CorruptCheckpointError(
-            f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {e}); "
+            f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {shorten(str(e), 200)}); "
             "it is truncated or corrupt — the save was probably interrupted"
         ) from e
+    except OSError as e:  # a zip directory pointing before the start of the file: seek() fails with EINVAL
+        raise CorruptCheckpointError(
+            f"{p}: cannot be read as a torch checkpoint file ({e.strerror or e}); its zip directory points "
+            "outside the file — it is truncated or corrupt") from e
 
 
-def _load_zip(path: Path) -> Any:
-    with zipfile.ZipFile(path) as zf:
+def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:
+    with zipfile.ZipFile(raw) as zf:
         names = zf.namelist()
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -690,57 +730,76 @@ def _load_zip(path: Path) -> Any:
         if byteorder in names and _read_member(zf, byteorder, path).strip() not in (b"little", b""):
             raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
         infos = {i.filename: i for i in zf.infolist()}
-        data = _read_member(zf, pkl[0], path)
+        data = _read_member(zf, pkl[0], path, "max_pickle_nbytes")
     checked = crc.checks_enabled()
+    info = FileInfo(prefix[:-1] or None, tuple(sorted((i.filename[len(prefix):], i.CRC, i.file_size)
+                                                      for i in infos.values())))
 
-    with open(path, "rb") as raw:
+    def resolve(args: tuple) -> StorageRef:
+        storage_type, key, location, numel = args[:4]
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
+        info = infos.get(f"{prefix}data/{key}")
+        if info is None:
+            raise CorruptCheckpointError(f"{path}: storage data/{key} is missing from the archive")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptCheckpointError(f"{path}: storage data/{key} is compressed; not a torch file")
+        raw.seek(info.header_offset)
+        header = raw.read(30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"{path}: bad zip entry header for data/{key}")
+        flags, local_crc = struct.unpack("<H", header[6:8])[0], struct.unpack("<I", header[14:18])[0]
+        if not flags & 0x08 and local_crc != info.CRC:  # torch's writer leaves it 0 (bit 3: data descriptor)
+            raise CorruptCheckpointError(crc.local_header_message(path, info.filename, info.CRC, local_crc))
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        offset = info.header_offset + 30 + name_len + extra_len
+        dtype = storage_type.dtype
+        count = int(numel) if numel is not None else info.file_size // DTYPES[dtype].itemsize
+        check = crc.RecordCheck(path, info.filename, info.CRC, info.file_size, offset) if checked else None
+        ref = StorageRef(path, str(key), dtype, count, offset, str(location), info.filename, info.file_size,
+                         info.CRC, check)
+        if ref.nbytes > info.file_size:
+            raise CorruptCheckpointError(f"{path}: storage data/{key} is shorter than its tensors")
+        return ref
 
-        def resolve(args: tuple) -> StorageRef:
-            storage_type, key, location, numel = args[:4]
-            if not isinstance(storage_type, _StorageType):
-                raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
-            info = infos.get(f"{prefix}data/{key}")
-            if info is None:
-                raise CorruptCheckpointError(f"{path}: storage data/{key} is missing from the archive")
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CorruptCheckpointError(f"{path}: storage data/{key} is compressed; not a torch file")
-            raw.seek(info.header_offset)
-            header = raw.read(30)
-            if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                raise CorruptCheckpointError(f"{path}: bad zip entry header for data/{key}")
-            flags, local_crc = struct.unpack("<H", header[6:8])[0], struct.unpack("<I", header[14:18])[0]
-            if not flags & 0x08 and local_crc != info.CRC:  # torch's writer leaves it 0 (bit 3: data descriptor)
-                raise CorruptCheckpointError(crc.local_header_message(path, info.filename, info.CRC, local_crc))
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            offset = info.header_offset + 30 + name_len + extra_len
-            dtype = storage_type.dtype
-            count = int(numel) if numel is not None else info.file_size // DTYPES[dtype].itemsize
-            check = crc.RecordCheck(path, info.filename, info.CRC, info.file_size, offset) if checked else None
-            ref = StorageRef(path, str(key), dtype, count, offset, str(location), info.filename, info.file_size,
-                             info.CRC, check)
-            if ref.nbytes > info.file_size:
-                raise CorruptCheckpointError(f"{path}: storage data/{key} is shorter than its tensors")
-            return ref
+    cache: dict[str, StorageRef] = {}
 
-        cache: dict[str, StorageRef] = {}
+    def resolve_cached(args: tuple) -> StorageRef:
+        key = str(args[1])
+        if key not in cache:
+            cache[key] = resolve(args)
+        return cache[key]
 
-        def resolve_cached(args: tuple) -> StorageRef:
-            key = str(args[1])
-            if key not in cache:
-                cache[key] = resolve(args)
-            return cache[key]
-
-        stream = _BoundedReader(io.BytesIO(data), path, len(data))
-        try:
-            return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load()
-        except MemoryError as e:  # a BINBYTES length far beyond the in-memory pickle (CRC-checked, so hostile)
-            raise CorruptCheckpointError(f"{path}: data.pkl asks for more memory than it holds; the file is "
-                                         "corrupt or hostile") from e
-
-
-def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
-    """A small record (the pickle, ``byteorder``), read whole; :mod:`zipfile` checks its CRC-32."""
+    stream = _BoundedReader(io.BytesIO(data), path, len(data))
     try:
+        return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load(), info
+    except MemoryError as e:  # a BINBYTES length far beyond the in-memory pickle (CRC-checked, so hostile)
+        raise CorruptCheckpointError(f"{path}: data.pkl asks for more memory than it holds; the file is "
+                                     "corrupt or hostile") from e
+
+
+def _read_member(zf: zipfile.ZipFile, name: str, path: Path, budget: str = "max_text_nbytes") -> bytes:
+    """A small record (the pickle, ``byteorder``), read whole within ``budget`` (a :class:`limits.ReadLimits`
+    field); :mod:`zipfile` checks its CRC-32. A compressed record (``torch.save`` never compresses) is
+    inflated only up to ``max_inflated_nbytes``, whatever its header declares."""
+    info = zf.getinfo(name)
+    lim = limits.current()
+    what = f"record '{name}'"
+    try:
+        if info.compress_type != zipfile.ZIP_STORED:
+            bound = min(lim.max_inflated_nbytes, getattr(lim, budget))
+            name_of = "max_inflated_nbytes" if bound == lim.max_inflated_nbytes else budget
+            if info.file_size > bound:
+                raise limits.exceeded(path, f"compressed {what} declares {info.file_size} bytes inflated", None,
+                                      name_of)
+            with zf.open(info) as member:
+                data = member.read(bound + 1)
+                if len(data) > bound:  # the header lied about the inflated size
+                    raise limits.exceeded(path, f"compressed {what} inflates past {bound} bytes", None, name_of)
+                member.read()  # the rest (none, if the header is right) and zipfile's CRC check
+            return data
+        if info.file_size > getattr(lim, budget):
+            raise limits.exceeded(path, f"{what} of {info.file_size} bytes", None, budget)
         return zf.read(name)
     except zipfile.BadZipFile as e:
         if "CRC" not in str(e):
@@ -754,47 +813,52 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 
 
-def _load_legacy(path: Path) -> Any:
+def _load_legacy(path: Path, raw_file: Any) -> Any:
     """The pre-zip format: magic, protocol, sys_info, main pickle, storage keys, raw storages."""
-    with open(path, "rb") as raw_file:
-        f = _BoundedReader(raw_file, path)
-        plain = _PlainUnpickler(f, path)
-        if plain.load() != _LEGACY_MAGIC:
-            raise CorruptCheckpointError(f"{path}: not a torch checkpoint (bad magic number)")
-        if _PlainUnpickler(f, path).load() != _LEGACY_PROTOCOL:
-            raise CorruptCheckpointError(f"{path}: unsupported legacy torch protocol version")
-        sys_info = _PlainUnpickler(f, path).load()
-        if isinstance(sys_info, dict) and not sys_info.get("little_endian", True):
-            raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
+    raw_file.seek(0)
+    f = _BoundedReader(raw_file, path)
+    # The pickles come first: none of them may run past max_pickle_nbytes into the file.
+    f.limit_end = limits.current().max_pickle_nbytes
+    plain = _PlainUnpickler(f, path)
+    if plain.load() != _LEGACY_MAGIC:
+        raise CorruptCheckpointError(f"{path}: not a torch checkpoint (bad magic number)")
+    if _PlainUnpickler(f, path).load() != _LEGACY_PROTOCOL:
+        raise CorruptCheckpointError(f"{path}: unsupported legacy torch protocol version")
+    sys_info = _PlainUnpickler(f, path).load()
+    if isinstance(sys_info, dict) and not sys_info.get("little_endian", True):
+        raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
 
-        placeholders: dict[str, _LegacyStorage] = {}
+    placeholders: dict[str, _LegacyStorage] = {}
 
-        def resolve(args: tuple) -> Any:
-            storage_type, key, location, numel, view_metadata = args
-            if not isinstance(storage_type, _StorageType):
-                raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
-            key = str(key)
-            if key not in placeholders:
-                placeholders[key] = _LegacyStorage(key, storage_type.dtype, int(numel), str(location))
-            if view_metadata is not None:
-                raise CorruptCheckpointError(f"{path}: legacy storage views are not supported")
-            return placeholders[key]
+    def resolve(args: tuple) -> Any:
+        storage_type, key, location, numel, view_metadata = args
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
+        key = str(key)
+        if key not in placeholders:
+            placeholders[key] = _LegacyStorage(key, storage_type.dtype, int(numel), str(location))
+        if view_metadata is not None:
+            raise CorruptCheckpointError(f"{path}: legacy storage views are not supported")
+        return placeholders[key]
 
-        obj = _LegacyUnpickler(f, path=path, resolve_storage=resolve).load()
-        keys = _PlainUnpickler(f, path).load()
-        offset = f.tell()
-        resolved: dict[str, StorageRef] = {}
-        size = path.stat().st_size
-        for key in keys:
-            ph = placeholders[str(key)]
-            f.seek(offset)
-            (count,) = struct.unpack("<q", f.read(8))
-            data_offset = offset + 8
-            ref = StorageRef(path, ph.key, ph.dtype, int(count), data_offset, ph.location)
-            if data_offset + ref.nbytes > size:
-                raise CorruptCheckpointError(f"{path}: file ends inside storage {ph.key!r}; it is truncated")
-            resolved[ph.key] = ref
-            offset = data_offset + ref.nbytes
+    obj = _LegacyUnpickler(f, path=path, resolve_storage=resolve).load()
+    keys = _PlainUnpickler(f, path).load()
+    f.limit_end = None
+    if not isinstance(keys, list) or len(keys) > limits.current().max_objects:
+        raise CorruptCheckpointError(f"{path}: the storage key list is damaged")
+    offset = f.tell()
+    resolved: dict[str, StorageRef] = {}
+    size = path.stat().st_size
+    for key in keys:
+        ph = placeholders[str(key)]
+        f.seek(offset)
+        (count,) = struct.unpack("<q", f.read(8))
+        data_offset = offset + 8
+        ref = StorageRef(path, ph.key, ph.dtype, int(count), data_offset, ph.location)
+        if data_offset + ref.nbytes > size:
+            raise CorruptCheckpointError(f"{path}: file ends inside storage {ph.key!r}; it is truncated")
+        resolved[ph.key] = ref
+        offset = data_offset + ref.nbytes
     return _replace_legacy(obj, resolved)
 
 
@@ -803,16 +867,22 @@ class _BoundedReader:
     damaged or hostile length in the pickle stream (BINUNICODE8, BINBYTES8, ...; legacy files have no
     CRC) would otherwise ask for up to 2**63 bytes."""
 
+    #: reads may not go past this offset (the pickle budget, ``max_pickle_nbytes``); None: no budget
+    limit_end: int | None = None
+
     def __init__(self, f: Any, path: Path, size: int | None = None) -> None:
         self._f = f
         self._path = path
         self._size = os.fstat(f.fileno()).st_size if size is None else size
 
     def _check(self, n: int | None) -> None:
-        if n is not None and n > self._size - self._f.tell():
+        if n is not None and n > self._size - self._f.tell():  # the more precise answer first
             raise CorruptCheckpointError(
                 f"{self._path}: the pickle stream asks for {n} bytes at offset {self._f.tell()}, past the end "
                 "of the file; it is corrupt")
+        if n is not None and self.limit_end is not None and self._f.tell() + n > self.limit_end:
+            raise limits.exceeded(self._path, f"a pickle running past byte {self.limit_end}", None,
+                                  "max_pickle_nbytes")
 
     def read(self, n: int = -1) -> bytes:
         self._check(n if n is not None and n >= 0 else None)
@@ -872,43 +942,149 @@ def _replace_legacy(obj: Any, resolved: dict[str, StorageRef]) -> Any:
 # Walking loaded trees
 
 
+def check_tree(obj: Any, where: object) -> None:
+    """Refuse a parsed tree that goes past a :class:`dsckpt.limits.ReadLimits` budget: nesting depth (the
+    longest chain of containers), distinct objects, references counted through every shared container
+    (what a walk that forgot where it had been would visit), a container holding itself, integers of more
+    than ``max_int_bits`` bits, strings and bytes of more than ``max_str_nbytes``.
+
+    One iterative pass that visits each container once (a "billion laughs" memo costs its size on disk,
+    not 10^9 visits); raises :class:`~dsckpt.limits.LimitExceededError` naming ``where`` and the limit."""
+    lim = limits.current()
+    # id -> (height, references) of every container finished; a container on the current path maps to None
+    done: dict[int, tuple[int, int] | None] = {}
+    objects = 0
+    # (container, its children, index of the next child, height so far, references so far)
+    stack: list[list[Any]] = []
+
+    def leaf(x: Any) -> None:
+        if isinstance(x, int) and x.bit_length() > lim.max_int_bits:  # bools are 1 bit
+            raise limits.exceeded(where, f"an integer of {x.bit_length()} bits", None, "max_int_bits")
+        if isinstance(x, (str, bytes, bytearray)) and len(x) > lim.max_str_nbytes:
+            raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", None,
+                                  "max_str_nbytes")
+
+    def enter(x: Any) -> tuple[int, int] | None:
+        """(height, references) of ``x`` if known now (a leaf, a finished container); None once pushed."""
+        nonlocal objects
+        children = _children(x)
+        key = id(x)
+        if children is not None and key in done:
+            known = done[key]
+            if known is None:
+                raise CorruptCheckpointError(f"{where}: a {type(x).__name__} in the pickle contains itself; no "
+                                             "DeepSpeed checkpoint does, the file is corrupt or hostile")
+            return known
+        objects += 1  # a container once, a leaf (a number, a string: often shared, cheap to count) each time
+        if objects > lim.max_objects:
+            raise limits.exceeded(where, f"more than {lim.max_objects} objects in one pickle", None,
+                                  "max_objects")
+        if children is None:
+            leaf(x)
+            return (0, 1)
+        if len(stack) >= lim.max_depth:
+            raise limits.exceeded(where, f"containers nested more than {lim.max_depth} deep", None,
+                                  "max_depth")
+        done[key] = None
+        stack.append([x, children, 0, 0, 1])
+        return None
+
+    if enter(obj) is not None:
+        return
+    while stack:
+        top = stack[-1]
+        children, i = top[1], top[2]
+        if i < len(children):
+            top[2] = i + 1
+            got = enter(children[i])
+            if got is not None:
+                top[3] = max(top[3], got[0])
+                top[4] += got[1]
+            continue
+        stack.pop()
+        height, refs = top[3] + 1, top[4]
+        if refs > lim.max_references:
+            raise limits.exceeded(where, f"{refs} objects reached through shared references", None, "max_references")
+        done[id(top[0])] = (height, refs)
+        if stack:
+            parent = stack[-1]
+            parent[3] = max(parent[3], height)
+            parent[4] += refs
+        elif height > lim.max_depth:
+            raise limits.exceeded(where, f"containers nested {height} deep", None, "max_depth")
+
+
+def _children(x: Any) -> list[Any] | None:
+    """The objects ``x`` holds (keys included), or None for a leaf."""
+    if isinstance(x, dict):
+        return [*x.keys(), *x.values()]
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return list(x)
+    if isinstance(x, DeepSpeedObject):
+        return [*x.__dict__.keys(), *x.__dict__.values()]
+    if isinstance(x, TensorRef):
+        return [*x.attrs.keys(), *x.attrs.values()] if x.attrs else None
+    if isinstance(x, np.ndarray) and x.dtype == object:
+        return list(x.ravel())
+    return None
+
+
 def map_structure(fn: Callable[[Any], Any], obj: Any) -> Any:
-    """Apply ``fn`` to every leaf of nested dicts/lists/tuples and stand-in attributes."""
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((k, map_structure(fn, v)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: map_structure(fn, v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [map_structure(fn, v) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, TorchSize):
-        mapped = [map_structure(fn, v) for v in obj]
-        return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
-    if isinstance(obj, DeepSpeedObject):
-        for k, v in list(obj.__dict__.items()):
-            obj.__dict__[k] = map_structure(fn, v)
-        return obj
-    return fn(obj)
+    """Apply ``fn`` to every leaf of nested dicts/lists/tuples and stand-in attributes. A container shared by
+    several parents (the pickle memo) is mapped once and stays shared."""
+    memo: dict[int, Any] = {}
+
+    def go(obj: Any) -> Any:
+        key = id(obj)
+        if key in memo:
+            return memo[key]
+        if isinstance(obj, OrderedDict):
+            out: Any = OrderedDict((k, go(v)) for k, v in obj.items())
+        elif isinstance(obj, dict):
+            out = {k: go(v) for k, v in obj.items()}
+        elif isinstance(obj, list):
+            out = [go(v) for v in obj]
+        elif isinstance(obj, tuple) and not isinstance(obj, TorchSize):
+            mapped = [go(v) for v in obj]
+            out = type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
+        elif isinstance(obj, DeepSpeedObject):
+            for k, v in list(obj.__dict__.items()):
+                obj.__dict__[k] = go(v)
+            out = obj
+        else:
+            return fn(obj)
+        memo[key] = out
+        return out
+
+    return go(obj)
 
 
 def walk_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], TensorRef]]:
-    """Every :class:`TensorRef` in a loaded tree with its key path, in a stable order."""
-    out: list[tuple[tuple[Any, ...], TensorRef]] = []
+    """Every :class:`TensorRef` in a loaded tree with its key path, in a stable order. A container reached
+    through several paths (the pickle memo shares it) is walked once; its tensors are listed under each
+    path (the tree's reference budget, :func:`check_tree`, bounds how many that can be)."""
+    memo: dict[int, list[tuple[tuple[Any, ...], TensorRef]]] = {}
 
-    def visit(x: Any, path: tuple[Any, ...]) -> None:
+    def visit(x: Any) -> list[tuple[tuple[Any, ...], TensorRef]]:
         if isinstance(x, TensorRef):
-            out.append((path, x))
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                visit(v, (*path, k))
+            return [((), x)]
+        key = id(x)
+        found = memo.get(key)
+        if found is not None:
+            return found
+        if isinstance(x, dict):
+            items: Any = x.items()
         elif isinstance(x, (list, tuple)) and not isinstance(x, TorchSize):
-            for i, v in enumerate(x):
-                visit(v, (*path, i))
+            items = enumerate(x)
         elif isinstance(x, DeepSpeedObject):
-            for k, v in x.__dict__.items():
-                visit(v, (*path, k))
+            items = x.__dict__.items()
+        else:
+            return []
+        out = [((k, *p), ref) for k, v in items for p, ref in visit(v)]
+        memo[key] = out
+        return out
 
-    visit(obj, prefix)
-    return out
+    return [((*prefix, *p), ref) for p, ref in visit(obj)]
 
 
 def materialize(obj: Any) -> Any:

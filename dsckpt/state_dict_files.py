@@ -24,6 +24,7 @@ import numpy as np
 from . import safe_load
 from .dtypes import DTYPES, dtype_info
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .limits import open_regular, read_small_file
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, dtype_name, lookup
 from .safe_load import TensorRef
@@ -172,7 +173,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, SafetensorsRef], dict
     or byte past the end of the file."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > min(100_000_000, size - 8):
                 raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
@@ -235,7 +236,7 @@ def _shard_files(folder: Path) -> list[Path]:
     index = folder / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(read_small_file(index).decode("utf-8"))["weight_map"]
             if not isinstance(weight_map, dict) or not all(
                     isinstance(v, str) and v and Path(v).name == v and v not in (".", "..")
                     for v in weight_map.values()):

@@ -282,6 +282,22 @@ def deepspeed_cases(rng: random.Random, scale: float) -> Iterator[Case]:
             yield Case(f"{base}/{name}/from:{other}", "mixed-saves", base, "deepspeed", mixed, name)
 
 
+def hostile_seed_cases() -> Iterator[Case]:
+    """The hostile corpus (tests/hostile.py, issue 29) as seeds: every case that damages the checkpoint itself
+    (not the output folder, not the environment), given to to-fp32 and one more command like any other case."""
+    from hostile import cases as hostile_cases
+
+    for hc in hostile_cases():
+        if hc.family == "output" or hc.env:
+            continue
+
+        def build(root: Path, hc: object = hc) -> Path:
+            ckpt = _copy_fixture(hc.fixture, root) / "ckpt"  # type: ignore[attr-defined]
+            hc.build(ckpt)  # type: ignore[attr-defined]
+            return ckpt
+        yield Case(f"hostile/{hc.id}", f"hostile:{hc.family}", hc.fixture, "deepspeed", build)
+
+
 # --------------------------------------------------------------------------------------------
 # Safetensors cases (files made by to-fp32 of a fixture, plus a sharded folder with an index)
 
@@ -512,7 +528,7 @@ def _make_safetensors(work: Path) -> dict[str, Path]:
 def corpus(scale: float, work: Path, seed: int = 20260101) -> list[Case]:
     rng = random.Random(seed)
     made = _make_safetensors(work)
-    return [*deepspeed_cases(rng, scale), *safetensors_cases(rng, scale, made)]
+    return [*deepspeed_cases(rng, scale), *hostile_seed_cases(), *safetensors_cases(rng, scale, made)]
 
 
 def run(scale: float = 1.0, *, work: Path | None = None, commands_per_case: int = 2,

@@ -41,7 +41,8 @@ def test_fuzzed_corpus_is_refused_cleanly_or_read_correctly():
     caught_categories = [o for o in summary["wrong"] if o["category"] not in WRONG_ALLOWED]
     assert caught_categories == [], json.dumps(caught_categories[:10], indent=1)
     for category in ("truncate", "zero-length", "flip:pickle", "folder-for-file", "absurd-size",
-                     "zip-remove-entry", "mixed-saves", "safetensors:offsets-overlap", "index:not-json"):
+                     "zip-remove-entry", "mixed-saves", "safetensors:offsets-overlap", "index:not-json",
+                     "hostile:hang", "hostile:memory", "hostile:internal", "hostile:silent", "hostile:message"):
         assert summary["by_category"][category].get("refused"), category
 
 

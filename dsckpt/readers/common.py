@@ -13,6 +13,7 @@ from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
 from ..safe_load import DeepSpeedObject, TensorRef
+from ..validate import validate_tree
 
 __all__ = ["FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
 
@@ -23,10 +24,12 @@ class FileCache:
 
     def __init__(self) -> None:
         self._trees: dict[Path, Any] = {}
+        #: what each parsed file's container says about it (:class:`dsckpt.safe_load.FileInfo`)
+        self.infos: dict[Path, safe_load.FileInfo] = {}
 
     def tree(self, path: Path) -> Any:
         if path not in self._trees:
-            obj = safe_load.load(path)
+            obj, self.infos[path] = safe_load.load_with_info(path)
             # A bare tensor is a whole file only in universal checkpoints (ds_to_universal's ZeRO-3
             # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is ().
             if not isinstance(obj, (dict, TensorRef)):
@@ -34,6 +37,7 @@ class FileCache:
                     f"{path}: expected a dict at the top level, found {type(obj).__name__}; "
                     "this is not a DeepSpeed checkpoint file"
                 )
+            validate_tree(path, obj)  # names, shapes and key types, once for every command
             self._trees[path] = obj
         return self._trees[path]
 
