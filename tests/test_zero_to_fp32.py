@@ -82,11 +82,20 @@ def stage1_frozen(fx: str) -> list[str]:
     return list(meta.get("frozen") or []) if meta.get("stage") == 1 else []
 
 
-def dsckpt_fp32(fx: str, tmp_path: Path) -> dict[str, torch.Tensor]:
-    """What ``dsckpt to-fp32`` writes for the fixture (every name, tied aliases included), in fp32."""
-    out = tmp_path / "to_fp32.safetensors"
-    to_fp32(FIXTURES / fx / "ckpt", out)
-    return load_file(str(out))
+@pytest.fixture(scope="module")
+def dsckpt_fp32(tmp_path_factory):
+    """``dsckpt_fp32(fx)``: what ``dsckpt to-fp32`` writes for the fixture (every name, tied aliases included),
+    in fp32; computed once per fixture."""
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(fx: str) -> dict[str, torch.Tensor]:
+        if fx not in cache:
+            out = tmp_path_factory.mktemp("to_fp32") / "model.safetensors"
+            to_fp32(FIXTURES / fx / "ckpt", out)
+            cache[fx] = load_file(str(out))
+        return cache[fx]
+
+    return get
 
 
 def as_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -103,12 +112,12 @@ def test_record_covers_every_fixture():
     assert RECORD["deepspeed"] == "0.19.8"
     works = [fx for fx in ALL if "raises" not in ds(fx, "get")]
     # the counts quoted in docs/zero-to-fp32.md
-    assert (len(ALL), len(works)) == (105, 54)
+    assert (len(ALL), len(works)) == (99, 54)
     assert not [fx for fx in ALL if "raises" not in ds(fx, "convert_safetensors")]  # tied weights, every one
 
 
 @pytest.mark.parametrize("fx", ALL)
-def test_get_equals_deepspeed_or_works_where_it_raises(fx, tmp_path, monkeypatch):
+def test_get_equals_deepspeed_or_works_where_it_raises(fx, dsckpt_fp32):
     ckpt = FIXTURES / fx / "ckpt"
     if fx in AMBIGUOUS_VALUES:
         assert "raises" in ds(fx, "get")
@@ -131,7 +140,7 @@ def test_get_equals_deepspeed_or_works_where_it_raises(fx, tmp_path, monkeypatch
         assert {k: digest(v) for k, v in ex.items()} == tensors_of(ds(fx, "get_exclude_frozen"), rec)
     # ours equals dsckpt to-fp32 (verified against each fixture's truth by test_to_fp32) wherever DeepSpeed's
     # raises, and for the params DeepSpeed drops
-    reference = dsckpt_fp32(fx, tmp_path)
+    reference = dsckpt_fp32(fx)
     assert set(sd) == set(reference)
     for k, v in sd.items():
         assert torch.equal(as_fp32(v), reference[k]), k
@@ -241,10 +250,10 @@ def read_files(out: Path) -> dict[str, dict]:
             files[p.name] = {"metadata": meta, "tensors": {k: digest(v) for k, v in sd.items()}, "tied": {}}
         else:
             sd = torch.load(p, map_location="cpu", weights_only=True)
-            ptr: dict[int, str] = {}
+            ptr: dict[tuple, str] = {}
             tied = {}
             for k, v in sd.items():
-                key = v.untyped_storage().data_ptr()
+                key = (v.data_ptr(), tuple(v.shape), v.stride(), v.dtype)
                 if key in ptr and v.numel():
                     tied[k] = ptr[key]
                 else:
@@ -289,15 +298,18 @@ CONVERSIONS = {"convert_bin": {}, "convert_bin_sharded": {"max_shard_size": SHAR
 
 
 @pytest.mark.parametrize("fx", [fx for fx in ALL if fx not in AMBIGUOUS_VALUES])
-def test_convert_writes_deepspeeds_files_or_works_where_it_raises(fx, tmp_path):
+def test_convert_writes_deepspeeds_files_or_works_where_it_raises(fx, tmp_path, dsckpt_fp32):
     ckpt = FIXTURES / fx / "ckpt"
+    deepspeed_works = "raises" not in ds(fx, "convert_bin")
+    # where DeepSpeed's raises, sharding is shown by the fixtures where it works (and test_plan_output_...)
+    calls = list(CONVERSIONS) if deepspeed_works else ["convert_bin", "convert_safetensors"]
     got = {}
-    for call, kwargs in CONVERSIONS.items():
+    for call in calls:
         out = tmp_path / call
-        assert z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, **kwargs) is None
+        assert z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, **CONVERSIONS[call]) is None
         got[call] = read_files(out)
     extra = stage1_frozen(fx)
-    for call in CONVERSIONS:
+    for call in calls:
         rec = ds(fx, call)
         if "raises" not in rec:  # the same file names, index text and tensors (as loaded), but DeepSpeed's drops
             assert without(got[call], extra) == rec["files"]
@@ -305,6 +317,8 @@ def test_convert_writes_deepspeeds_files_or_works_where_it_raises(fx, tmp_path):
     # .bin, named .safetensors, each tensor a copy of its own, metadata {"format": "pt"} as DeepSpeed writes it
     for bin_call, st_call in (("convert_bin", "convert_safetensors"),
                               ("convert_bin_sharded", "convert_safetensors_sharded")):
+        if st_call not in got:
+            continue
         renamed = {}
         for name, rec in got[bin_call].items():
             new = name.replace("pytorch_model", "model").replace(".bin", ".safetensors")
@@ -314,9 +328,9 @@ def test_convert_writes_deepspeeds_files_or_works_where_it_raises(fx, tmp_path):
                 renamed[new] = {"metadata": {"format": "pt"}, "tensors": rec["tensors"], "tied": {}}
         assert got[st_call] == renamed
     # and the tensors are dsckpt to-fp32's
-    reference = {k: digest(v) for k, v in dsckpt_fp32(fx, tmp_path).items()}
+    reference = {k: digest(v) for k, v in dsckpt_fp32(fx).items()}
     written = {k: d for rec in got["convert_bin"].values() for k, d in rec.get("tensors", {}).items()}
-    assert written == {k: reference[k] for k in written} and set(written) == set(reference)
+    assert written == reference
 
 
 def test_plan_output_follows_huggingface_hub_split():
@@ -451,14 +465,13 @@ def test_module_runs_without_deepspeed_or_torch_at_import():
 # The record, recomputed live
 
 
-LIVE = ["ds0103_s2_bf16_w2", "s1_fp32_w2", "s2_bf16_w2_roundrobin", "s3_bf16_w3_subgroups", "hf_gpt2_z3_bf16_w2",
-        "s0_fp32_w1", "universal/s1_fp32_w2"]
+LIVE = ["ds0103_s1_bf16_w2", "s2_bf16_w2_roundrobin", "s3_bf16_w3_subgroups", "s0_fp32_w1"]
 
 
 @pytest.mark.deepspeed
 def test_record_matches_deepspeed_live(tmp_path):
-    """DeepSpeed 0.19.8's functions, run now on a few fixtures (old release, stage 1 to 3, round-robin, a
-    Hugging Face model, and two it refuses), give what the committed record says."""
+    """DeepSpeed 0.19.8's functions, run now on a few fixtures (a 0.10.3 stage-1 save, round-robin ZeRO-2,
+    stage 3 with sub-groups, and a stage-0 save it refuses), give what the committed record says."""
     out = tmp_path / "live.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
     subprocess.run([sys.executable, str(FIXTURES / "record_zero_to_fp32.py"), "--out", str(out), *LIVE],
