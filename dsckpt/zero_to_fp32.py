@@ -355,10 +355,14 @@ class OutputPlan:
     index_text: str | None
 
     def spec(self, item: StateDictItem) -> TensorSpec:
-        from .writers.safetensors import TensorSpec
+        return _output_spec(item, self.dtype)
 
-        stored = item.dtype
-        return TensorSpec(item.name, self.dtype if _is_floating(stored) else stored, item.entry.shape)
+
+def _output_spec(item: StateDictItem, dtype: str) -> TensorSpec:
+    """How ``item`` is written: floating tensors in ``dtype``, others as they are."""
+    from .writers.safetensors import TensorSpec
+
+    return TensorSpec(item.name, dtype if _is_floating(item.dtype) else item.dtype, item.entry.shape)
 
 
 def _parse_shard_size(max_shard_size: str | int) -> int:
@@ -383,7 +387,6 @@ def plan_output(items: Sequence[StateDictItem], output_dir: str | os.PathLike[st
 
     dtype = parse_dtype(dtype)
     weights = WEIGHTS_NAME[bool(safe_serialization)]
-    plan_base = OutputPlan(Path(output_dir), bool(safe_serialization), dtype, tuple(items), (), None, None)
     if max_shard_size is None:
         return OutputPlan(Path(output_dir), bool(safe_serialization), dtype, tuple(items),
                           (OutputFile(weights, tuple(i.name for i in items)),), None, None)
@@ -394,7 +397,7 @@ def plan_output(items: Sequence[StateDictItem], output_dir: str | os.PathLike[st
     current: list[str] = []
     current_nbytes = total = 0
     for item in items:
-        spec = plan_base.spec(item)
+        spec = _output_spec(item, dtype)
         source = storage_of.get(item.alias_of) if item.alias_of is not None else None
         if source is None and spec.nbytes == 0:
             source = first_empty
@@ -574,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("zero_to_fp32: %(levelname)s: %(message)s"))
     log.addHandler(handler)
+    level = log.level
     if args.debug:
         log.setLevel(logging.DEBUG)
     try:
@@ -596,6 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "command you ran; rerun with DSCKPT_DEBUG=1 for a traceback", EXIT_INTERNAL)
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
     n_params = sum(1 for i in items if i.entry.kind is Kind.PARAM)
     shown = ", ".join(p.name for p in files)
     print(f"wrote {shown} to {args.output_dir}: {n_params} params and {len(items) - n_params} buffers in "

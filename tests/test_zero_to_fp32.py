@@ -54,7 +54,8 @@ def digest(t: torch.Tensor) -> str:
     """As the recorder writes it: ``"<dtype> [<shape>] <sha256 prefix>"``."""
     c = t.detach().contiguous()
     raw = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
-    return f"{str(c.dtype).removeprefix('torch.')} [{'x'.join(map(str, c.shape))}] {hashlib.sha256(raw).hexdigest()[:16]}"
+    shape = "x".join(map(str, c.shape))
+    return f"{str(c.dtype).removeprefix('torch.')} [{shape}] {hashlib.sha256(raw).hexdigest()[:16]}"
 
 
 def tensors_of(rec: dict, full: dict | None = None) -> dict[str, str]:
