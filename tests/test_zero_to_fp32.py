@@ -92,7 +92,9 @@ def dsckpt_fp32(tmp_path_factory):
     def get(fx: str) -> dict[str, torch.Tensor]:
         if fx not in cache:
             out = tmp_path_factory.mktemp("to_fp32") / "model.safetensors"
-            to_fp32(FIXTURES / fx / "ckpt", out)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(os, "fsync", lambda fd: None)  # (see no_fsync)
+                to_fp32(FIXTURES / fx / "ckpt", out)
             cache[fx] = load_file(str(out))
         return cache[fx]
 
@@ -298,8 +300,15 @@ CONVERSIONS = {"convert_bin": {}, "convert_bin_sharded": {"max_shard_size": SHAR
                "convert_safetensors_sharded": {"safe_serialization": True, "max_shard_size": SHARD}}
 
 
+@pytest.fixture
+def no_fsync(monkeypatch):
+    """Outputs written without fsync: what they hold is the same, and on a machine shared by several test runs
+    the fsyncs were most of the time these tests took."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
 @pytest.mark.parametrize("fx", [fx for fx in ALL if fx not in AMBIGUOUS_VALUES])
-def test_convert_writes_deepspeeds_files_or_works_where_it_raises(fx, tmp_path, dsckpt_fp32):
+def test_convert_writes_deepspeeds_files_or_works_where_it_raises(fx, tmp_path, dsckpt_fp32, no_fsync):
     ckpt = FIXTURES / fx / "ckpt"
     deepspeed_works = "raises" not in ds(fx, "convert_bin")
     # where DeepSpeed's raises, sharding is shown by the fixtures where it works (and test_plan_output_...)
