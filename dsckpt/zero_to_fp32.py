@@ -433,11 +433,18 @@ def plan_output(items: Sequence[StateDictItem], output_dir: str | os.PathLike[st
                       INDEX_NAME[bool(safe_serialization)], json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+#: safetensors' ``save_file`` lays tensors out by dtype in this order, then by name (its Rust ``Dtype`` enum,
+#: descending; safetensors 0.8.0): writing them in the same order gives the bytes DeepSpeed's ``save_file`` call
+#: would write.
+SAFETENSORS_DTYPE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+
+
 def _write_safetensors(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoint) -> None:
     from .convert import ConvertPlan, OutputFormat, run_to_fp32
 
     by_name = {i.name: i for i in plan.items}
-    specs = tuple(plan.spec(by_name[n]) for n in file.names)
+    specs = tuple(sorted((plan.spec(by_name[n]) for n in file.names),
+                         key=lambda s: (SAFETENSORS_DTYPE_ORDER.index(s.code), s.name)))
     convert_plan = ConvertPlan(path, OutputFormat.SAFETENSORS, specs, {n: by_name[n].entry for n in file.names},
                                None, {"format": "pt"})
     run_to_fp32(convert_plan, ckpt.cache)
