@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -450,9 +450,38 @@ def _write_safetensors(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Che
     run_to_fp32(convert_plan, ckpt.cache)
 
 
-def _write_torch(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoint) -> None:
-    import torch
+def _chunks(item: StateDictItem, spec: TensorSpec, ckpt: Checkpoint) -> Iterator[Any]:
+    """``item``'s bytes as ``spec`` wants them, front to back, in bounded chunks read straight from its fragments
+    (numpy; views into one reused buffer, each valid until the next is asked for), as ``to-fp32`` streams them;
+    a tensor whose fragments cannot be streamed so comes whole, through torch."""
+    import numpy as np
 
+    from .chunks import plan_piece_chunks, read_chunks
+    from .convert import convert_chunk
+
+    reads = plan_piece_chunks(item.entry.source_for_fp32(), spec.shape, ckpt.cache, name=spec.name)
+    if reads is None:
+        import torch
+
+        t = _read(item, ckpt)
+        want = getattr(torch, spec.dtype)
+        yield (t.to(want) if t.dtype != want else t).contiguous().reshape(-1).view(torch.uint8).numpy()
+        return
+    stream = read_chunks(reads, workers=0)
+    try:
+        for expected in reads:
+            got, raw = next(stream)
+            assert got is expected, f"streamed {got.name} while writing {spec.name}"
+            chunk, _ = convert_chunk(raw, got.ref.dtype_name, spec.dtype)
+            yield np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+    finally:
+        stream.close()
+
+
+def _write_torch(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoint) -> None:
+    """``torch.save``'s format, one storage at a time (:func:`dsckpt.writers.torch_stream.write_torch_tree`; torch
+    is not imported): a tied alias is the same object as its source in the pickle, so ``torch.load`` gives one
+    tensor for both, as after DeepSpeed's ``torch.save``."""
     from .writers.torch_stream import ChunkedTensor, verify_torch_file, write_torch_tree
 
     by_name = {i.name: i for i in plan.items}
@@ -463,16 +492,9 @@ def _write_torch(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoin
         spec = plan.spec(item)
         specs.append(spec)
         if item.alias_of is not None and item.alias_of in tree:
-            tree[name] = tree[item.alias_of]  # pickled once: torch.load gives one tensor, as torch.save's
+            tree[name] = tree[item.alias_of]
             continue
-
-        def chunks(item: StateDictItem = item, spec: TensorSpec = spec) -> Any:
-            t = _read(item, ckpt)
-            want = getattr(torch, spec.dtype)
-            t = t.to(want) if t.dtype != want else t
-            yield t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-        tree[name] = ChunkedTensor(spec.dtype, spec.shape, chunks)
+        tree[name] = ChunkedTensor(spec.dtype, spec.shape, lambda item=item, spec=spec: _chunks(item, spec, ckpt))
 
     def check(tmp: Path) -> None:
         ckpt.finish_checks()
