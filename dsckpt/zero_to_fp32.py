@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -513,19 +514,25 @@ def run_output(plan: OutputPlan, ckpt: Checkpoint) -> list[Path]:
     out = plan.output_dir
     if out.exists() and not out.is_dir():
         raise UsageError(f"output_dir '{out}' exists and is not a folder; name a folder for the state dict files")
+    created = not out.exists()
     written: list[Path] = []
-    with scratch_dir(out / (plan.files[0].filename if plan.files else "zero_to_fp32")) as tmp:
-        for file in plan.files:
-            write = _write_safetensors if plan.safe_serialization else _write_torch
-            write(tmp / file.filename, plan, file, ckpt)
-        if plan.index_filename is not None and plan.index_text is not None:
-            (tmp / plan.index_filename).write_text(plan.index_text, encoding="utf-8")
-        ckpt.finish_checks()
-        names = [f.filename for f in plan.files] + ([plan.index_filename] if plan.index_filename else [])
-        for name in names:
-            os.replace(tmp / name, out / name)
-            written.append(out / name)
-        _fsync_dir(out)
+    try:
+        with scratch_dir(out / plan.files[0].filename) as tmp:
+            for file in plan.files:
+                write = _write_safetensors if plan.safe_serialization else _write_torch
+                write(tmp / file.filename, plan, file, ckpt)
+            if plan.index_filename is not None and plan.index_text is not None:
+                (tmp / plan.index_filename).write_text(plan.index_text, encoding="utf-8")
+            ckpt.finish_checks()
+            names = [f.filename for f in plan.files] + ([plan.index_filename] if plan.index_filename else [])
+            for name in names:
+                os.replace(tmp / name, out / name)
+                written.append(out / name)
+            _fsync_dir(out)
+    except BaseException:
+        if created and not written:
+            shutil.rmtree(out, ignore_errors=True)  # made by this call, holding nothing of the user's
+        raise
     return written
 
 

@@ -234,6 +234,9 @@ def test_a_flipped_bit_fails_the_read_and_leaves_no_output(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
         z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, max_shard_size=SHARD)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]  # no shard, no index, no temporary folder
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+        z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "new" / "out", safe_serialization=True)
+    assert list(tmp_path.glob("new/*")) == []  # the folder this call made is gone again
 
 
 # --------------------------------------------------------------------------------------------
