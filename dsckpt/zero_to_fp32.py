@@ -419,9 +419,15 @@ def plan_output(items: Sequence[StateDictItem], output_dir: str | os.PathLike[st
         total += spec.nbytes
     if current:
         shards.append(current)
+    # then, storage by storage (in the order of their first keys), the other keys go where the first one went
+    source_to_aliases: dict[str, list[str]] = {}
     for name, source in storage_of.items():
+        source_to_aliases.setdefault(source, [])
         if source != name:
-            next(s for s in shards if source in s).append(name)
+            source_to_aliases[source].append(name)
+    for source, aliases in source_to_aliases.items():
+        if aliases:
+            next(s for s in shards if source in s).extend(aliases)
     n = len(shards)
     if n <= 1:
         return OutputPlan(Path(output_dir), bool(safe_serialization), dtype, tuple(items),

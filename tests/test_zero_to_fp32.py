@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import FIXTURES
 from safetensors import safe_open
 from safetensors.torch import load_file, save
@@ -369,6 +371,39 @@ def test_plan_output_follows_huggingface_hub_split():
         else:
             assert plan.index_text is None
     assert [f.filename for f in z.plan_output(items, "out", max_shard_size=None).files] == ["pytorch_model.bin"]
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["float32", "bfloat16", "int64"]),
+                          st.lists(st.integers(0, 9), max_size=2), st.integers(-1, 6)), min_size=1, max_size=12),
+       st.integers(1, 400))
+def test_plan_output_splits_as_huggingface_hub_for_any_sizes(tensors, limit):
+    """Random dtypes, shapes (empty ones included), tied aliases (an alias of key ``j`` when ``j`` >= 0 names
+    an earlier non-alias key) and limits: the same shards, names and index as huggingface_hub's split."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from dsckpt.model import Kind, TensorEntry
+
+    items: list[z.StateDictItem] = []
+    empty: dict[str, torch.Tensor] = {}
+    for i, (dtype, shape, tie) in enumerate(tensors):
+        name = f"t{i}"
+        sources = [it for it in items if it.alias_of is None]
+        if 0 <= tie < len(sources):
+            src = sources[tie]
+            items.append(z.StateDictItem(name, src.entry, src.dtype, alias_of=src.name))
+            empty[name] = empty[src.name]
+            continue
+        entry = TensorEntry(name, tuple(shape), Kind.PARAM, True, ())
+        items.append(z.StateDictItem(name, entry, dtype))
+        want = torch.float32 if dtype != "int64" else torch.int64  # as DeepSpeed's to_torch_tensor(dtype=fp32)
+        empty[name] = torch.empty(tuple(shape), dtype=want)
+    split = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=limit)
+    plan = z.plan_output(items, "out", max_shard_size=limit, safe_serialization=True)
+    assert {f.filename: list(f.names) for f in plan.files} == split.filename_to_tensors
+    if split.is_sharded:
+        assert json.loads(plan.index_text) == {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
 
 
 def test_convert_writes_into_an_existing_folder_beside_other_files(tmp_path):
