@@ -452,8 +452,11 @@ def _write_safetensors(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Che
     by_name = {i.name: i for i in plan.items}
     specs = tuple(sorted((plan.spec(by_name[n]) for n in file.names),
                          key=lambda s: (SAFETENSORS_DTYPE_ORDER.index(s.code), s.name)))
-    convert_plan = ConvertPlan(path, OutputFormat.SAFETENSORS, specs, {n: by_name[n].entry for n in file.names},
-                               None, {"format": "pt"})
+    # to-fp32's streaming writer (bounded chunks, CRC-32 checks completed before the rename, the file reopened and
+    # checked), with DeepSpeed's metadata
+    convert_plan = ConvertPlan(output=path, format=OutputFormat.SAFETENSORS, specs=specs,
+                               name_to_entry={n: by_name[n].entry for n in file.names}, shards=None,
+                               metadata={"format": "pt"})
     run_to_fp32(convert_plan, ckpt.cache)
 
 
