@@ -166,7 +166,7 @@ def test_lazy_mode_reads_nothing_until_asked_and_equals_deepspeed(fx, monkeypatc
         t = v.contiguous()
         assert (tuple(t.shape), t.dtype) == (tuple(v.shape), v.dtype) and isinstance(v.shape, torch.Size)
         values[k] = t
-    assert len(reads) == len(lazy)  # tied aliases are the same LazyTensor: read once each way they are asked
+    assert len(reads) == len(lazy)  # each .contiguous() reads (a tied alias is its source's LazyTensor)
     rec = ds(fx, "get_lazy")
     if "raises" not in rec:
         extra = stage1_frozen(fx)
@@ -239,6 +239,35 @@ def test_a_flipped_bit_fails_the_read_and_leaves_no_output(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
         z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "new" / "out", safe_serialization=True)
     assert list(tmp_path.glob("new/*")) == []  # the folder this call made is gone again
+
+
+def test_a_code_running_pickle_is_refused_and_nothing_runs(tmp_path):
+    """DeepSpeed's script unpickles with ``weights_only=False``: a model-states file can run code. Ours refuses."""
+    import io
+    import shutil
+    import struct
+    import zipfile
+
+    from dsckpt.errors import UnsafeCheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "s2_fp32_w4" / "ckpt", ckpt)
+    marker = tmp_path / "ran"
+    cmd = f"touch {marker}".encode()
+    evil = b"\x80\x02cos\nsystem\n(X" + struct.pack("<I", len(cmd)) + cmd + b"tR."
+    path = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(path) as zf:
+        entries = [(i.filename, evil if i.filename.endswith("/data.pkl") else zf.read(i)) for i in zf.infolist()]
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as out:
+        for name, data in entries:
+            out.writestr(name, data)
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(UnsafeCheckpointError, match="os.system"):
+        z.get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)
+    with pytest.raises(UnsafeCheckpointError, match="os.system"):
+        z.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------------------------
