@@ -6,24 +6,26 @@ migration, and ``python -m dsckpt.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [--safe
 [--max_shard_size 5GB] [-t TAG] [--exclude_frozen_parameters] [-d]`` takes the script's arguments.
 
 Where DeepSpeed's functions work, these return the same keys (in the same order) and bit-identical tensors of the
-same dtypes, and the converter writes the same file names, shards and index; where DeepSpeed's raise (ZeRO stage 0,
+same dtypes, and the converter writes the same file names, shards, index and tensors (``model.safetensors`` byte for
+byte what safetensors' ``save_file`` writes for them); where DeepSpeed's raise (ZeRO stage 0,
 ``BF16_Optimizer``, pipeline, tensor-parallel and MoE layouts, universal folders, legacy non-zip files, tied
 weights with ``safe_serialization``) these work. What differs on purpose:
 
 * files are unpickled by dsckpt's allow-listing loader (:mod:`dsckpt.safe_load`), never with
   ``weights_only=False``, and deepspeed is never imported;
 * every tensor is read from its fragments only when needed (``lazy_mode=True`` reads nothing before
-  ``.contiguous()``; the converter streams one tensor at a time into each file) and every torch zip record
-  read is checked against its CRC-32 (:mod:`dsckpt.crc`);
-* ZeRO-1/``BF16_Optimizer`` frozen parameters are returned: DeepSpeed 0.19.8 drops them at stage 1, where the
-  optim files have no ``frozen_param_fragments`` (``exclude_frozen_parameters=True`` gives its keys);
+  ``.contiguous()``; the converter streams each tensor into its file in bounded chunks) and every torch zip
+  record read is checked against its CRC-32 (:mod:`dsckpt.crc`);
+* frozen parameters of a ZeRO stage-1 save are returned: DeepSpeed 0.19.8 drops them, as stage-1 saves have no
+  ``frozen_param_fragments`` (``exclude_frozen_parameters=True`` gives its keys);
 * with ``safe_serialization`` a tied alias (``head.weight`` of ``embed.weight``) is stored as a copy of its
   own, as safetensors cannot share storage (DeepSpeed's ``save_file`` raises there);
 * errors are dsckpt's typed errors (:mod:`dsckpt.errors`) with one-line messages, not DeepSpeed's
   ``ValueError`` / ``FileNotFoundError`` / ``TypeError``; the command exits with dsckpt's codes (2 usage, 3 an
   unreadable, unsupported or unsafe checkpoint).
 
-Importing this module imports neither torch nor deepspeed; torch is imported on first use.
+Importing this module imports neither torch nor deepspeed; the functions that return tensors import torch, the
+converter and the command do not.
 """
 
 from __future__ import annotations
