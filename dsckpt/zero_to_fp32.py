@@ -517,7 +517,7 @@ def _write_torch(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoin
 
 def run_output(plan: OutputPlan, ckpt: Checkpoint) -> list[Path]:
     """Write ``plan``'s files into its folder (created if missing; other files there are left alone, files of the
-    same names replaced, as DeepSpeed's converter does). Each is written and re-opened in a temporary folder
+    same names replaced with a warning, as DeepSpeed's converter replaces them). Each is written and re-opened in a temporary folder
     beside them, every input record read is checked against its CRC-32, and only then are they moved into
     place, the index last: a failure leaves ``output_dir`` as it was."""
     from .atomic import scratch_dir
@@ -537,6 +537,8 @@ def run_output(plan: OutputPlan, ckpt: Checkpoint) -> list[Path]:
             ckpt.finish_checks()
             names = [f.filename for f in plan.files] + ([plan.index_filename] if plan.index_filename else [])
             for name in names:
+                if (out / name).exists():  # as DeepSpeed's converter does (e.g. a Trainer's model.safetensors)
+                    logger.warning("replaced the existing '%s'", out / name)
                 os.replace(tmp / name, out / name)
                 written.append(out / name)
             _fsync_dir(out)

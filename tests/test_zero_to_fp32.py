@@ -447,7 +447,7 @@ def test_plan_output_splits_as_huggingface_hub_for_any_sizes(tensors, limit):
         assert json.loads(plan.index_text) == {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
 
 
-def test_convert_writes_into_an_existing_folder_beside_other_files(tmp_path):
+def test_convert_writes_into_an_existing_folder_beside_other_files(tmp_path, caplog):
     """As DeepSpeed's: OUTPUT_DIR may exist (e.g. the save dir itself); files of the same names are replaced."""
     save = tmp_path / "save"
     import shutil
@@ -456,6 +456,7 @@ def test_convert_writes_into_an_existing_folder_beside_other_files(tmp_path):
     (save / "pytorch_model.bin").write_bytes(b"an older export")
     before = {p: p.read_bytes() for p in (save / "global_step3").iterdir()}
     z.convert_zero_checkpoint_to_fp32_state_dict(save, save)
+    assert caplog.messages == [f"replaced the existing '{save / 'pytorch_model.bin'}'"]
     sd = torch.load(save / "pytorch_model.bin", weights_only=True)
     assert sd["head.weight"].data_ptr() == sd["embed.weight"].data_ptr()  # tied: one storage, as torch.save
     assert {p: p.read_bytes() for p in (save / "global_step3").iterdir()} == before
