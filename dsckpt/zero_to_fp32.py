@@ -31,6 +31,7 @@ converter and the command do not.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -227,7 +228,8 @@ class LazyTensor:
     def dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.item.dtype)
+        dtype: torch.dtype = getattr(torch, self.item.dtype)
+        return dtype
 
     def numel(self) -> int:
         return self.item.entry.numel
@@ -506,7 +508,7 @@ def _write_torch(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoin
         if item.alias_of is not None and item.alias_of in tree:
             tree[name] = tree[item.alias_of]
             continue
-        tree[name] = ChunkedTensor(spec.dtype, spec.shape, lambda item=item, spec=spec: _chunks(item, spec, ckpt))
+        tree[name] = ChunkedTensor(spec.dtype, spec.shape, functools.partial(_chunks, item, spec, ckpt))
 
     def check(tmp: Path) -> None:
         ckpt.finish_checks()
