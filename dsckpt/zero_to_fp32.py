@@ -644,7 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         where = f"'{e.filename}': " if e.filename else ""
         return _fail(f"{where}{e.strerror or e}", EXIT_BAD_CHECKPOINT)
-    except Exception as e:  # noqa: BLE001 - the command's last line of defence
+    except Exception as e:
         if os.environ.get("DSCKPT_DEBUG"):
             raise
         return _fail(f"internal error ({type(e).__name__}: {e}). This is a dsckpt bug: please report it with the "

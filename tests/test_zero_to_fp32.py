@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import FIXTURES
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
