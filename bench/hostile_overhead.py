@@ -3,7 +3,7 @@
     PYTHONPATH=. /work/venv/bin/python bench/hostile_overhead.py [--repeat 20] [bench/out/zero2-200m ...]
 
 For each checkpoint: the time of ``read_checkpoint`` as ``to-fp32`` calls it (every check on), and of each
-check alone on the same parsed files -- the tree budgets (``safe_load.check_tree``), the validation layer
+check alone on the same parsed files -- the tree budgets (``parsed_tree.check_tree``), the validation layer
 (``validate.validate_tree``), rank identity (``same_save.rank_identity_problems``) and the sampled fp32-master
 vs module-copy comparison (``same_save.sampled_copy_disagreements``) -- as medians of ``--repeat`` runs. Compare
 the sum with the command's wall time from ``bench/run.py`` (the issue's target: <= 5% on the 200M benchmark).
@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dsckpt import safe_load
+from dsckpt import parsed_tree
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.readers.same_save import rank_identity_problems, sampled_copy_disagreements
 from dsckpt.validate import validate_tree
@@ -51,7 +51,7 @@ def main() -> None:
         trees = {f: cache.tree(f) for f in files}
         pkl = sum(r[2] for f in files for r in cache.infos[f].records if r[0] == "data.pkl")
         t_read = median_s(read, args.repeat)
-        t_tree = median_s(lambda: [safe_load.check_tree(trees[f], f) for f in files], args.repeat)
+        t_tree = median_s(lambda: [parsed_tree.check_tree(trees[f], f) for f in files], args.repeat)
         t_valid = median_s(lambda: [validate_tree(f, trees[f]) for f in files], args.repeat)
         t_ident = median_s(lambda: rank_identity_problems(files, cache.infos), args.repeat)
         t_sample = median_s(lambda: sampled_copy_disagreements(logical, cache), args.repeat)

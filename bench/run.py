@@ -164,14 +164,14 @@ def command_help(command: str) -> str:
 
 
 def checkpoint_facts(path: Path) -> dict[str, int]:
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree
     from dsckpt.checkpoint import open_checkpoint
 
     c = open_checkpoint(path)
     storages: dict[tuple[Path, str], int] = {}
     for f in c.logical.files:
         if f.suffix == ".pt":
-            for _, ref in safe_load.walk_tensors(c.cache.tree(f)):
+            for _, ref in parsed_tree.walk_tensors(c.cache.tree(f)):
                 storages[(ref.storage.path, ref.storage.key)] = ref.storage.nbytes
     return {
         "params": sum(e.numel for e in c.logical.params if e.tied_to is None),

@@ -141,7 +141,7 @@ def mismatch_message(path: Path, record: str, stored: int, read: int) -> str:
 
 class RecordCheck:
     """The CRC-32 check of one zip record: ``nbytes`` bytes at ``data_offset`` of ``path``, stored
-    CRC ``crc32``. Thread-safe; shared by every :class:`~dsckpt.safe_load.StorageRef` of the record.
+    CRC ``crc32``. Thread-safe; shared by every :class:`~dsckpt.tensor_ref.StorageRef` of the record.
 
     Offsets given to :meth:`update` / :meth:`add_crc` are relative to the record's first byte. A
     read that overlaps bytes already covered adds nothing (re-reads never count twice); the bytes it

@@ -52,7 +52,7 @@ from .dtypes import DTYPES, dtype_info, to_float32
 from .errors import CorruptCheckpointError, UsageError
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry, reading_fragments
 from .readers.common import FileCache
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 from .state_dict_files import TargetKind
 
 __all__ = [

@@ -6,34 +6,30 @@ writes with ``"checkpoint_serialization": false``) with a restricted unpickler:
 * globals are resolved from an allow-list; anything else raises :class:`UnsafeCheckpointError`
   naming the class and the file, before any of it runs;
 * DeepSpeed's own classes (``LossScaler``, ``ZeroStageEnum``, ``fragment_address`` ...) become inert
-  stand-ins (:class:`DeepSpeedObject`), so deepspeed is never imported;
-* tensors are not read: each becomes a :class:`TensorRef` that knows where its bytes are in the file.
-  ``TensorRef.read()`` reads exactly the elements asked for with ``pread``; storages saved on a GPU
-  are read to CPU like any other;
-* every byte read of a zip record is checked against the record's CRC-32 while it is read
-  (:mod:`dsckpt.crc`; ``StorageRef.check``); :func:`finish_checks` completes the checks of records
-  read only partly. Legacy non-zip files carry no CRCs (``StorageRef.crc32 is None``);
-* parsing does not import torch: dtypes are names (:mod:`dsckpt.dtypes`), and ``torch.Size``,
-  torch dtypes and devices in the pickle become :class:`TorchSize`, :class:`TorchDtype` and
-  :class:`TorchDevice`. :func:`materialize` turns them into the real torch objects, and
-  :mod:`dsckpt.safe_save` writes them back as torch's own.
+  stand-ins (:class:`~dsckpt.stand_ins.DeepSpeedObject`), so deepspeed is never imported;
+* tensors are not read: each becomes a :class:`~dsckpt.tensor_ref.TensorRef` that knows where its bytes are in
+  the file; every byte later read of a zip record is checked against the record's CRC-32
+  (:mod:`dsckpt.tensor_ref`, :mod:`dsckpt.crc`). Legacy non-zip files carry no CRCs;
+* parsing does not import torch: dtypes are names (:mod:`dsckpt.dtypes`), and ``torch.Size``, torch dtypes and
+  devices become the stand-ins of :mod:`dsckpt.stand_ins`;
+* what is parsed is held to the budgets of :mod:`dsckpt.limits` (container sizes and kinds, compressed records,
+  pickle size) and, in one pass over the tree, :func:`~dsckpt.parsed_tree.check_tree` (depth, objects,
+  references, integer and string sizes). :mod:`dsckpt.parsed_tree` walks the parsed trees.
 
 Nothing else in dsckpt calls ``torch.load`` or ``pickle.load``.
 """
 
 from __future__ import annotations
 
-import copyreg
 import io
-import math
 import os
 import pickle
 import struct
 import types
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,403 +38,21 @@ import numpy as np
 from . import crc, limits
 from .dtypes import DTYPES, dtype_info
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, shorten
+from .parsed_tree import check_tree, map_structure
+from .stand_ins import (
+    ATTRIBUTE_DICTS,
+    STAND_INS,
+    DeepSpeedObject,
+    TorchDtype,
+    torch_device,
+    torch_size,
+)
+from .tensor_ref import StorageRef, TensorRef
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
-__all__ = [
-    "AttributeDictStandIn",
-    "DeepSpeedEnum",
-    "DeepSpeedObject",
-    "StorageRef",
-    "TensorRef",
-    "TorchDevice",
-    "TorchDtype",
-    "TorchSize",
-    "check_tree",
-    "finish_checks",
-    "load",
-    "load_with_info",
-    "materialize",
-    "walk_tensors",
-]
-
-# --------------------------------------------------------------------------------------------
-# Stand-ins for DeepSpeed's pickled classes
-
-
-class DeepSpeedObject:
-    """Inert stand-in for an instance of a pickled DeepSpeed (or other allow-listed) class.
-
-    It keeps the pickled state as attributes and pickles back under the original class path
-    (see :mod:`dsckpt.safe_save`), so DeepSpeed can load a file dsckpt rewrote.
-    """
-
-    ds_module: str = ""
-    ds_name: str = ""
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            if any(not isinstance(k, str) or k.startswith("__") for k in state):
-                # A dunder attribute (``__reduce_ex__`` ...) would change how the stand-in behaves.
-                raise pickle.UnpicklingError(f"refusing state with special attributes for {self.ds_name}")
-            self.__dict__.update(state)
-        else:
-            self.__dict__["_state"] = state
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (copyreg.__newobj__, (type(self),), dict(self.__dict__))  # type: ignore[attr-defined]
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.__dict__ == self.__dict__
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
-        return f"<{self.ds_module}.{self.ds_name} {fields}>"
-
-
-class DeepSpeedEnum(DeepSpeedObject):
-    """Stand-in for a pickled ``enum.Enum`` member (pickled as ``Cls(value)``)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (type(self), (self.value,))
-
-    def __int__(self) -> int:
-        return int(self.value)
-
-    def __hash__(self) -> int:
-        return hash((self.ds_module, self.ds_name, self.value))
-
-
-class _ReadOnlyClass(type):
-    """Stand-in classes are shared by every load: a pickle's BUILD must not set attributes on them."""
-
-    def __setattr__(cls, name: str, value: Any) -> None:
-        raise AttributeError(f"stand-in class {cls.__name__} is read-only")
-
-
-def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepSpeedObject]:
-    cls = _ReadOnlyClass(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
-    return cls  # type: ignore[return-value]
-
-
-_STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
-    key: _stand_in(*key, base)
-    for key, base in [
-        (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), DeepSpeedObject),
-        (("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"), DeepSpeedObject),
-        (("deepspeed.runtime.zero.config", "ZeroStageEnum"), DeepSpeedEnum),
-        (("deepspeed.utils.tensor_fragment", "fragment_address"), DeepSpeedObject),
-        (("deepspeed.checkpoint.constants", "ZeroStageEnum"), DeepSpeedEnum),
-        # Megatron-DeepSpeed stores its argparse namespace as client state.
-        (("argparse", "Namespace"), DeepSpeedObject),
-    ]
-}
-
-
-class AttributeDictStandIn(dict):  # type: ignore[type-arg]
-    """Stand-in for Lightning's ``AttributeDict`` (a ``dict`` subclass with attribute access): the pickle's items
-    become this dict's items; Lightning is never imported. Lightning 2.6 writes ``hyper_parameters`` as
-    ``dict(model.hparams)``, but client state may hold one. DeepSpeed-layout writers pickle it back under
-    Lightning's class path (``ds_module``/``ds_name``, like the DeepSpeed stand-ins); the Lightning export writes a
-    plain ``dict``."""
-
-    ds_module: str = ""
-    ds_name: str = ""
-
-    def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError(f"refusing to set attributes on {self.ds_module}.{self.ds_name}")
-
-
-#: Lightning's ``AttributeDict`` under its 2.x paths (``lightning``, standalone ``lightning_fabric``) and 1.x path.
-_ATTRIBUTE_DICTS: dict[tuple[str, str], type[AttributeDictStandIn]] = {
-    (module, name): _ReadOnlyClass(name, (AttributeDictStandIn,),  # type: ignore[misc]
-                                   {"ds_module": module, "ds_name": name, "__module__": __name__})
-    for module, name in [
-        ("lightning.fabric.utilities.data", "AttributeDict"),
-        ("lightning_fabric.utilities.data", "AttributeDict"),
-        ("pytorch_lightning.utilities.parsing", "AttributeDict"),
-    ]
-}
-
-
-def stand_in_class(module: str, name: str) -> type[DeepSpeedObject] | None:
-    """The stand-in used for ``module.name``, if that class is on the allow-list."""
-    return _STAND_INS.get((module, name))
-
-
-# --------------------------------------------------------------------------------------------
-# Torch values in pickles, without torch
-
-
-class TorchSize(tuple):  # type: ignore[type-arg]
-    """A pickled ``torch.Size``: a tuple of ints."""
-
-    def numel(self) -> int:
-        n = 1
-        for s in self:
-            n *= int(s)
-        return n
-
-    def __repr__(self) -> str:
-        return f"torch.Size({list(self)})"
-
-
-@dataclass(frozen=True, slots=True)
-class TorchDtype:
-    """A pickled ``torch.<name>`` dtype (e.g. ``DynamicLossScaler.dtype``)."""
-
-    name: str
-
-    def __setstate__(self, state: Any) -> None:  # shared by every load: see _refuse_build
-        raise pickle.UnpicklingError("refusing to set the state of an allow-listed torch dtype")
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-
-@dataclass(frozen=True)
-class TorchDevice:
-    """A pickled ``torch.device(*args)``."""
-
-    args: tuple[Any, ...]
-
-    def __repr__(self) -> str:
-        return f"torch.device{self.args!r}"
-
-
-def _torch_size(dims: Any = ()) -> TorchSize:
-    return TorchSize(int(d) for d in dims)
-
-
-def _torch_device(*args: Any) -> TorchDevice:
-    return TorchDevice(tuple(args))
-
-
-def to_torch_value(x: Any) -> Any:
-    """The real torch object for a torch stand-in (imports torch); other values unchanged."""
-    if isinstance(x, (TorchSize, TorchDtype, TorchDevice)):
-        import torch
-
-        if isinstance(x, TorchSize):
-            return torch.Size(x)
-        if isinstance(x, TorchDtype):
-            return getattr(torch, x.name)
-        return torch.device(*x.args)
-    return x
-
-
-# --------------------------------------------------------------------------------------------
-# Lazy tensors
-
-
-@dataclass(frozen=True)
-class StorageRef:
-    """Where one pickled storage's bytes are: ``nbytes`` bytes at ``file_offset`` in ``path``.
-
-    In a zip-format file the storage is the start of a record (``record``, ``record_nbytes`` bytes,
-    stored CRC-32 ``crc32``) and ``check`` is the record's shared read-time check (None when
-    ``DSCKPT_NO_CRC`` is set). Legacy (non-zip) files store no CRC: ``crc32`` is None.
-    """
-
-    path: Path
-    key: str
-    dtype_name: str
-    numel: int
-    file_offset: int
-    location: str
-    record: str | None = None
-    record_nbytes: int | None = None
-    crc32: int | None = None
-    check: crc.RecordCheck | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The torch dtype (imports torch; use :attr:`dtype_name` on torch-free paths)."""
-        import torch
-
-        return getattr(torch, self.dtype_name)
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype_name].itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-
-@dataclass(frozen=True, eq=False)
-class TensorRef:
-    """A tensor in a checkpoint file, not yet read. ``read`` returns CPU tensors."""
-
-    storage: StorageRef
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    requires_grad: bool = False
-    attrs: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The torch dtype (imports torch; use :attr:`dtype_name` on torch-free paths)."""
-        return self.storage.dtype
-
-    @property
-    def dtype_name(self) -> str:
-        return self.storage.dtype_name
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.storage.itemsize
-
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
-
-    def _check_range(self, start: int, numel: int | None) -> int:
-        total = self.numel
-        if numel is None:
-            numel = total - start
-        if start < 0 or numel < 0 or start + numel > total:
-            raise CorruptCheckpointError(
-                f"{self.storage.path}: asked for elements [{start}, {start + numel}) of a tensor "
-                f"with {total} elements; the checkpoint metadata does not match its tensors"
-            )
-        # Checked before any buffer is allocated: a corrupt shape may claim 1e12 elements.
-        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if total else 0
-        if self.storage_offset < 0 or any(st < 0 for st in self.stride) or \
-                self.storage_offset + span > self.storage.numel:
-            raise CorruptCheckpointError(
-                f"{self.storage.path}: a tensor of shape {list(self.shape)} at offset {self.storage_offset} "
-                f"runs past the end of its storage {self.storage.key!r} ({self.storage.numel} elements); "
-                "the file is corrupt")
-        return numel
-
-    def read(self, start: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``numel`` elements starting at flat element ``start`` (row-major order) as a torch
-        tensor.
-
-        With ``out`` (a contiguous 1-D tensor of this dtype and ``numel`` elements) the bytes are read
-        straight into it.
-        """
-        import torch
-
-        numel = self._check_range(start, numel)
-        if not self.is_contiguous():
-            full = self._read_strided()
-            flat = full.reshape(-1)[start : start + numel]
-            if out is None:
-                return flat.clone()
-            out.copy_(flat)
-            return out
-        if out is None:
-            out = torch.empty(numel, dtype=self.dtype)
-        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out.view(torch.uint8).numpy()))
-        return out
-
-    def read_numpy(self, start: int = 0, numel: int | None = None, *, out: np.ndarray | None = None,
-                   fd: int | None = None) -> np.ndarray:
-        """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
-        (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). Contiguous tensors only.
-
-        ``fd``: a descriptor of this file, open for reading, to read with (``pread`` keeps no file
-        position, so threads may share one); by default the file is opened for this read only."""
-        numel = self._check_range(start, numel)
-        if not self.is_contiguous():
-            raise ValueError(f"{self!r} is strided; read it with read()")
-        if out is None:
-            out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
-        _read_bytes(self.storage, self.storage_offset + start, numel, _byte_view(out), fd=fd)
-        return out
-
-    def item(self) -> int | float:
-        """The value of a one-element tensor (Adam's ``step``, a loss scale), read without torch and
-        CRC-checked like every read: an int for integer and bool dtypes (exact, as torch's ``item()``),
-        else a float (a complex value gives its real part)."""
-        if self.numel != 1:
-            raise ValueError(f"{self!r} has {self.numel} elements; item() reads one-element tensors")
-        raw = self.read_numpy(0, 1)
-        if self.dtype_name in ("bfloat16", "float16"):
-            from .dtypes import to_float32
-
-            raw = to_float32(raw, self.dtype_name)
-        value = raw[0]
-        if value.dtype.kind in "biu":
-            return int(value)
-        return float(value.real) if np.iscomplexobj(value) else float(value)
-
-    def load(self) -> torch.Tensor:
-        """The whole tensor, shaped, as a CPU tensor that owns its memory."""
-        if self.is_contiguous():
-            return self.read().view(self.shape)
-        return self._read_strided().contiguous()
-
-    def _read_strided(self) -> torch.Tensor:
-        import torch
-
-        self._check_range(0, None)
-
-        if self.numel == 0:
-            return torch.empty(self.shape, dtype=self.dtype)
-        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
-        flat = torch.empty(span, dtype=self.dtype)
-        _read_bytes(self.storage, self.storage_offset, span, _byte_view(flat.view(torch.uint8).numpy()))
-        return flat.as_strided(self.shape, self.stride)
-
-    def __repr__(self) -> str:
-        return f"TensorRef({self.dtype}, {list(self.shape)}, {self.storage.path.name}:{self.storage.key})"
-
-
-def _byte_view(array: np.ndarray) -> memoryview:
-    return array.reshape(-1).view(np.uint8).data.cast("B")
-
-
-def _read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview, *, fd: int | None = None) -> None:
-    """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes), through
-    ``fd`` if given (else the file is opened for this read)."""
-    itemsize = storage.itemsize
-    if first + numel > storage.numel:
-        raise CorruptCheckpointError(
-            f"{storage.path}: tensor runs past the end of its storage {storage.key!r} "
-            f"({first + numel} > {storage.numel} elements); the file is corrupt"
-        )
-    if numel == 0:
-        return
-    nbytes = numel * itemsize
-    offset = storage.file_offset + first * itemsize
-    own = fd is None
-    if fd is None:
-        fd = os.open(storage.path, os.O_RDONLY)
-    try:
-        got = 0
-        while got < nbytes:
-            n = os.preadv(fd, [view[got:nbytes]], offset + got)
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
-                    "the file is truncated — the save was probably interrupted"
-                )
-            got += n
-    finally:
-        if own:
-            os.close(fd)
-    if storage.check is not None:
-        storage.check.update(first * itemsize, view[:nbytes])
-
+__all__ = ["FileInfo", "load", "load_with_info"]
 
 # --------------------------------------------------------------------------------------------
 # Allow-listed globals
@@ -548,7 +162,6 @@ def _bytearray(source: Any = b"", *args: Any) -> bytearray:
 
 
 def _numpy_globals() -> dict[tuple[str, str], Any]:
-    import numpy as np
 
     out: dict[tuple[str, str], Any] = {}
     try:
@@ -564,7 +177,6 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
 
 
 def _safe_np_reconstruct(real: Callable[..., Any]) -> Callable[..., Any]:
-    import numpy as np
 
     def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
         if subtype is not np.ndarray:
@@ -584,8 +196,8 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
         ("torch", "Tensor"): _TensorType("Tensor"),
         ("torch.nn.parameter", "Parameter"): _TensorType("Parameter"),
-        ("torch", "Size"): _torch_size,
-        ("torch", "device"): _torch_device,
+        ("torch", "Size"): torch_size,
+        ("torch", "device"): torch_device,
         ("copyreg", "_reconstructor"): _safe_reconstructor,
         ("builtins", "object"): object,
         ("builtins", "set"): set,
@@ -601,8 +213,8 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
     allowed[("torch.storage", "UntypedStorage")] = _StorageType("uint8")
     for name in [*DTYPES, "float", "double", "half", "long", "int", "short", "cfloat", "cdouble"]:
         allowed[("torch", name)] = TorchDtype(dtype_info(name).name)
-    allowed.update(_STAND_INS)
-    allowed.update(_ATTRIBUTE_DICTS)
+    allowed.update(STAND_INS)
+    allowed.update(ATTRIBUTE_DICTS)
     try:
         allowed.update(_numpy_globals())
     except ImportError:  # numpy is a dependency, but reading must not break without it
@@ -938,186 +550,3 @@ def _replace_legacy(obj: Any, resolved: dict[str, StorageRef]) -> Any:
     return map_structure(fix, obj)
 
 
-# --------------------------------------------------------------------------------------------
-# Walking loaded trees
-
-
-def check_tree(obj: Any, where: object) -> None:
-    """Refuse a parsed tree that goes past a :class:`dsckpt.limits.ReadLimits` budget: nesting depth (the
-    longest chain of containers), distinct objects, references counted through every shared container
-    (what a walk that forgot where it had been would visit), a container holding itself, integers of more
-    than ``max_int_bits`` bits, strings and bytes of more than ``max_str_nbytes``.
-
-    One iterative pass that visits each container once (a "billion laughs" memo costs its size on disk,
-    not 10^9 visits); raises :class:`~dsckpt.limits.LimitExceededError` naming ``where`` and the limit."""
-    lim = limits.current()
-    # id -> (height, references) of every container finished; a container on the current path maps to None
-    done: dict[int, tuple[int, int] | None] = {}
-    objects = 0
-    # (container, its children, index of the next child, height so far, references so far)
-    stack: list[list[Any]] = []
-
-    def leaf(x: Any) -> None:
-        if isinstance(x, int) and x.bit_length() > lim.max_int_bits:  # bools are 1 bit
-            raise limits.exceeded(where, f"an integer of {x.bit_length()} bits", None, "max_int_bits")
-        if isinstance(x, (str, bytes, bytearray)) and len(x) > lim.max_str_nbytes:
-            raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", None,
-                                  "max_str_nbytes")
-
-    def enter(x: Any) -> tuple[int, int] | None:
-        """(height, references) of ``x`` if known now (a leaf, a finished container); None once pushed."""
-        nonlocal objects
-        children = _children(x)
-        key = id(x)
-        if children is not None and key in done:
-            known = done[key]
-            if known is None:
-                raise CorruptCheckpointError(f"{where}: a {type(x).__name__} in the pickle contains itself; no "
-                                             "DeepSpeed checkpoint does, the file is corrupt or hostile")
-            return known
-        objects += 1  # a container once, a leaf (a number, a string: often shared, cheap to count) each time
-        if objects > lim.max_objects:
-            raise limits.exceeded(where, f"more than {lim.max_objects} objects in one pickle", None,
-                                  "max_objects")
-        if children is None:
-            leaf(x)
-            return (0, 1)
-        if len(stack) >= lim.max_depth:
-            raise limits.exceeded(where, f"containers nested more than {lim.max_depth} deep", None,
-                                  "max_depth")
-        done[key] = None
-        stack.append([x, children, 0, 0, 1])
-        return None
-
-    if enter(obj) is not None:
-        return
-    while stack:
-        top = stack[-1]
-        children, i = top[1], top[2]
-        if i < len(children):
-            top[2] = i + 1
-            got = enter(children[i])
-            if got is not None:
-                top[3] = max(top[3], got[0])
-                top[4] += got[1]
-            continue
-        stack.pop()
-        height, refs = top[3] + 1, top[4]
-        if refs > lim.max_references:
-            raise limits.exceeded(where, f"{refs} objects reached through shared references", None, "max_references")
-        done[id(top[0])] = (height, refs)
-        if stack:
-            parent = stack[-1]
-            parent[3] = max(parent[3], height)
-            parent[4] += refs
-        elif height > lim.max_depth:
-            raise limits.exceeded(where, f"containers nested {height} deep", None, "max_depth")
-
-
-def _children(x: Any) -> list[Any] | None:
-    """The objects ``x`` holds (keys included), or None for a leaf."""
-    if isinstance(x, dict):
-        return [*x.keys(), *x.values()]
-    if isinstance(x, (list, tuple, set, frozenset)):
-        return list(x)
-    if isinstance(x, DeepSpeedObject):
-        return [*x.__dict__.keys(), *x.__dict__.values()]
-    if isinstance(x, TensorRef):
-        return [*x.attrs.keys(), *x.attrs.values()] if x.attrs else None
-    if isinstance(x, np.ndarray) and x.dtype == object:
-        return list(x.ravel())
-    return None
-
-
-def map_structure(fn: Callable[[Any], Any], obj: Any) -> Any:
-    """Apply ``fn`` to every leaf of nested dicts/lists/tuples and stand-in attributes. A container shared by
-    several parents (the pickle memo) is mapped once and stays shared."""
-    memo: dict[int, Any] = {}
-
-    def go(obj: Any) -> Any:
-        key = id(obj)
-        if key in memo:
-            return memo[key]
-        if isinstance(obj, OrderedDict):
-            out: Any = OrderedDict((k, go(v)) for k, v in obj.items())
-        elif isinstance(obj, dict):
-            out = {k: go(v) for k, v in obj.items()}
-        elif isinstance(obj, list):
-            out = [go(v) for v in obj]
-        elif isinstance(obj, tuple) and not isinstance(obj, TorchSize):
-            mapped = [go(v) for v in obj]
-            out = type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
-        elif isinstance(obj, DeepSpeedObject):
-            for k, v in list(obj.__dict__.items()):
-                obj.__dict__[k] = go(v)
-            out = obj
-        else:
-            return fn(obj)
-        memo[key] = out
-        return out
-
-    return go(obj)
-
-
-def walk_tensors(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], TensorRef]]:
-    """Every :class:`TensorRef` in a loaded tree with its key path, in a stable order. A container reached
-    through several paths (the pickle memo shares it) is walked once; its tensors are listed under each
-    path (the tree's reference budget, :func:`check_tree`, bounds how many that can be)."""
-    memo: dict[int, list[tuple[tuple[Any, ...], TensorRef]]] = {}
-
-    def visit(x: Any) -> list[tuple[tuple[Any, ...], TensorRef]]:
-        if isinstance(x, TensorRef):
-            return [((), x)]
-        key = id(x)
-        found = memo.get(key)
-        if found is not None:
-            return found
-        if isinstance(x, dict):
-            items: Any = x.items()
-        elif isinstance(x, (list, tuple)) and not isinstance(x, TorchSize):
-            items = enumerate(x)
-        elif isinstance(x, DeepSpeedObject):
-            items = x.__dict__.items()
-        else:
-            return []
-        out = [((k, *p), ref) for k, v in items for p, ref in visit(v)]
-        memo[key] = out
-        return out
-
-    return [((*prefix, *p), ref) for p, ref in visit(obj)]
-
-
-def materialize(obj: Any) -> Any:
-    """What ``torch.load`` would return: every :class:`TensorRef` read into a real CPU tensor and every
-    torch stand-in (:class:`TorchSize` ...) turned into the torch object. Imports torch."""
-    import torch
-
-    cache: dict[tuple[Path, str], torch.Tensor] = {}
-
-    def read(x: Any) -> Any:
-        if not isinstance(x, TensorRef):
-            return to_torch_value(x)
-        skey = (x.storage.path, x.storage.key)
-        if skey not in cache:
-            whole = torch.empty(x.storage.numel, dtype=x.dtype)
-            _read_bytes(x.storage, 0, x.storage.numel, _byte_view(whole.view(torch.uint8).numpy()))
-            cache[skey] = whole
-        storage = cache[skey]
-        # Views of one storage stay views of one storage (tied weights, flat buffers).
-        t = storage.as_strided(x.shape, x.stride, x.storage_offset) if x.numel else torch.empty(
-            x.shape, dtype=x.dtype)
-        if x.attrs:
-            for k, v in x.attrs.items():
-                setattr(t, k, v)
-        return t
-
-    return map_structure(read, obj)
-
-
-def finish_checks(obj: Any) -> int:
-    """Complete the CRC-32 checks of every zip record that tensors of the loaded tree ``obj`` were
-    read from (bytes not yet read are read now; records never read are left alone).
-
-    Raises :class:`CorruptCheckpointError` naming every damaged record. Returns the number of
-    records verified."""
-    return crc.finish(ref.storage.check for _, ref in walk_tensors(obj))

@@ -23,7 +23,7 @@ from .model import (
     reading_fragments,
 )
 from .readers.common import FileCache, lookup
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 from .scan_plan import FP16_MAX, MAX_INDICES, Check, Finding, RawScan, ScanPlan, StoredKind
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import safe_load
+from . import parsed_tree, stand_ins
 from .dtypes import dtype_info
 from .layout import Owner, key_owner
 from .model import (
@@ -26,7 +26,7 @@ from .model import (
     TensorEntry,
 )
 from .readers.common import format_key
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 from .state_dict_files import TargetKind
 
 if TYPE_CHECKING:
@@ -318,7 +318,7 @@ def nonfinite_scalars(trees: Mapping[Path, Any]) -> tuple[Finding, ...]:
         elif isinstance(x, (list, tuple)):
             for i, v in enumerate(x):
                 visit(v, path, (*key, i))
-        elif isinstance(x, safe_load.DeepSpeedObject):
+        elif isinstance(x, stand_ins.DeepSpeedObject):
             for k, v in x.__dict__.items():
                 visit(v, path, (*key, k))
 
@@ -376,7 +376,7 @@ def _uncovered(logical: LogicalCheckpoint, trees: Mapping[Path, Any],
     out: list[RawScan] = []
     for path, tree in trees.items():
         views: dict[str, list[tuple[int, int, int, tuple[Any, ...], TensorRef]]] = {}
-        for order, (key, ref) in enumerate(safe_load.walk_tensors(tree)):
+        for order, (key, ref) in enumerate(parsed_tree.walk_tensors(tree)):
             if ref.dtype_name not in _REAL_FLOATING or ref.numel == 0 or (path, key) in covered_views:
                 continue
             if not ref.is_contiguous():

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, shorten
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 
 __all__ = ["shape_of", "validate_tree"]
 

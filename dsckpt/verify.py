@@ -101,7 +101,7 @@ class _RecordAudit:
     Problems are listed file by file, in file order."""
 
     def __init__(self, files: tuple[Path, ...], cache: FileCache) -> None:
-        from .safe_load import walk_tensors
+        from .parsed_tree import walk_tensors
 
         self.files = files
         self.file_problems: dict[Path, list[str]] = {f: [] for f in files}

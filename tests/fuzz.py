@@ -108,11 +108,11 @@ def regions(path: Path) -> dict[str, list[tuple[int, int]]]:
                 out.setdefault(kind, []).append((start, start + info.file_size))
         out.setdefault("zipdir", []).append((cd_start, len(data)))
         return out
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree, safe_load
 
     tree = safe_load.load(path)
     storages = {}
-    for _, ref in safe_load.walk_tensors(tree):
+    for _, ref in parsed_tree.walk_tensors(tree):
         storages[ref.storage.key] = ref.storage
     spans = sorted((s.file_offset, s.file_offset + s.nbytes) for s in storages.values() if s.nbytes)
     first = min((s.file_offset for s in storages.values()), default=len(data)) - 8

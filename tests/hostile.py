@@ -66,7 +66,7 @@ class _StandInUnpickler(pickle.Unpickler):
     :mod:`dsckpt.safe_save` pickles back under DeepSpeed's paths); deepspeed is never imported."""
 
     def find_class(self, module: str, name: str) -> Any:
-        from dsckpt.safe_load import stand_in_class
+        from dsckpt.stand_ins import stand_in_class
 
         cls = stand_in_class(module, name)
         return cls if cls is not None else super().find_class(module, name)

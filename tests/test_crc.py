@@ -17,7 +17,7 @@ from conftest import FIXTURES, fixtures_where
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsckpt import safe_load
+from dsckpt import parsed_tree, safe_load, tensor_ref
 from dsckpt.cli import main
 from dsckpt.crc import CRC32_IMPL, RecordCheck, check_file_records, crc32, crc32_combine
 from dsckpt.errors import CorruptCheckpointError
@@ -55,12 +55,12 @@ def _flip(path: Path, offset: int, bit: int = 2) -> None:
         f.write(bytes([b[0] ^ (1 << bit)]))
 
 
-def _storage_of(path: Path, key: tuple) -> safe_load.StorageRef:
+def _storage_of(path: Path, key: tuple) -> tensor_ref.StorageRef:
     tree = safe_load.load(path)
     obj = tree
     for k in key:
         obj = obj[k]
-    assert isinstance(obj, safe_load.TensorRef)
+    assert isinstance(obj, tensor_ref.TensorRef)
     return obj.storage
 
 
@@ -203,7 +203,7 @@ def test_finish_reads_only_the_gaps_and_names_every_damaged_record(tmp_path):
     p1 = tree[OSD]["single_partition_of_fp32_groups"][1]
     p0.read_numpy(10, 20)
     assert p0.storage.check is not None and p0.storage.check.touched and not p0.storage.check.done
-    assert safe_load.finish_checks(tree) == 1  # p1's record was never read: left alone
+    assert parsed_tree.finish_checks(tree) == 1  # p1's record was never read: left alone
     assert p0.storage.check.done and p0.storage.check.ok
     assert p1.storage.check is not None and not p1.storage.check.touched
 
@@ -214,7 +214,7 @@ def test_finish_reads_only_the_gaps_and_names_every_damaged_record(tmp_path):
     for i in (0, 1):
         tree[OSD]["single_partition_of_fp32_groups"][i].read_numpy(0, 2)
     with pytest.raises(CorruptCheckpointError) as err:
-        safe_load.finish_checks(tree)
+        parsed_tree.finish_checks(tree)
     assert str(err.value).count("fails its CRC32 check") == 2
     assert "data/6'" in str(err.value) and "data/7'" in str(err.value)
 
@@ -311,7 +311,7 @@ def _padding_byte(path: Path, key: tuple) -> tuple[str, int]:
     tree = safe_load.load(path)
     storage = _storage_of(path, key)
     viewed = set()
-    for _, ref in safe_load.walk_tensors(tree):
+    for _, ref in parsed_tree.walk_tensors(tree):
         if ref.storage.record == storage.record:
             viewed.update(range(ref.storage_offset * storage.itemsize,
                                 (ref.storage_offset + ref.numel) * storage.itemsize))
@@ -482,7 +482,7 @@ def test_untouched_fixtures_convert_with_every_record_read_verified(tmp_path):
         c = open_checkpoint(fx.ckpt)
         run_to_fp32(plan_to_fp32(c.logical, tmp_path / f"{fx.name}.safetensors"), c.cache, workers=2)
         checks = [ref.storage.check for tree in c.cache._trees.values()
-                  for _, ref in safe_load.walk_tensors(tree) if ref.storage.check is not None]
+                  for _, ref in parsed_tree.walk_tensors(tree) if ref.storage.check is not None]
         touched = [ch for ch in checks if ch.touched]
         assert touched or fx.name.endswith("_legacy"), fx.name
         assert all(ch.done and ch.ok for ch in touched), fx.name

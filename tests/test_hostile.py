@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hostile import Case, billion_laughs, cases, clean_export, run_case
 
-from dsckpt import limits, safe_load
+from dsckpt import limits, parsed_tree, tensor_ref
 from dsckpt.errors import CorruptCheckpointError, UsageError, shorten, shorten_runs
 from dsckpt.limits import LimitExceededError, ReadLimits
 
@@ -65,7 +65,7 @@ def test_a_setting_that_names_no_limit_is_a_usage_error(monkeypatch, text):
 def _tree_error(monkeypatch, text: str, obj) -> str:
     _with_limits(monkeypatch, text)
     with pytest.raises(LimitExceededError) as e:
-        safe_load.check_tree(obj, "f.pt")
+        parsed_tree.check_tree(obj, "f.pt")
     return str(e.value)
 
 
@@ -87,25 +87,25 @@ def test_budgets_at_their_edge_pass(monkeypatch):
     nested: list = []
     for _ in range(10):
         nested = [nested]
-    safe_load.check_tree({"a": nested, "step": 1 << 64, "name": "x" * 11, "laughs": billion_laughs(levels=4)}, "f")
+    parsed_tree.check_tree({"a": nested, "step": 1 << 64, "name": "x" * 11, "laughs": billion_laughs(levels=4)}, "f")
 
 
 def test_shared_references_are_walked_once_and_listed_under_each_path():
     """A container the memo shares is visited once; its tensors still show under every path (tied weights)."""
-    storage = safe_load.StorageRef(Path("f.pt"), "0", "float32", 4, 0, "cpu")
-    t = safe_load.TensorRef(storage, 0, (4,), (1,))
+    storage = tensor_ref.StorageRef(Path("f.pt"), "0", "float32", 4, 0, "cpu")
+    t = tensor_ref.TensorRef(storage, 0, (4,), (1,))
     shared = {"w": t}
-    found = safe_load.walk_tensors({"a": shared, "b": [shared, shared]})
+    found = parsed_tree.walk_tensors({"a": shared, "b": [shared, shared]})
     assert [p for p, _ in found] == [("a", "w"), ("b", 0, "w"), ("b", 1, "w")]
     laughs = billion_laughs(levels=9)  # 10^9 paths to one string: no tensor, walked in microseconds
-    assert safe_load.walk_tensors(laughs) == []
+    assert parsed_tree.walk_tensors(laughs) == []
 
 
 def test_a_container_holding_itself_is_refused():
     loop: list = []
     loop.append(loop)
     with pytest.raises(CorruptCheckpointError, match="contains itself"):
-        safe_load.check_tree({"x": loop}, "f.pt")
+        parsed_tree.check_tree({"x": loop}, "f.pt")
 
 
 def test_bytearray_of_a_size_is_refused_before_allocating(tmp_path):

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from conftest import all_fixtures, ids
-from dsckpt import safe_load
+from dsckpt import parsed_tree
 from dsckpt.cli import main
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Precision, Role
@@ -34,7 +34,7 @@ def _union_nbytes(logical, cache) -> int:
     total = 0
     for f in logical.files:
         spans: dict[str, list[tuple[int, int, int]]] = {}
-        for _, r in safe_load.walk_tensors(cache.tree(f)):
+        for _, r in parsed_tree.walk_tensors(cache.tree(f)):
             if r.dtype.is_floating_point and r.numel:
                 spans.setdefault(r.storage.key, []).append((r.storage_offset, r.storage_offset + r.numel,
                                                             r.nbytes // r.numel))

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..safe_load import DeepSpeedObject, TensorRef
+from ..stand_ins import DeepSpeedObject
+from ..tensor_ref import TensorRef
 
 __all__ = ["file_facts", "rank_identity_problems", "same_save_problems", "sampled_copy_disagreements"]
 

@@ -17,7 +17,7 @@ from ..errors import CorruptCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
-from ..safe_load import TensorRef
+from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
     alias_entry,
