@@ -190,9 +190,11 @@ def _merge_files(base_folder: Path, ckpt_root: Path, specs: list[TensorSpec]) ->
                 copies.append(c)
         left += [o for o in plan.left_out if o.source is not None]
     if "config.json" not in seen:
-        left.append(LeftOut(None, FileRole.MODEL_SIDE, f"neither '{base_folder}' nor '{ckpt_root}' has a config.json; "
-                                                       "AutoModelForCausalLM.from_pretrained(OUT) needs the base "
-                                                       "model's (pass --base BASE_DIR, or copy it into OUT)"))
+        where = (f"'{base_folder}' has" if base_folder == ckpt_root else
+                 f"neither '{base_folder}' nor '{ckpt_root}' has")
+        left.append(LeftOut(None, FileRole.MODEL_SIDE, f"{where} no config.json; AutoModelForCausalLM.from_pretrained(OUT) "
+                                                       "needs the base model's: copy it into OUT, or merge with "
+                                                       "--base BASE_DIR"))
     return HfFilesPlan(base_folder, tuple(copies), tuple(left))
 
 
