@@ -246,16 +246,16 @@ def _entry(plan: MergePlan, name: str) -> TensorEntry:
 def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scaling: float, fan_in_fan_out: bool,
                magnitude: torch.Tensor | None = None) -> torch.Tensor:
     """PEFT 0.21.2's merge of one LoRA (``magnitude``: DoRA) into ``w``, in ``w``'s dtype (see :mod:`dsckpt.peft`).
-    ``a``, ``b``, ``magnitude`` fp32."""
+    ``a``, ``b``, ``magnitude`` fp32. Plain LoRA merges into ``w`` in place and returns it."""
     delta = b @ a
+    delta.mul_(scaling)  # in place: the same elementwise product as PEFT's `transpose(B @ A, f) * scaling`
     if fan_in_fan_out:
         delta = delta.T
-    delta = delta * scaling
     if magnitude is None:
-        # PEFT: base_layer.weight.data += delta (a 16-bit weight: the sum in fp32, rounded once)
-        out = w.clone()
-        out += delta
-        return out
+        # PEFT: base_layer.weight.data += delta (a 16-bit weight: the sum in fp32, rounded once). ``w`` is this
+        # function's own copy (just read), so the sum goes into it: memory is w plus one fp32 delta.
+        w += delta
+        return w
     tw = w.T if fan_in_fan_out else w
     weight = tw + 1 * (delta.T if fan_in_fan_out else delta)
     norm = torch_norm(weight)
