@@ -153,6 +153,7 @@ def run_one(mode: str, work: Path, out: Path) -> dict:
     elif mode == "peft":
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
+    rss_after_imports = _peak_rss_mb()
     t0 = time.perf_counter()
     if mode == "copy":
         out.mkdir()
@@ -172,7 +173,7 @@ def run_one(mode: str, work: Path, out: Path) -> dict:
         _fsync_tree(out)
     wall = time.perf_counter() - t0
     return {"mode": mode, "wall_s": round(wall, 2), "import_s": round(t0 - t_imp, 2),
-            "peak_rss_mb": round(_peak_rss_mb(), 1)}
+            "peak_rss_mb": round(_peak_rss_mb(), 1), "rss_after_imports_mb": round(rss_after_imports, 1)}
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -241,7 +242,7 @@ def main() -> None:
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results[mode].append(r)
             print(f"round {rnd}: {mode:6s} {r['wall_s']:8.2f} s (+ {r['import_s']:.2f} s of imports)  peak RSS "
-                  f"{r['peak_rss_mb']:8.1f} MB", flush=True)
+                  f"{r['peak_rss_mb']:8.1f} MB ({r['rss_after_imports_mb']:.1f} MB after imports)", flush=True)
             if mode == "copy":
                 shutil.rmtree(out)
     check = compare(work / "out-dsckpt", work / "out-peft") if not a.no_peft else None

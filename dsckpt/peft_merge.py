@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["MergePlan", "MergeResult", "open_base", "plan_merge", "run_merge"]
 
 CHUNK_NBYTES = 16 * 1024 * 1024
+#: How far reading and merging may run ahead of the writer (plus one tensor when a merged tensor is larger).
+AHEAD_NBYTES = 128 * 1024 * 1024
+#: fp32 bytes of one block of rows of a LoRA merge (see _merge_rows).
+ROW_BLOCK_NBYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -201,16 +207,72 @@ def _merge_files(base_folder: Path, ckpt_root: Path, specs: list[TensorSpec]) ->
 def run_merge(plan: MergePlan, cache: FileCache, *, force: bool = False,
               on_tensor: Callable[[TensorSpec], None] | None = None) -> MergeResult:
     """Write the merged folder atomically (every shard, the index, the model-side files, or nothing)."""
+    order = [s for shard in plan.shards.shards for s in shard]
     with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound):
-        with atomic_dir(plan.output) as tmp:
-            written = write_sharded_chunks(tmp, plan.shards, lambda spec: _produce(plan, cache, spec),
-                                           metadata=plan.metadata, on_tensor=on_tensor)
+        with atomic_dir(plan.output) as tmp, _Ahead(plan, cache, order) as ahead:
+            written = write_sharded_chunks(tmp, plan.shards, ahead.chunks, metadata=plan.metadata,
+                                           on_tensor=on_tensor)
             if plan.hf_files is not None:
                 written += copy_files(plan.hf_files, tmp)
         for b in {id(b.cache): b.cache for b in plan.name_to_base.values()}.values():
             b.finish_checks()
         cache.finish_checks()
     return MergeResult(plan, tuple(plan.output / p.name for p in written))
+
+
+_END = object()
+
+
+class _Ahead:
+    """Produces the chunks of ``order`` (read, merged, converted) in one background thread, at most
+    :data:`AHEAD_NBYTES` ahead of the writer (one item more when a single tensor is larger), so that reading and
+    merging overlap writing. Reads of the checkpoint and the base happen in that thread only."""
+
+    def __init__(self, plan: MergePlan, cache: FileCache, order: list[TensorSpec]) -> None:
+        self._plan, self._cache, self._order = plan, cache, order
+        self._q: queue.Queue[tuple[str | None, Any]] = queue.Queue()
+        self._cond = threading.Condition()
+        self._ahead = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="dsckpt-merge", daemon=True)
+
+    def __enter__(self) -> _Ahead:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            for spec in self._order:
+                for chunk in _produce(self._plan, self._cache, spec):
+                    with self._cond:
+                        while self._ahead and self._ahead + chunk.nbytes > AHEAD_NBYTES and not self._stop:
+                            self._cond.wait()
+                        if self._stop:
+                            return
+                        self._ahead += chunk.nbytes
+                    self._q.put((spec.name, chunk))
+                self._q.put((spec.name, _END))
+        except BaseException as e:  # noqa: BLE001 - handed to the writer's thread, which raises it
+            self._q.put((None, e))
+
+    def chunks(self, spec: TensorSpec) -> Iterator[Any]:
+        while True:
+            name, item = self._q.get()
+            if name is None:
+                raise item
+            assert name == spec.name, f"produced {name} while writing {spec.name}"
+            if item is _END:
+                return
+            yield item
+            with self._cond:
+                self._ahead -= item.nbytes
+                self._cond.notify_all()
 
 
 def _produce(plan: MergePlan, cache: FileCache, spec: TensorSpec) -> Iterator[Any]:
@@ -229,14 +291,62 @@ def _produce(plan: MergePlan, cache: FileCache, spec: TensorSpec) -> Iterator[An
         t = t.to(want)  # as PEFT's unload: the trained copy, in the base model's dtype
     else:
         assert action.lora is not None
-        w = read_entry(base.entry, base.cache)
         lo = action.lora
+        frags = base.entry.source_for_fp32().fragments
+        if lo.magnitude is None and len(frags) == 1 and not frags[0].strided and len(base.entry.shape) == 2:
+            yield from _merge_rows(plan, cache, base, spec)
+            return
+        w = read_entry(base.entry, base.cache)
         a = read_entry(_entry(plan, lo.a), cache).float()
         b = read_entry(_entry(plan, lo.b), cache).float()
         m = read_entry(_entry(plan, lo.magnitude), cache).float() if lo.magnitude is not None else None
         t = merge_lora(w, a, b, scaling=lo.scaling, fan_in_fan_out=lo.fan_in_fan_out, magnitude=m)
     want = getattr(torch, spec.dtype)
     yield (t.to(want) if t.dtype != want else t).contiguous().reshape(-1)
+
+
+def _merge_rows(plan: MergePlan, cache: FileCache, base: BaseTensor, spec: TensorSpec) -> Iterator[Any]:
+    """A LoRA merged into ``base`` a block of rows at a time (about :data:`ROW_BLOCK_NBYTES` of fp32 each): the base
+    rows are read, the matching rows of ``transpose(B @ A, f) * scaling`` computed and added, the sum rounded to the
+    output dtype and written. Each element gets PEFT's arithmetic (its own ``B[i] . A[:, j]`` over the rank,
+    times scaling, plus ``W[i, j]`` in fp32, rounded once); memory is one block."""
+    import torch
+
+    from .assemble import read_entry
+
+    lo = plan.actions[spec.name].lora
+    assert lo is not None
+    a = read_entry(_entry(plan, lo.a), cache).float()
+    b = read_entry(_entry(plan, lo.b), cache).float()
+    frag = base.entry.source_for_fp32().fragments[0]
+    ref = base.cache.tensor(frag.file, frag.key)
+    rows, cols = base.entry.shape
+    block = max(1, ROW_BLOCK_NBYTES // (4 * max(1, cols)))
+    stored = getattr(torch, base.entry.source_for_fp32().dtype)
+    want = getattr(torch, spec.dtype)
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        w = ref.read(frag.src_offset + r0 * cols, (r1 - r0) * cols, out=torch.empty((r1 - r0) * cols, dtype=stored))
+        w = w.view(r1 - r0, cols)
+        if lo.fan_in_fan_out:  # W is [in, out] (Conv1D): its rows r0:r1 take columns r0:r1 of B @ A
+            delta = b @ a[:, r0:r1]
+            delta.mul_(lo.scaling)
+            delta = delta.T
+        else:
+            delta = b[r0:r1] @ a
+            delta.mul_(lo.scaling)
+        out = merge_lora_delta(w, delta)
+        yield (out.to(want) if out.dtype != want else out).contiguous().reshape(-1)
+
+
+def merge_lora_delta(w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``w + delta`` as PEFT's ``base_layer.weight.data += delta`` gives it: the fp32 sum rounded once to ``w``'s
+    dtype. ``w`` and ``delta`` are the caller's own: the sum goes into one of them."""
+    if w.dtype == delta.dtype:
+        w += delta
+        return w
+    torch_add(delta, w)
+    return delta.to(w.dtype)
 
 
 def _entry(plan: MergePlan, name: str) -> TensorEntry:
@@ -252,10 +362,10 @@ def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scaling: fl
     if fan_in_fan_out:
         delta = delta.T
     if magnitude is None:
-        # PEFT: base_layer.weight.data += delta (a 16-bit weight: the sum in fp32, rounded once). ``w`` is this
-        # function's own copy (just read), so the sum goes into it: memory is w plus one fp32 delta.
-        w += delta
-        return w
+        # PEFT: base_layer.weight.data += delta. ``w`` is this function's own copy (just read): an fp32 ``w`` takes
+        # the sum in place; a 16-bit one is summed into the fp32 delta (the same fp32 sum, which PEFT's mixed in-place
+        # add computes too, 2-3x slower) and rounded once to its dtype.
+        return merge_lora_delta(w, delta)
     tw = w.T if fan_in_fan_out else w
     weight = tw + 1 * (delta.T if fan_in_fan_out else delta)
     norm = torch_norm(weight)
@@ -264,6 +374,12 @@ def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scaling: fl
     if fan_in_fan_out:
         factor = factor.T
     return (factor * (w + delta)).to(w.dtype)
+
+
+def torch_add(acc: torch.Tensor, x: torch.Tensor) -> None:
+    import torch
+
+    torch.add(acc, x, out=acc)
 
 
 def torch_norm(weight: torch.Tensor) -> torch.Tensor:
@@ -279,7 +395,6 @@ def _copy_chunks(base: BaseTensor, spec: TensorSpec) -> Iterator[np.ndarray]:
     src = piece.dtype
     itemsize = dtype_info(src).itemsize
     step = max(1, CHUNK_NBYTES // itemsize)
-    buf = np.empty(step, dtype=DTYPES[src].numpy)
     expected = 0
     for frag in frags:
         if frag.strided or frag.dst_offset != expected:
@@ -289,8 +404,8 @@ def _copy_chunks(base: BaseTensor, spec: TensorSpec) -> Iterator[np.ndarray]:
         try:
             for start in range(frag.src_offset, frag.src_offset + frag.numel, step):
                 n = min(step, frag.src_offset + frag.numel - start)
-                chunk, _ = convert_chunk(ref.read_numpy(start, n, out=buf[:n], fd=fd), src, spec.dtype)
-                yield chunk
+                raw = ref.read_numpy(start, n, out=np.empty(n, dtype=DTYPES[src].numpy), fd=fd)
+                yield raw if src == spec.dtype else convert_chunk(raw, src, spec.dtype)[0]
         finally:
             os.close(fd)
         expected += frag.numel
