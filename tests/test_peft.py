@@ -52,7 +52,7 @@ class Fx:
         return load_file(str(self.dir / "adapter" / "adapter_model.safetensors"))
 
 
-ALL = [Fx(n) for n in pm.PEFT_FIXTURES if (PEFT_DIR / n / "truth.json").is_file()]  # TEMP
+ALL = [Fx(n) for n in pm.PEFT_FIXTURES]
 LORA = [f for f in ALL if f.spec["type"] == "LORA"]
 OTHER = [f for f in ALL if f.spec["type"] != "LORA"]
 IDS = [f.name for f in ALL]
