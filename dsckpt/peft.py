@@ -145,8 +145,9 @@ def read_adapter_config(root: str | os.PathLike[str], *, adapter_name: str = "de
     alpha = raw.get("lora_alpha", raw.get("alpha"))
     return AdapterConfig(
         path=path, peft_type=raw["peft_type"].upper(), adapter_name=adapter_name,
-        r=raw.get("r") if isinstance(raw.get("r"), int) else raw.get("init_r") if isinstance(raw.get("init_r"), int)
-        else None,
+        # AdaLoRA starts every module at init_r (its "r" is LoraConfig's unused default)
+        r=raw.get("init_r") if raw["peft_type"].upper() == "ADALORA" and isinstance(raw.get("init_r"), int)
+        else raw.get("r") if isinstance(raw.get("r"), int) else None,
         alpha=float(alpha) if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) else None,
         target_modules=tuple(targets) if isinstance(targets, list) else targets if isinstance(targets, str) else None,
         modules_to_save=tuple(raw.get("modules_to_save") or ()),

@@ -172,7 +172,8 @@ def _load_peft(fx: Fx, adapter_dir: Path):
     base = AutoModelForCausalLM.from_pretrained(fx.base, dtype=getattr(torch, fx.meta["peft"]["base_dtype"]))
     model = PeftModel.from_pretrained(base, adapter_dir)
     res = set_peft_model_state_dict(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
-    missing = [k for k in res.missing_keys if adapter_key(k) is not None]
+    # AdaLoRA's ranknum is not saved by PEFT either (deterministic, _get_adapter_state_dict drops it)
+    missing = [k for k in res.missing_keys if adapter_key(k) is not None and ".ranknum." not in k]
     return model, missing, list(res.unexpected_keys)
 
 
