@@ -182,8 +182,11 @@ def _merge_files(base_folder: Path, ckpt_root: Path, specs: list[TensorSpec]) ->
     the folder for an adapter."""
     dtypes = sorted({s.dtype for s in specs if dtype_info(s.dtype).is_floating})
     out_dtype = dtypes[0] if len(dtypes) == 1 else "float32"
-    plans = [p for p in (plan_export_files(base_folder, dtype=out_dtype),
-                         None if ckpt_root == base_folder else plan_export_files(ckpt_root, dtype=out_dtype)) if p]
+    from .layout import list_tags
+
+    plans = [p for p in (plan_export_files(base_folder, dtype=out_dtype, tag_dirs=frozenset(list_tags(base_folder))),
+                         None if ckpt_root == base_folder else
+                         plan_export_files(ckpt_root, dtype=out_dtype, tag_dirs=frozenset(list_tags(ckpt_root)))) if p]
     if not plans and not (ckpt_root / "adapter_config.json").is_file():
         return None
     copies: list[FileCopy] = []
@@ -194,7 +197,10 @@ def _merge_files(base_folder: Path, ckpt_root: Path, specs: list[TensorSpec]) ->
             if c.dest_name not in seen:
                 seen.add(c.dest_name)
                 copies.append(c)
-        left += [o for o in plan.left_out if o.source is not None]
+        left += [o if o.source is None or o.source.name != "adapter_config.json" else
+                 LeftOut(o.source, o.role, "the merged model is a full model, not an adapter (from_pretrained would "
+                                           "take a folder holding it for an adapter)")
+                 for o in plan.left_out if o.source is not None]
     if "config.json" not in seen:
         where = (f"'{base_folder}' has" if base_folder == ckpt_root else
                  f"neither '{base_folder}' nor '{ckpt_root}' has")
