@@ -60,9 +60,9 @@ __all__ = [
     "adapter_key",
     "base_name",
     "is_peft_names",
+    "peft_summary",
     "plan_adapter_export",
     "plan_adapter_files",
-    "peft_summary",
     "plan_merge_actions",
     "read_adapter_config",
 ]

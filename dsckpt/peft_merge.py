@@ -44,7 +44,7 @@ __all__ = ["MergePlan", "MergeResult", "open_base", "plan_merge", "run_merge"]
 CHUNK_NBYTES = 16 * 1024 * 1024
 #: How far reading and merging may run ahead of the writer (plus one tensor when a merged tensor is larger).
 AHEAD_NBYTES = 128 * 1024 * 1024
-#: fp32 bytes of one block of rows of a LoRA merge (see _merge_rows).
+#: fp32 bytes of one block of rows of a LoRA merge (see _merge_rows): what is added and rounded at a time.
 ROW_BLOCK_NBYTES = 16 * 1024 * 1024
 
 
@@ -312,10 +312,10 @@ def _produce(plan: MergePlan, cache: FileCache, spec: TensorSpec) -> Iterator[An
 
 
 def _merge_rows(plan: MergePlan, cache: FileCache, base: BaseTensor, spec: TensorSpec) -> Iterator[Any]:
-    """A LoRA merged into ``base`` a block of rows at a time (about :data:`ROW_BLOCK_NBYTES` of fp32 each): the base
-    rows are read, the matching rows of ``transpose(B @ A, f) * scaling`` computed and added, the sum rounded to the
-    output dtype and written. Each element gets PEFT's arithmetic (its own ``B[i] . A[:, j]`` over the rank,
-    times scaling, plus ``W[i, j]`` in fp32, rounded once); memory is one block."""
+    """A LoRA merged into ``base`` a block of rows at a time: ``transpose(B @ A, f) * scaling`` is computed whole, as
+    PEFT computes it (one GEMM of the same shapes: a GEMM cut into blocks may sum in another order on some BLAS
+    kernels), then, for each block of about :data:`ROW_BLOCK_NBYTES` of fp32, the base rows are read, added in fp32
+    and the sum rounded to the output dtype and handed to the writer. Memory: the fp32 delta and one block."""
     import torch
 
     from .assemble import read_entry
@@ -324,6 +324,10 @@ def _merge_rows(plan: MergePlan, cache: FileCache, base: BaseTensor, spec: Tenso
     assert lo is not None
     a = read_entry(_entry(plan, lo.a), cache).float()
     b = read_entry(_entry(plan, lo.b), cache).float()
+    delta = b @ a
+    delta.mul_(lo.scaling)  # in place: the same elementwise product as PEFT's `transpose(B @ A, f) * scaling`
+    if lo.fan_in_fan_out:  # W is [in, out] (Conv1D)
+        delta = delta.T
     frag = base.entry.source_for_fp32().fragments[0]
     ref = base.cache.tensor(frag.file, frag.key)
     rows, cols = base.entry.shape
@@ -333,15 +337,7 @@ def _merge_rows(plan: MergePlan, cache: FileCache, base: BaseTensor, spec: Tenso
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
         w = ref.read(frag.src_offset + r0 * cols, (r1 - r0) * cols, out=torch.empty((r1 - r0) * cols, dtype=stored))
-        w = w.view(r1 - r0, cols)
-        if lo.fan_in_fan_out:  # W is [in, out] (Conv1D): its rows r0:r1 take columns r0:r1 of B @ A
-            delta = b @ a[:, r0:r1]
-            delta.mul_(lo.scaling)
-            delta = delta.T
-        else:
-            delta = b[r0:r1] @ a
-            delta.mul_(lo.scaling)
-        out = merge_lora_delta(w, delta)
+        out = merge_lora_delta(w.view(r1 - r0, cols), delta[r0:r1])
         yield (out.to(want) if out.dtype != want else out).contiguous().reshape(-1)
 
 

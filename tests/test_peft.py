@@ -391,3 +391,51 @@ def test_trainer_resumes_resharded_peft_checkpoint(name, worlds, micro_batch, tm
     assert rep["final_global_step"] == 6
     first = next(e for e in rep["log"] if e["step"] == 4)
     assert first["loss"] == pytest.approx(fx.meta["trainer"]["losses"]["4"], abs=5e-4, rel=0)
+
+
+@pytest.mark.parametrize("name, with_base", [(pm.LLAMA_LORA, True), ("peft_gpt2_lora_z2_bf16_w2", True),
+                                             ("peft_llama_lora_z3_bf16_w2_full", True)])
+def test_merge_in_blocks_of_rows_equals_the_whole_tensor_merge(name, with_base, tmp_path, monkeypatch):
+    """The streamed merge adds and rounds each LoRA merge a block of rows at a time; with blocks of 3 rows (the
+    fixtures' tensors have 16-64 rows) every element still gets PEFT's value, Conv1D (fan_in_fan_out: rows of the
+    transposed delta) and a bf16 base included, with the reader 256 bytes ahead of the writer at most."""
+    import dsckpt.peft_merge as pmerge
+
+    fx = _by(name)
+    args = ["--base", fx.base] if with_base else []
+    assert _cli("to-fp32", fx.ckpt, tmp_path / "whole", "--merge", *args, "-q").exit_code == 0
+    monkeypatch.setattr(pmerge, "ROW_BLOCK_NBYTES", 3 * 4 * 16)
+    monkeypatch.setattr(pmerge, "AHEAD_NBYTES", 256)
+    blocks = []
+    real = pmerge.merge_lora_delta
+    monkeypatch.setattr(pmerge, "merge_lora_delta", lambda w, d: blocks.append(w.shape[0]) or real(w, d))
+    r = _cli("to-fp32", fx.ckpt, tmp_path / "rows", "--merge", *args, "-q")
+    assert r.exit_code == 0, r.output
+    assert max(blocks) <= 3 and len(blocks) > sum(".lora_A." in n for n in fx.meta["trainable"])
+    whole, rows = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(
+        str(tmp_path / "rows" / "model.safetensors"))
+    assert sorted(whole) == sorted(rows) and all(torch.equal(whole[k], rows[k]) for k in whole)
+
+
+def test_merge_from_a_sharded_bin_base(tmp_path):
+    """pytorch_model-0000X-of-0000N.bin + pytorch_model.bin.index.json, as transformers < 5 saved large models."""
+    fx = _by(pm.LLAMA_LORA)
+    base = {}
+    for f in fx.base.glob("*.safetensors"):
+        base.update(load_file(str(f)))
+    names = sorted(base)
+    half = len(names) // 2
+    d = tmp_path / "binbase"
+    d.mkdir()
+    (d / "config.json").write_bytes((fx.base / "config.json").read_bytes())
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:]), 1):
+        fname = f"pytorch_model-{i:05d}-of-00002.bin"
+        torch.save({n: base[n] for n in part}, d / fname)
+        weight_map.update({n: fname for n in part})
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for out, b in (("from-bin", d), ("from-st", fx.base)):
+        r = _cli("to-fp32", fx.ckpt, tmp_path / out, "--merge", "--base", b, "-q")
+        assert r.exit_code == 0, r.output
+    a, b = (load_file(str(tmp_path / o / "model.safetensors")) for o in ("from-bin", "from-st"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
