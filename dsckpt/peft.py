@@ -70,6 +70,9 @@ __all__ = [
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+#: adapter_config.json files PEFT writes are 1-2 KB (a long target_modules / rank_pattern list: tens of KB); a larger
+#: one is refused before it is parsed.
+MAX_ADAPTER_CONFIG_NBYTES = 1 << 20
 #: PEFT types whose merge dsckpt carries out itself (tested against PEFT's merge_and_unload).
 MERGEABLE = frozenset({"LORA"})
 _TYPE_NAMES = {"LORA": "LoRA", "IA3": "IA3", "LOHA": "LoHa", "LOKR": "LoKr", "VERA": "VeRA", "ADALORA": "AdaLoRA",
@@ -134,6 +137,9 @@ def read_adapter_config(root: str | os.PathLike[str], *, adapter_name: str = "de
     if not path.is_file():
         return None
     try:
+        if path.stat().st_size > MAX_ADAPTER_CONFIG_NBYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than the {MAX_ADAPTER_CONFIG_NBYTES} an adapter "
+                             "config can reasonably hold")
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"cannot read '{path}' as JSON ({e}); fix it, or pass --no-hf-files to "

@@ -439,3 +439,18 @@ def test_merge_from_a_sharded_bin_base(tmp_path):
         assert r.exit_code == 0, r.output
     a, b = (load_file(str(tmp_path / o / "model.safetensors")) for o in ("from-bin", "from-st"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_damaged_adapter_config_is_one_line_exit_3(tmp_path):
+    import shutil
+
+    fx = _by(pm.LLAMA_LORA)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx.ckpt, ckpt)
+    for content, phrase in ((b"{not json", "cannot read"), (b'{"r": 4}', "has no 'peft_type'"),
+                            (b" " * ((1 << 20) + 1), "more than the")):
+        (ckpt / "adapter_config.json").write_bytes(content)
+        for args in (["info", ckpt], ["to-fp32", ckpt, tmp_path / "o"]):
+            r = _cli(*args)
+            assert r.exit_code == 3 and phrase in r.stderr and r.stderr.count("\n") == 1, (args, r.output)
+    assert not (tmp_path / "o").exists()
