@@ -13,6 +13,7 @@ from .hf import classify, is_hf_folder
 from .layout import list_tags
 from .limits import read_small_file
 from .model import Kind, LogicalCheckpoint
+from .peft import peft_summary
 from .readers import FileCache
 
 __all__ = ["health_notes", "health_problems", "summarize"]
@@ -106,6 +107,7 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "hf_trainer": hf_trainer_summary(ckpt.root),
         "moe": moe_summary(ckpt),
         "tensor_parallel": tp_summary(ckpt),
+        "peft": peft_summary(ckpt),
     }
 
 

@@ -41,8 +41,8 @@ from .atomic import atomic_dir, claim_output, refuse_overlap, scratch_dir
 from .errors import RepairError, UsageError
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
-from .stand_ins import DeepSpeedObject
 from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
+from .stand_ins import DeepSpeedObject
 from .state_dict_files import TargetKind, detect_target, open_state_dict, read_safetensors_header
 
 __all__ = [

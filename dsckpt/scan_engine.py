@@ -23,8 +23,8 @@ from .model import (
     reading_fragments,
 )
 from .readers.common import FileCache, lookup
-from .tensor_ref import TensorRef
 from .scan_plan import FP16_MAX, MAX_INDICES, Check, Finding, RawScan, ScanPlan, StoredKind
+from .tensor_ref import TensorRef
 
 logger = logging.getLogger(__name__)
 

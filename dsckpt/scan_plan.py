@@ -26,8 +26,8 @@ from .model import (
     TensorEntry,
 )
 from .readers.common import format_key
-from .tensor_ref import TensorRef
 from .state_dict_files import TargetKind
+from .tensor_ref import TensorRef
 
 if TYPE_CHECKING:
     import torch

@@ -555,8 +555,8 @@ def verify_torch_file(path: Path, specs: Sequence[TensorSpec], *, keys: tuple[st
     shapes and dtypes. ``keys``: the file is a dict with these top-level keys in order, the state dict under
     ``"state_dict"`` (a Lightning checkpoint); ``None``: the file is the state dict. For a file not yet moved into
     place: errors (:func:`dsckpt.atomic.verification_failed`) name it ``target`` (default ``path``)."""
-    from ..tensor_ref import TensorRef
     from ..safe_load import load as safe_load_file
+    from ..tensor_ref import TensorRef
 
     target = path if target is None else target
     try:
