@@ -120,7 +120,9 @@ def plan_state_dict(ckpt: LogicalCheckpoint, *, exclude_frozen: bool = False,
                     param_order: Sequence[str] | None = None) -> tuple[StateDictItem, ...]:
     """The keys of DeepSpeed's consolidated state dict for ``ckpt``, in its order: buffers, frozen params
     (unless ``exclude_frozen``), trainable params (in ``param_order`` where it names exactly them, else group
-    by group in module order), then tied aliases whose source is present. Pure: reads no tensor data.
+    by group in module order), then tied aliases whose source is present. An alias whose source the save left
+    out (:attr:`LogicalCheckpoint.excluded_ties`: a PEFT run's ``lm_head`` tied to its excluded embedding) is left
+    out too, as DeepSpeed's function leaves it. Pure: reads no tensor data.
 
     Raises :class:`~dsckpt.binding.AmbiguousBindingError` where the answer depends on a binding the files
     leave open (which stage-0 params are trainable; see :meth:`LogicalCheckpoint.require_unambiguous`)."""
@@ -129,7 +131,8 @@ def plan_state_dict(ckpt: LogicalCheckpoint, *, exclude_frozen: bool = False,
     flags = exclude_frozen or any(e.ambiguous and e.source_for_fp32().dtype != "float32" for e in ckpt.entries)
     ckpt.require_unambiguous("zero_to_fp32" + (" with exclude_frozen_parameters" if exclude_frozen else ""),
                              values=True, flags=flags)
-    own = [e for e in ckpt.entries if e.tied_to is None]
+    left_out = {alias for alias, _ in ckpt.excluded_ties}
+    own = [e for e in ckpt.entries if e.tied_to is None and e.name not in left_out]
     buffers = [e for e in own if e.kind is Kind.BUFFER]
     frozen = [e for e in own if e.kind is Kind.PARAM and not e.trainable]
     trainable = [e for e in own if e.kind is Kind.PARAM and e.trainable]
