@@ -56,6 +56,7 @@ __all__ = [
     "check_free_space",
     "claim_output",
     "format_nbytes",
+    "fsync_dir",
     "free_bytes",
     "lease",
     "lease_expiry_s",
@@ -190,7 +191,8 @@ def leased_temp(target: str | os.PathLike[str], *, directory: bool) -> Path:
     return Path(tmp)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the renames into ``path`` durable (where the platform lets a folder be fsync'd)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -252,7 +254,7 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
             raise OutputWriteError(f"cannot put the output in place at '{target}': {e.strerror or e}; nothing was "
                                    "written") from e
         if fsync:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -312,7 +314,7 @@ def replace_into_place(tmp: Path, target: Path, *, fsync: bool = True) -> None:
         raise OutputWriteError(f"cannot put the output in place at '{target}': {e.strerror or e}; nothing was "
                                "written (an existing output is kept)") from e
     if fsync:
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     if old is not None:
         _remove(old)
 

@@ -249,15 +249,7 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     shards = None
     if fmt is OutputFormat.SAFETENSORS_SHARDED:
         shards = plan_shards(specs, parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
-    metadata = {
-        "format": "pt",
-        "dsckpt_version": __version__,
-        "source_tag": ckpt.tag,
-        "deepspeed_version": ckpt.ds_version or "unknown",
-        "zero_stage": str(ckpt.zero_stage),
-        "training_precision": ckpt.precision.value,
-    }
-    return ConvertPlan(out, fmt, specs, name_to_entry, shards, metadata, hf, tied_left_out, client)
+    return ConvertPlan(out, fmt, specs, name_to_entry, shards, _metadata(ckpt), hf, tied_left_out, client)
 
 
 def _metadata(ckpt: LogicalCheckpoint) -> dict[str, str]:

@@ -525,7 +525,7 @@ def run_output(plan: OutputPlan, ckpt: Checkpoint) -> list[Path]:
     same names replaced with a warning, as DeepSpeed's converter replaces them). Each is written and re-opened in a temporary folder
     beside them, every input record read is checked against its CRC-32, and only then are they moved into
     place, the index last: a failure leaves ``output_dir`` as it was."""
-    from .atomic import scratch_dir
+    from .atomic import fsync_dir, scratch_dir
 
     out = plan.output_dir
     if out.exists() and not out.is_dir():
@@ -546,26 +546,12 @@ def run_output(plan: OutputPlan, ckpt: Checkpoint) -> list[Path]:
                     logger.warning("replaced the existing '%s'", out / name)
                 os.replace(tmp / name, out / name)
                 written.append(out / name)
-            _fsync_dir(out)
+            fsync_dir(out)
     except BaseException:
         if created and not written:
             shutil.rmtree(out, ignore_errors=True)  # made by this call, holding nothing of the user's
         raise
     return written
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames into ``path`` durable (where the platform lets a folder be fsync'd)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str],
