@@ -6,7 +6,7 @@ No checkpoint and no DeepSpeed: synthetic bf16 bytes (finite values, so the chea
 runs, as on a healthy checkpoint), read from the page cache and written to the local disk.
 
 * ``scan-like``: threads (and processes) each ``preadv`` 2 MiB chunks into a buffer of their own, CRC-32 them and
-  run the exponent-bits check of ``dsckpt.scan._nonfinite``. The CRC comes from ``zlib`` (CPython's, which links
+  run the exponent-bits check of ``dsckpt.scan_engine._nonfinite``. The CRC comes from ``zlib`` (CPython's, which links
   the system zlib) or from ``isal`` (ISA-L); GB/s by thread count shows whether the CRC or the GIL bounds scan.
 * ``write``: the checkpoint's size written as 8 streams (16 MiB writes from memory) by
   ``buffered`` (no fsync: what ``cp -r`` costs), ``buffered+fsync``, and ``O_DIRECT`` (+ fsync) with 4, 8 and 16

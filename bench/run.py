@@ -1,6 +1,6 @@
 """Benchmark dsckpt against DeepSpeed's own tools, on this machine, in one run.
 
-    /work/venv/bin/python bench/run.py [--rounds 3] [--results bench/results.md]
+    /work/venv/bin/python bench/run.py [--rounds 3] [--results bench/results/results.md]
 
 Every measurement is one subprocess; its wall time comes from ``time.perf_counter`` around it and its
 peak RSS from GNU ``/usr/bin/time -f %M`` (``ru_maxrss`` of that process). Rounds are interleaved
@@ -164,14 +164,14 @@ def command_help(command: str) -> str:
 
 
 def checkpoint_facts(path: Path) -> dict[str, int]:
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree
     from dsckpt.checkpoint import open_checkpoint
 
     c = open_checkpoint(path)
     storages: dict[tuple[Path, str], int] = {}
     for f in c.logical.files:
         if f.suffix == ".pt":
-            for _, ref in safe_load.walk_tensors(c.cache.tree(f)):
+            for _, ref in parsed_tree.walk_tensors(c.cache.tree(f)):
                 storages[(ref.storage.path, ref.storage.key)] = ref.storage.nbytes
     return {
         "params": sum(e.numel for e in c.logical.params if e.tied_to is None),
@@ -324,7 +324,7 @@ def write_section(results: Path, key: str, text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--results", type=Path, default=HERE / "results.md")
+    ap.add_argument("--results", type=Path, default=HERE / "results" / "results.md")
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to dsckpt to-fp32")
     ap.add_argument("--only", default=None, help="comma-separated substrings of case names to run")
     ap.add_argument("--baseline-src", type=Path, default=None,

@@ -5,7 +5,7 @@ DeepSpeed installed there from wheels (see bench/README.md, "Scale"):
 
     python3 bench/scale.py run --stage 2 --params 1B --small 200M --ranks 8 --rounds 3 --report zero2.json
     python3 bench/scale.py run --stage 3 ...                                             --report zero3.json
-    python3 bench/scale.py report zero2.json zero3.json --results bench/results.md
+    python3 bench/scale.py report zero2.json zero3.json --results bench/results/results.md
 
 ``run`` writes both checkpoints with real DeepSpeed on ``--ranks`` CPU ranks (``bench/make_checkpoints.py``),
 then times, with one subprocess per measurement and interleaved rounds (medians reported):
@@ -19,7 +19,7 @@ then times, with one subprocess per measurement and interleaved rounds (medians 
 
 Peak RSS and CPU time come from ``bench/run.py``'s ``measure`` (GNU time, or a small fork/wait4 wrapper).
 Before every measurement the input is read once (page cache warm), the previous output is removed and
-``sync`` ed. ``report`` turns the JSON files into the table in ``bench/results.md`` with the targets' verdicts.
+``sync`` ed. ``report`` turns the JSON files into the table in ``bench/results/results.md`` with the targets' verdicts.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from run import (
 )
 
 MiB = 1024 * 1024
-SECTION = "scale"  # the part of bench/results.md this script owns
+SECTION = "scale"  # the part of bench/results/results.md this script owns
 
 # Targets (issue 12), as ratios measured in one run on one machine
 TO_FP32_VS_WRITE = 1.2
@@ -441,7 +441,7 @@ def main() -> None:
     r.add_argument("--report", required=True)
     rp = sub.add_parser("report")
     rp.add_argument("reports", nargs="+")
-    rp.add_argument("--results", type=Path, default=HERE / "results.md")
+    rp.add_argument("--results", type=Path, default=HERE / "results" / "results.md")
     rp.add_argument("--machine-note", default="", help="e.g. 'a lent GPU host; the GPU is not used'")
     args = ap.parse_args()
     if args.cmd == "run":

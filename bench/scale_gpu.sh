@@ -10,7 +10,7 @@
 #
 # The host has torch but no DeepSpeed and no network: the wheels staged here in .gpu/scale/ (git-ignored, sent
 # with the device call's `carry`) are installed without an index. Reports and logs go to $OUT (default
-# bench/out/scale-reports); `bench/scale.py report $OUT/zero*.json` writes the table into bench/results.md.
+# bench/out/scale-reports); `bench/scale.py report $OUT/zero*.json` writes the table into bench/results/results.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-/opt/torch/.venv/bin/python3}

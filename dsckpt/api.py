@@ -27,7 +27,7 @@ def to_fp32(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], 
     A Hugging Face Trainer folder exported to a folder also gets its model-side files (``hf_files``);
     a ``.ckpt`` carries the trainer's client state unless ``client_state`` is false (see
     :func:`dsckpt.convert.plan_to_fp32`)."""
-    ckpt = open_checkpoint(checkpoint, tag=tag)
+    ckpt = open_checkpoint(checkpoint, tag=tag, check_master_copies=True)
     plan = plan_to_fp32(ckpt.logical, output, dtype=dtype, exclude_frozen=exclude_frozen,
                         max_shard_size=max_shard_size, hf_files=hf_files, client_state=client_state,
                         cache=ckpt.cache)

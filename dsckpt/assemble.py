@@ -13,7 +13,7 @@ from .chunks import check_numel, check_tiling, reads_span
 from .errors import CorruptCheckpointError
 from .model import Fragment, LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 
 __all__ = ["iter_tensors", "read_entry", "read_piece"]
 

@@ -56,6 +56,7 @@ __all__ = [
     "check_free_space",
     "claim_output",
     "format_nbytes",
+    "fsync_dir",
     "free_bytes",
     "lease",
     "lease_expiry_s",
@@ -108,8 +109,9 @@ def format_nbytes(nbytes: int) -> str:
 
 
 def check_can_write(target: Path, *, force: bool) -> None:
-    """Refuse to overwrite an existing output unless ``force``."""
-    if target.exists() and not force:
+    """Refuse to overwrite an existing output unless ``force`` (a symlink at ``target``, dangling or not, is an
+    existing output: ``--force`` replaces the link itself, never what it points to)."""
+    if (target.exists() or target.is_symlink()) and not force:
         if target.is_dir() and not any(target.iterdir()):
             return
         raise UsageError(f"'{target}' already exists; pass --force to replace it")
@@ -189,7 +191,8 @@ def leased_temp(target: str | os.PathLike[str], *, directory: bool) -> Path:
     return Path(tmp)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the renames into ``path`` durable (where the platform lets a folder be fsync'd)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -245,9 +248,13 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
                 os.fsync(f.fileno())
         if check is not None:
             check(Path(tmp))
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)  # a symlink at target is replaced as a link
+        except OSError as e:
+            raise OutputWriteError(f"cannot put the output in place at '{target}': {e.strerror or e}; nothing was "
+                                   "written") from e
         if fsync:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -295,14 +302,21 @@ def replace_into_place(tmp: Path, target: Path, *, fsync: bool = True) -> None:
     """``os.replace(tmp, target)``; an existing ``target`` is moved aside first (named so that a killed
     run's is put back by :func:`remove_leftovers`) and removed once ``tmp`` is in place."""
     old = None
-    if target.exists():
-        old = target.with_name(f"{_temp_prefix(target)}old")
-        os.replace(target, old)
-    os.replace(tmp, target)
+    try:
+        if target.exists() or target.is_symlink():  # a symlink is moved aside as a link (rename never follows it)
+            old = target.with_name(f"{_temp_prefix(target)}old")
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except OSError as e:
+        if old is not None and not (target.exists() or target.is_symlink()):
+            with contextlib.suppress(OSError):
+                os.replace(old, target)
+        raise OutputWriteError(f"cannot put the output in place at '{target}': {e.strerror or e}; nothing was "
+                               "written (an existing output is kept)") from e
     if fsync:
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        _remove(old)
 
 
 FSYNC_THREADS = 8  # files fsync'd at once by background_fsync: the disk queues their write-back together

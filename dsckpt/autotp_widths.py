@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .limits import read_small_file
 from .parallel_layout import ParamCut, SplitKind, TpLayout
 
 __all__ = ["KV_HEAD_ATTRS", "AutoTpMeta", "autotp_meta_from_config", "read_autotp_meta", "record_at",
@@ -92,7 +93,7 @@ def read_autotp_meta(root: Path, ds_config: Mapping[str, Any] | None) -> AutoTpM
     if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(read_small_file(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{path}: not a readable JSON model config ({e})") from e
     if not isinstance(config, Mapping):

@@ -64,7 +64,9 @@ class Checkpoint:
         return self._cache.finish_checks()
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None) -> Checkpoint:
-    """Open the DeepSpeed checkpoint at ``path`` (a save dir with ``latest``, or a tag folder)."""
+def open_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
+                    check_master_copies: bool = False) -> Checkpoint:
+    """Open the DeepSpeed checkpoint at ``path`` (a save dir with ``latest``, or a tag folder).
+    ``check_master_copies``: see :func:`dsckpt.readers.read_checkpoint` (on for exports of the master)."""
     cache = FileCache()
-    return Checkpoint(read_checkpoint(path, tag=tag, cache=cache), cache)
+    return Checkpoint(read_checkpoint(path, tag=tag, cache=cache, check_master_copies=check_master_copies), cache)

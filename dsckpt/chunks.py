@@ -19,7 +19,7 @@ from .dtypes import DTYPES
 from .errors import CorruptCheckpointError
 from .model import Fragment, Piece
 from .readers.common import FileCache
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 
 __all__ = ["DEFAULT_CHUNK_NBYTES", "ChunkRead", "GatherRead", "check_numel", "check_tiling", "fragment_views", "place",
            "plan_piece_chunks", "read_chunks", "tiling_problem"]

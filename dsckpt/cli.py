@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from ._version import __version__
-from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError
+from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError, shorten_runs
 from .interrupts import Terminated, signals_as_exceptions
 
 __all__ = ["main"]
@@ -38,7 +38,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 def one_line(message: str) -> str:
     """``message`` on one line: newlines become spaces, other control characters (a damaged name can
     hold a carriage return) are shown escaped."""
-    return _CONTROL.sub(lambda m: " " if m.group() == "\n" else repr(m.group())[1:-1], message)
+    return shorten_runs(_CONTROL.sub(lambda m: " " if m.group() == "\n" else repr(m.group())[1:-1], message))
 
 
 def _fail(message: str, code: int) -> None:
@@ -78,6 +78,11 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(f"terminated by {e.signal_name}; no output was left behind", e.exit_code)
         except MemoryError:
             _fail("out of memory", EXIT_INTERNAL)
+        except RecursionError:  # only a checkpoint nested deeper than max_depth allows gets here (the limit was raised)
+            if os.environ.get("DSCKPT_DEBUG"):
+                raise
+            _fail("the checkpoint nests its data deeper than Python can follow (DSCKPT_LIMITS max_depth was raised "
+                  "past what Python's recursion limit allows); the file is corrupt or hostile", EXIT_BAD_CHECKPOINT)
         except BrokenPipeError:
             # stdout's reader went away (`dsckpt ... | head`): not an error worth a message. Point stdout
             # at /dev/null so the interpreter's final flush does not fail again; exit as SIGPIPE would.
@@ -268,6 +273,13 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
                                                              "rng", "other") if files.get(role))
                      + (f"; trainer_state.json global_step {hf['trainer_global_step']}"
                         if hf["trainer_global_step"] is not None else ""))
+    peft = s.get("peft")
+    if peft is not None:
+        lines.append("peft         " + (f"{peft['describe']}; {peft['adapter_tensors']} adapter tensors"
+                                        if peft["adapter"] is not None else peft["note"]))
+        for alias, source in (peft.get("excluded_ties") or []):
+            lines.append(f"             tied {alias} -> {source}: the save left the source out; {alias} is exported "
+                         "as saved, and --merge takes the base's tensor")
     lines.append(f"files        {len(s['files'])} files, {_human(s['total_nbytes'])}")
     for f in s["files"]:
         lines.append(f"               {f['name']}  {_human(f['nbytes'])}")
@@ -293,8 +305,9 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
 @click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @tag_option
-@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16", "fp16"]),
-              help="dtype of floating tensors in the output (integer buffers keep theirs).")
+@click.option("--dtype", default=None, type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="dtype of floating tensors in the output (integer buffers keep theirs). Default fp32; with "
+                   "--merge, each tensor's dtype in the base.")
 @click.option("--max-shard-size", default=None,
               help="Write Hugging Face-style shards of at most this size (e.g. 5GB) into OUT (a folder). "
                    "A folder OUT without this option gets 5GB shards.")
@@ -305,6 +318,12 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
 @click.option("--no-client-state", is_flag=True,
               help="For OUT.ckpt: write state_dict alone, without the trainer's client state (hyper-parameters, "
                    "loops, callbacks, schedulers...).")
+@click.option("--merge", is_flag=True,
+              help="For a PEFT run (LoRA, rsLoRA, DoRA): merge the adapter into the base model and write a full "
+                   "Hugging Face model folder to OUT (streamed: memory stays at a few tensors).")
+@click.option("--base", "base_dir", default=None, type=click.Path(path_type=str),
+              help="With --merge: the folder of the base model that was fine-tuned (safetensors or pytorch_model*.bin). "
+                   "Not needed when the checkpoint holds the frozen base itself.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, nothing written) if any tensor holds inf/NaN.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
@@ -313,9 +332,9 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="Reader threads running ahead of the writer (0: read and write in one thread).")
 @distributed_option
 @handle_errors
-def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: str | None,
-            exclude_frozen: bool, no_hf_files: bool, no_client_state: bool, force: bool, strict: bool,
-            dry_run: bool, quiet: bool, workers: int, distributed: bool) -> None:
+def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_size: str | None,
+            exclude_frozen: bool, no_hf_files: bool, no_client_state: bool, merge: bool, base_dir: str | None,
+            force: bool, strict: bool, dry_run: bool, quiet: bool, workers: int, distributed: bool) -> None:
     """Consolidate CKPT into one fp32 state dict.
 
     OUT ending in .safetensors: one file. A folder: model-0000X-of-0000N.safetensors shards plus
@@ -327,13 +346,30 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
     model-side files (config.json with dtype set to --dtype, generation config, tokenizer, chat
     template) are copied next to the weights and tied aliases are left out as save_pretrained does,
     so that from_pretrained(OUT) works. Trainer state, optimizer and RNG files are never copied.
+
+    CKPT a PEFT run (adapter_config.json beside the DeepSpeed folder) and OUT a folder: OUT is a PEFT adapter
+    folder (adapter_model.safetensors with PEFT's keys, fp32 masters; adapter_config.json) that
+    PeftModel.from_pretrained(base, OUT) loads. --merge [--base BASE_DIR]: the adapter merged into the base,
+    a model folder for AutoModelForCausalLM.from_pretrained(OUT). The raw state dict (PEFT's in-memory names):
+    OUT ending in .safetensors, or --no-hf-files.
     """
     from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32, run_to_fp32_distributed
+    from .errors import UsageError
 
+    if base_dir is not None and not merge:
+        raise UsageError("--base is the base model to merge into; add --merge")
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
-    c = open_checkpoint(ckpt, tag=tag)
+    c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
+    if merge:
+        if distributed or exclude_frozen or no_client_state or strict:
+            raise UsageError("--merge does not combine with --distributed, --exclude-frozen, --no-client-state or "
+                             "--strict")
+        _merge(c, out, base_dir, None if dtype is None else parse_dtype(dtype), max_shard_size,
+               hf_files=not no_hf_files, force=force, dry_run=dry_run, quiet=quiet)
+        return
+    dtype = dtype or "fp32"
     plan = plan_to_fp32(c.logical, out, dtype=parse_dtype(dtype), exclude_frozen=exclude_frozen,
                         max_shard_size=max_shard_size, hf_files=not no_hf_files,
                         client_state=not no_client_state, cache=c.cache)
@@ -359,6 +395,18 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
                        "'dsckpt repair'", err=True)
     click.echo(f"wrote {len(plan.specs)} tensors ({_human(plan.total_nbytes)}) to "
                + ", ".join(str(f) for f in result.files))
+    if not quiet:
+        for alias, source in c.logical.excluded_ties:
+            click.echo(f"dsckpt: note: tied param '{alias}' points to '{source}', which the save left out "
+                       f"(exclude_frozen_parameters); '{alias}' is written as saved"
+                       + ("" if any(e.name == alias for e in c.logical.entries) else " (no value: left out)")
+                       + ("" if plan.adapter is None else " in the raw state dict only, not in the adapter"), err=True)
+    if plan.adapter is not None:
+        click.echo(f"PEFT adapter ({plan.adapter.describe()}): {len(plan.specs)} tensors with PEFT's keys, from the "
+                   f"fp32 masters; load with PeftModel.from_pretrained(base, '{plan.output}')")
+        if plan.adapter.left_out:
+            click.echo(f"left out {len(plan.adapter.left_out)} tensor(s) that are not part of the adapter (frozen base "
+                       "params in the checkpoint; --merge uses them)")
     if plan.client_state is not None:
         click.echo("\n".join(plan.client_state.describe()))
     if plan.hf_files is not None:
@@ -369,6 +417,42 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str, max_shard_size: st
             for o in plan.hf_files.left_out:
                 if o.source is None:
                     click.echo(f"dsckpt: warning: {o.reason}", err=True)
+
+
+def _merge(c: Any, out: str, base_dir: str | None, dtype: str | None, max_shard_size: str | None, *,
+           hf_files: bool, force: bool, dry_run: bool, quiet: bool) -> None:
+    from .errors import UsageError
+    from .peft import plan_adapter_export, read_adapter_config
+    from .peft_merge import plan_merge, run_merge
+
+    cfg = read_adapter_config(c.logical.root)
+    if cfg is None:
+        raise UsageError(f"--merge is for PEFT runs: '{c.logical.root}' has no adapter_config.json")
+    export = plan_adapter_export(c.logical, cfg)
+    plan = plan_merge(c.logical, c.cache, cfg, out, base_dir=base_dir, dtype=dtype, max_shard_size=max_shard_size,
+                      hf_files=hf_files, base_in_checkpoint=export.base_in_checkpoint)
+    if dry_run:
+        click.echo(f"would merge the {cfg.variant} adapter into {plan.base}: {len(plan.specs)} tensors, "
+                   f"{_human(plan.total_nbytes)}, to {plan.output}")
+        for a in plan.actions.values():
+            if a.lora is not None:
+                lo = a.lora
+                click.echo(f"  merge {a.name}: r {lo.r}, alpha {lo.alpha:g}, scaling {lo.scaling:g}"
+                           + (", fan_in_fan_out" if lo.fan_in_fan_out else "") + (", DoRA" if lo.magnitude else ""))
+            elif a.replace_with is not None:
+                click.echo(f"  replace {a.name} with {a.replace_with} (modules_to_save)")
+        click.echo("\n".join(_hf_lines(plan.hf_files)))
+        sys.exit(1)
+    with _progress(plan.total_nbytes, "merge", not quiet) as tick:
+        result = run_merge(plan, c.cache, force=force, on_tensor=tick)
+    click.echo(f"merged the {cfg.variant} adapter into {plan.base}: wrote {len(plan.specs)} tensors "
+               f"({_human(plan.total_nbytes)}) to " + ", ".join(str(f) for f in result.files))
+    click.echo("; ".join(plan.notes) + (f"; tied {', '.join(plan.tied_left_out)} left out (from_pretrained re-ties it)"
+                                        if plan.tied_left_out else ""))
+    if plan.hf_files is not None and not quiet:
+        for o in plan.hf_files.left_out:
+            if o.source is None:
+                click.echo(f"dsckpt: warning: {o.reason}", err=True)
 
 
 def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
@@ -694,7 +778,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if world_size is None:
         raise UsageError("missing option '--world-size' / '-n' (or write a universal checkpoint with --universal)")
     cache = FileCache()
-    logical = read_checkpoint(ckpt, tag=tag, cache=cache)
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
                         facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size,
                         ep_size=ep_size)
@@ -754,7 +838,7 @@ def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, f
     )
 
     cache = FileCache()
-    logical = read_checkpoint(ckpt, tag=tag, cache=cache)
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
     plan = plan_universal_reshard(logical, read_source_facts(logical, cache))
     if dry_run:
         click.echo("\n".join(plan.describe()))

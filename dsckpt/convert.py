@@ -50,6 +50,8 @@ from .writers.safetensors import (
 if TYPE_CHECKING:
     import torch
 
+    from .peft import AdapterExport
+
 __all__ = [
     "SUFFIX_TO_FORMAT",
     "ConvertPlan",
@@ -125,6 +127,7 @@ class ConvertPlan:
     hf_files: HfFilesPlan | None = None  # model-side files copied next to the weights (see dsckpt.hf)
     tied_left_out: tuple[str, ...] = ()  # tied aliases not written, as save_pretrained does
     client_state: ClientStatePlan | None = None  # .ckpt: what is carried besides state_dict (see dsckpt.lightning)
+    adapter: AdapterExport | None = None  # a PEFT run exported as an adapter folder (see dsckpt.peft)
 
     @property
     def total_nbytes(self) -> int:
@@ -224,7 +227,11 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     tied_left_out: tuple[str, ...] = ()
     if fmt is OutputFormat.SAFETENSORS_SHARDED and hf_files:
         from .layout import list_tags
+        from .peft import read_adapter_config
 
+        adapter_cfg = read_adapter_config(ckpt.root)
+        if adapter_cfg is not None:
+            return _plan_adapter(ckpt, out, adapter_cfg, dtype, max_shard_size, frozenset(list_tags(ckpt.root)))
         hf = plan_export_files(ckpt.root, tag_dirs=frozenset(list_tags(ckpt.root)), dtype=dtype)
         if hf is not None:
             # The HF model's own names and layouts where the training engine renamed or re-stacked tensors
@@ -248,7 +255,11 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
     shards = None
     if fmt is OutputFormat.SAFETENSORS_SHARDED:
         shards = plan_shards(specs, parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
-    metadata = {
+    return ConvertPlan(out, fmt, specs, name_to_entry, shards, _metadata(ckpt), hf, tied_left_out, client)
+
+
+def _metadata(ckpt: LogicalCheckpoint) -> dict[str, str]:
+    return {
         "format": "pt",
         "dsckpt_version": __version__,
         "source_tag": ckpt.tag,
@@ -256,7 +267,22 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
         "zero_stage": str(ckpt.zero_stage),
         "training_precision": ckpt.precision.value,
     }
-    return ConvertPlan(out, fmt, specs, name_to_entry, shards, metadata, hf, tied_left_out, client)
+
+
+def _plan_adapter(ckpt: LogicalCheckpoint, out: Path, cfg: Any, dtype: str, max_shard_size: str | int | None,
+                  tag_dirs: frozenset[str]) -> ConvertPlan:
+    """A PEFT run (``adapter_config.json`` in the save dir) exported to a folder: ``adapter_model.safetensors`` with
+    PEFT's keys (see :mod:`dsckpt.peft`), ``adapter_config.json`` and the model-side files."""
+    from .peft import plan_adapter_export, plan_adapter_files
+
+    if max_shard_size is not None:
+        raise UsageError("a PEFT adapter is one file (adapter_model.safetensors); drop --max-shard-size, or pass "
+                         "--no-hf-files for the raw state dict in shards")
+    export = plan_adapter_export(ckpt, cfg)
+    specs = tuple(TensorSpec(k, _output_dtype(e, dtype), e.shape) for k, e in export.key_to_entry.items())
+    shards = plan_shards(specs, None, prefix="adapter_model")
+    return ConvertPlan(out, OutputFormat.SAFETENSORS_SHARDED, specs, dict(export.key_to_entry), shards,
+                       _metadata(ckpt), plan_adapter_files(ckpt.root, tag_dirs=tag_dirs), (), None, export)
 
 
 def run_to_fp32(plan: ConvertPlan, cache: FileCache, *, force: bool = False, strict: bool = False,

@@ -141,7 +141,7 @@ def mismatch_message(path: Path, record: str, stored: int, read: int) -> str:
 
 class RecordCheck:
     """The CRC-32 check of one zip record: ``nbytes`` bytes at ``data_offset`` of ``path``, stored
-    CRC ``crc32``. Thread-safe; shared by every :class:`~dsckpt.safe_load.StorageRef` of the record.
+    CRC ``crc32``. Thread-safe; shared by every :class:`~dsckpt.tensor_ref.StorageRef` of the record.
 
     Offsets given to :meth:`update` / :meth:`add_crc` are relative to the record's first byte. A
     read that overlaps bytes already covered adds nothing (re-reads never count twice); the bytes it
@@ -352,7 +352,9 @@ class FileCrcReport:
 
 def has_record_crcs(path: str | os.PathLike[str]) -> bool:
     """True for a zip-format torch file (records carry CRC-32s), False for the legacy format."""
-    with open(path, "rb") as f:
+    from .limits import open_regular
+
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read(4) == b"PK\x03\x04"
 
 
@@ -401,10 +403,22 @@ def check_file_records(path: str | os.PathLike[str], *, chunk_nbytes: int = FINI
                 problems.append(RecordProblem(p, name, local_header_message(p, name, info.CRC, local_crc)))
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
+                # torch.save never compresses: inflate no more than the read limit (a zip bomb, or a lying header)
+                from .limits import current
+
+                bound = current().max_inflated_nbytes
+                if info.file_size > bound:
+                    problems.append(RecordProblem(p, name, f"{p}: compressed record '{name}' declares {info.file_size} "
+                                                  f"bytes inflated, past dsckpt's read limit max_inflated_nbytes={bound}"
+                                                  "; the file is corrupt or hostile"))
+                    continue
                 try:
                     with zipfile.ZipFile(p) as zf, zf.open(info) as member:
-                        while member.read(chunk_nbytes):
-                            pass
+                        got = 0
+                        while chunk := member.read(min(chunk_nbytes, bound + 1 - got)):
+                            got += len(chunk)
+                            if got > bound:
+                                raise zipfile.BadZipFile("inflates past its declared size")
                 except zipfile.BadZipFile:
                     problems.append(RecordProblem(p, name, f"{p}: record '{name}' fails its CRC32 check; the file "
                                                   "is damaged (bit rot or a bad copy) — restore it from a backup"))

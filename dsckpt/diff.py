@@ -52,8 +52,8 @@ from .dtypes import DTYPES, dtype_info, to_float32
 from .errors import CorruptCheckpointError, UsageError
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry, reading_fragments
 from .readers.common import FileCache
-from .safe_load import TensorRef
 from .state_dict_files import TargetKind
+from .tensor_ref import TensorRef
 
 __all__ = [
     "DEFAULT_CHUNK_NUMEL",

@@ -24,6 +24,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
     "UsageError",
+    "shorten",
+    "shorten_runs",
 ]
 
 EXIT_OK = 0
@@ -81,3 +83,30 @@ class OutputWriteError(DsckptError):
 
 class NotEnoughSpaceError(OutputWriteError):
     """The output's filesystem lacks the space the plan needs; checked before writing."""
+
+
+#: The most characters of one value (a file's content, a key, a config entry) an error message shows.
+SHORTEN_CHARS = 80
+
+
+def shorten(value: object, limit: int = SHORTEN_CHARS) -> str:
+    """``repr``-like text of ``value`` for a message, cut to ``limit`` characters with the full length said
+    (a 10 MB ``latest`` file must not become a 10 MB error line). Control characters come out escaped."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}... ({len(text)} chars)"
+
+
+#: A run of characters without a space longer than this in a message is a value (a name, a file's content)
+#: that :func:`shorten_runs` cuts.
+LONG_RUN_CHARS = 1000
+
+
+def shorten_runs(message: str) -> str:
+    """``message`` with every run of more than ``LONG_RUN_CHARS`` non-space characters shortened (see
+    :func:`shorten`): the CLI's last guard, so that no value a file holds makes an error line megabytes long."""
+    import re
+
+    return re.sub(rf"\S{{{LONG_RUN_CHARS + 1},}}", lambda m: shorten(m.group(), 400), message)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CorruptCheckpointError
+from .limits import read_small_file, regular_file
 
 __all__ = [
     "FileCopy",
@@ -224,7 +225,7 @@ def plan_export_files(root: str | os.PathLike[str], *, tag_dirs: frozenset[str] 
 
 def _dtype_updates(config: Path, dtype: str) -> tuple[tuple[str, str], ...]:
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = json.loads(read_small_file(config).decode("utf-8"))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"cannot read '{config}' as JSON ({e}); fix or remove it, or pass "
                                      "--no-hf-files") from e
@@ -311,6 +312,18 @@ def plan_resume_files(root: str | os.PathLike[str], world_size: int, *, tag: str
     return HfFilesPlan(root, tuple(copies), tuple(left), client)
 
 
+def _copy_regular(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy one file, refusing anything but a regular file (a FIFO blocks, ``/dev/zero`` never ends)."""
+    regular_file(src)
+    shutil.copyfile(src, dst)
+
+
+def _copy2_regular(src: str, dst: str) -> str:
+    """:func:`shutil.copy2` (for ``copytree``: times kept), refusing anything but a regular file."""
+    regular_file(src)
+    return shutil.copy2(src, dst)
+
+
 def copy_files(plan: HfFilesPlan, dest: Path) -> list[Path]:
     """Copy every file of ``plan`` into ``dest`` (a temporary folder that the caller moves into place)
     and check each copy's size. Returns the written paths."""
@@ -318,13 +331,13 @@ def copy_files(plan: HfFilesPlan, dest: Path) -> list[Path]:
     for c in plan.copies:
         target = dest / c.dest_name
         if c.source.is_dir():
-            shutil.copytree(c.source, target)
+            shutil.copytree(c.source, target, copy_function=_copy2_regular)
         elif c.json_updates:
-            data = json.loads(c.source.read_text(encoding="utf-8"))
+            data = json.loads(read_small_file(c.source).decode("utf-8"))
             data.update(dict(c.json_updates))
             target.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         else:
-            shutil.copyfile(c.source, target)
+            _copy_regular(c.source, target)
             if target.stat().st_size != c.source.stat().st_size:
                 raise CorruptCheckpointError(f"copying '{c.source}' to '{target}' wrote "
                                              f"{target.stat().st_size} of {c.source.stat().st_size} bytes; "

@@ -11,7 +11,9 @@ from .crc import has_record_crcs
 from .errors import DsckptError
 from .hf import classify, is_hf_folder
 from .layout import list_tags
+from .limits import read_small_file
 from .model import Kind, LogicalCheckpoint
+from .peft import peft_summary
 from .readers import FileCache
 
 __all__ = ["health_notes", "health_problems", "summarize"]
@@ -105,6 +107,7 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "hf_trainer": hf_trainer_summary(ckpt.root),
         "moe": moe_summary(ckpt),
         "tensor_parallel": tp_summary(ckpt),
+        "peft": peft_summary(ckpt),
         "autoep": autoep_summary(ckpt),
     }
 
@@ -174,7 +177,7 @@ def hf_trainer_summary(root: Path) -> dict[str, Any] | None:
             by_role.setdefault(classify(p, tag_dirs=tags).value, []).append(p.name)
     step = None
     try:
-        step = json.loads((root / "trainer_state.json").read_text(encoding="utf-8")).get("global_step")
-    except (OSError, ValueError, AttributeError):
+        step = json.loads(read_small_file(root / "trainer_state.json").decode("utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError, DsckptError):
         pass
     return {"folder": str(root), "files": by_role, "trainer_global_step": step}

@@ -25,7 +25,9 @@ from .errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
     UsageError,
+    shorten,
 )
+from .limits import read_small_file
 
 __all__ = [
     "CONFIG_KEYS",
@@ -39,9 +41,11 @@ __all__ = [
     "choose_in_run_folder",
     "classify_files",
     "find_tag_dir",
+    "is_rank_file_name",
     "is_universal_dir",
     "key_owner",
     "list_tags",
+    "partition_set",
     "resolve_run_folder",
 ]
 
@@ -245,9 +249,11 @@ def _natural_key(s: str) -> list[object]:
 
 
 def _plain_tag(name: str) -> bool:
-    """A tag DeepSpeed could have written: a non-empty relative path inside the save dir."""
+    """A tag DeepSpeed could have written: a non-empty relative path inside the save dir, each part a possible
+    file name (at most 255 bytes: NAME_MAX on Linux and macOS)."""
     parts = Path(name).parts
-    return bool(name) and "\x00" not in name and not Path(name).is_absolute() and ".." not in parts
+    return bool(name) and "\x00" not in name and not Path(name).is_absolute() and ".." not in parts and \
+        all(len(part.encode("utf-8", "surrogateescape")) <= 255 for part in parts)
 
 
 def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path]:
@@ -281,19 +287,22 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
     tags = list_tags(p)
     if not latest.is_file() and (p / "latest_universal").is_file():
         latest = p / "latest_universal"
+    if os.path.lexists(latest) and not latest.is_file():
+        read_small_file(latest)  # a FIFO, device, folder or dangling link named 'latest': refused, naming it
     if latest.is_file():
+        content = read_small_file(latest)
         try:
-            name = latest.read_text(encoding="utf-8").strip()
+            name = content.decode("utf-8").strip()
         except UnicodeDecodeError:
             name = ""
         if not _plain_tag(name):
             raise CorruptCheckpointError(
-                f"'{latest}' does not hold a tag folder name ({latest.read_bytes()[:60]!r}); it is corrupt. "
+                f"'{latest}' does not hold a tag folder name ({shorten(content, 60)}); it is corrupt. "
                 f"Available tags: {', '.join(tags) or 'none'}; pick one with --tag")
         if _is_tag_dir(p / name):
             return p, name, p / name
         raise CheckpointNotFoundError(
-            f"'{latest}' names tag '{name}', but '{p / name}' holds no DeepSpeed model-states files; "
+            f"'{latest}' names tag '{shorten(name)}', but that folder holds no DeepSpeed model-states files; "
             f"available tags: {', '.join(tags) or 'none'}. Pick one with --tag"
         )
     if len(tags) == 1:
@@ -306,6 +315,22 @@ def find_tag_dir(path: str | os.PathLike[str], tag: str | None = None) -> tuple[
         f"'{p}' is not a DeepSpeed checkpoint: no 'latest' file, no tag folder and no "
         "*model_states.pt files found"
     )
+
+
+def is_rank_file_name(name: str) -> bool:
+    """A file name DeepSpeed gives one rank's (or one layer's, one expert's) file. Pure."""
+    return any(r.match(name) for r in (_MODEL_STATES, _ZERO3_MODEL_STATES, _OPTIM_STATES, _LAYER, _EXPERT,
+                                       _LEGACY_EXPERT, _EXPP_OPTIM))
+
+
+def partition_set(name: str) -> tuple[bool, int] | None:
+    """For a ZeRO optimizer file, the set of files whose members each hold a different data-parallel partition of
+    one flat optimizer state (``(bf16 prefix, mp rank)``): two members of one save never hold the same bytes. None
+    for other files: ZeRO-3 model-states files hold only placeholders, shapes and buffers (two ranks' may be
+    identical, as Lightning's are), and the optimizer files of two TP ranks may be identical (params replicated
+    on both). Pure."""
+    m = _OPTIM_STATES.match(name)
+    return (bool(m[1]), int(m[3])) if m else None
 
 
 def classify_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:

@@ -26,14 +26,8 @@ from typing import Any
 from .errors import UnsafeCheckpointError, UnsupportedCheckpointError
 from .model import LogicalCheckpoint
 from .readers import FileCache
-from .safe_load import (
-    AttributeDictStandIn,
-    DeepSpeedObject,
-    TensorRef,
-    TorchDevice,
-    TorchDtype,
-    TorchSize,
-)
+from .stand_ins import AttributeDictStandIn, DeepSpeedObject, TorchDevice, TorchDtype, TorchSize
+from .tensor_ref import TensorRef
 
 __all__ = [
     "CONVERTER_DROPPED_KEYS",

@@ -257,6 +257,10 @@ class LogicalCheckpoint:
     ambiguities: tuple[Ambiguity, ...] = field(default_factory=tuple)
     moe: MoeLayout | None = None  # Mixture-of-Experts checkpoints only
     tensor_parallel: TpLayout | None = None  # TP > 1 only: how each param is cut across TP ranks
+    # (alias, source) of tied params whose source the save left out (save_checkpoint(exclude_frozen_parameters=True),
+    # as the HF Trainer does for PEFT models): the alias is exported as saved (ZeRO-1/2 keep its 16-bit value in
+    # 'module'; ZeRO-3 keeps an empty placeholder, so there it has no entry)
+    excluded_ties: tuple[tuple[str, str], ...] = ()
     autoep: AutoEpLayout | None = None  # DeepSpeed AutoEP (HF MoE models) only: how the experts are cut
 
     def __iter__(self) -> Iterator[TensorEntry]:

@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
-from . import safe_load, safe_save
+from . import parsed_tree, safe_load, safe_save
 from .assemble import read_piece
 from .atomic import atomic_dir, claim_output, refuse_overlap, scratch_dir
 from .errors import RepairError, UsageError
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
-from .safe_load import DeepSpeedObject
 from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
+from .stand_ins import DeepSpeedObject
 from .state_dict_files import TargetKind, detect_target, open_state_dict, read_safetensors_header
 
 __all__ = [
@@ -455,11 +455,11 @@ def _apply(tensor_at: Callable[[tuple[Any, ...], PatchTarget], torch.Tensor], pa
 
 
 def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> None:
+    parsed = safe_load.load(src)  # first: it checks that src is a regular file before opening it
     with open(src, "rb") as f:
         legacy = f.read(2) != b"PK"
-    parsed = safe_load.load(src)
-    tree = safe_load.materialize(parsed)
-    safe_load.finish_checks(parsed)  # materialize read every storage; a record longer than its storage has more
+    tree = parsed_tree.materialize(parsed)
+    parsed_tree.finish_checks(parsed)  # materialize read every storage; a record longer than its storage has more
     promoted: set[tuple[Any, ...]] = set()
 
     def tensor_at(key: tuple[Any, ...], target: PatchTarget) -> torch.Tensor:

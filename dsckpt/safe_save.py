@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .atomic import atomic_file
-from .safe_load import DeepSpeedObject, TorchDevice, TorchDtype, TorchSize, to_torch_value
+from .stand_ins import DeepSpeedObject, TorchDevice, TorchDtype, TorchSize, to_torch_value
 
 __all__ = ["pickle_module", "save"]
 

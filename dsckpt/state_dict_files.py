@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import safe_load
+from . import parsed_tree, safe_load
 from .dtypes import DTYPES, dtype_info
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .limits import open_regular, read_small_file
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, dtype_name, lookup
-from .safe_load import TensorRef
+from .tensor_ref import TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +118,7 @@ class SafetensorsRef:
                    fd: int | None = None) -> np.ndarray:
         """Like :meth:`read`, without torch: a 1-D numpy array of the stored bytes' numpy dtype
         (``uint16`` for bfloat16; see :mod:`dsckpt.dtypes`). ``fd``: as for
-        :meth:`dsckpt.safe_load.TensorRef.read_numpy`."""
+        :meth:`dsckpt.tensor_ref.TensorRef.read_numpy`."""
         numel = self._check_range(start, numel)
         if out is None:
             out = np.empty(numel, dtype=DTYPES[self.dtype_name].numpy)
@@ -172,7 +173,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, SafetensorsRef], dict
     or byte past the end of the file."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > min(100_000_000, size - 8):
                 raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
@@ -235,7 +236,7 @@ def _shard_files(folder: Path) -> list[Path]:
     index = folder / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(read_small_file(index).decode("utf-8"))["weight_map"]
             if not isinstance(weight_map, dict) or not all(
                     isinstance(v, str) and v and Path(v).name == v and v not in (".", "..")
                     for v in weight_map.values()):
@@ -299,7 +300,7 @@ def open_state_dict(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, St
         prefix, _ = _torch_root(tree)
         first_view: dict[tuple[Any, ...], str] = {}
         by_name: dict[str, TensorEntry] = {}
-        for key, tref in safe_load.walk_tensors(lookup(tree, prefix, p), prefix):
+        for key, tref in parsed_tree.walk_tensors(lookup(tree, prefix, p), prefix):
             name = ".".join(str(k) for k in key[len(prefix):])
             view = (tref.storage.key, tref.storage_offset, tref.shape, tref.stride)
             if view in first_view and tref.numel:

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .autotp_widths import target_layout

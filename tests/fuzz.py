@@ -108,11 +108,11 @@ def regions(path: Path) -> dict[str, list[tuple[int, int]]]:
                 out.setdefault(kind, []).append((start, start + info.file_size))
         out.setdefault("zipdir", []).append((cd_start, len(data)))
         return out
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree, safe_load
 
     tree = safe_load.load(path)
     storages = {}
-    for _, ref in safe_load.walk_tensors(tree):
+    for _, ref in parsed_tree.walk_tensors(tree):
         storages[ref.storage.key] = ref.storage
     spans = sorted((s.file_offset, s.file_offset + s.nbytes) for s in storages.values() if s.nbytes)
     first = min((s.file_offset for s in storages.values()), default=len(data)) - 8
@@ -280,6 +280,22 @@ def deepspeed_cases(rng: random.Random, scale: float) -> Iterator[Case]:
                 shutil.copy(_tag_dir(FIXTURES / other / "ckpt") / name, _tag_dir(ckpt) / name)
                 return ckpt
             yield Case(f"{base}/{name}/from:{other}", "mixed-saves", base, "deepspeed", mixed, name)
+
+
+def hostile_seed_cases() -> Iterator[Case]:
+    """The hostile corpus (tests/hostile.py, issue 29) as seeds: every case that damages the checkpoint itself
+    (not the output folder, not the environment), given to to-fp32 and one more command like any other case."""
+    from hostile import cases as hostile_cases
+
+    for hc in hostile_cases():
+        if hc.family == "output" or hc.env:
+            continue
+
+        def build(root: Path, hc: object = hc) -> Path:
+            ckpt = _copy_fixture(hc.fixture, root) / "ckpt"  # type: ignore[attr-defined]
+            hc.build(ckpt)  # type: ignore[attr-defined]
+            return ckpt
+        yield Case(f"hostile/{hc.id}", f"hostile:{hc.family}", hc.fixture, "deepspeed", build)
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,7 +528,7 @@ def _make_safetensors(work: Path) -> dict[str, Path]:
 def corpus(scale: float, work: Path, seed: int = 20260101) -> list[Case]:
     rng = random.Random(seed)
     made = _make_safetensors(work)
-    return [*deepspeed_cases(rng, scale), *safetensors_cases(rng, scale, made)]
+    return [*deepspeed_cases(rng, scale), *hostile_seed_cases(), *safetensors_cases(rng, scale, made)]
 
 
 def run(scale: float = 1.0, *, work: Path | None = None, commands_per_case: int = 2,

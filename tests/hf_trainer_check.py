@@ -20,9 +20,10 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 import hf_models as hm  # noqa: E402
+import peft_models as pm  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--name", required=True, choices=sorted(hm.HF_FIXTURES))
+p.add_argument("--name", required=True, choices=sorted(hm.HF_FIXTURES) + sorted(pm.PEFT_FIXTURES))
 p.add_argument("--ckpt", required=True)
 p.add_argument("--report", required=True)
 p.add_argument("--micro-batch", type=int, default=hm.MICRO_BATCH)
@@ -36,9 +37,12 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 
-spec = hm.HF_FIXTURES[args.name]
-truth = load_file(os.path.join(HERE, "fixtures", args.name, "truth.safetensors"))
-fixture_ckpt = os.path.join(HERE, "fixtures", args.name, "ckpt")
+# PEFT fixtures (tests/fixtures/peft/): the PeftModel the fixture trained; the Trainer resumes it with
+# load_module_strict=False (the checkpoint holds only the adapter)
+is_peft = args.name in pm.PEFT_FIXTURES
+spec = pm.PEFT_FIXTURES[args.name] if is_peft else hm.HF_FIXTURES[args.name]
+fixture_dir = os.path.join(HERE, "fixtures", "peft" if is_peft else "", args.name)
+truth = load_file(os.path.join(fixture_dir, "truth.safetensors"))
 class Probe(TrainerCallback):
     trainer = None
     report: dict = {}
@@ -86,7 +90,7 @@ class CheckedTrainer(Trainer):
 
 
 probe = Probe()
-trainer = CheckedTrainer(model=hm.make_model(spec["arch"]),
+trainer = CheckedTrainer(model=pm.make_model(args.name) if is_peft else hm.make_model(spec["arch"]),
                   args=hm.training_args(os.path.join(os.path.dirname(args.report), "run"), spec["stage"],
                                         micro_batch=args.micro_batch),
                   train_dataset=hm.TokenData(), processing_class=hm.make_tokenizer(), callbacks=[probe])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dsckpt import safe_load, safe_save
+from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.checkpoint import open_checkpoint
 from dsckpt.model import Role
 from dsckpt.readers.common import lookup
@@ -49,7 +49,7 @@ def plant(ckpt: Path, name: str, role: Role, index: int, value: float, *, replic
         for f in piece.fragments:
             if f.dst_offset <= index < f.dst_offset + f.numel:
                 legacy = f.file.read_bytes()[:2] != b"PK"
-                tree = safe_load.materialize(safe_load.load(f.file))
+                tree = parsed_tree.materialize(safe_load.load(f.file))
                 t = lookup(tree, f.key, f.file)
                 t.view(-1)[f.src_offset + index - f.dst_offset] = value
                 safe_save.save(tree, f.file, legacy_format=legacy)

@@ -74,13 +74,13 @@ def test_accelerate_files_are_never_unpickled_by_reshard(tmp_path, monkeypatch):
     """scheduler.bin / custom_checkpoint_*.pkl / random_states_*.pkl are copied, not loaded: the safe loader
     never sees them (random_states_*.pkl holds numpy RNG state, a pickled tuple)."""
     seen: list[str] = []
-    real = safe_load.load
+    real = safe_load.load_with_info  # what load() and the readers' file cache call
 
     def spy(path, *a, **k):
         seen.append(Path(path).name)
         return real(path, *a, **k)
 
-    monkeypatch.setattr(safe_load, "load", spy)
+    monkeypatch.setattr(safe_load, "load_with_info", spy)
     r = CliRunner().invoke(main, ["reshard", str(STATE), str(tmp_path / "o"), "-n", "3", "-q", "--verify", "none"])
     assert r.exit_code == 0, r.output
     assert seen and not [n for n in seen if not n.endswith(".pt")]

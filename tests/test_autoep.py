@@ -176,8 +176,6 @@ def test_scan_verify_diff_work_unchanged(fx, tmp_path):
 
 
 def _record_and_shapes(fx: Path):
-    from dsckpt.safe_load import TensorRef  # noqa: F401  (the cache yields TensorRefs)
-
     ckpt = read_checkpoint(fx / "ckpt")
     cache_ = FileCache()
     ms = cache_.tree(next(f for f in ckpt.files if f.name.endswith("model_states.pt") and "expert" not in f.name))
@@ -467,13 +465,13 @@ def test_expert_tensor_parallelism_and_autotp_folding_are_refused_by_name(change
     copy of a real save."""
     import shutil
 
-    from dsckpt import safe_load, safe_save
+    from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = _fx("autoep_mixtral_z2_bf16_ep2_dp1")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(fx / "ckpt", ckpt)
     f = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
-    tree = safe_load.materialize(safe_load.load(f))
+    tree = parsed_tree.materialize(safe_load.load(f))
     if "folding" in change:
         tree["folding"] = change["folding"]
     else:

@@ -16,7 +16,7 @@ from conftest import all_fixtures
 from dsckpt.cli import main
 from dsckpt.layout import Owner, key_owner
 from dsckpt.model import Role
-from dsckpt.safe_load import DeepSpeedObject
+from dsckpt.stand_ins import DeepSpeedObject
 from dsckpt.scan import StoredKind, nonfinite_scalars, scan
 from dsckpt.verify import verify
 from scan_helpers import copy_fixture, plant

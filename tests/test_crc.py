@@ -17,7 +17,7 @@ from conftest import FIXTURES, fixtures_where
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsckpt import safe_load
+from dsckpt import parsed_tree, safe_load, tensor_ref
 from dsckpt.cli import main
 from dsckpt.crc import CRC32_IMPL, RecordCheck, check_file_records, crc32, crc32_combine
 from dsckpt.errors import CorruptCheckpointError
@@ -55,12 +55,12 @@ def _flip(path: Path, offset: int, bit: int = 2) -> None:
         f.write(bytes([b[0] ^ (1 << bit)]))
 
 
-def _storage_of(path: Path, key: tuple) -> safe_load.StorageRef:
+def _storage_of(path: Path, key: tuple) -> tensor_ref.StorageRef:
     tree = safe_load.load(path)
     obj = tree
     for k in key:
         obj = obj[k]
-    assert isinstance(obj, safe_load.TensorRef)
+    assert isinstance(obj, tensor_ref.TensorRef)
     return obj.storage
 
 
@@ -91,6 +91,22 @@ def _assert_crc_error(res, path: Path, record: str) -> None:
 OSD = "optimizer_state_dict"
 ZERO2 = "s2_bf16_w2_2groups"  # bf16 ZeRO-2, 2 ranks, two param groups
 FP32_PARTITION = (OSD, "single_partition_of_fp32_groups", 0)
+
+
+def _unsampled_master_element(ckpt: Path, path: Path) -> int:
+    """An element of ``path``'s fp32 group-0 partition that ``to-fp32``'s sampled master/module-copy comparison
+    (the first and last 8 elements of each param, dsckpt.readers.same_save) does not read: a flip there is caught
+    only by a CRC-32."""
+    from dsckpt.readers import read_checkpoint
+    from dsckpt.readers.same_save import COPY_SAMPLE_NUMEL
+
+    for e in read_checkpoint(ckpt).entries:
+        master = next((p for p in e.pieces if p.role.value == "master"), None)
+        for f in master.fragments if master is not None else ():
+            i = max(f.dst_offset, COPY_SAMPLE_NUMEL)  # an element of this fragment inside the param, not sampled
+            if f.file == path and f.key == FP32_PARTITION and i < min(f.dst_offset + f.numel, master.numel - COPY_SAMPLE_NUMEL):
+                return f.src_offset + (i - f.dst_offset)
+    raise AssertionError(f"no unsampled master element in {path}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +203,7 @@ def test_finish_reads_only_the_gaps_and_names_every_damaged_record(tmp_path):
     p1 = tree[OSD]["single_partition_of_fp32_groups"][1]
     p0.read_numpy(10, 20)
     assert p0.storage.check is not None and p0.storage.check.touched and not p0.storage.check.done
-    assert safe_load.finish_checks(tree) == 1  # p1's record was never read: left alone
+    assert parsed_tree.finish_checks(tree) == 1  # p1's record was never read: left alone
     assert p0.storage.check.done and p0.storage.check.ok
     assert p1.storage.check is not None and not p1.storage.check.touched
 
@@ -198,7 +214,7 @@ def test_finish_reads_only_the_gaps_and_names_every_damaged_record(tmp_path):
     for i in (0, 1):
         tree[OSD]["single_partition_of_fp32_groups"][i].read_numpy(0, 2)
     with pytest.raises(CorruptCheckpointError) as err:
-        safe_load.finish_checks(tree)
+        parsed_tree.finish_checks(tree)
     assert str(err.value).count("fails its CRC32 check") == 2
     assert "data/6'" in str(err.value) and "data/7'" in str(err.value)
 
@@ -238,8 +254,8 @@ def test_to_fp32_without_crc_checks_writes_the_wrong_value(tmp_path, monkeypatch
     ckpt = _copy(ZERO2, tmp_path)
     clean = tmp_path / "clean.safetensors"
     assert _run("to-fp32", ckpt, clean, "-q").exit_code == 0
-    _flip_in_tensor(_tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", FP32_PARTITION,
-                    byte=4 * 30 + 2)
+    victim = _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip_in_tensor(victim, FP32_PARTITION, byte=4 * _unsampled_master_element(ckpt, victim) + 2)
     monkeypatch.setenv("DSCKPT_NO_CRC", "1")
     bad = tmp_path / "bad.safetensors"
     assert _run("to-fp32", ckpt, bad, "-q").exit_code == 0
@@ -295,7 +311,7 @@ def _padding_byte(path: Path, key: tuple) -> tuple[str, int]:
     tree = safe_load.load(path)
     storage = _storage_of(path, key)
     viewed = set()
-    for _, ref in safe_load.walk_tensors(tree):
+    for _, ref in parsed_tree.walk_tensors(tree):
         if ref.storage.record == storage.record:
             viewed.update(range(ref.storage_offset * storage.itemsize,
                                 (ref.storage_offset + ref.numel) * storage.itemsize))
@@ -400,13 +416,24 @@ def test_legacy_files_have_no_crc_and_info_says_so(tmp_path):
     assert res.exit_code == 0
     assert "note         no CRC (legacy format): bit rot cannot be detected in " in res.stdout
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in res.stdout
-    # The documented limit: a flipped bit in a legacy file goes through unnoticed.
+    # The documented limit: a flipped bit in a legacy file goes through unnoticed, unless it lands among the few
+    # elements of each param that to-fp32 compares with the module copy (docs/safety.md).
     before = tmp_path / "before.safetensors"
     assert _run("to-fp32", ckpt, before, "-q").exit_code == 0
-    _flip(path, storage.file_offset + 4 * 3 + 2)
+    _flip(path, storage.file_offset + 4 * _unsampled_master_element(ckpt, path) + 2)
     after = tmp_path / "after.safetensors"
     assert _run("to-fp32", ckpt, after, "-q").exit_code == 0
     assert after.read_bytes() != before.read_bytes()
+
+
+def test_a_flip_in_a_sampled_legacy_master_element_is_caught_by_the_module_copy(tmp_path):
+    """Legacy files carry no CRC; the master's first elements of each param are compared with the module copy."""
+    ckpt = _copy("s2_fp32_w2_legacy", tmp_path)
+    path = _tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    _flip(path, _storage_of(path, FP32_PARTITION).file_offset + 4 * 0 + 2)
+    res = _run("to-fp32", ckpt, tmp_path / "o.safetensors", "-q")
+    assert res.exit_code == 3 and "disagree" in res.stderr and path.name in res.stderr, res.stderr
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_zip_fixture_info_has_no_crc_note():
@@ -455,7 +482,7 @@ def test_untouched_fixtures_convert_with_every_record_read_verified(tmp_path):
         c = open_checkpoint(fx.ckpt)
         run_to_fp32(plan_to_fp32(c.logical, tmp_path / f"{fx.name}.safetensors"), c.cache, workers=2)
         checks = [ref.storage.check for tree in c.cache._trees.values()
-                  for _, ref in safe_load.walk_tensors(tree) if ref.storage.check is not None]
+                  for _, ref in parsed_tree.walk_tensors(tree) if ref.storage.check is not None]
         touched = [ch for ch in checks if ch.touched]
         assert touched or fx.name.endswith("_legacy"), fx.name
         assert all(ch.done and ch.ok for ch in touched), fx.name

@@ -41,7 +41,8 @@ def test_fuzzed_corpus_is_refused_cleanly_or_read_correctly():
     caught_categories = [o for o in summary["wrong"] if o["category"] not in WRONG_ALLOWED]
     assert caught_categories == [], json.dumps(caught_categories[:10], indent=1)
     for category in ("truncate", "zero-length", "flip:pickle", "folder-for-file", "absurd-size",
-                     "zip-remove-entry", "mixed-saves", "safetensors:offsets-overlap", "index:not-json"):
+                     "zip-remove-entry", "mixed-saves", "safetensors:offsets-overlap", "index:not-json",
+                     "hostile:hang", "hostile:memory", "hostile:internal", "hostile:silent", "hostile:message"):
         assert summary["by_category"][category].get("refused"), category
 
 
@@ -95,10 +96,10 @@ def test_mixed_rank_files_from_two_saves_are_refused(tmp_path):
 def test_absurd_tensor_shape_is_refused_before_any_allocation(tmp_path):
     from dataclasses import replace
 
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree, safe_load
 
     path = FIXTURES / "s2_bf16_w2_2groups" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"
-    _, ref = safe_load.walk_tensors(safe_load.load(path))[0]
+    _, ref = parsed_tree.walk_tensors(safe_load.load(path))[0]
     huge = replace(ref, shape=(10**12,), stride=(1,))
     for read in (huge.read_numpy, huge.read, huge.load):
         with pytest.raises(CorruptCheckpointError, match="runs past the end of its storage"):

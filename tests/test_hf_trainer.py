@@ -18,7 +18,7 @@ from conftest import FIXTURES, all_fixtures, ids, tree_digest
 from ds_launch import DEEPSPEED, launch_verdict, ranks_done, run_deepspeed
 from safetensors.torch import load_file
 
-from dsckpt import open_checkpoint, safe_load
+from dsckpt import open_checkpoint, parsed_tree, safe_load
 from dsckpt.cli import main
 from dsckpt.convert import plan_to_fp32
 from dsckpt.hf import FileRole, plan_export_files, plan_resume_files
@@ -58,7 +58,7 @@ def test_rng_state_files_load_with_the_safe_loader(fx):
 
     for rank in range(fx.meta["world_size"]):
         path = fx.ckpt / f"rng_state_{rank}.pth"
-        got = safe_load.materialize(safe_load.load(path))
+        got = parsed_tree.materialize(safe_load.load(path))
         assert sorted(got) == ["cpu", "numpy", "python"]
         with torch.serialization.safe_globals([np._core.multiarray._reconstruct, np.ndarray, np.dtype,
                                                type(np.dtype("uint32"))]):
@@ -385,7 +385,7 @@ def test_trainer_resumes_resharded_checkpoint(name, world_size, micro_batch, tmp
     verdict, note = launch_verdict(proc.returncode, complete=complete, failed=False)
     assert verdict == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + note
     rep = json.loads(report.read_text())
-    saved = safe_load.materialize(safe_load.load(fx.ckpt / "rng_state_0.pth"))["cpu"]
+    saved = parsed_tree.materialize(safe_load.load(fx.ckpt / "rng_state_0.pth"))["cpu"]
     saved_cpu_rng = hashlib.sha256(saved.numpy().tobytes()).hexdigest()
     assert rep["world_size"] == world_size
     for rank, rr in enumerate(rep["ranks"]):

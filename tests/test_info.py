@@ -66,13 +66,13 @@ def test_info_reports_inconsistent_partition_as_unhealthy(tmp_path):
     """A stage-3 rank file whose fp32 sub-group is shorter than 'param_shapes' needs is caught."""
     import torch
 
-    from dsckpt import safe_load, safe_save
+    from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = next(f for f in FIXTURES if f.name == "s3_fp32_w2")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(fx.ckpt, ckpt)
     victim = ckpt / fx.meta["tag"] / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    tree = safe_load.materialize(safe_load.load(victim))
+    tree = parsed_tree.materialize(safe_load.load(victim))
     groups = tree["optimizer_state_dict"]["fp32_flat_groups"]
     groups[0] = groups[0][:-5].clone()
     safe_save.save(tree, victim)
@@ -89,12 +89,12 @@ def test_one_element_tensors_read_without_torch_equal_torchs_values():
     before a reshard) gives torch's value for every one-element tensor of every fixture file."""
     import math
 
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree, safe_load
 
     seen: dict[str, int] = {}
     for fx in FIXTURES:
         for path in sorted(fx.ckpt.rglob("*.pt")):
-            for _, ref in safe_load.walk_tensors(safe_load.load(path)):
+            for _, ref in parsed_tree.walk_tensors(safe_load.load(path)):
                 if ref.numel != 1:
                     continue
                 want = ref.load().reshape(-1)[0].item()

@@ -21,7 +21,7 @@ from conftest import FIXTURES
 from ds_launch import free_port, run_in_session
 from safetensors.torch import load_file
 
-from dsckpt import safe_load
+from dsckpt import safe_load, stand_ins
 from dsckpt.cli import main
 from dsckpt.lightning import CONVERTER_DROPPED_KEYS
 from dsckpt.writers.torch_stream import write_torch_tree
@@ -141,7 +141,7 @@ def test_attribute_dict_is_read_and_written_as_a_plain_dict(tmp_path):
     """Lightning's AttributeDict is allow-listed by name (as a dict stand-in, lightning not imported): the export
     writes a plain dict, so the file still loads with weights_only=True."""
     key = ("lightning.fabric.utilities.data", "AttributeDict")
-    cls = safe_load._ATTRIBUTE_DICTS[key]
+    cls = stand_ins.ATTRIBUTE_DICTS[key]
 
     def change(tree):
         tree["hyper_parameters"] = cls(tree["hyper_parameters"])
@@ -157,7 +157,7 @@ def test_attribute_dict_is_read_and_written_as_a_plain_dict(tmp_path):
 
 def test_reshard_writes_an_attribute_dict_back_under_lightnings_class_path(tmp_path):
     key = ("lightning.fabric.utilities.data", "AttributeDict")
-    cls = safe_load._ATTRIBUTE_DICTS[key]
+    cls = stand_ins.ATTRIBUTE_DICTS[key]
     ckpt = _variant(tmp_path, "lightning_z3_fp32_w2", lambda t: t.update(hyper_parameters=cls(t["hyper_parameters"])))
     out = tmp_path / "resharded" / "epoch=0-step=3.ckpt"
     r = _cli("reshard", "-q", "--world-size", "1", ckpt, out)
@@ -171,7 +171,7 @@ def test_client_state_lightning_cannot_load_is_refused_and_can_be_left_out(tmp_p
     """An argparse.Namespace (readable: Megatron-DeepSpeed stores one) in the hyper-parameters would make Lightning's
     weights_only load fail: refused with exit 3 naming the class and where it is, nothing written;
     --no-client-state writes state_dict alone."""
-    ns = safe_load.stand_in_class("argparse", "Namespace")
+    ns = stand_ins.stand_in_class("argparse", "Namespace")
     assert ns is not None
     args = ns.__new__(ns)
     args.__dict__.update(lr=0.1)
@@ -280,7 +280,7 @@ def test_load_from_checkpoint_reads_the_export_strictly_with_lightnings_defaults
         out = tmp_path / f"{name}.ckpt"
         assert _cli("to-fp32", "-q", _ckpt(name), out).exit_code == 0
         pairs.append(f"{out}={name}")
-    cls = safe_load._ATTRIBUTE_DICTS[("lightning.fabric.utilities.data", "AttributeDict")]
+    cls = stand_ins.ATTRIBUTE_DICTS[("lightning.fabric.utilities.data", "AttributeDict")]
     ckpt = _variant(tmp_path, "lightning_z2_bf16_w2", lambda t: t.update(hyper_parameters=cls(t["hyper_parameters"])))
     out = tmp_path / "attrdict.ckpt"
     assert _cli("to-fp32", "-q", ckpt, out).exit_code == 0

@@ -250,11 +250,11 @@ def test_reshard_keeps_experts_moments_and_expert_parallel_size(fx, tmp_path):
         assert got == [f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep)]
         return
     # the saved size again: the files DeepSpeed wrote (test_reshard's same-size test compares them all)
-    from dsckpt import safe_load
+    from dsckpt import parsed_tree, safe_load
 
     n_local = fx.meta["moe"]["num_local_experts"]
     for r in range(world):
-        osd = safe_load.materialize(safe_load.load(_optim_file(tmp_path / "up", fx, r)))["optimizer_state_dict"]
+        osd = parsed_tree.materialize(safe_load.load(_optim_file(tmp_path / "up", fx, r)))["optimizer_state_dict"]
         assert osd["partition_count"] == [world, world // ep]
         expert_group = osd["single_partition_of_fp32_groups"][1]
         ep_rank, k = r % ep, r // ep  # default topology: expert-parallel groups are consecutive ranks
@@ -288,12 +288,12 @@ def test_reshard_dry_run_names_expert_files(tmp_path):
 def test_stage0_moe_in_16_bit_is_refused(tmp_path):
     """Stage-0 MoE in bf16/fp16 keeps FP16_*Optimizer state in the expp_rank_* files: not read yet. The
     real fp32 stage-0 save, its config switched to bf16, must be refused, not read as fp32."""
-    from dsckpt import safe_load, safe_save
+    from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = _fx("moe_s0_fp32_w2_ep2")
     ckpt = copy_fixture(fx, tmp_path)
     ms = ckpt / fx.meta["tag"] / "mp_rank_00_model_states.pt"
-    tree = safe_load.materialize(safe_load.load(ms))
+    tree = parsed_tree.materialize(safe_load.load(ms))
     tree["ds_config"]["bf16"] = {"enabled": True}
     safe_save.save(tree, ms)
     r = CliRunner().invoke(main, ["info", str(ckpt)])
@@ -307,12 +307,12 @@ def test_zero3_autoep_checkpoint_is_refused(tmp_path):
     """DeepSpeed 0.19.8 refuses native MoE at ZeRO-3 (engine.py _validate_zero3_moe_compatibility); only
     AutoEP layers train there. Their checkpoints are read (tests/test_autoep.py); a ``ds_autoep_layers`` record
     whose files do not hold AutoEP's partition records is refused, naming AutoEP."""
-    from dsckpt import safe_load, safe_save
+    from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = next(f for f in all_fixtures() if f.name == "s3_fp32_w2")
     ckpt = copy_fixture(fx, tmp_path)
     for f in sorted((ckpt / fx.meta["tag"]).glob("zero_pp_rank_*_model_states.pt")):
-        tree = safe_load.materialize(safe_load.load(f))
+        tree = parsed_tree.materialize(safe_load.load(f))
         tree["ds_autoep_layers"] = [{"name": "layers.0.mlp"}]
         tree["num_experts"] = [4]
         safe_save.save(tree, f)
@@ -391,12 +391,12 @@ def test_wrong_expert_rank_arithmetic_is_refused_not_exported(tmp_path):
     """The binding proof can fail: claim the other topology (data before expert parallelism, where ranks
     0,1 hold expert-parallel rank 0) on a save made with the default one (ranks 0,2): the masters would be
     bound to other experts' names, their copies disagree, nothing is read."""
-    from dsckpt import safe_load, safe_save
+    from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = _fx("moe_s1_bf16_w4_ep2")
     ckpt = copy_fixture(fx, tmp_path)
     for f in sorted((ckpt / fx.meta["tag"]).glob("*.pt")):
-        tree = safe_load.materialize(safe_load.load(f))
+        tree = parsed_tree.materialize(safe_load.load(f))
         if isinstance(tree.get("ds_config"), dict):
             tree["ds_config"]["use_data_before_expert_parallelism"] = True
             safe_save.save(tree, f)

@@ -18,7 +18,7 @@ from conftest import (
 )
 from ds_launch import DEEPSPEED, run_check_script
 
-from dsckpt import safe_load
+from dsckpt import parsed_tree, safe_load
 from dsckpt.cli import main
 from dsckpt.errors import UnsupportedCheckpointError, UsageError
 from dsckpt.readers import FileCache, read_checkpoint
@@ -73,7 +73,7 @@ def test_reshard_round_trip_verifies_and_leaves_input_untouched(fx, world_size, 
 
 
 def _materialized(path: Path):
-    return safe_load.materialize(safe_load.load(path))
+    return parsed_tree.materialize(safe_load.load(path))
 
 
 def _same(a, b, where=""):

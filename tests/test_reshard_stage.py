@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from conftest import all_fixtures, ids, tree_digest
 from ds_launch import DEEPSPEED, REPO, passed_except_controls, run_check_script
 
-from dsckpt import safe_load
+from dsckpt import parsed_tree, safe_load
 from dsckpt.assemble import iter_tensors
 from dsckpt.cli import main
 from dsckpt.errors import UnsupportedCheckpointError, UsageError
@@ -62,7 +62,7 @@ def test_stage_conversion_round_trip(fx, stage, tmp_path):
 
 
 def _tree(path: Path):
-    return safe_load.materialize(safe_load.load(path))
+    return parsed_tree.materialize(safe_load.load(path))
 
 
 def test_zero2_to_zero3_files_hold_what_deepspeed_writes(tmp_path):

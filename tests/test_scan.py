@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from conftest import all_fixtures, ids
-from dsckpt import safe_load
+from dsckpt import parsed_tree
 from dsckpt.cli import main
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Precision, Role
@@ -34,7 +34,7 @@ def _union_nbytes(logical, cache) -> int:
     total = 0
     for f in logical.files:
         spans: dict[str, list[tuple[int, int, int]]] = {}
-        for _, r in safe_load.walk_tensors(cache.tree(f)):
+        for _, r in parsed_tree.walk_tensors(cache.tree(f)):
             if r.dtype.is_floating_point and r.numel:
                 spans.setdefault(r.storage.key, []).append((r.storage_offset, r.storage_offset + r.numel,
                                                             r.nbytes // r.numel))
@@ -156,11 +156,11 @@ def test_chunked_reading_gives_the_same_findings(tmp_path, workers):
 @pytest.mark.parametrize("max_open", [1, 32], ids=["one-file-open", "default"])
 @pytest.mark.parametrize("workers", [0, 3])
 def test_scan_threads_keep_files_open_and_close_them_all(tmp_path, monkeypatch, workers, max_open):
-    """Each scan thread opens a file once for all its reads (scan.MAX_OPEN_FILES at most) and every
+    """Each scan thread opens a file once for all its reads (scan_engine.MAX_OPEN_FILES at most) and every
     descriptor is closed when the scan ends, also when it fails."""
     import os
 
-    from dsckpt import scan as scan_module
+    from dsckpt import scan_engine as scan_module
 
     monkeypatch.setattr(scan_module, "MAX_OPEN_FILES", max_open)
     fx = next(f for f in FIXTURES if f.name == "ds0189_s3_bf16_w2")
@@ -192,7 +192,7 @@ def _pool_run(n_tasks: int, workers: int, *, fail_work_at: int | None = None, fa
     import threading
     import time
 
-    from dsckpt.scan import _run_pool
+    from dsckpt.scan_engine import run_pool
 
     rng = random.Random(n_tasks * 31 + workers)
     delays = [rng.choice([0, 0, 0.0005, 0.003]) for _ in range(n_tasks)]
@@ -222,7 +222,7 @@ def _pool_run(n_tasks: int, workers: int, *, fail_work_at: int | None = None, fa
             applied.append(i)
 
     try:
-        _run_pool(tasks(), work, apply, workers)
+        run_pool(tasks(), work, apply, workers)
     except _Boom as e:
         return applied, ahead[0], str(e)
     return applied, ahead[0], None

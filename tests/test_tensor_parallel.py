@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from scan_helpers import assert_scan_and_verify_clean, copy_tp_fixture
 from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, universal
 
-from dsckpt import safe_load, safe_save
+from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
 from dsckpt.cli import main
 from dsckpt.errors import UnsupportedCheckpointError
@@ -273,7 +273,7 @@ def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int
     piece = local.entry(name).piece(role)
     assert piece is not None
     f = next(f for f in piece.fragments if f.dst_offset <= local_index < f.dst_offset + f.numel)
-    tree = safe_load.materialize(safe_load.load(f.file))
+    tree = parsed_tree.materialize(safe_load.load(f.file))
     lookup(tree, f.key, f.file).view(-1)[f.src_offset + local_index - f.dst_offset] = value
     safe_save.save(tree, f.file)
 
@@ -367,7 +367,7 @@ def test_fp16_tp_info_names_precision_and_loss_scale_checks(fx, tmp_path):
 
     def set_scale(ckpt: Path, tp_rank: int, value: float) -> None:
         f = ckpt / m["tag"] / f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_optim_states.pt"
-        tree = safe_load.materialize(safe_load.load(f))
+        tree = parsed_tree.materialize(safe_load.load(f))
         tree["optimizer_state_dict"]["loss_scaler"].__dict__["cur_scale"] = value
         safe_save.save(tree, f)
 
@@ -429,7 +429,7 @@ def test_diff_reads_row_slices_whole_and_names_full_indices(tmp_path, chunk_nume
 def _edit_record(ckpt: Path, edit) -> None:
     for t in range(2):
         p = ckpt / "global_step3" / f"mp_rank_{t:02d}_model_states.pt"
-        tree = safe_load.materialize(safe_load.load(p))
+        tree = parsed_tree.materialize(safe_load.load(p))
         edit(tree["universal_checkpoint_info"])
         safe_save.save(tree, p)
 

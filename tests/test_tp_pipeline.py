@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from scan_helpers import assert_scan_and_verify_clean, copy_tp_fixture
 
-from dsckpt import safe_load, safe_save
+from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
 from dsckpt.cli import main
 from dsckpt.layout import CheckpointFiles, classify_files, find_tag_dir
@@ -197,7 +197,7 @@ def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int
     assert local.tp_world_size == 1 and local.pp_world_size == 2
     piece = next(p for p in local.entry(name).pieces if p.role is role and p.replica == replica)
     f = next(f for f in piece.fragments if f.dst_offset <= local_index < f.dst_offset + f.numel)
-    tree = safe_load.materialize(safe_load.load(f.file))
+    tree = parsed_tree.materialize(safe_load.load(f.file))
     lookup(tree, f.key, f.file).view(-1)[f.src_offset + local_index - f.dst_offset] = value
     safe_save.save(tree, f.file)
     return f.file
@@ -269,7 +269,7 @@ def test_diff_export_vs_deepspeed_merge_is_equal(tmp_path):
 
 def _edit_model_states(ckpt: Path, edit) -> None:
     for f in sorted((ckpt / "global_step3").glob("mp_rank_*_model_states.pt")):
-        tree = safe_load.materialize(safe_load.load(f))
+        tree = parsed_tree.materialize(safe_load.load(f))
         edit(tree)
         safe_save.save(tree, f)
 
@@ -295,7 +295,7 @@ def test_params_the_record_does_not_cover_are_refused_by_name(tmp_path, edit, na
 def test_record_differing_between_model_parallel_ranks_is_refused(tmp_path):
     ckpt = copy_tp_fixture(FP32, tmp_path)
     f = ckpt / "global_step3" / "mp_rank_02_model_states.pt"
-    tree = safe_load.materialize(safe_load.load(f))
+    tree = parsed_tree.materialize(safe_load.load(f))
     tree["universal_checkpoint_info"]["padded_vocab_size"] = 34
     safe_save.save(tree, f)
     r = CliRunner().invoke(main, ["info", str(ckpt)])

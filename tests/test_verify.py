@@ -98,12 +98,12 @@ def test_two_steps_of_one_run_with_the_same_config_are_told_apart(tmp_path):
     # rank 1's optimizer file look one step older (Adam step 2): only the step counts can tell.
     import torch
 
-    from dsckpt import safe_load, safe_save
+    from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = next(f for f in all_fixtures() if f.name == "s1_fp32_w2")
     ckpt = copy_fixture(fx, tmp_path)
     victim = ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    tree = safe_load.materialize(safe_load.load(victim))
+    tree = parsed_tree.materialize(safe_load.load(victim))
     for st in tree["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
         st["step"] = torch.tensor(2.0)
     safe_save.save(tree, victim)

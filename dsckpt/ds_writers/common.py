@@ -2,7 +2,7 @@
 objects, and the optimizer scalars a writer carries from a source of another layout.
 
 Trees are what :func:`dsckpt.writers.torch_stream.write_torch_tree` writes: dicts and lists whose
-tensor leaves are source :class:`~dsckpt.safe_load.TensorRef` s (copied whole), streamed tensors
+tensor leaves are source :class:`~dsckpt.tensor_ref.TensorRef` s (copied whole), streamed tensors
 (byte ranges of source files and zeros) or, rarely, ``torch.Tensor`` s.
 """
 
@@ -89,7 +89,7 @@ def own_copy(value: Any) -> Any:
     """A storage of its own for a small per-group state value such as Adam's ``step``: torch's
     ``Optimizer.load_state_dict`` keeps ``step`` tensors as loaded, so one pickled storage shared by
     several groups would be incremented once per group and step."""
-    from ..safe_load import TensorRef
+    from ..tensor_ref import TensorRef
     from ..writers.torch_stream import Extent, StreamedTensor, dtype_name, element_nbytes
 
     if not isinstance(value, TensorRef):
@@ -103,7 +103,7 @@ def own_copy(value: Any) -> Any:
 
 
 def _stand_in(module: str, name: str) -> Any:
-    from ..safe_load import stand_in_class
+    from ..stand_ins import stand_in_class
 
     cls = stand_in_class(module, name)
     assert cls is not None

@@ -90,7 +90,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     if any(isinstance(g, Mapping) and "momentum" in g and "betas" not in g for g in param_groups):
         problems.append("an SGD-style optimizer (param groups have 'momentum', no 'betas')")
     steps = set()
-    from ..safe_load import TensorRef
+    from ..tensor_ref import TensorRef
 
     for s in state.values():
         if isinstance(s, Mapping) and "step" in s:

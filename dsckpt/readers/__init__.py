@@ -18,25 +18,55 @@ __all__ = ["FileCache", "read_checkpoint"]
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
-                    cache: FileCache | None = None, allow_mixed_saves: bool = False) -> LogicalCheckpoint:
+                    cache: FileCache | None = None, allow_mixed_saves: bool = False,
+                    check_master_copies: bool = False) -> LogicalCheckpoint:
     """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model.
 
-    Rank files that do not all come from one save are refused (:mod:`.same_save`) unless
-    ``allow_mixed_saves`` (``verify`` lists the disagreements instead)."""
+    A rank file that is a copy of another (renamed, or two ranks holding the same bytes) is refused always; rank
+    files that do not all come from one save are refused (:mod:`.same_save`) unless
+    ``allow_mixed_saves`` (``verify`` lists the disagreements instead).
+
+    ``check_master_copies`` (the commands that export or rewrite the fp32 master: ``to-fp32``, ``reshard``): where
+    both an fp32 master and a module copy are saved (ZeRO-1/2, TP), their first and last elements of every param are
+    compared (:func:`.same_save.sampled_copy_disagreements`, ``verify``'s check in its cheap form), so that files of
+    two saves of one step cannot be exported together silently. ``scan`` and ``verify`` compare every element and
+    report disagreements as findings instead."""
     cache = cache if cache is not None else FileCache()
     logical = _read(path, tag, cache)
+    _check_rank_identity(logical, cache)
     if not allow_mixed_saves:
-        _check_one_save(logical, cache)
+        _check_one_save(logical, cache, check_master_copies)
     return logical
 
 
-def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
-    from .same_save import file_facts, same_save_problems
+def _check_rank_identity(ckpt: LogicalCheckpoint, cache: FileCache) -> None:
+    from .same_save import rank_identity_problems
+
+    for f in ckpt.files:
+        cache.tree(f)
+    problems = rank_identity_problems(ckpt.files, cache.infos)
+    if problems:
+        raise CorruptCheckpointError("; ".join(problems))
+
+
+def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache, check_master_copies: bool) -> None:
+    from .same_save import file_facts, same_save_problems, sampled_copy_disagreements
 
     facts = file_facts(ckpt.files, {f: cache.tree(f) for f in ckpt.files}, ckpt.tag_dir)
     problems = same_save_problems(facts)
     if problems:
         raise CorruptCheckpointError(f"'{ckpt.tag_dir}': " + "; ".join(f"{fact}: {msg}" for fact, msg in problems))
+    # The facts above cannot tell two saves of the same step and config apart; the master and the module copy
+    # can (ZeRO-1/2, TP: both are saved). ZeRO-3 saves no module copy: there nothing second can tell.
+    disagreements = sampled_copy_disagreements(ckpt, cache) if check_master_copies else []
+    if disagreements:
+        # Bit rot in either copy disagrees too: a record that fails its CRC-32 is the precise answer.
+        from ..crc import check_file_records
+
+        damaged = [p.message for f in dict.fromkeys(f for _, files in disagreements for f in files)
+                   for p in check_file_records(f).problems]
+        raise CorruptCheckpointError("; ".join(damaged) if damaged else
+                                     f"'{ckpt.tag_dir}': " + "; ".join(msg for msg, _ in disagreements))
 
 
 def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:

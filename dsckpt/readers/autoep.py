@@ -44,7 +44,8 @@ from ..parallel_layout import (
     stacked_expert_cut,
 )
 from ..partition import split_by_partitions, zero3_partition_numel, zero3_spans
-from ..safe_load import DeepSpeedEnum, TensorRef
+from ..stand_ins import DeepSpeedEnum
+from ..tensor_ref import TensorRef
 from ..tensor_parallel import affine_disagreement, compose
 from .common import (
     FileCache,

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import crc, safe_load
+from .. import crc, parsed_tree, safe_load
 from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
-from ..safe_load import DeepSpeedObject, TensorRef
+from ..stand_ins import DeepSpeedObject
+from ..tensor_ref import TensorRef
+from ..validate import validate_tree
 
 __all__ = ["FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
 
@@ -23,10 +25,12 @@ class FileCache:
 
     def __init__(self) -> None:
         self._trees: dict[Path, Any] = {}
+        #: what each parsed file's container says about it (:class:`dsckpt.safe_load.FileInfo`)
+        self.infos: dict[Path, safe_load.FileInfo] = {}
 
     def tree(self, path: Path) -> Any:
         if path not in self._trees:
-            obj = safe_load.load(path)
+            obj, self.infos[path] = safe_load.load_with_info(path)
             # A bare tensor is a whole file only in universal checkpoints (ds_to_universal's ZeRO-3
             # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is ().
             if not isinstance(obj, (dict, TensorRef)):
@@ -34,6 +38,7 @@ class FileCache:
                     f"{path}: expected a dict at the top level, found {type(obj).__name__}; "
                     "this is not a DeepSpeed checkpoint file"
                 )
+            validate_tree(path, obj)  # names, shapes and key types, once for every command
             self._trees[path] = obj
         return self._trees[path]
 
@@ -49,13 +54,13 @@ class FileCache:
         """Drop a parsed file, first completing the CRC-32 checks of what was read from it."""
         tree = self._trees.pop(path, None)
         if tree is not None:
-            safe_load.finish_checks(tree)
+            parsed_tree.finish_checks(tree)
 
     def tensor_refs(self) -> Iterator[TensorRef]:
         """Every tensor of every file parsed so far, files in path order (the same order in every process that
         parsed the same files), each file's tensors in tree order."""
         for path in sorted(self._trees, key=str):
-            for _, ref in safe_load.walk_tensors(self._trees[path]):
+            for _, ref in parsed_tree.walk_tensors(self._trees[path]):
                 yield ref
 
     def finish_checks(self) -> int:

@@ -51,7 +51,8 @@ from ..parallel_layout import (
     local_expert_name,
 )
 from ..partition import split_by_partitions
-from ..safe_load import DeepSpeedEnum, TensorRef
+from ..stand_ins import DeepSpeedEnum
+from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
     alias_entry,

@@ -26,7 +26,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..safe_load import DeepSpeedEnum, TensorRef
+from ..stand_ins import DeepSpeedEnum
+from ..tensor_ref import TensorRef
 from .common import FileCache, is_floating, metadata_from_model_states, precision_of, step_of, whole
 from .zero12 import OSD, zero12_param_entries
 

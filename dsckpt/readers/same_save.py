@@ -10,13 +10,15 @@ another step of the same run). Reads a few one-element tensors (step counts); no
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..safe_load import DeepSpeedObject, TensorRef
+from ..stand_ins import DeepSpeedObject
+from ..tensor_ref import TensorRef
 
-__all__ = ["file_facts", "same_save_problems"]
+__all__ = ["file_facts", "rank_identity_problems", "same_save_problems", "sampled_copy_disagreements"]
 
 
 _MODEL_FACTS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
@@ -138,3 +140,179 @@ def file_facts(files: Iterable[Path], trees: Mapping[Path, Any], tag_dir: Path) 
         facts = _optim_facts(tree) if "optimizer_state_dict" in tree else _model_facts(tree)
         out.append((str(path.relative_to(tag_dir)), facts))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Rank identity: copies of one rank's file standing in for another's
+
+
+def _digest(path: Path, nbytes: int | None = None) -> str:
+    """sha256 of the first ``nbytes`` bytes and the last ``nbytes`` (the whole file for None)."""
+    import hashlib
+
+    from ..limits import open_regular
+
+    h = hashlib.sha256()
+    with os.fdopen(open_regular(path), "rb") as f:
+        if nbytes is None:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            h.update(f.read(nbytes))
+            f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+            h.update(f.read(nbytes))
+    return h.hexdigest()
+
+
+def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> list[str]:
+    """Why some rank files are copies of others (empty: none are), each naming both files.
+
+    * A zip-format file's records sit in a folder named after the file ``torch.save`` wrote
+      (``zero_pp_rank_1_mp_rank_00_optim_states/data.pkl``): a file whose folder names *another* DeepSpeed
+      rank file is a renamed copy of it (``cp`` after a failed save). Other folder names (``archive``, a tool's
+      temporary name) say nothing and are accepted.
+    * The optimizer files of the data-parallel ranks of one model-parallel rank each hold their own partition
+      (:func:`~dsckpt.layout.partition_set`), so two of them never hold the same bytes: equal record lists (name,
+      CRC-32, size: free, from the zip directory) or, for legacy files (no CRCs), equal sizes and sha256 are a copy.
+
+    ``infos``: :class:`dsckpt.safe_load.FileInfo` per file."""
+    from ..layout import is_rank_file_name, partition_set
+
+    problems: list[str] = []
+    renamed: set[Path] = set()
+    by_records: dict[tuple[Any, ...], list[Path]] = {}
+    legacy_by_size: dict[tuple[Any, int], list[Path]] = {}
+    for path in files:
+        info = infos.get(path)
+        if info is None:
+            continue
+        name = info.archive_name
+        if name is not None and name != path.stem and is_rank_file_name(name + ".pt"):
+            renamed.add(path)
+            problems.append(f"{path} is a renamed copy of {name}.pt: its records are named "
+                            f"'{name}/...', after the file torch.save wrote; restore {path.name} from the same save "
+                            "(a copy of another rank's file cannot stand in for it)")
+        family = partition_set(path.name)
+        if family is None:
+            continue
+        if info.records:
+            by_records.setdefault((family, info.records), []).append(path)
+        else:
+            legacy_by_size.setdefault((family, path.stat().st_size), []).append(path)
+    groups = [(g, "hold the same bytes (every record has the same name, size and CRC-32)")
+              for g in by_records.values() if len(g) > 1]
+    for same_size in legacy_by_size.values():
+        if len(same_size) < 2:
+            continue
+        ends: dict[str, list[Path]] = {}
+        for p in same_size:  # cheap first: the first and last MiB, then the whole file
+            ends.setdefault(_digest(p, 1 << 20), []).append(p)
+        for candidates in ends.values():
+            full: dict[str, list[Path]] = {}
+            for p in candidates if len(candidates) > 1 else ():
+                full.setdefault(_digest(p), []).append(p)
+            groups += [(g, "are byte-identical") for g in full.values() if len(g) > 1]
+    for g, how in groups:
+        if renamed.intersection(g):
+            continue  # said already, more precisely
+        problems.append(f"{', '.join(str(p) for p in g)} {how}, but each rank's file holds its own partition: "
+                        "all but one are copies; restore them from "
+                        "the same save, or pick another tag with --tag")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# The fp32 master against the module copy, sampled
+
+
+#: Elements compared at each end of every param (``sampled_copy_disagreements``).
+COPY_SAMPLE_NUMEL = 8
+
+
+def _read_elements(piece: Any, lo: int, hi: int, cache: Any, fds: dict[Path, int]) -> Any:
+    """Elements ``[lo, hi)`` of ``piece`` as a numpy array of its stored dtype, or None where a fragment is not
+    a contiguous stored tensor. Read with ``pread`` outside the CRC-32 accounting: a sample to compare, never
+    exported (a record touched here is not read whole at the end, as a partly read one would be)."""
+    import numpy as np
+
+    from ..dtypes import DTYPES
+    from ..model import contiguous_fragments
+
+    dtype = DTYPES[piece.dtype]
+    out = np.empty(hi - lo, dtype=dtype.numpy)
+    got = 0
+    for f in contiguous_fragments(piece):
+        a, b = max(lo, f.dst_offset), min(hi, f.dst_offset + f.numel)
+        if a >= b:
+            continue
+        ref = cache.tensor(f.file, f.key)
+        if not isinstance(ref, TensorRef) or not ref.is_contiguous() or ref.dtype_name != piece.dtype:
+            return None
+        first = ref.storage_offset + f.src_offset + (a - f.dst_offset)
+        if first < 0 or first + (b - a) > ref.storage.numel:
+            return None  # the readers refuse this with a message of their own
+        fd = fds.get(f.file)
+        if fd is None:
+            fd = fds[f.file] = os.open(f.file, os.O_RDONLY)
+        nbytes = (b - a) * dtype.itemsize
+        raw = os.pread(fd, nbytes, ref.storage.file_offset + first * dtype.itemsize)
+        if len(raw) != nbytes:
+            return None
+        out[a - lo: b - lo] = np.frombuffer(raw, dtype=dtype.numpy)
+        got += b - a
+    return out if got == hi - lo else None
+
+
+def sampled_copy_disagreements(ckpt: Any, cache: Any, *,
+                               sample: int = COPY_SAMPLE_NUMEL) -> list[tuple[str, tuple[Path, Path]]]:
+    """Params whose fp32 master (optimizer files) and module copy (model-states file) disagree on the first and
+    last ``sample`` elements: the master rounded to the copy's dtype must equal the copy wherever all three are
+    finite (``verify`` compares every element; this is its cheap form, for the commands that export the master).
+    Copies of different saves, or a rank's optimizer file replaced by another's, disagree almost everywhere,
+    so a few elements at each end of each param tell. At most one ``(message, (master file, module file))`` per
+    file pair."""
+    import numpy as np
+
+    from ..dtypes import from_float32, to_float32
+    from ..model import Role, contiguous_fragments
+
+    fds: dict[Path, int] = {}
+    found: dict[tuple[Path, Path], str] = {}
+    try:
+        for e in ckpt.entries:
+            if e.tied_to is not None:
+                continue
+            master = next((p for p in e.pieces if p.role is Role.MASTER and p.dtype == "float32"), None)
+            module = next((p for p in e.pieces if p.role is Role.MODULE and p.replica == 0), None)
+            if master is None or module is None or module.numel != master.numel or not module.numel or \
+                    module.dtype not in ("float32", "bfloat16", "float16"):
+                continue
+            n = module.numel
+            for lo, hi in {(0, min(n, sample)), (max(0, n - sample), n)}:
+                m = _read_elements(master, lo, hi, cache, fds)
+                c = _read_elements(module, lo, hi, cache, fds)
+                if m is None or c is None:
+                    continue
+                if module.dtype == "float32":
+                    r, lowp = m, c
+                else:
+                    r, lowp = to_float32(from_float32(m, module.dtype), module.dtype), to_float32(c, module.dtype)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    bad = np.flatnonzero(np.isfinite(m) & np.isfinite(r) & np.isfinite(lowp) & (r != lowp))
+                if bad.size:
+                    i = int(bad[0])
+                    at = lo + i
+                    mf = next((f.file for f in contiguous_fragments(master)
+                               if f.dst_offset <= at < f.dst_offset + f.numel), master.fragments[0].file)
+                    key = (mf, module.fragments[0].file)
+                    found.setdefault(key, (
+                        f"'{e.name}': its fp32 master in {mf.name} and its {module.dtype} module copy in "
+                        f"{module.fragments[0].file.name} disagree (element {at}: the master {float(m[i])!r} "
+                        f"rounds to {float(r[i])!r}, the copy holds {float(lowp[i])!r}); the files come from "
+                        "different saves or one was replaced by another rank's — run 'dsckpt verify' for the full "
+                        "report, restore the files from one save or pick another tag with --tag"))
+                    break
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return [(msg, files) for files, msg in found.items()]

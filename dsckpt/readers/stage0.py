@@ -27,7 +27,7 @@ from ..binding import Ambiguity, Slot, ambiguity_from, order_candidates, resolve
 from ..errors import CorruptCheckpointError
 from ..layout import CheckpointFiles
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..safe_load import TensorRef
+from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
     alias_entry,

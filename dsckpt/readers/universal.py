@@ -30,7 +30,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_files, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..safe_load import DeepSpeedEnum, TensorRef
+from ..stand_ins import DeepSpeedEnum
+from ..tensor_ref import TensorRef
 from .autoep import entry_order
 from .common import (
     FileCache,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtypes import DTYPES, from_float32, to_float32
-from ..safe_load import StorageRef, TensorRef
+from ..tensor_ref import StorageRef, TensorRef
 
 __all__ = ["Fingerprint", "fingerprint_16bit", "fingerprint_rounded", "whole_storage"]
 

@@ -18,7 +18,8 @@ from ..errors import CorruptCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import split_by_partitions
-from ..safe_load import DeepSpeedEnum, TensorRef
+from ..stand_ins import DeepSpeedEnum
+from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
     alias_entry,
@@ -251,7 +252,8 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                     f"{ms_path}: 'param_shapes' names '{name}' but the saved module has no tensor of that "
                     "name; the file is damaged or its parts come from different runs"
                 )
-    entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable)
+    excluded_ties: list[tuple[str, str]] = []
+    entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable, excluded_ties)
     sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)), None)
     wrapper = "BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer"
     base = osd0.get("base_optimizer_state")
@@ -270,14 +272,22 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         files=tuple(files.all_files()), ds_config=meta.ds_config,
         notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
                     if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
+        excluded_ties=tuple(excluded_ties),
     )
 
 
 def module_side_entries(ms_path: Path, ms: Mapping[str, Any], buffer_names: tuple[str, ...],
-                        trainable: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
+                        trainable: Mapping[str, TensorEntry],
+                        excluded_ties: list[tuple[str, str]] | None = None) -> dict[str, TensorEntry]:
     """``trainable`` plus what a stage-1/2 model-states file holds besides them: frozen params (16-bit
     ``module`` copy, and at stage 2 ``frozen_param_fragments``), tied aliases (``shared_params``) and
-    buffers. Also used for the copied model-states file of a universal checkpoint."""
+    buffers. Also used for the copied model-states file of a universal checkpoint.
+
+    ``excluded_ties``: when given, a tied alias whose source is not in the file is appended there instead of being
+    an error, provided the file holds no frozen param at all (proof that the save excluded frozen params:
+    ``exclude_frozen_parameters=True``, as the HF Trainer saves PEFT models); the alias keeps its own 16-bit
+    ``module`` value, which DeepSpeed still saves (``module_state_dict`` drops only names that
+    ``named_parameters()`` yields, and it yields a tied param once, under its source's name)."""
     module = ms.get("module") or {}
     entries = dict(trainable)
     shared = ms.get("shared_params") or {}
@@ -299,9 +309,15 @@ def module_side_entries(ms_path: Path, ms: Mapping[str, Any], buffer_names: tupl
     for name in frozen_shapes:
         if name not in entries and name not in shared:
             raise CorruptCheckpointError(f"{ms_path}: frozen param '{name}' has no saved value")
+    frozen_saved = any(e.kind is Kind.PARAM and not e.trainable for e in entries.values())
     for alias, source in shared.items():
         if source in entries:
             entries[alias] = alias_entry(alias, entries[source])
+        elif excluded_ties is not None and not frozen_saved:
+            excluded_ties.append((alias, source))
+            ref = module.get(alias)
+            if isinstance(ref, TensorRef) and ref.numel > 0:
+                entries[alias] = TensorEntry(alias, ref.shape, Kind.PARAM, False, (module_piece(ms_path, alias, ref),))
         else:
             raise CorruptCheckpointError(f"{ms_path}: tied param '{alias}' points to unknown '{source}'")
     for e in buffer_entries(ms_path, module, buffer_names):

@@ -17,7 +17,7 @@ from ..errors import CorruptCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
-from ..safe_load import TensorRef
+from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
     alias_entry,
@@ -100,7 +100,9 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                     f"needs {offset}"
                 )
 
-    entries.update(zero3_module_side_entries(ms0_path, ms0, model_paths, meta.buffer_names, entries, cache))
+    excluded_ties: list[tuple[str, str]] = []
+    entries.update(zero3_module_side_entries(ms0_path, ms0, model_paths, meta.buffer_names, entries, cache,
+                                             excluded_ties))
     module0 = ms0.get("module") or {}
     sample = next((ref.dtype_name for ref in (ms0.get("frozen_param_fragments") or {}).values()
                    if isinstance(ref, TensorRef)), None)
@@ -114,16 +116,21 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         global_samples=meta.global_samples, optimizer_step=step_of(inner.get("state")),
         optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
         entries=tuple(order_like_module(entries, list(module0))),
-        files=tuple(files.all_files()), ds_config=meta.ds_config,
+        files=tuple(files.all_files()), ds_config=meta.ds_config, excluded_ties=tuple(excluded_ties),
     )
 
 
 def zero3_module_side_entries(ms0_path: Path, ms0: Mapping[str, Any], model_paths: list[Path],
                               buffer_names: tuple[str, ...], trainable: Mapping[str, TensorEntry],
-                              cache: FileCache) -> dict[str, TensorEntry]:
+                              cache: FileCache,
+                              excluded_ties: list[tuple[str, str]] | None = None) -> dict[str, TensorEntry]:
     """What the stage-3 model-states files of every rank hold besides the trainable params: frozen
     params (each rank's ``frozen_param_fragments``), tied aliases, buffers (a replica per rank). Also
-    used for the copied model-states files of a universal checkpoint."""
+    used for the copied model-states files of a universal checkpoint.
+
+    ``excluded_ties``: when given, a tied alias whose source is unknown is appended there instead of being an
+    error, provided the files hold no frozen param (``frozen_param_shapes`` is None: saved with
+    ``exclude_frozen_parameters=True``); the alias gets no entry (its ``module`` tensor is a ZeRO-3 placeholder)."""
     world = len(model_paths)
     entries: dict[str, TensorEntry] = {}
     frozen_shapes = ms0.get("frozen_param_shapes") or {}
@@ -147,6 +154,9 @@ def zero3_module_side_entries(ms0_path: Path, ms0: Mapping[str, Any], model_path
     shared = ms0.get("shared_params") or {}
     for alias, source in shared.items():
         if source not in trainable and source not in entries:
+            if excluded_ties is not None and not frozen_shapes:
+                excluded_ties.append((alias, source))
+                continue
             raise CorruptCheckpointError(f"{ms0_path}: tied param '{alias}' points to unknown '{source}'")
         entries[alias] = alias_entry(alias, trainable[source] if source in trainable else entries[source])
 

@@ -4,7 +4,7 @@
 mostly bytes that already exist in the source files plus zero padding, so this writer takes a tree
 whose tensor leaves are
 
-* :class:`~dsckpt.safe_load.TensorRef` -- its whole source storage is copied (views of one storage
+* :class:`~dsckpt.tensor_ref.TensorRef` -- its whole source storage is copied (views of one storage
   stay views of one storage: tied weights, flat 16-bit buffers),
 * :class:`StreamedTensor` -- a new contiguous tensor whose bytes are a list of :class:`Extent` s
   (byte ranges of source files, or zeros),
@@ -128,7 +128,7 @@ class StreamedTensor:
 
 @dataclass(frozen=True, eq=False)
 class CastTensor:
-    """The contiguous source tensor ``ref`` (a :class:`~dsckpt.safe_load.TensorRef`) as float32, like
+    """The contiguous source tensor ``ref`` (a :class:`~dsckpt.tensor_ref.TensorRef`) as float32, like
     torch's ``.float()``: floating types widen exactly, integers convert as numpy's ``astype`` does.
     Read through ``ref.read_numpy`` (CRC-checked) in chunks of :data:`CAST_CHUNK_NUMEL` elements."""
 
@@ -555,8 +555,8 @@ def verify_torch_file(path: Path, specs: Sequence[TensorSpec], *, keys: tuple[st
     shapes and dtypes. ``keys``: the file is a dict with these top-level keys in order, the state dict under
     ``"state_dict"`` (a Lightning checkpoint); ``None``: the file is the state dict. For a file not yet moved into
     place: errors (:func:`dsckpt.atomic.verification_failed`) name it ``target`` (default ``path``)."""
-    from ..safe_load import TensorRef
     from ..safe_load import load as safe_load_file
+    from ..tensor_ref import TensorRef
 
     target = path if target is None else target
     try:

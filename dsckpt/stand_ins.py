@@ -1,0 +1,188 @@
+"""What unpickling a checkpoint produces in place of the classes it names: inert stand-ins for DeepSpeed's own
+classes (``LossScaler``, ``ZeroStageEnum``, ``fragment_address`` ...; :class:`DeepSpeedObject`), so deepspeed is never
+imported, and torch's ``Size``, dtypes and devices as :class:`TorchSize`, :class:`TorchDtype` and
+:class:`TorchDevice`, so parsing never imports torch (:func:`to_torch_value` turns them into the real objects).
+Only :mod:`dsckpt.safe_load` creates them."""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "AttributeDictStandIn", "DeepSpeedEnum", "DeepSpeedObject", "TorchDevice", "TorchDtype", "TorchSize", "stand_in_class", "to_torch_value", "torch_device", "torch_size"]
+
+# --------------------------------------------------------------------------------------------
+# Stand-ins for DeepSpeed's pickled classes
+
+
+class DeepSpeedObject:
+    """Inert stand-in for an instance of a pickled DeepSpeed (or other allow-listed) class.
+
+    It keeps the pickled state as attributes and pickles back under the original class path
+    (see :mod:`dsckpt.safe_save`), so DeepSpeed can load a file dsckpt rewrote.
+    """
+
+    ds_module: str = ""
+    ds_name: str = ""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            if any(not isinstance(k, str) or k.startswith("__") for k in state):
+                # A dunder attribute (``__reduce_ex__`` ...) would change how the stand-in behaves.
+                raise pickle.UnpicklingError(f"refusing state with special attributes for {self.ds_name}")
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (copyreg.__newobj__, (type(self),), dict(self.__dict__))  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"<{self.ds_module}.{self.ds_name} {fields}>"
+
+
+class DeepSpeedEnum(DeepSpeedObject):
+    """Stand-in for a pickled ``enum.Enum`` member (pickled as ``Cls(value)``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (type(self), (self.value,))
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __hash__(self) -> int:
+        return hash((self.ds_module, self.ds_name, self.value))
+
+
+class _ReadOnlyClass(type):
+    """Stand-in classes are shared by every load: a pickle's BUILD must not set attributes on them."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"stand-in class {cls.__name__} is read-only")
+
+
+def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepSpeedObject]:
+    cls = _ReadOnlyClass(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
+    return cls  # type: ignore[return-value]
+
+
+STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
+    key: _stand_in(*key, base)
+    for key, base in [
+        (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), DeepSpeedObject),
+        (("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"), DeepSpeedObject),
+        (("deepspeed.runtime.zero.config", "ZeroStageEnum"), DeepSpeedEnum),
+        (("deepspeed.utils.tensor_fragment", "fragment_address"), DeepSpeedObject),
+        (("deepspeed.checkpoint.constants", "ZeroStageEnum"), DeepSpeedEnum),
+        # Megatron-DeepSpeed stores its argparse namespace as client state.
+        (("argparse", "Namespace"), DeepSpeedObject),
+    ]
+}
+
+
+class AttributeDictStandIn(dict):  # type: ignore[type-arg]
+    """Stand-in for Lightning's ``AttributeDict`` (a ``dict`` subclass with attribute access): the pickle's items
+    become this dict's items; Lightning is never imported. Lightning 2.6 writes ``hyper_parameters`` as
+    ``dict(model.hparams)``, but client state may hold one. DeepSpeed-layout writers pickle it back under
+    Lightning's class path (``ds_module``/``ds_name``, like the DeepSpeed stand-ins); the Lightning export writes a
+    plain ``dict``."""
+
+    ds_module: str = ""
+    ds_name: str = ""
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"refusing to set attributes on {self.ds_module}.{self.ds_name}")
+
+
+#: Lightning's ``AttributeDict`` under its 2.x paths (``lightning``, standalone ``lightning_fabric``) and 1.x path.
+ATTRIBUTE_DICTS: dict[tuple[str, str], type[AttributeDictStandIn]] = {
+    (module, name): _ReadOnlyClass(name, (AttributeDictStandIn,),  # type: ignore[misc]
+                                   {"ds_module": module, "ds_name": name, "__module__": __name__})
+    for module, name in [
+        ("lightning.fabric.utilities.data", "AttributeDict"),
+        ("lightning_fabric.utilities.data", "AttributeDict"),
+        ("pytorch_lightning.utilities.parsing", "AttributeDict"),
+    ]
+}
+
+
+def stand_in_class(module: str, name: str) -> type[DeepSpeedObject] | None:
+    """The stand-in used for ``module.name``, if that class is on the allow-list."""
+    return STAND_INS.get((module, name))
+
+
+# --------------------------------------------------------------------------------------------
+# Torch values in pickles, without torch
+
+
+class TorchSize(tuple):  # type: ignore[type-arg]
+    """A pickled ``torch.Size``: a tuple of ints."""
+
+    def numel(self) -> int:
+        n = 1
+        for s in self:
+            n *= int(s)
+        return n
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+
+@dataclass(frozen=True, slots=True)
+class TorchDtype:
+    """A pickled ``torch.<name>`` dtype (e.g. ``DynamicLossScaler.dtype``)."""
+
+    name: str
+
+    def __setstate__(self, state: Any) -> None:  # shared by every load: see _refuse_build
+        raise pickle.UnpicklingError("refusing to set the state of an allow-listed torch dtype")
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+@dataclass(frozen=True)
+class TorchDevice:
+    """A pickled ``torch.device(*args)``."""
+
+    args: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        return f"torch.device{self.args!r}"
+
+
+def torch_size(dims: Any = ()) -> TorchSize:
+    return TorchSize(int(d) for d in dims)
+
+
+def torch_device(*args: Any) -> TorchDevice:
+    return TorchDevice(tuple(args))
+
+
+def to_torch_value(x: Any) -> Any:
+    """The real torch object for a torch stand-in (imports torch); other values unchanged."""
+    if isinstance(x, (TorchSize, TorchDtype, TorchDevice)):
+        import torch
+
+        if isinstance(x, TorchSize):
+            return torch.Size(x)
+        if isinstance(x, TorchDtype):
+            return getattr(torch, x.name)
+        return torch.device(*x.args)
+    return x
+
+
