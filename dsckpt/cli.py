@@ -246,6 +246,17 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append(f"experts      {layer['prefix']}{{0..{layer['num_experts'] - 1}}}: {layer['num_experts']} experts "
                      f"(global ids), expert-parallel size {layer['ep_size']} ({layer['local_experts']} per rank), "
                      f"expert-data-parallel size {layer['expert_dp_size']}")
+    ae = s.get("autoep")
+    if ae is not None:
+        first = ae["layers"][0]
+        lines.append(f"autoep       preset {ae['preset'] or 'auto-detected'}, {len(ae['layers'])} MoE layers x "
+                     f"{first['num_experts']} experts, expert-parallel size {ae['ep_size']} "
+                     f"({first['local_experts']} per rank), expert-data-parallel size {ae['expert_dp_size']}, "
+                     f"data-parallel size {ae['dp_size']}")
+        lines.append(f"experts      {first['module']}.experts: " + ", ".join(p.rsplit(".", 1)[1] for p in first["params"])
+                     + f" stacked over {first['num_experts']} experts (cut over the expert index)"
+                     + (f"; likewise in {len(ae['layers']) - 1} more layer{'s' if len(ae['layers']) > 2 else ''}"
+                        if len(ae["layers"]) > 1 else ""))
     tp = s.get("tensor_parallel")
     if tp is not None:
         lines.append(f"tensor par.  size {tp['tp_size']} ({'AutoTP' if tp['record'] == 'autotp' else 'Megatron-style'} "
@@ -690,6 +701,9 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "parallelism, TP size x data-parallel size.")
 @click.option("--tp-size", "tp_size", type=click.IntRange(min=1), default=None,
               help="Tensor-parallel size of the resumed run (default: the input's).")
+@click.option("--ep-size", "ep_size", type=click.IntRange(min=1), default=None,
+              help="Expert-parallel size (autoep_size) of the resumed run, for DeepSpeed AutoEP checkpoints "
+                   "(default: the input's).")
 @tag_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
                                              "(1 if there is work).")
@@ -722,7 +736,7 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_run: bool, force: bool, verify: str,
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
             sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
-            distributed: bool) -> None:
+            ep_size: int | None, distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
 
@@ -753,9 +767,11 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     if universal:
-        if world_size is not None or zero_stage is not None or sub_group_size is not None or tp_size is not None:
+        if world_size is not None or zero_stage is not None or sub_group_size is not None or tp_size is not None \
+                or ep_size is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
-                             "stage family; drop --world-size, --zero-stage, --sub-group-size and --tp-size")
+                             "stage family; drop --world-size, --zero-stage, --sub-group-size, --tp-size and "
+                             "--ep-size")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
                            quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
         return
@@ -764,7 +780,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     cache = FileCache()
     logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
-                        facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size)
+                        facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size,
+                        ep_size=ep_size)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -788,6 +805,11 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if plan.tp_size > 1 or plan.source_tp_size > 1:
         stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
                   f"{plan.world_size})") + stages
+    if plan.autoep is not None:
+        stages = f" (expert-parallel size {logical.autoep.ep_size} -> {plan.autoep.ep_size})" + stages
+    elif plan.moe_ep_size is not None and logical.moe is not None:
+        stages = (f" (expert-parallel size {', '.join(map(str, logical.moe.ep_sizes))} -> {plan.moe_ep_size})"
+                  + stages)
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: wrote "
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:

@@ -234,6 +234,12 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
             return _plan_adapter(ckpt, out, adapter_cfg, dtype, max_shard_size, frozenset(list_tags(ckpt.root)))
         hf = plan_export_files(ckpt.root, tag_dirs=frozenset(list_tags(ckpt.root)), dtype=dtype)
         if hf is not None:
+            # The HF model's own names and layouts where the training engine renamed or re-stacked tensors
+            # (AutoEP's experts.w1/w2/w3 and router: dsckpt.autoep.hf_model_view; the identity otherwise).
+            from .autoep import hf_model_view
+
+            ckpt = hf_model_view(ckpt)
+            chosen = [e for e in ckpt.entries if not (exclude_frozen and e.kind is Kind.PARAM and not e.trainable)]
             tied_left_out = tuple(e.name for e in chosen if e.tied_to is not None)
             chosen = [e for e in chosen if e.tied_to is None]
     name_to_entry = {e.name: e for e in chosen}

@@ -108,6 +108,7 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "moe": moe_summary(ckpt),
         "tensor_parallel": tp_summary(ckpt),
         "peft": peft_summary(ckpt),
+        "autoep": autoep_summary(ckpt),
     }
 
 
@@ -126,6 +127,26 @@ def tp_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:
     for cut in tp.name_to_cut.values():
         kinds[cut.kind.value] = kinds.get(cut.kind.value, 0) + 1
     return {"tp_size": tp.tp_size, "record": tp.source, "split_kinds": kinds}
+
+
+def autoep_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:
+    """DeepSpeed AutoEP layout (``None`` otherwise): the preset, expert-parallel and expert-data-parallel sizes, and
+    per MoE layer its experts and stacked expert params (each a ``(num_experts, ...)`` tensor cut over the expert
+    index)."""
+    ae = ckpt.autoep
+    if ae is None:
+        return None
+    return {
+        "preset": ae.preset,
+        "num_experts": ae.num_experts,
+        "ep_size": ae.ep_size,
+        "expert_dp_size": ae.expert_dp,
+        "dp_size": ckpt.dp_world_size,
+        "layers": [{"module": la.module_path, "layer_id": la.layer_id, "num_experts": la.num_experts,
+                    "local_experts": la.num_experts // la.ep_size, "params": list(la.param_names)}
+                   for la in ae.layers],
+        "expert_files": len(ae.expert_files),
+    }
 
 
 def moe_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:

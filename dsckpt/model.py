@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
-    from .parallel_layout import MoeLayout, TpLayout
+    from .parallel_layout import AutoEpLayout, MoeLayout, TpLayout
 
 __all__ = [
     "Fragment",
@@ -261,6 +261,7 @@ class LogicalCheckpoint:
     # as the HF Trainer does for PEFT models): the alias is exported as saved (ZeRO-1/2 keep its 16-bit value in
     # 'module'; ZeRO-3 keeps an empty placeholder, so there it has no entry)
     excluded_ties: tuple[tuple[str, str], ...] = ()
+    autoep: AutoEpLayout | None = None  # DeepSpeed AutoEP (HF MoE models) only: how the experts are cut
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)

@@ -56,6 +56,8 @@ from pathlib import Path
 
 __all__ = [
     "EXPERT_NAME",
+    "AutoEpLayer",
+    "AutoEpLayout",
     "MoeLayout",
     "ParallelLayout",
     "ParamCut",
@@ -68,6 +70,7 @@ __all__ = [
     "global_expert_id",
     "global_expert_name",
     "local_expert_name",
+    "stacked_expert_cut",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -231,6 +234,48 @@ class MoeLayout:
         raise KeyError(prefix)
 
 
+@dataclass(frozen=True)
+class AutoEpLayer:
+    """One AutoEP MoE layer (``AutoEPMoELayer``, DeepSpeed 0.19.8): its module path, the ``moe_layer_id`` that names
+    its expert files (``layer_{id}_expert_{E}_...``), its experts and expert-parallel size, and its stacked expert
+    params (``{expert_key_prefix}.w1/w2/w3``, each a ``(num_experts, ...)`` logical tensor)."""
+
+    module_path: str
+    layer_id: int
+    num_experts: int
+    ep_size: int
+    expert_key_prefix: str
+    param_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AutoEpLayout:
+    """How a DeepSpeed AutoEP checkpoint spreads its experts: expert parallelism as a cut over the expert index.
+
+    Every expert param is one stacked ``(num_experts, ...)`` tensor; expert-parallel rank ``r`` holds a dim-0 slice of
+    it (its local experts, ``[E_local, ...]`` under the same name on every rank): ``name_to_cut`` gives each expert
+    param's :class:`ParamCut` (kind ``COLUMN``, dim 0, :func:`stacked_expert_cut`), read from the checkpoint's own
+    record (``ds_autoep_layers``: placement descriptors and affine maps). ``ep_size`` / ``expert_dp``: the
+    expert-parallel size and the number of ranks holding the same experts (ZeRO partitions the expert groups over
+    them; dense groups over all ``ep_size * expert_dp`` ranks). ``preset``: DeepSpeed's ``preset_model`` (None when
+    the run let AutoEP detect it). ``expert_files``: the ``layer_*_expert_*`` module copies (ZeRO-1/2)."""
+
+    ep_size: int
+    expert_dp: int
+    preset: str | None
+    layers: tuple[AutoEpLayer, ...]
+    name_to_cut: Mapping[str, ParamCut]
+    expert_files: tuple[Path, ...] = ()
+
+    @property
+    def num_experts(self) -> int:
+        return sum(layer.num_experts for layer in self.layers)
+
+    @property
+    def expert_param_names(self) -> tuple[str, ...]:
+        return tuple(n for layer in self.layers for n in layer.param_names)
+
+
 # engine.py::_save_moe_checkpoint: moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(?P<id>\d+)(?P<rest>\..+)$")
 
@@ -328,6 +373,18 @@ def expert_cut(prefix: str, num_experts: int, ep_size: int) -> ParamCut:
         raise ValueError(f"{num_experts} experts do not split over ep_size {ep_size}")
     n = num_experts // ep_size
     return ParamCut(prefix, SplitKind.COLUMN, 0, (num_experts,), ((n,),) * ep_size, ((n,) * ep_size,))
+
+
+def stacked_expert_cut(name: str, full_shape: tuple[int, ...], ep_size: int) -> ParamCut:
+    """A stacked expert param ``name`` of full shape ``(num_experts, ...)`` over ``ep_size`` expert-parallel ranks,
+    each holding ``num_experts / ep_size`` consecutive experts: the same ``COLUMN`` cut over the expert index as
+    :func:`expert_cut`, with each expert's own dims kept whole (AutoEP's grouped expert tensors)."""
+    num_experts = full_shape[0] if full_shape else 0
+    if ep_size < 1 or num_experts < 1 or num_experts % ep_size:
+        raise ValueError(f"'{name}': {num_experts} experts do not split over ep_size {ep_size}")
+    n = num_experts // ep_size
+    local = (n, *full_shape[1:])
+    return ParamCut(name, SplitKind.COLUMN, 0, tuple(full_shape), (local,) * ep_size, ((n,) * ep_size,))
 
 
 def _block(cut: ParamCut, ep_rank: int) -> TpBlock:

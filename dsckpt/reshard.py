@@ -99,7 +99,7 @@ class ReshardResult:
 
 def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | None = None,
                  sub_group_size: int | None = None, facts: SourceFacts | None = None,
-                 hf_files: bool = True, tp_size: int | None = None) -> ReshardPlan:
+                 hf_files: bool = True, tp_size: int | None = None, ep_size: int | None = None) -> ReshardPlan:
     """Decide every byte range of the checkpoint resharded to ``world_size`` ranks and ZeRO stage
     ``zero_stage`` (default: the source's). No tensor I/O.
 
@@ -151,7 +151,10 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         bf16_prefixed_optim=any(p.name.startswith("bf16_") for p in optim),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
     )
-    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp), facts, common)
+    if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
+        raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
+    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size),
+                       facts, common)
 
 
 

@@ -4,7 +4,7 @@
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
 
 The MoE twin of ``ds_reshard_check.py`` (``moe_*`` fixtures, ``moe_models.MoENet``): rebuild the model for
-this rank's expert-parallel rank with the fixture's ep_size and DeepSpeed's own MoE param groups
+this rank's expert-parallel rank with the ep_size the resharded save was written for (its expert group's name) and DeepSpeed's own MoE param groups
 (train_batch_size adapted to N ranks), plain ``engine.load_checkpoint(dir)``, then compare exactly with
 ``truth.safetensors``, whose expert tensors carry *global* expert names: each rank's local expert ``l`` is
 global expert ``ep_rank * num_local_experts + l``.
@@ -49,12 +49,29 @@ rank = dist.get_rank()
 world = dist.get_world_size()
 
 
+def saved_ep_size(ckpt_dir):
+    """The expert-parallel size the resharded save was written for: its expert param group's name (``ep_size_E``,
+    groups.py), in rank 0's ZeRO optimizer file (our own output of a trusted fixture); None without one."""
+    import glob
+    import re
+
+    tag = open(os.path.join(ckpt_dir, "latest")).read().strip()
+    files = glob.glob(os.path.join(ckpt_dir, tag, "*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if not files:
+        return None
+    groups = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"][
+        "base_optimizer_state"]["param_groups"]
+    sizes = {int(m[1]) for g in groups if g.get("moe") and (m := re.match(r"ep_size_(\d+)$", str(g.get("name"))))}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def check_one(name, ckpt_dir):
     problems = []
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
-    ep = spec["ep_size"]
+    ep = saved_ep_size(ckpt_dir) or spec["ep_size"]  # reshard --ep-size writes another one
+    spec["ep_size"] = ep
     model = mm.build_moe_model(spec, rank % ep)  # values are overwritten by the load
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=mm.moe_param_groups(model), config=cfg)
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))

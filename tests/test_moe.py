@@ -305,7 +305,8 @@ def test_stage0_moe_in_16_bit_is_refused(tmp_path):
 
 def test_zero3_autoep_checkpoint_is_refused(tmp_path):
     """DeepSpeed 0.19.8 refuses native MoE at ZeRO-3 (engine.py _validate_zero3_moe_compatibility); only
-    AutoEP layers train there, and their checkpoints (``ds_autoep_layers``) are not read."""
+    AutoEP layers train there. Their checkpoints are read (tests/test_autoep.py); a ``ds_autoep_layers`` record
+    whose files do not hold AutoEP's partition records is refused, naming AutoEP."""
     from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = next(f for f in all_fixtures() if f.name == "s3_fp32_w2")
@@ -318,7 +319,7 @@ def test_zero3_autoep_checkpoint_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["info", str(ckpt)])
     assert r.exit_code == 3
     err = r.stderr.strip()
-    assert "\n" not in err and "AutoEP" in err and "not supported" in err
+    assert "\n" not in err and "no 'ds_zero_partition_groups' record per sub-group (AutoEP ZeRO-3 writes one)" in err
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------

@@ -109,6 +109,22 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     """
     src_tp = max(1, ckpt.tp_world_size)
     tp = src_tp if target.tp_size is None else target.tp_size
+    if target.ep_size is not None and ckpt.autoep is None and ckpt.moe is None:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {target.ep_size}: --ep-size is for "
+            "Mixture-of-Experts checkpoints (DeepSpeed AutoEP or deepspeed.moe), and this one has no experts")
+    if target.ep_size is not None and ckpt.moe is not None and set(ckpt.moe.ep_sizes) != {target.ep_size}:
+        from .moe import retarget_moe
+
+        ckpt, facts = retarget_moe(ckpt, facts, target)
+        common = {**common, "moe_ep_size": target.ep_size}
+    if ckpt.autoep is not None:
+        from .autoep import autoep_target
+
+        if tp != 1:
+            raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
+                                             "together with AutoTP is not supported")
+        common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
     if ckpt.tensor_parallel is not None or tp != 1:
         return _plan_tensor_ranks(ckpt, target, tp, facts, common)
     return _plan_ranks(ckpt, target, facts, common)
@@ -233,6 +249,14 @@ def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, c
                      layouts: tuple[Any, Any] | None = None) -> list[tuple[Path, Any]]:
     """``layouts``: the source's and the target's :class:`~dsckpt.parallel_layout.TpLayout` of a TP checkpoint."""
     jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
+    if plan.autoep is not None:
+        from .autoep import retarget_tree
+
+        jobs = [(path, retarget_tree(path.name, tree, plan)) for path, tree in jobs]
+    if plan.moe_ep_size is not None:
+        from .moe import rename_expert_groups
+
+        jobs = [(path, rename_expert_groups(tree, plan.moe_ep_size)) for path, tree in jobs]
     if plan.tp_size != plan.source_tp_size:
         from .common import retarget_tp_keys
 
@@ -257,6 +281,10 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         name, tree = zero12_model_tree(plan, ckpt, cache)
         jobs.append((tag_dir / name, tree))
         jobs += _copied(plan, tag_dir, cache)
+        if plan.autoep is not None and plan.from_stage == 3:
+            from .autoep import expert_file_trees
+
+            jobs += [(tag_dir / n, t) for n, t in expert_file_trees(plan, ckpt, cache)]
         for r in plan.ranks:
             assert r.optim_file is not None
             jobs.append((tag_dir / r.optim_file, zero12_optim_tree(plan, r, src0, scalars, cache)))

@@ -62,7 +62,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         inner = osd0.get(OSD) or {}
         state = inner.get("state") or {}
         param_groups = inner.get("param_groups") or []
-        if osd0.get("ds_zero_partition_groups") is not None:
+        if osd0.get("ds_zero_partition_groups") is not None and ckpt.autoep is None:
             problems.append("AutoEP expert partition groups ('ds_zero_partition_groups')")
     else:
         ms0 = cache.tree(files.mp_to_model_states[0])
@@ -74,11 +74,12 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         state = (base or {}).get("state") or {}
         param_groups = (base or {}).get("param_groups") or []
         counts = osd0.get("partition_count")
-        if ckpt.moe is None and isinstance(counts, list) and any(int(c) != ckpt.dp_world_size for c in counts):
+        if ckpt.moe is None and ckpt.autoep is None and isinstance(counts, list) and any(
+                int(c) != ckpt.dp_world_size for c in counts):
             problems.append(f"partition_count {counts} (MoE expert groups partitioned over fewer ranks)")
-    if ckpt.moe is None and ms0.get("num_experts") is not None:
+    if ckpt.moe is None and ckpt.autoep is None and ms0.get("num_experts") is not None:
         problems.append("Mixture-of-Experts layers ('num_experts' in the model states)")
-    if ckpt.moe is not None and bool(zcfg.get("round_robin_gradients", False)):
+    if (ckpt.moe is not None or ckpt.autoep is not None) and bool(zcfg.get("round_robin_gradients", False)):
         problems.append("Mixture-of-Experts with round_robin_gradients")
     extra_keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s} - ADAM_STATE_KEYS)
     if extra_keys:

@@ -1,22 +1,27 @@
 """Mixture-of-Experts pieces of the ZeRO-1/2 and stage-0 writers (the mirror of :mod:`dsckpt.readers.moe`).
 
-The expert-parallel size is kept: each expert param group is re-partitioned over the new
-expert-data-parallel size (``world / ep_size``, its ``partition_count``), every target rank holding
-its expert-parallel rank's experts under their *local* names (:mod:`dsckpt.parallel_layout`: the same
-rank arithmetic and expert cut as the reader, in the other direction);
-the ``layer_*_expert_*`` files (and at stage 0 the ``expp_rank_*`` optimizer files) are copied.
+Each expert param group is re-partitioned over the new expert-data-parallel size (``world / ep_size``,
+its ``partition_count``), every target rank holding its expert-parallel rank's experts under their
+*local* names (:mod:`dsckpt.parallel_layout`: the same rank arithmetic and expert cut as the reader, in
+the other direction); the ``layer_*_expert_*`` files (per *global* expert, and at stage 0 the
+``expp_rank_*`` optimizer files) are copied. Another expert-parallel size (``--ep-size``, ZeRO-1/2) is
+the same plan on the logical checkpoint with its expert cut at that size (:func:`retarget_moe`): the
+entries carry global names, so only the cut, the expert groups' local names and their name
+(``ep_size_E``) change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import LogicalCheckpoint
 from ..parallel_layout import EXPERT_NAME, ParallelLayout, global_expert_name, local_expert_name
 
-__all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_note", "rank_in_group"]
+__all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_note", "rank_in_group",
+           "rename_expert_groups", "retarget_moe"]
 
 
 def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
@@ -72,3 +77,62 @@ def moe_note(ckpt: LogicalCheckpoint, world: int, n_copied: int) -> str:
     sizes = ", ".join(f"{ep} (expert-data-parallel {ckpt.dp_world_size // ep} -> {world // ep})"
                       for ep in ckpt.moe.ep_sizes)
     return f"Mixture of Experts: expert-parallel size kept at {sizes}; the {n_copied} expert files are copied unchanged"
+
+
+def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[LogicalCheckpoint, Any]:
+    """``ckpt`` and its source facts with every expert group at ``target.ep_size``: the :class:`MoeLayout`'s cut
+    sizes, and each expert group's flat order rebuilt as the new expert-parallel rank 0 lists it (its local
+    experts ``0 .. n/E - 1`` in order, each with the source's per-expert param order). ZeRO-1/2 only (at stage 0 the
+    ``expp_rank_*`` files belong to the source's expert-parallel ranks)."""
+    import dataclasses
+
+    moe = ckpt.moe
+    assert moe is not None
+    ep = target.ep_size
+    if ckpt.zero_stage == 0 or target.zero_stage == 0:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep}: without ZeRO the optimizer state lives "
+            "in one 'expp_rank_*' file per expert-parallel rank, which dsckpt copies but does not re-cut")
+    bad = [p for p, n, _ in moe.layers if n % ep]
+    if bad or target.world_size % ep:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {target.world_size} ranks: "
+            + (f"the {moe.layers[0][1]} experts of '{bad[0]}' do not split over {ep} ranks" if bad else
+               "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
+    new_moe = dataclasses.replace(moe, group_ep_sizes=tuple(ep if e is not None else None for e in moe.group_ep_sizes),
+                                  layers=tuple((p, n, ep) for p, n, _ in moe.layers))
+    n_of = {p: n for p, n, _ in moe.layers}
+    orders = []
+    for g, names in enumerate(facts.group_flat_order):
+        if g >= len(moe.group_ep_sizes) or moe.group_ep_sizes[g] is None:
+            orders.append(tuple(names))
+            continue
+        prefixes: list[str] = []
+        rests: dict[str, list[str]] = {}
+        for name in names:
+            m = EXPERT_NAME.match(name)
+            if m is None:
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{name}' sits in an expert group but is no expert "
+                                             "param")
+            if m["prefix"] not in rests:
+                prefixes.append(m["prefix"])
+                rests[m["prefix"]] = []
+            if int(m["id"]) == 0:
+                rests[m["prefix"]].append(m["rest"])
+        orders.append(tuple(f"{p}{local}{rest}" for p in prefixes for local in range(n_of[p] // ep)
+                            for rest in rests[p]))
+    return dataclasses.replace(ckpt, moe=new_moe), dataclasses.replace(facts, group_flat_order=tuple(orders))
+
+
+def rename_expert_groups(tree: Any, ep: int) -> Any:
+    """An optimizer tree with its expert param groups named ``ep_size_{ep}`` (groups.py names an expert group by its
+    expert-parallel size; ``split_params_into_different_moe_groups_for_optimizer`` gives the param group that name)."""
+    from .common import OSD
+
+    osd = tree.get(OSD) if isinstance(tree, dict) else None
+    base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
+    if not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):
+        return tree
+    groups = [{**pg, "name": f"ep_size_{ep}"} if isinstance(pg, dict) and pg.get("moe") else pg
+              for pg in base["param_groups"]]
+    return {**tree, OSD: {**osd, "base_optimizer_state": {**base, "param_groups": groups}}}

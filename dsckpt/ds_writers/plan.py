@@ -128,6 +128,7 @@ class Target:
     parameter_alignment: bool | None = None
     bf16_optimizer: bool | None = None
     tp_size: int | None = None  # tensor-parallel ranks (None: the source's); ``world_size`` is per TP rank
+    ep_size: int | None = None  # expert-parallel size of an AutoEP checkpoint (None: the source's)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ class LayoutPlan:
     # TP > 1: one plan per target TP rank (each an ordinary data-parallel plan of that rank's local slices, see
     # dsckpt.tensor_parallel.rank_view) and the layout they were cut by; this plan's own ``ranks`` are then empty.
     tensor_ranks: tuple[LayoutPlan, ...] = ()
+    autoep: Any = None  # AutoEP: the target's dsckpt.parallel_layout.AutoEpLayout (expert-parallel size, cuts)
+    moe_ep_size: int | None = None  # native MoE written at another expert-parallel size than the source's
     tp_layout: Any = None  # a dsckpt.parallel_layout.TpLayout
 
     def parts(self) -> tuple[LayoutPlan, ...]:

@@ -17,6 +17,8 @@ ZeRO-1/2 and ``BF16_Optimizer`` sources (loaded by ZeRO-1/2 or ``BF16_Optimizer`
     ``param_slice_mappings``, ``single_partition_of_fp32_groups``, plus ``param_groups`` (the loader
     reads the loss scaler, ``clip_grad``, ``ds_version`` and the groups' hyperparameters);
   * ``mp_rank_00_model_states.pt`` copied (global steps, LR scheduler, client state come from it).
+AutoEP (both families): each stacked expert param whole, ``{"param": <[num_experts, ...]>, "cat_dim": 0,
+"is_expert_param": True, "ep_num_experts": n}``; the per-expert files are not copied.
 ZeRO-3 sources (loaded by ZeRO-3 engines)
   * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt``: the whole param as a bare flat fp32 tensor;
   * ``zero/optimizer_state.pt``: rank 0's whole ZeRO-3 optimizer dict (its partitions included, as
@@ -62,6 +64,9 @@ class StateFile:
     # stage; ``tp_keys`` are the keys ds_to_universal.merge_tp_slices writes before "param" (universal_tp_keys).
     merged_tp: bool = False
     tp_keys: tuple[tuple[str, Any], ...] = ()
+    # An AutoEP stacked expert param, any stage: {"param": t, **dict(expert_keys)} at the full [num_experts, ...]
+    # shape (ds_to_universal 0.19.8: cat_dim 0, is_expert_param True, ep_num_experts)
+    expert_keys: tuple[tuple[str, Any], ...] = ()
 
     @property
     def path(self) -> str:
@@ -113,6 +118,7 @@ class UniversalPlan:
     model_files: tuple[Path, ...]  # copied model-states files
     optimizer_source: Path  # source rank 0's optimizer file
     notes: tuple[str, ...] = field(default_factory=tuple)
+    autoep: bool = False  # an AutoEP source: record and partition counts as ds_to_universal rewrites them
 
     @property
     def zero3(self) -> bool:
@@ -177,7 +183,11 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             if piece is None:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {role.value} values")
             spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
-            if tp is not None:
+            cut = ckpt.autoep.name_to_cut.get(e.name) if ckpt.autoep is not None else None
+            if cut is not None:
+                states.append(StateFile(e.name, state, spec, e.shape, True, expert_keys=(
+                    ("cat_dim", 0), ("is_expert_param", True), ("ep_num_experts", cut.full_shape[0]))))
+            elif tp is not None:
                 keys = universal_tp_keys(tp.name_to_cut[e.name], tp.source)
                 assert keys is not None
                 states.append(StateFile(e.name, state, spec, e.shape, True, merged_tp=True, tp_keys=keys))
@@ -214,7 +224,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, state_files=tuple(states), step_files=tuple(steps),
         cast_files=tuple(casts), model_files=tuple(sorted(model_files, key=rank_of)),
-        optimizer_source=min(optimizer_files, key=rank_of), notes=tuple(notes))
+        optimizer_source=min(optimizer_files, key=rank_of), notes=tuple(notes), autoep=ckpt.autoep is not None)
 
 
 def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | None:
@@ -251,7 +261,9 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
 
     for f in plan.state_files:
         t = streamed(f.spec, cache, shape=f.shape)
-        if f.merged_tp:
+        if f.expert_keys:
+            yield f.path, {"param": t, **dict(f.expert_keys)}
+        elif f.merged_tp:
             yield f.path, {**dict(f.tp_keys), "param": t}
         else:
             yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
@@ -259,9 +271,30 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
         yield s.path, own_copy(cache.tensor(s.file, s.key))
     for c in plan.cast_files:
         yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}
-    yield f"{UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}", optimizer_state_tree(plan, cache.tree(plan.optimizer_source))
+    opt = optimizer_state_tree(plan, cache.tree(plan.optimizer_source))
+    if plan.autoep and not plan.zero3:  # ZeroCheckpoint._update_partition_count: every group at the source's DP size
+        opt["partition_count"] = [plan.source_world_size] * len(opt.get("partition_count") or [])
+    yield f"{UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}", opt
     for p in plan.model_files:
-        yield p.name, dict(cache.tree(p))
+        tree = dict(cache.tree(p))
+        yield p.name, (_autoep_model_states(tree, plan.zero3) if plan.autoep else tree)
+
+
+# deepspeed/checkpoint/deepspeed_checkpoint.py AUTOEP_METADATA_FIELDS: what ds_to_universal keeps of a ZeRO-1/2 record
+_AUTOEP_ZERO12_FIELDS = ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts",
+                         "ep_size")
+
+
+def _autoep_model_states(tree: dict[str, Any], zero3: bool) -> dict[str, Any]:
+    """A copied AutoEP model-states file as ds_to_universal 0.19.8 writes it: ``universal_checkpoint_info`` gets the
+    expert-parameter pattern and the AutoEP record (at ZeRO-1/2 cut to ``_AUTOEP_ZERO12_FIELDS``)."""
+    record = tree.get("ds_autoep_layers")
+    if not zero3 and isinstance(record, list):
+        record = [{k: e[k] for k in _AUTOEP_ZERO12_FIELDS if k in e} if isinstance(e, Mapping) else e for e in record]
+    uci = dict(tree.get("universal_checkpoint_info") or {})
+    uci["expert_parameter_patterns"] = [r".*\.experts\.w[123]$" if zero3 else r"\.experts\.w[123]$"]
+    uci["ds_autoep_layers"] = record
+    return {**tree, "universal_checkpoint_info": uci}
 
 
 def optimizer_state_tree(plan: UniversalPlan, src0: Mapping[str, Any]) -> dict[str, Any]:

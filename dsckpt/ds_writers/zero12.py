@@ -18,7 +18,7 @@ load, stage_1_and_2.py:3774-3787).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -68,7 +68,22 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     """
     by_name = {e.name: e for e in ckpt.entries}
     elem = element_nbytes(ckpt.precision)
-    group_ep = expert_group_sizes(ckpt, world)
+    # A group's entries and a rank's position in it: the logical entries over all ranks, or (experts) the entries
+    # of the rank's expert-parallel rank over its expert-data-parallel group.
+    position: Callable[[int, int], tuple[int, Mapping[str, Any]]] | None = None
+    if ckpt.autoep is not None:
+        from .autoep import autoep_groups
+
+        group_ep, position = autoep_groups(ckpt, world, group_orders, common["autoep"])
+    else:
+        group_ep = expert_group_sizes(ckpt, world)
+
+    def entries_of(g: int, rank: int) -> tuple[int, Callable[[str], Any]]:
+        if position is not None:
+            k, ents = position(g, rank)
+            return k, ents.__getitem__
+        k, resolve = rank_in_group(ckpt, world, rank, group_ep[g] if g < len(group_ep) else None)
+        return k, lambda nm: by_name[resolve(nm)]
     param_shapes = []
     all_paddings = []
     group_layouts = []  # per group: (names in flat order, layout, names in bit16 order, paddings)
@@ -79,13 +94,14 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         for name in flat:
             if name not in by_name:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
-        numels = [by_name[nm].numel for nm in flat]
+        entry0 = entries_of(g, 0)[1]  # every rank of a group holds the same shapes
+        numels = [entry0(nm).numel for nm in flat]
         pads = param_alignment_paddings(numels, elem, enabled=parameter_alignment and not bf16_optimizer)
         ep = group_ep[g] if g < len(group_ep) else None
         # An expert group is partitioned over the expert-data-parallel group only (its alignment too:
         # stage_1_and_2.py uses the size of real_dp_process_group[g]).
         layout = zero12_group_layout(numels, world // ep if ep else world, alignment_paddings=pads)
-        param_shapes.append(tuple((nm, by_name[nm].shape) for nm in flat))
+        param_shapes.append(tuple((nm, entry0(nm).shape) for nm in flat))
         all_paddings.append(tuple(pads))
         group_layouts.append((flat, layout, original, pads))
 
@@ -94,7 +110,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         groups = []
         for g, (flat, layout, original, pads) in enumerate(group_layouts):
             ep = group_ep[g] if g < len(group_ep) else None
-            k, resolve = rank_in_group(ckpt, world, r, ep)
+            k, entry_of = entries_of(g, r)
             p_numel = layout.partition_numel
             p_start = k * p_numel
             padding = (bf16_optimizer_group_padding(layout, k) if bf16_optimizer else layout.rank_padding(k))
@@ -104,14 +120,14 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
                 if lo >= hi:
                     continue
-                entry = by_name[resolve(nm)]
+                entry = entry_of(nm)
                 for role, lst in role_copies.items():
                     piece = entry.piece(role)
                     if piece is None:
                         raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
                     lst.extend(range_copies(piece, lo - off, hi - lo, lo - p_start, nm))
             offsets_by_name = dict(zip(flat, layout.param_offsets))
-            orig_numels = [by_name[nm].numel for nm in original]
+            orig_numels = [entry_of(nm).numel for nm in original]
             maps = zero12_param_slice_mappings(
                 orig_numels, p_start, p_numel,
                 [offsets_by_name[nm] for nm in original] if any(pads) else None)
@@ -130,8 +146,16 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
                      "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
     copied = copied_files(ckpt, stage0=False)
-    if ckpt.moe is not None:
+    if ckpt.moe is not None and common.get("moe_ep_size") is None:
         notes.append(moe_note(ckpt, world, len(copied)))
+    elif ckpt.moe is not None:
+        notes.append(f"Mixture of Experts: expert-parallel size changed to {common['moe_ep_size']} (expert-data-parallel "
+                     f"{world // common['moe_ep_size']}); the {len(copied)} per-expert files are copied unchanged")
+    if ckpt.autoep is not None:
+        copied = ckpt.autoep.expert_files
+        ae, tgt = ckpt.autoep, common["autoep"]
+        notes.append(f"AutoEP: expert-parallel size {ae.ep_size} -> {tgt.ep_size} (expert-data-parallel {ae.expert_dp} "
+                     f"-> {tgt.expert_dp}); the {len(copied)} per-expert files are copied unchanged")
     return LayoutPlan(**{**common, "notes": tuple(notes)}, param_shapes=tuple(param_shapes),
                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
                       ranks=tuple(ranks), copied_model_files=copied)

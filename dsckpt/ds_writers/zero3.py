@@ -13,7 +13,7 @@ params (``frozen_param_fragments``); ``shared_params`` is filled on rank 0 only 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -49,13 +49,30 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
     """Plan ZeRO-3 files for ``world`` ranks. ``group_orders``: per optimizer param group, its
     trainable params in order; ``source_subgroups``: how many (sub-)groups the source has (for a note)."""
     by_name = {e.name: e for e in ckpt.entries}
+    # A group's entries and a rank's partition index in it (AutoEP experts: the rank's expert-parallel rank's local
+    # view, partitioned over its expert-data-parallel group; see ds_writers/autoep.py), and its partition count.
+    group_ep: list[int | None] = [None] * len(group_orders)
+    position: Callable[[int, int], tuple[int, Mapping[str, Any]]] | None = None
+    if ckpt.autoep is not None:
+        from .autoep import autoep_groups
+
+        group_ep, position = autoep_groups(ckpt, world, group_orders, common["autoep"])
+
+    def entries_of(g: int, rank: int) -> tuple[int, Mapping[str, Any], int]:
+        ep = group_ep[g]
+        if position is None or ep is None:
+            return rank, by_name, world
+        k, ents = position(g, rank)
+        return k, ents, world // ep
+
     target_subgroups: list[list[str]] = []
     sub_to_group: list[int] = []
     for g, group_names in enumerate(group_orders):
         for name in group_names:
             if name not in by_name:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
-        for idx in zero3_sub_groups([by_name[n].numel for n in group_names], world, sub_group_size):
+        _, ents0, count = entries_of(g, 0)
+        for idx in zero3_sub_groups([ents0[n].numel for n in group_names], count, sub_group_size):
             target_subgroups.append([group_names[i] for i in idx])
             sub_to_group.append(g)
     ranks = []
@@ -63,11 +80,12 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
         groups = []
         for t, names in enumerate(target_subgroups):
             offset = 0
+            k, ents, count = entries_of(sub_to_group[t], r)
             role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
             for nm in names:
-                e = by_name[nm]
-                per = zero3_partition_numel(e.numel, world)
-                lo, hi = r * per, min((r + 1) * per, e.numel)
+                e = ents[nm]
+                per = zero3_partition_numel(e.numel, count)
+                lo, hi = k * per, min((k + 1) * per, e.numel)
                 if lo < hi:
                     for role, lst in role_copies.items():
                         piece = e.piece(role)
@@ -95,7 +113,8 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
         mp = common.get("mp_rank", 0)
         ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"], mp), model_file_name(r, mp),
                               tuple(groups), tuple(frozen)))
-    shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in target_subgroups)
+    shapes = tuple(tuple((n, entries_of(sub_to_group[t], 0)[1][n].shape) for n in names)
+                   for t, names in enumerate(target_subgroups))
     notes = list(common.get("notes", ()))
     if len(target_subgroups) != source_subgroups:
         notes.append(f"ZeRO-3 sub-groups re-formed for {world} ranks: {source_subgroups} -> "

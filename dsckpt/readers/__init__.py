@@ -86,14 +86,20 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
         return read_pipeline(files, cache)
     if files.dp_mp_to_zero3_model_states:
         first = files.dp_mp_to_zero3_model_states[min(files.dp_mp_to_zero3_model_states)]
-        _refuse_autoep(cache.tree(first), first)
+        if cache.tree(first).get("ds_autoep_layers"):
+            from .autoep import read_autoep
+
+            return read_autoep(files, cache)
         if files.mp_world_size > 1:
             return read_tensor_parallel(files, cache, files.mp_world_size)
         return read_zero3(files, cache)
     if 0 not in files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{tag_dir}' has no mp_rank_00_model_states.pt; the save is incomplete")
     meta = metadata_from_model_states(cache.tree(files.mp_to_model_states[0]))
-    _refuse_autoep(cache.tree(files.mp_to_model_states[0]), files.mp_to_model_states[0])
+    if cache.tree(files.mp_to_model_states[0]).get("ds_autoep_layers"):
+        from .autoep import read_autoep
+
+        return read_autoep(files, cache)
     tp_size = max(files.mp_world_size, meta.mp_world_size or 1)
     if files.layer_expert_to_files or files.ep_mp_to_expp_optim_states:
         _refuse_tensor_parallel(tp_size, files)
@@ -108,16 +114,6 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
     if not isinstance(ms.get("module"), Mapping):
         raise CorruptCheckpointError(f"{files.mp_to_model_states[0]}: no 'module' state dict")
     return read_stage0(files, cache)
-
-
-def _refuse_autoep(model_states: Mapping[str, object], path: Path) -> None:
-    # DeepSpeed 0.19.8 refuses native MoE at ZeRO-3 (engine.py _validate_zero3_moe_compatibility), so a
-    # ZeRO-3 save with experts comes from AutoEP (``AutoEPMoELayer``), whose layout is not read.
-    if model_states.get("ds_autoep_layers"):
-        raise UnsupportedCheckpointError(
-            f"{path}: the model was trained with DeepSpeed AutoEP expert layers ('ds_autoep_layers'), which is "
-            "not supported yet; only native deepspeed.moe.layer.MoE checkpoints at ZeRO stage 1 or 2 can be read"
-        )
 
 
 def _refuse_tensor_parallel(mp_world_size: int, files: object) -> None:

@@ -22,6 +22,7 @@ Layout written by DeepSpeed 0.19.8 ``checkpoint/ds_to_universal.py`` (the tag fo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_fil
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
+from .autoep import entry_order
 from .common import (
     FileCache,
     alias_entry,
@@ -54,6 +56,7 @@ STEP_FILE = "step.pt"
 # cut itself is read from the record (dsckpt.tensor_parallel), so they are accepted only with TP > 1.
 UNIVERSAL_KEYS = frozenset({"param", "cat_dim"})
 UNIVERSAL_TP_KEYS = frozenset({"vocab_tensor", "param_n_sub_params", "sub_param_shape"})
+UNIVERSAL_EP_KEYS = frozenset({"is_expert_param", "ep_num_experts"})  # AutoEP's stacked expert params
 
 
 def _param_dir(tag_dir: Path, name: str) -> Path:
@@ -63,12 +66,20 @@ def _param_dir(tag_dir: Path, name: str) -> Path:
     return tag_dir / UNIVERSAL_DIR / name
 
 
-def _state_key(path: Path, cache: FileCache, tp: bool) -> tuple[tuple[Any, ...], TensorRef]:
-    """Where the tensor of one per-param state file is: the file itself (ZeRO-3 source) or ``["param"]``."""
+def _state_key(path: Path, cache: FileCache, tp: bool, num_experts: int | None = None
+               ) -> tuple[tuple[Any, ...], TensorRef]:
+    """Where the tensor of one per-param state file is: the file itself (ZeRO-3 source) or ``["param"]``.
+    ``num_experts``: an AutoEP expert param's expert count, which its file must state (``ep_num_experts``)."""
     tree = cache.tree(path)
     if isinstance(tree, TensorRef):
         return (), tree
     known = UNIVERSAL_KEYS | UNIVERSAL_TP_KEYS if tp else UNIVERSAL_KEYS
+    if num_experts is not None:
+        if tree.get("is_expert_param") is not True or tree.get("ep_num_experts") != num_experts:
+            raise CorruptCheckpointError(
+                f"{path}: the AutoEP record names it a stacked param of {num_experts} experts, the file says "
+                f"is_expert_param={tree.get('is_expert_param')!r}, ep_num_experts={tree.get('ep_num_experts')!r}")
+        known = known | UNIVERSAL_EP_KEYS
     extra = sorted(str(k) for k in tree if k not in known)
     if extra:
         raise UnsupportedCheckpointError(
@@ -113,9 +124,9 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     ms = cache.tree(ms_path)
     if not isinstance(ms, Mapping):
         raise CorruptCheckpointError(f"{ms_path}: expected a dict, found a bare tensor")
-    if ms.get("num_experts") is not None or ms.get("ds_autoep_layers"):
-        raise UnsupportedCheckpointError(f"{ms_path}: a Mixture-of-Experts model; universal checkpoints of MoE "
-                                         "models are not supported")
+    if ms.get("num_experts") is not None and not ms.get("ds_autoep_layers"):
+        raise UnsupportedCheckpointError(f"{ms_path}: a native Mixture-of-Experts model; universal checkpoints of "
+                                         "deepspeed.moe models are not supported (AutoEP ones are)")
     meta = metadata_from_model_states(ms)
     if meta.pp_degree > 1 or ms.get("module", {}) is None:
         # ds_to_universal copies a pipeline run's mp_rank_{stage * tp + t} files (module None) but no layer files
@@ -129,6 +140,23 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     for shapes in param_shapes:
         for name in shapes:
             _param_dir(tag_dir, str(name))
+    # AutoEP: ds_to_universal writes each stacked expert param whole ([num_experts, ...], with "is_expert_param" and
+    # "ep_num_experts"); the copied model states list it under the local shape and carry the record.
+    autoep = None
+    extra_shared: dict[str, str] = {}
+    if ms.get("ds_autoep_layers"):
+        from .autoep import autoep_layout_from_record, router_aliases
+
+        local = {str(n): tuple(int(x) for x in shp) for shapes in param_shapes for n, shp in shapes.items()}
+        record = ms["ds_autoep_layers"]
+        named = {str(n) for e in record if isinstance(e, Mapping) for n in
+                 ((e.get("affine_maps") or {}).get("params") or {})} if isinstance(record, list) else set()
+        autoep = autoep_layout_from_record(record, {n: local[n] for n in named if n in local}, where=ms_path,
+                                           world=meta.dp_world_size or 1, stage=3 if zero3 else 2,
+                                           preset=((meta.ds_config or {}).get("expert_parallel") or {}).get(
+                                               "preset_model"))
+        if not zero3:
+            extra_shared = router_aliases(ms.get("module") or {}, set(local), autoep.layers)
     # Module side (16-bit copies of ZeRO-1/2 sources, frozen params, buffers, tied names) of every TP rank, local
     # slices mapped to full tensors by the TP record; trainable params' fp32 and moments then come whole from zero/.
     def rank_ms(t: int) -> Path:
@@ -144,7 +172,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     if zero3:
         expect_dp_ranks(files, "ZeRO-3 model-state", ms_files, world)
     per_rank = [_rank_module_entries(rank_ms(t), [ms_files[(d, t)] for d in range(world)] if zero3 else [],
-                                     meta.buffer_names, zero3, cache) for t in range(tp)]
+                                     meta.buffer_names, zero3, cache, extra_shared) for t in range(tp)]
     tp_layout = None
     if tp > 1:
         from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, combine_entries
@@ -163,6 +191,9 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
             name = str(name)
             side = module_entries[name]
             shape, numel = side.shape, side.numel
+            cut = autoep.name_to_cut.get(name) if autoep is not None else None
+            if cut is not None:
+                shape, numel = cut.full_shape, math.prod(cut.full_shape)
             pdir = _param_dir(tag_dir, name)
             pieces = []
             for role, fname in STATE_FILES.items():
@@ -170,7 +201,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 if not path.is_file():
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
                     continue
-                key, ref = _state_key(path, cache, tp > 1)
+                key, ref = _state_key(path, cache, tp > 1, cut.full_shape[0] if cut is not None else None)
                 if ref.dtype_name != "float32" or ref.numel != numel:
                     raise CorruptCheckpointError(
                         f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
@@ -189,6 +220,10 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
             # vocabulary padding: only the module copies (model-states files) keep it; ds_to_universal cut the rest
             trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, (*pieces, *side.pieces), group=g,
                                           padding=side.padding, padding_rows=side.padding_rows)
+    if autoep is not None and zero3:
+        from .autoep import placeholder_router_aliases
+
+        module_entries = {**module_entries, **placeholder_router_aliases(module, module_entries, autoep.layers)}
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise IncompleteCheckpointError(
@@ -220,8 +255,9 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=tp, ds_version=meta.ds_version,
         global_steps=meta.global_steps, global_samples=meta.global_samples, optimizer_step=step,
-        optimizer_wrapper=wrapper, entries=tuple(order_like_module(entries, list(module))),
-        files=tuple(all_files), ds_config=meta.ds_config, tensor_parallel=tp_layout,
+        optimizer_wrapper=wrapper, entries=tuple(order_like_module(entries, list(module)) if autoep is None else
+                                                 entry_order(entries, list(module), autoep.layers)),
+        files=tuple(all_files), ds_config=meta.ds_config, tensor_parallel=tp_layout, autoep=autoep,
         notes=(("DeepSpeed universal checkpoint: loads with \"checkpoint\": {\"load_universal\": true} on any "
                f"data-parallel size (saved on {world}); DeepSpeed's loader restores the trainable params and Adam "
                "state only, not buffers or frozen params"),),
@@ -230,7 +266,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
 
 
 def _rank_module_entries(ms_path: Path, model_paths: list[Path], buffer_names: tuple[str, ...], zero3: bool,
-                         cache: FileCache) -> dict[str, TensorEntry]:
+                         cache: FileCache, extra_shared: Mapping[str, str] | None = None) -> dict[str, TensorEntry]:
     """One (TP) rank's copied model-states file(s) as entries: trainable params with their 16-bit module copy
     (ZeRO-1/2 sources; none at ZeRO-3) and local shapes, frozen params, tied aliases, buffers."""
     ms = cache.tree(ms_path)
@@ -250,6 +286,8 @@ def _rank_module_entries(ms_path: Path, model_paths: list[Path], buffer_names: t
             pieces = (module_piece(ms_path, name, lowp),) if (
                 not zero3 and isinstance(lowp, TensorRef) and lowp.numel == numel) else ()
             trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, pieces, group=g)
+    if extra_shared:  # AutoEP's router alias, proven by value (readers.autoep.router_aliases)
+        ms = {**ms, "shared_params": {**(ms.get("shared_params") or {}), **extra_shared}}
     if zero3:
         return {**trainable, **zero3_module_side_entries(ms_path, ms, model_paths, buffer_names, trainable, cache)}
     return module_side_entries(ms_path, ms, buffer_names, trainable)
