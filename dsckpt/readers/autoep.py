@@ -45,8 +45,8 @@ from ..parallel_layout import (
 )
 from ..partition import split_by_partitions, zero3_partition_numel, zero3_spans
 from ..stand_ins import DeepSpeedEnum
-from ..tensor_ref import TensorRef
 from ..tensor_parallel import affine_disagreement, compose
+from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
     is_floating,
