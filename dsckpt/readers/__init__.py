@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import classify_files, find_tag_dir, is_universal_dir
