@@ -11,8 +11,8 @@ byte what safetensors' ``save_file`` writes for them); where DeepSpeed's raise (
 ``BF16_Optimizer``, pipeline, tensor-parallel and MoE layouts, universal folders, legacy non-zip files, tied
 weights with ``safe_serialization``) these work. What differs on purpose:
 
-* files are unpickled by dsckpt's allow-listing loader (:mod:`dsckpt.safe_load`), never with
-  ``weights_only=False``, and deepspeed is never imported;
+* files are unpickled by dsckpt's allow-listing loader (:mod:`dsckpt.safe_load`), never by ``torch.load`` with
+  code execution allowed (as DeepSpeed's does), and deepspeed is never imported;
 * every tensor is read from its fragments only when needed (``lazy_mode=True`` reads nothing before
   ``.contiguous()``; the converter streams each tensor into its file in bounded chunks) and every torch zip
   record read is checked against its CRC-32 (:mod:`dsckpt.crc`);
