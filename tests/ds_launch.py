@@ -25,6 +25,7 @@ retried: a retry can hide a real failure.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -45,6 +46,16 @@ def gloo_only() -> None:
 
     # not ``import deepspeed.comm.torch as m``: ``deepspeed.comm`` re-exports the real ``torch`` under that name
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def logits_slack(max_abs_logit: float, dtype: str) -> float:
+    """How far logits the engine computes on this CPU may be from the recorded ones: fp32 kernels sum in another
+    order (1e-5 for logits below ~3); bf16 / fp16 logits may land one rounding step either way (two ulps: 7 / 10
+    mantissa bits)."""
+    if dtype == "fp32":
+        return 1e-5
+    mantissa_bits = 10 if dtype == "fp16" else 7
+    return 2 * 2.0 ** (math.floor(math.log2(max(max_abs_logit, 2.0 ** -126))) - mantissa_bits)
 
 
 def report_checks(pairs: Sequence[str], check_one: Callable[[str, str], list[str]], result: str | None) -> NoReturn:

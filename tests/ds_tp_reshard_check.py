@@ -32,7 +32,6 @@ JSON result list (:func:`ds_launch.report_checks`); rank 0 also prints ``LOGITS 
 """
 import argparse
 import contextlib
-import math
 import os
 import sys
 
@@ -59,20 +58,10 @@ p.add_argument("--logits-atol", type=float, default=None,
 args = p.parse_args()
 
 
-def logits_slack(max_abs_logit: float, dtype: str) -> float:
-    """How far logits the engine computes on this CPU may be from the recorded ones: fp32 kernels sum in another
-    order (1e-5 for logits below ~3); bf16 / fp16 logits may land one rounding step either way (two ulps: 7 / 10
-    mantissa bits)."""
-    if dtype == "fp32":
-        return 1e-5
-    mantissa_bits = 10 if dtype == "fp16" else 7
-    return 2 * 2.0 ** (math.floor(math.log2(max(max_abs_logit, 2.0 ** -126))) - mantissa_bits)
-
-
 import deepspeed  # noqa: E402
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from ds_launch import gloo_only, report_checks  # noqa: E402
+from ds_launch import gloo_only, logits_slack, report_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 gloo_only()

@@ -154,10 +154,11 @@ def test_hf_export_loads_with_from_pretrained(fx, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         logits = model(input_ids=t["input_ids"]).logits.float()
-    # same weights, same HF code path, another process and transformers 5.23 vs 5.22.2: float reassociation only
-    assert torch.allclose(logits, t["hf_logits"], rtol=0, atol=1e-6)
+    # same weights, same HF code path; another process, CPU and transformers (5.23 vs 5.22.2): float reassociation
+    # only, within the fp32 slack the TP and AutoEP load checks allow (ds_launch.logits_slack)
+    assert torch.allclose(logits, t["hf_logits"], rtol=0, atol=1e-5)
     recorded = m["crosscheck"]["hf_model_logits"]["max_abs_diff_fp32_hf_model_vs_engine"]
-    assert float((logits - t["logits"]).abs().max()) <= recorded + 1e-6
+    assert float((logits - t["logits"]).abs().max()) <= recorded + 1e-5
 
 
 @pytest.mark.parametrize("fx", AE[:1] + [f for f in AE if meta(f)["stage"] == 3][:1], ids=lambda p: p.name)
