@@ -44,7 +44,6 @@ from ..parallel_layout import (
     stacked_expert_cut,
 )
 from ..partition import split_by_partitions, zero3_partition_numel, zero3_spans
-from ..stand_ins import DeepSpeedEnum
 from ..tensor_parallel import affine_disagreement, compose
 from ..tensor_ref import TensorRef
 from .common import (
@@ -55,7 +54,7 @@ from .common import (
     step_of,
 )
 from .moe import PROOF_WINDOW_NUMEL, _agreeing
-from .zero12 import group_partitions, module_side_entries
+from .zero12 import module_side_entries, read_expert_groups
 
 __all__ = ["autoep_layout_from_record", "entry_order", "is_autoep", "placeholder_router_aliases", "read_autoep",
            "router_aliases"]
@@ -263,26 +262,9 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     world = meta.dp_world_size or files.optim_dp_world_size
     expect_dp_ranks(files, "optimizer-state", optim, world)
     optim_files = [optim[(d, 0)] for d in range(world)]
-    osd0 = cache.tree(optim_files[0]).get(OSD)
-    if not isinstance(osd0, Mapping) or "single_partition_of_fp32_groups" not in osd0:
-        raise CorruptCheckpointError(f"{optim_files[0]}: no 'single_partition_of_fp32_groups'; not a ZeRO-1/2 file")
-    zs = osd0.get("zero_stage")
-    if not isinstance(zs, DeepSpeedEnum):
-        raise _refuse(files.tag_dir, "AutoEP with BF16_Optimizer is not supported")
-    stage = int(zs.value)
-    param_shapes = ms.get("param_shapes")
-    base = osd0.get("base_optimizer_state")
-    if not isinstance(param_shapes, list) or not isinstance(base, Mapping):
-        raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' or no optimizer state; not a ZeRO-1/2 save")
-    param_groups = base.get("param_groups") or []
-    counts = osd0.get("partition_count")
-    parts = group_partitions(optim_files, cache, keeps_padding=False)
-    n_groups = len(parts.partition_numel)
-    if len(param_shapes) != n_groups or len(param_groups) != n_groups or not isinstance(counts, list) \
-            or len(counts) != n_groups:
-        raise CorruptCheckpointError(
-            f"'{files.tag_dir}': {len(param_shapes)} groups in 'param_shapes', {n_groups} fp32 groups, "
-            f"{len(param_groups)} optimizer param groups and partition_count {counts}; the files disagree")
+    eg = read_expert_groups(optim_files, cache, ms, ms_path, files.tag_dir, what="AutoEP")
+    osd0, stage, param_shapes, param_groups, counts, parts = (eg.osd0, eg.stage, eg.param_shapes, eg.param_groups,
+                                                              eg.partition_count, eg.parts)
     expert_groups = [g for g, pg in enumerate(param_groups) if isinstance(pg, Mapping) and pg.get("moe") is True]
     expert_shapes = {str(n): tuple(int(x) for x in s) for g in expert_groups for n, s in param_shapes[g].items()}
     layout = autoep_layout_from_record(ms.get("ds_autoep_layers"), expert_shapes, where=ms_path, world=world,
@@ -361,7 +343,7 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout=f"autoep-zero{stage}", zero_stage=stage,
         precision=precision_of(meta.ds_config, sample), dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
-        optimizer_step=step_of(base.get("state")), optimizer_wrapper="DeepSpeedZeroOptimizer",
+        optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
         entries=tuple(entry_order(entries, list(module), layout.layers)), files=tuple(files.all_files()),
         ds_config=meta.ds_config,
         autoep=AutoEpLayout(layout.ep_size, layout.expert_dp, layout.preset, layout.layers, layout.name_to_cut,

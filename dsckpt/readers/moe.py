@@ -51,7 +51,6 @@ from ..parallel_layout import (
     local_expert_name,
 )
 from ..partition import split_by_partitions
-from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
@@ -64,7 +63,7 @@ from .common import (
     precision_of,
     step_of,
 )
-from .zero12 import OSD, group_partitions
+from .zero12 import OSD, read_expert_groups
 
 __all__ = ["PROOF_WINDOW_NUMEL", "read_moe", "read_moe_stage0", "read_moe_zero12"]
 
@@ -103,28 +102,9 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
             f"'{files.tag_dir}': {files.optim_dp_world_size} optimizer files but dp_world_size={world} "
             f"in {ms_path.name}; remove the stray files or pick another tag")
     optim_files = [optim[(d, 0)] for d in range(world)]
-    osd0 = cache.tree(optim_files[0]).get(OSD)
-    if not isinstance(osd0, Mapping) or "single_partition_of_fp32_groups" not in osd0:
-        raise CorruptCheckpointError(f"{optim_files[0]}: no 'single_partition_of_fp32_groups'; not a ZeRO-1/2 file")
-    zs = osd0.get("zero_stage")
-    if not isinstance(zs, DeepSpeedEnum):
-        raise UnsupportedCheckpointError(
-            f"'{files.tag_dir}': Mixture-of-Experts with BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient "
-            "accumulation) is not supported yet; only DeepSpeed's ZeRO-1/2 optimizer can be read")
-    stage = int(zs.value)
-    param_shapes = ms.get("param_shapes")
-    base = osd0.get("base_optimizer_state")
-    if not isinstance(param_shapes, list) or not isinstance(base, Mapping):
-        raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' or no optimizer state; not a ZeRO-1/2 MoE save")
-    param_groups = base.get("param_groups") or []
-    counts = osd0.get("partition_count")
-    parts = group_partitions(optim_files, cache, keeps_padding=False)
-    n_groups = len(parts.partition_numel)
-    if len(param_shapes) != n_groups or len(param_groups) != n_groups or not isinstance(counts, list) \
-            or len(counts) != n_groups:
-        raise CorruptCheckpointError(
-            f"'{files.tag_dir}': {len(param_shapes)} groups in 'param_shapes', {n_groups} fp32 groups, "
-            f"{len(param_groups)} optimizer param groups and partition_count {counts}; the files disagree")
+    eg = read_expert_groups(optim_files, cache, ms, ms_path, files.tag_dir, what="Mixture-of-Experts")
+    osd0, stage, param_shapes, param_groups, counts, parts = (eg.osd0, eg.stage, eg.param_shapes, eg.param_groups,
+                                                              eg.partition_count, eg.parts)
     cfg = meta.ds_config or {}
     data_before = bool(cfg.get("use_data_before_expert_parallelism", False))
     align_pads = osd0.get("param_alignment_paddings")
@@ -274,7 +254,7 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         zero_stage=stage, precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
-        optimizer_step=step_of(base.get("state")), optimizer_wrapper="DeepSpeedZeroOptimizer",
+        optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
     )

@@ -11,10 +11,11 @@ padding on save (``group_paddings`` says how much); ``BF16_Optimizer`` keeps it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import split_by_partitions
@@ -32,7 +33,7 @@ from .common import (
     step_of,
 )
 
-__all__ = ["GroupPartitions", "group_partitions", "module_side_entries", "read_zero12", "zero12_param_entries"]
+__all__ = ["ExpertGroups", "GroupPartitions", "group_partitions", "read_expert_groups", "module_side_entries", "read_zero12", "zero12_param_entries"]
 
 
 
@@ -100,6 +101,53 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
         moment_keys = [(OSD, "base_optimizer_state", "state", state_keys[g]) if g < len(state_keys) else None
                        for g in range(n_groups)]
     return GroupPartitions(partition_numel, stored, moment_keys)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The ZeRO-1/2 optimizer groups of a checkpoint with expert param groups (native MoE, AutoEP), checked to agree:
+    rank 0's optimizer state, the ZeRO stage, ``param_shapes`` / optimizer param groups / ``partition_count`` (one per
+    group) and every rank's partition lengths."""
+
+    osd0: Mapping[str, Any]
+    stage: int
+    param_shapes: list[Any]
+    param_groups: list[Any]
+    partition_count: list[Any]
+    parts: GroupPartitions
+
+    @property
+    def optimizer_step(self) -> int | None:
+        """The base optimizer's step."""
+        return step_of(self.osd0["base_optimizer_state"].get("state"))
+
+
+def read_expert_groups(optim_files: list[Path], cache: FileCache, ms: Mapping[str, Any], ms_path: Path, tag_dir: Path, *,
+                  what: str) -> ExpertGroups:
+    """Open and cross-check the ZeRO-1/2 groups of a ``what`` ("Mixture-of-Experts", "AutoEP") save. Refuses
+    ``BF16_Optimizer`` files (no ``zero_stage``), whose expert groups are not read."""
+    osd0 = cache.tree(optim_files[0]).get(OSD)
+    if not isinstance(osd0, Mapping) or "single_partition_of_fp32_groups" not in osd0:
+        raise CorruptCheckpointError(f"{optim_files[0]}: no 'single_partition_of_fp32_groups'; not a ZeRO-1/2 file")
+    zs = osd0.get("zero_stage")
+    if not isinstance(zs, DeepSpeedEnum):
+        raise UnsupportedCheckpointError(
+            f"'{tag_dir}': {what} with BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation) is not "
+            "supported yet; only DeepSpeed's ZeRO-1/2 optimizer can be read")
+    param_shapes = ms.get("param_shapes")
+    base = osd0.get("base_optimizer_state")
+    if not isinstance(param_shapes, list) or not isinstance(base, Mapping):
+        raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' or no optimizer state; not a ZeRO-1/2 {what} save")
+    param_groups = base.get("param_groups") or []
+    counts = osd0.get("partition_count")
+    parts = group_partitions(optim_files, cache, keeps_padding=False)
+    n_groups = len(parts.partition_numel)
+    if len(param_shapes) != n_groups or len(param_groups) != n_groups or not isinstance(counts, list) \
+            or len(counts) != n_groups:
+        raise CorruptCheckpointError(
+            f"'{tag_dir}': {len(param_shapes)} groups in 'param_shapes', {n_groups} fp32 groups, "
+            f"{len(param_groups)} optimizer param groups and partition_count {counts}; the files disagree")
+    return ExpertGroups(osd0, int(zs.value), param_shapes, list(param_groups), counts, parts)
 
 
 def zero12_param_entries(
