@@ -86,6 +86,7 @@ def test_accelerate_files_are_never_unpickled_by_reshard(tmp_path, monkeypatch):
     assert seen and not [n for n in seen if not n.endswith(".pt")]
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 def test_accelerate_load_state_resumes_the_resharded_folder_on_one_process(tmp_path):
     if not DEEPSPEED.exists():

@@ -375,6 +375,7 @@ def ds_autoep_runs(tmp_path_factory):
     return run_check_script("ds_autoep_reshard_check.py", pairs, world=2, cwd=base, timeout=900)
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_resumes_resharded_autoep_checkpoints(ds_autoep_runs):
     """Plain ``engine.load_checkpoint()`` with AutoEP at the new expert-parallel size on 2 CPU ranks: masters, both
@@ -408,20 +409,21 @@ def _safetensors_parts(path: Path) -> tuple[dict, dict, bytes]:
 
 @pytest.mark.parametrize("name", ["autoep_mixtral_z2_bf16_ep2_dp1", "autoep_qwen3_z3_bf16_ep2_dp1"])
 def test_universal_folder_of_an_autoep_run_exports_the_same_file_and_reshard_universal_writes_it(name, tmp_path):
-    """ds_to_universal's folder (expert params whole, with is_expert_param / ep_num_experts; at ZeRO-3 dense params
-    bare and flat) gives the same to-fp32 file as the run it was made from, both with AutoEP's names and with the
-    HF names: same header, same bytes; only the metadata's source tag differs."""
-    import subprocess
-    import sys
+    """reshard --universal writes ds_to_universal's folder (recorded by tests/fixtures/record_ds_to_universal.py),
+    file by file: same files, same keys in the same order, same tensors (dtype, shape, values), the same rewritten
+    record and partition counts (expert params whole, with is_expert_param / ep_num_experts; at ZeRO-3 dense params
+    bare and flat). That folder gives the same to-fp32 file as the run it was made from, both with AutoEP's names
+    and with the HF names: same header, same bytes; only the metadata's source tag differs."""
+    from universal_record import ds_to_universal_differences
 
     fx = _fx(name)
     uni = tmp_path / "u"
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    str(fx / "ckpt" / "global_step3"), "--output_folder", str(uni / "global_step3_universal"),
-                    "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True, capture_output=True,
-                   env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
-    (uni / "config.json").write_bytes((fx / "ckpt" / "config.json").read_bytes())
     runner = CliRunner()
+    res = runner.invoke(main, ["reshard", "--universal", "-q", "--no-hf-files", str(fx / "ckpt"), str(uni)])
+    assert res.exit_code == 0, res.output
+    assert ds_to_universal_differences(fx, uni) == []
+
+    (uni / "config.json").write_bytes((fx / "ckpt" / "config.json").read_bytes())
     for src, tag in ((uni, "u"), (fx / "ckpt", "r")):
         assert runner.invoke(main, ["to-fp32", "-q", str(src), str(tmp_path / f"{tag}.safetensors")]).exit_code == 0
         assert runner.invoke(main, ["to-fp32", "-q", str(src), str(tmp_path / f"{tag}hf") + "/"]).exit_code == 0
@@ -432,27 +434,6 @@ def test_universal_folder_of_an_autoep_run_exports_the_same_file_and_reshard_uni
         assert (ma.pop("source_tag"), mb.pop("source_tag")) == ("global_step3_universal", "global_step3") and ma == mb
     info = json.loads(runner.invoke(main, ["info", "--json", str(uni)]).stdout)
     assert info["autoep"]["ep_size"] == 2 and info["layout"].startswith("universal from zero")
-
-    # reshard --universal writes the same folder, file by file: same files, same keys in the same order, same
-    # tensors (dtype, shape, values), the same rewritten record and partition counts
-    res = runner.invoke(main, ["reshard", "--universal", "-q", "--no-hf-files", str(fx / "ckpt"), str(tmp_path / "w")])
-    assert res.exit_code == 0, res.output
-    mine, theirs = tmp_path / "w" / "global_step3_universal", uni / "global_step3_universal"
-    files = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
-    assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*") if p.is_file()) == files
-
-    def same(x, y) -> bool:
-        if torch.is_tensor(x):
-            return torch.is_tensor(y) and (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(x, y)
-        if isinstance(x, dict):
-            return isinstance(y, dict) and list(x) == list(y) and all(same(x[k], y[k]) for k in x)
-        if isinstance(x, (list, tuple)):
-            return type(x) is type(y) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
-        return x == y or str(x) == str(y)  # the pickled DeepSpeed objects (loss scaler, stage enum) by value
-
-    differ = [f for f in files if not same(torch.load(mine / f, weights_only=False),  # our output and DeepSpeed's
-                                           torch.load(theirs / f, weights_only=False))]
-    assert differ == []
 
 
 @pytest.mark.parametrize("change,why", [
@@ -549,6 +530,7 @@ def ds_moe_ep_runs(tmp_path_factory):
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=900)
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_resumes_native_moe_at_another_expert_parallel_size(ds_moe_ep_runs):
     """moe_s2_bf16_w2_ep2 (EP 2 on 2 ranks) resharded to 4 ranks at EP 1 and at EP 4: plain load_checkpoint() with

@@ -366,6 +366,7 @@ def test_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
 RESUMES = [("hf_llama_z2_bf16_w2", 1, 4), ("hf_gpt2_z3_bf16_w2", 3, 2)]
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("name, world_size, micro_batch", RESUMES, ids=[f"{n}-to-{w}" for n, w, _ in RESUMES])
 def test_trainer_resumes_resharded_checkpoint(name, world_size, micro_batch, tmp_path):

@@ -271,6 +271,7 @@ def _run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) 
     return run_in_session([sys.executable, *argv], cwd=REPO, timeout=timeout, env=env)
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 def test_load_from_checkpoint_reads_the_export_strictly_with_lightnings_defaults(tmp_path):
     """Net.load_from_checkpoint(OUT) with no arguments (strict=True; weights_only=None, i.e. torch's True): the
@@ -297,6 +298,7 @@ def test_load_from_checkpoint_reads_the_export_strictly_with_lightnings_defaults
         assert rec["names"] == sorted(_meta(rec["fixture"])["state_dict_names"]), rec
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("name", NAMES)
 def test_resume_on_one_process_after_reshard(tmp_path, name):

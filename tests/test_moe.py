@@ -358,6 +358,7 @@ def ds_moe_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("world", sorted(DS_MOE_CASES), ids=lambda w: f"to{w}")
 def test_deepspeed_resumes_resharded_moe_checkpoints(ds_moe_runs, world):

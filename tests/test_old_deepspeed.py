@@ -175,6 +175,7 @@ def test_frozen_params_held_by_an_old_stage0_optimizer_have_masters(fx):
 # ---------------------------------------------------------------- opt-in: load in the release that wrote them
 
 needs_venvs = [
+    pytest.mark.live,
     pytest.mark.olddeepspeed,
     pytest.mark.skipif(not VENVS, reason="set DSCKPT_OLD_DS_VENVS to the folder of the old-DeepSpeed venvs"),
 ]

@@ -353,6 +353,7 @@ RESUMES = [(pm.LLAMA_LORA, (1,), 4), ("peft_llama_dora_z3_bf16_w2", (1, 2), 2),
            pytest.param("peft_gpt2_lora_z2_bf16_w2", (1,), 4, marks=_ALL)]
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("name, worlds, micro_batch", RESUMES,
                          ids=[f"{n}-to-{'-to-'.join(map(str, w))}" for n, w, _ in

@@ -252,6 +252,7 @@ def test_real_fp16_param_overflow_is_refused_not_squeezed(source):
 # ------------------------------------------------------------------ DeepSpeed loads the result
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("name", ["s3_fp32_w2", "s2_bf16_w2_2groups"])
 def test_deepspeed_loads_planted_then_repaired_checkpoint(tmp_path, name):

@@ -219,6 +219,7 @@ def ds_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("world", sorted(DS_CASES), ids=lambda w: f"to{w}")
 def test_deepspeed_resumes_resharded_checkpoints(ds_runs, world):

@@ -214,6 +214,7 @@ def ds_stage_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", sorted(DS_STAGE_CASES, key=str),
                          ids=lambda c: f"to{c[0]}ranks_stage{c[1]}" + (f"_sub{c[2]}" if c[2] else ""))

@@ -322,6 +322,8 @@ def test_reshard_refuses_pipeline_times_tensor_parallel(tmp_path, args):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.live
+@pytest.mark.deepspeed
 def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_path):
     """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) but
     copies only the mp_rank_{stage * tp + t} files, not the layer files: reading that folder is refused, naming the

@@ -410,6 +410,7 @@ def ds_universal_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("world", sorted(DS_UNIVERSAL_CASES), ids=lambda w: f"to{w}ranks")
 def test_deepspeed_loads_universal_output(ds_universal_runs, world):

@@ -582,6 +582,7 @@ def test_module_runs_without_deepspeed_or_torch_at_import():
 LIVE = ["ds0103_s1_bf16_w2", "s2_bf16_w2_roundrobin", "s3_bf16_w3_subgroups", "s0_fp32_w1"]
 
 
+@pytest.mark.live
 @pytest.mark.deepspeed
 def test_record_matches_deepspeed_live(tmp_path):
     """DeepSpeed 0.19.8's functions, run now on a few fixtures (a 0.10.3 stage-1 save, round-robin ZeRO-2,
