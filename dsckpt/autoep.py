@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UnsupportedCheckpointError
-from .model import LogicalCheckpoint, Piece, TensorEntry
-from .parallel_layout import TpBlock
+from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry
+from .parallel_layout import AutoEpLayer, TpBlock
 
 __all__ = ["HF_PRESETS", "HfExpertNames", "hf_model_view", "preset_of"]
 
@@ -124,12 +124,12 @@ def hf_model_view(ckpt: LogicalCheckpoint, *, config_dir: Path | None = None) ->
     return dataclasses.replace(ckpt, entries=tuple(out))
 
 
-def _router_hf_name(name: str | None, layers: tuple, names: HfExpertNames) -> str | None:
+def _router_hf_name(name: str, layers: tuple[AutoEpLayer, ...], names: HfExpertNames) -> str:
     """``<mlp>.router.gate.<p>`` (AutoEP's ``TokenChoiceTopKRouter`` wraps the HF router linear as ``gate``) ->
     ``<mlp>.<router>.<p>``; other names unchanged."""
     for la in layers:
         prefix = la.module_path + ".router.gate."
-        if name is not None and name.startswith(prefix):
+        if name.startswith(prefix):
             return f"{la.module_path}.{names.router}.{name[len(prefix):]}"
     return name
 
@@ -149,7 +149,7 @@ def _fused(name: str, gate: TensorEntry, up: TensorEntry) -> TensorEntry:
         pu = next((p for p in up.pieces if (p.role, p.replica) == (pg.role, pg.replica)), None)
         if pu is None or pu.dtype != pg.dtype:
             continue
-        frags = []
+        frags: list[Fragment] = []
         for src, first in ((pg, 0), (pu, run)):
             block = TpBlock(0, e * run, first, run_numel=run, full_stride=2 * run)
             for fr in src.fragments:

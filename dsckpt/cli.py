@@ -805,7 +805,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if plan.tp_size > 1 or plan.source_tp_size > 1:
         stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
                   f"{plan.world_size})") + stages
-    if plan.autoep is not None:
+    if plan.autoep is not None and logical.autoep is not None:
         stages = f" (expert-parallel size {logical.autoep.ep_size} -> {plan.autoep.ep_size})" + stages
     elif plan.moe_ep_size is not None and logical.moe is not None:
         stages = (f" (expert-parallel size {', '.join(map(str, logical.moe.ep_sizes))} -> {plan.moe_ep_size})"

@@ -116,11 +116,11 @@ def open_base(base_dir: str | os.PathLike[str]) -> tuple[dict[str, BaseTensor], 
     out: dict[str, BaseTensor] = {}
     for f in files:
         logical, cache = open_state_dict(f)
-        for e in logical.entries:
-            if e.name in out:
-                raise CorruptCheckpointError(f"tensor '{e.name}' is in two files of --base '{d}'")
-            if e.tied_to is None:
-                out[e.name] = BaseTensor(e, cache)
+        for entry in logical.entries:
+            if entry.name in out:
+                raise CorruptCheckpointError(f"tensor '{entry.name}' is in two files of --base '{d}'")
+            if entry.tied_to is None:
+                out[entry.name] = BaseTensor(entry, cache)
     return out, d
 
 

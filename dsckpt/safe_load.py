@@ -129,7 +129,7 @@ def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any, *sta
     return data
 
 
-def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, state: Any) -> Any:
+def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any) -> Any:
     ret = func(*args)
     if isinstance(ret, TensorRef) and isinstance(state, dict) and state:
         # Stage-3 fp32 flat groups carry a ``ds_id`` attribute (DeepSpeed 0.19.8, stage3.py).
@@ -234,9 +234,9 @@ class _AllowListed:
     for legacy files)."""
 
     _path: Path
-    _resolve_storage: Callable[[tuple], StorageRef]
+    _resolve_storage: Callable[[tuple[Any, ...]], StorageRef]
 
-    def __init__(self, file: Any, *, path: Path, resolve_storage: Callable[[tuple], StorageRef]) -> None:
+    def __init__(self, file: Any, *, path: Path, resolve_storage: Callable[[tuple[Any, ...]], StorageRef]) -> None:
         super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self._path = path
         self._resolve_storage = resolve_storage
@@ -347,7 +347,7 @@ def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:
     info = FileInfo(prefix[:-1] or None, tuple(sorted((i.filename[len(prefix):], i.CRC, i.file_size)
                                                       for i in infos.values())))
 
-    def resolve(args: tuple) -> StorageRef:
+    def resolve(args: tuple[Any, ...]) -> StorageRef:
         storage_type, key, location, numel = args[:4]
         if not isinstance(storage_type, _StorageType):
             raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
@@ -376,7 +376,7 @@ def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:
 
     cache: dict[str, StorageRef] = {}
 
-    def resolve_cached(args: tuple) -> StorageRef:
+    def resolve_cached(args: tuple[Any, ...]) -> StorageRef:
         key = str(args[1])
         if key not in cache:
             cache[key] = resolve(args)
@@ -442,7 +442,7 @@ def _load_legacy(path: Path, raw_file: Any) -> Any:
 
     placeholders: dict[str, _LegacyStorage] = {}
 
-    def resolve(args: tuple) -> Any:
+    def resolve(args: tuple[Any, ...]) -> Any:
         storage_type, key, location, numel, view_metadata = args
         if not isinstance(storage_type, _StorageType):
             raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")

@@ -131,7 +131,7 @@ def rename_expert_groups(tree: Any, ep: int) -> Any:
 
     osd = tree.get(OSD) if isinstance(tree, dict) else None
     base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
-    if not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):
+    if not isinstance(osd, dict) or not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):
         return tree
     groups = [{**pg, "name": f"ep_size_{ep}"} if isinstance(pg, dict) and pg.get("moe") else pg
               for pg in base["param_groups"]]

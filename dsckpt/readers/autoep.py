@@ -112,7 +112,7 @@ def autoep_layout_from_record(record: Any, expert_shapes: Mapping[str, tuple[int
                 continue
         maps = entry.get("affine_maps")
         params = maps.get("params") if isinstance(maps, Mapping) else None
-        if not isinstance(params, Mapping) or maps.get("version") != 1:
+        if not isinstance(maps, Mapping) or not isinstance(params, Mapping) or maps.get("version") != 1:
             problems.append(f"layer '{path}' has no affine maps of version 1 (got "
                             f"{maps.get('version') if isinstance(maps, Mapping) else maps!r})")
             continue
@@ -508,12 +508,12 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 numel = math.prod(int(x) for x in shape)
                 cut = layout.name_to_cut.get(name) if ep_rank is not None else None
                 spans = zero3_spans(numel, pc, offset)
-                keys = {Role.MASTER: (OSD, "fp32_flat_groups", s)}
+                keys: dict[Role, tuple[Any, ...]] = {Role.MASTER: (OSD, "fp32_flat_groups", s)}
                 if s < len(state_keys):
                     keys.update({role: (OSD, OSD, "state", state_keys[s], role.value)
                                  for role in (Role.EXP_AVG, Role.EXP_AVG_SQ)})
-                for role, key in keys.items():
-                    local = [Fragment(optim_paths[ranks[sp.rank]], key, sp.src_offset, sp.numel, sp.dst_offset,
+                for role, tree_key in keys.items():
+                    local = [Fragment(optim_paths[ranks[sp.rank]], tree_key, sp.src_offset, sp.numel, sp.dst_offset,
                                       ranks[sp.rank]) for sp in spans]
                     frags.setdefault(name, {}).setdefault(role, []).extend(_full_fragments(local, cut, ep_rank))
                 offset += zero3_partition_numel(numel, pc)
