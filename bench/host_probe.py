@@ -147,13 +147,13 @@ def main() -> None:
     todo = chunks(files)
     timed(f"cat {data}/* > /dev/null")
     add("read floor (cat)", timed(f"cat {data}/* > /dev/null"))
-    for r in range(a.rounds):
+    for _ in range(a.rounds):
         for crc in ("zlib", "isal"):
             for n in (1, 4, 8, 12, 16):
                 add(f"scan-like {crc} {n} threads", scan_parallel(todo, n, crc))
             add(f"scan-like {crc} 8 processes", scan_parallel(todo, 8, crc, processes=True))
     out = a.dir / "out"
-    for r in range(a.rounds):
+    for _ in range(a.rounds):
         for mode, streams in (("buffered", 8), ("buffered+fsync", 8), ("direct", 4), ("direct", 8), ("direct", 16)):
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run("sync", shell=True, check=True)

@@ -33,6 +33,26 @@ def median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _row(ckpt: Path, repeat: int) -> str:
+    """One table row: the costs of the checks on one checkpoint."""
+    def read() -> tuple[object, FileCache]:
+        cache = FileCache()
+        return read_checkpoint(ckpt, cache=cache, check_master_copies=True), cache
+
+    logical, cache = read()
+    files = list(logical.files)  # type: ignore[attr-defined]
+    trees = {f: cache.tree(f) for f in files}
+    pkl = sum(r[2] for f in files for r in cache.infos[f].records if r[0] == "data.pkl")
+    t_read = median_s(read, repeat)
+    t_tree = median_s(lambda: [parsed_tree.check_tree(trees[f], f) for f in files], repeat)
+    t_valid = median_s(lambda: [validate_tree(f, trees[f]) for f in files], repeat)
+    t_ident = median_s(lambda: rank_identity_problems(files, cache.infos), repeat)
+    t_sample = median_s(lambda: sampled_copy_disagreements(logical, cache), repeat)
+    total = t_tree + t_valid + t_ident + t_sample
+    return (f"| {ckpt.name} | {t_read * 1e3:.1f} ms | {t_tree * 1e3:.2f} ms | {t_valid * 1e3:.2f} ms | "
+            f"{t_ident * 1e3:.3f} ms | {t_sample * 1e3:.2f} ms | {total * 1e3:.1f} ms | {len(files)} | {pkl:,} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("ckpts", nargs="*", type=Path, default=[HERE / "out" / "zero2-200m", HERE / "out" / "zero3-200m"])
@@ -42,22 +62,7 @@ def main() -> None:
           "master vs copy sample | checks in all | files | pickle bytes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for ckpt in args.ckpts:
-        def read() -> tuple[object, FileCache]:
-            cache = FileCache()
-            return read_checkpoint(ckpt, cache=cache, check_master_copies=True), cache
-
-        logical, cache = read()
-        files = list(logical.files)  # type: ignore[attr-defined]
-        trees = {f: cache.tree(f) for f in files}
-        pkl = sum(r[2] for f in files for r in cache.infos[f].records if r[0] == "data.pkl")
-        t_read = median_s(read, args.repeat)
-        t_tree = median_s(lambda: [parsed_tree.check_tree(trees[f], f) for f in files], args.repeat)
-        t_valid = median_s(lambda: [validate_tree(f, trees[f]) for f in files], args.repeat)
-        t_ident = median_s(lambda: rank_identity_problems(files, cache.infos), args.repeat)
-        t_sample = median_s(lambda: sampled_copy_disagreements(logical, cache), args.repeat)
-        total = t_tree + t_valid + t_ident + t_sample
-        print(f"| {ckpt.name} | {t_read * 1e3:.1f} ms | {t_tree * 1e3:.2f} ms | {t_valid * 1e3:.2f} ms | "
-              f"{t_ident * 1e3:.3f} ms | {t_sample * 1e3:.2f} ms | {total * 1e3:.1f} ms | {len(files)} | {pkl:,} |")
+        print(_row(ckpt, args.repeat))
 
 
 if __name__ == "__main__":

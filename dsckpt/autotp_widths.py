@@ -101,7 +101,8 @@ def read_autotp_meta(root: Path, ds_config: Mapping[str, Any] | None) -> AutoTpM
     tp_cfg = (ds_config or {}).get("tensor_parallel") if isinstance(ds_config, Mapping) else None
     grain = tp_cfg.get("tp_grain_size", 1) if isinstance(tp_cfg, Mapping) else 1
     if not isinstance(grain, int) or isinstance(grain, bool) or grain < 1:
-        raise UnsupportedCheckpointError(f"ds_config tensor_parallel.tp_grain_size is {grain!r}, not a positive integer")
+        raise UnsupportedCheckpointError(f"ds_config tensor_parallel.tp_grain_size is {grain!r}, "
+                                         "not a positive integer")
     return autotp_meta_from_config(config, tp_grain_size=grain, where=str(path))
 
 

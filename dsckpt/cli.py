@@ -96,7 +96,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             where = f"'{e.filename}': " if e.filename else ""
             _fail(f"{where}{e.strerror or e} (OSError {errno.errorcode.get(e.errno or 0, e.errno)})",
                   EXIT_BAD_CHECKPOINT)
-        except Exception as e:  # noqa: BLE001 - the CLI's last line of defence
+        except Exception as e:  # the CLI's last line of defence
             if os.environ.get("DSCKPT_DEBUG"):
                 raise
             _fail(f"internal error ({type(e).__name__}: {e}). This is a dsckpt bug: please report it "
@@ -227,10 +227,12 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
     lines = [
         f"checkpoint   {s['path']}",
         f"tag          {s['tag']}" + (f"   (available: {', '.join(s['tags'])})" if len(s["tags"]) > 1 else ""),
-        f"layout       ZeRO stage {s['zero_stage']} ({s['layout']}), {s['precision']}, optimizer wrapper {s['optimizer_wrapper']}",
+        f"layout       ZeRO stage {s['zero_stage']} ({s['layout']}), {s['precision']}, "
+        f"optimizer wrapper {s['optimizer_wrapper']}",
         f"parallelism  data {s['dp_world_size']}, pipeline {s['pp_world_size']}, tensor {s['tp_world_size']}",
         f"deepspeed    {s['deepspeed_version'] or 'unknown'}",
-        f"progress     global step {s['global_steps']}, samples {s['global_samples']}, optimizer step {s['optimizer_step']}",
+        f"progress     global step {s['global_steps']}, samples {s['global_samples']}, "
+        f"optimizer step {s['optimizer_step']}",
         f"params       {p['count']} tensors, {p['numel_total']:,} elements "
         f"({p['numel_trainable']:,} trainable, {p['numel_frozen']:,} frozen"
         + (f", {p['numel_undetermined']:,} undetermined" if p["numel_undetermined"] else "") + ")",
@@ -253,7 +255,8 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
                      f"{first['num_experts']} experts, expert-parallel size {ae['ep_size']} "
                      f"({first['local_experts']} per rank), expert-data-parallel size {ae['expert_dp_size']}, "
                      f"data-parallel size {ae['dp_size']}")
-        lines.append(f"experts      {first['module']}.experts: " + ", ".join(p.rsplit(".", 1)[1] for p in first["params"])
+        lines.append(f"experts      {first['module']}.experts: "
+                     + ", ".join(p.rsplit(".", 1)[1] for p in first["params"])
                      + f" stacked over {first['num_experts']} experts (cut over the expert index)"
                      + (f"; likewise in {len(ae['layers']) - 1} more layer{'s' if len(ae['layers']) > 2 else ''}"
                         if len(ae["layers"]) > 1 else ""))
@@ -322,8 +325,8 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
               help="For a PEFT run (LoRA, rsLoRA, DoRA): merge the adapter into the base model and write a full "
                    "Hugging Face model folder to OUT (streamed: memory stays at a few tensors).")
 @click.option("--base", "base_dir", default=None, type=click.Path(path_type=str),
-              help="With --merge: the folder of the base model that was fine-tuned (safetensors or pytorch_model*.bin). "
-                   "Not needed when the checkpoint holds the frozen base itself.")
+              help="With --merge: the folder of the base model that was fine-tuned (safetensors or "
+                   "pytorch_model*.bin). Not needed when the checkpoint holds the frozen base itself.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, nothing written) if any tensor holds inf/NaN.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
@@ -724,8 +727,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
               help="ZeRO-3 target: zero_optimization.sub_group_size of the new run (default: the input's "
                    "at stage 3, else DeepSpeed's default 1e9).")
 @click.option("--universal", is_flag=True,
-              help="Write DeepSpeed's universal checkpoint folder instead (what ds_to_universal writes: OUT/latest_universal "
-                   "and OUT/<tag>_universal/), which DeepSpeed loads on any rank count with "
+              help="Write DeepSpeed's universal checkpoint folder instead (what ds_to_universal writes: "
+                   "OUT/latest_universal and OUT/<tag>_universal/), which DeepSpeed loads on any rank count with "
                    '"checkpoint": {"load_universal": true}. No --world-size.')
 @click.option("--no-fsync", is_flag=True,
               help="Do not wait for OUT to reach the disk before renaming it into place. OUT still appears "
@@ -810,8 +813,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     elif plan.moe_ep_size is not None and logical.moe is not None:
         stages = (f" (expert-parallel size {', '.join(map(str, logical.moe.ep_sizes))} -> {plan.moe_ep_size})"
                   + stages)
-    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: wrote "
-               f"{len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
+    click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: "
+               f"wrote {len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
     if plan.hf_files is not None:

@@ -408,9 +408,9 @@ def check_file_records(path: str | os.PathLike[str], *, chunk_nbytes: int = FINI
 
                 bound = current().max_inflated_nbytes
                 if info.file_size > bound:
-                    problems.append(RecordProblem(p, name, f"{p}: compressed record '{name}' declares {info.file_size} "
-                                                  f"bytes inflated, past dsckpt's read limit max_inflated_nbytes={bound}"
-                                                  "; the file is corrupt or hostile"))
+                    problems.append(RecordProblem(p, name, f"{p}: compressed record '{name}' declares "
+                                                  f"{info.file_size} bytes inflated, past dsckpt's read limit "
+                                                  f"max_inflated_nbytes={bound}; the file is corrupt or hostile"))
                     continue
                 try:
                     with zipfile.ZipFile(p) as zf, zf.open(info) as member:

@@ -206,7 +206,7 @@ class Group:
             status = _Status(True, fn())
         except DsckptError as e:
             status = _Status(False, message=str(e), exit_code=e.exit_code)
-        except (Exception, MemoryError) as e:  # noqa: BLE001 - every failure is exchanged; signals are not
+        except (Exception, MemoryError) as e:  # every failure is exchanged; signals are not
             if os.environ.get("DSCKPT_DEBUG"):
                 logger.exception("rank %d failed during %s", self.rank, what)
             code = 3 if isinstance(e, OSError) else EXIT_INTERNAL

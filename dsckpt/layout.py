@@ -2,8 +2,8 @@
 
 A user may point at the save dir (``<save_dir>/latest`` names the tag), at a tag folder, at a
 Hugging Face Trainer ``checkpoint-N/`` folder (which is a save dir), or at the *run folder* holding
-several checkpoints (:func:`resolve_run_folder`: a Trainer ``output_dir`` or a Lightning ``dirpath``). Tags are free-form: Accelerate
-saves under ``pytorch_model``, not ``global_stepN`` (DEEPSPEED-NOTES 1.1). A DeepSpeed *universal*
+several checkpoints (:func:`resolve_run_folder`: a Trainer ``output_dir`` or a Lightning ``dirpath``). Tags are
+free-form: Accelerate saves under ``pytorch_model``, not ``global_stepN`` (DEEPSPEED-NOTES 1.1). A DeepSpeed *universal*
 checkpoint folder (``ds_to_universal``) is a tag folder too: its copied model-states files sit beside
 ``zero/``, and ``latest_universal`` in its parent names it (ds_to_universal.py:1370-1374). ``latest``
 wins where a save dir has both (ds_to_universal writes ``latest_universal`` into the original save dir).
@@ -401,7 +401,8 @@ def _check_rank_sets(tag_dir: Path, what: str, files: dict[tuple[int, int], Path
         )
 
 
-def expect_dp_ranks(files: CheckpointFiles, what: str, present: dict[tuple[int, int], Path], dp_world_size: int) -> None:
+def expect_dp_ranks(files: CheckpointFiles, what: str, present: dict[tuple[int, int], Path],
+                    dp_world_size: int) -> None:
     """Raise if ``present`` lacks any dp rank below the recorded ``dp_world_size`` (all listed)."""
     mps = files.mp_world_size
     missing = [(dp, mp) for mp in range(mps) for dp in range(dp_world_size) if (dp, mp) not in present]

@@ -8,9 +8,9 @@ writes ``torch.save({**rank0_model_states minus DeepSpeed's own keys, "state_dic
 ``LightningModule.load_from_checkpoint`` reads. :func:`plan_client_state` picks the same keys from the same file;
 lightning is never imported.
 
-Lightning loads with ``torch.load`` and ``weights_only=None``, which means ``weights_only=True`` on torch >= 2.6: the file may
-hold only tensors, ``torch.Size``/dtypes/devices, ``OrderedDict`` and builtins. Carried values are checked against
-that set at plan time; Lightning's ``AttributeDict`` is written as the plain ``dict`` Lightning itself writes
+Lightning loads with ``torch.load`` and ``weights_only=None``, which means ``weights_only=True`` on torch >= 2.6: the
+file may hold only tensors, ``torch.Size``/dtypes/devices, ``OrderedDict`` and builtins. Carried values are checked
+against that set at plan time; Lightning's ``AttributeDict`` is written as the plain ``dict`` Lightning itself writes
 (``dict(model.hparams)``); anything else is refused, naming its class and key (``--no-client-state`` leaves the
 client state out).
 """
@@ -105,7 +105,8 @@ def _refused(obj: Any, key: tuple[Any, ...], out: list[str]) -> None:
 
 
 def plan_client_state(ckpt: LogicalCheckpoint, cache: FileCache) -> ClientStatePlan:
-    """Pick the client state an ``OUT.ckpt`` carries and check that ``torch.load`` with ``weights_only=True`` can read it.
+    """Pick the client state an ``OUT.ckpt`` carries and check that ``torch.load`` with ``weights_only=True`` can read
+    it.
 
     Reads pickle metadata only. Raises :class:`UnsafeCheckpointError` naming every value of another class."""
     source = _rank0_model_states(ckpt)

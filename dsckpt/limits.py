@@ -133,7 +133,8 @@ def regular_file(path: str | os.PathLike[str]) -> os.stat_result:
     try:
         st = os.stat(p)
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{p}: file not found" + (" (a dangling symlink)" if p.is_symlink() else "")) from e
+        raise CorruptCheckpointError(f"{p}: file not found"
+                                     + (" (a dangling symlink)" if p.is_symlink() else "")) from e
     except OSError as e:
         raise CorruptCheckpointError(f"{p}: cannot be read ({e.strerror or e})") from e
     if not stat.S_ISREG(st.st_mode):

@@ -381,7 +381,8 @@ def plan_merge_actions(ckpt: LogicalCheckpoint, cfg: AdapterConfig, base_names_s
     return actions, tuple(notes)
 
 
-def require_base_source(cfg: AdapterConfig, base: str | None, base_in_checkpoint: bool, ckpt: LogicalCheckpoint) -> None:
+def require_base_source(cfg: AdapterConfig, base: str | None, base_in_checkpoint: bool,
+                        ckpt: LogicalCheckpoint) -> None:
     """``--merge`` needs the base weights: ``--base``, or a checkpoint that holds the frozen base."""
     if base is None and not base_in_checkpoint:
         hint = f" (adapter_config.json names '{cfg.base_model}')" if cfg.base_model else ""

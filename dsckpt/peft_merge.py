@@ -79,7 +79,8 @@ class MergePlan:
     @property
     def output_nbytes_bound(self) -> int:
         hf = self.hf_files.nbytes if self.hf_files is not None else 0
-        return self.total_nbytes + hf + 4096 * len(self.shards.filenames) + sum(256 + 2 * len(s.name) for s in self.specs)
+        return (self.total_nbytes + hf + 4096 * len(self.shards.filenames)
+                + sum(256 + 2 * len(s.name) for s in self.specs))
 
 
 @dataclass(frozen=True)
@@ -205,9 +206,9 @@ def _merge_files(base_folder: Path, ckpt_root: Path, specs: list[TensorSpec]) ->
     if "config.json" not in seen:
         where = (f"'{base_folder}' has" if base_folder == ckpt_root else
                  f"neither '{base_folder}' nor '{ckpt_root}' has")
-        left.append(LeftOut(None, FileRole.MODEL_SIDE, f"{where} no config.json; AutoModelForCausalLM.from_pretrained(OUT) "
-                                                       "needs the base model's: copy it into OUT, or merge with "
-                                                       "--base BASE_DIR"))
+        left.append(LeftOut(None, FileRole.MODEL_SIDE, f"{where} no config.json; "
+                                                       "AutoModelForCausalLM.from_pretrained(OUT) needs the base "
+                                                       "model's: copy it into OUT, or merge with --base BASE_DIR"))
     return HfFilesPlan(base_folder, tuple(copies), tuple(left))
 
 

@@ -208,7 +208,8 @@ class RepairResult:
 # Gathering (I/O)
 
 
-def assess_damage(logical: LogicalCheckpoint, cache: FileCache, report: ScanReport) -> tuple[dict[str, Damage], list[str]]:
+def assess_damage(logical: LogicalCheckpoint, cache: FileCache,
+                  report: ScanReport) -> tuple[dict[str, Damage], list[str]]:
     """Full non-finite masks of every tensor the scan flagged, and descriptions of findings that no
     logical tensor owns (they cannot be repaired)."""
     names: list[str] = []
@@ -319,7 +320,8 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
     for name, d in damage.items():
         e = logical.entry(name)
         kind = stored_kind(e, Role.MODULE)
-        moment_bad = [e.pieces[i].role.value for i in d.piece_masks if e.pieces[i].role in (Role.EXP_AVG, Role.EXP_AVG_SQ)]
+        moment_bad = [e.pieces[i].role.value for i in d.piece_masks
+                      if e.pieces[i].role in (Role.EXP_AVG, Role.EXP_AVG_SQ)]
         if moment_bad:
             problems.append(f"{name}: non-finite values in its {' and '.join(sorted(set(moment_bad)))}; no source "
                             "holds optimizer moments")
@@ -332,7 +334,8 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             master_idx = next((i for i, p in enumerate(e.pieces) if p.role is Role.MASTER), None)
             if master_idx is None or name not in source.values:
                 problems.append(f"{name} ({kind.value}): has no fp32 master to repair from"
-                                + (" (buffers and frozen params never have one)" if kind is not StoredKind.PARAM else ""))
+                                + (" (buffers and frozen params never have one)"
+                                   if kind is not StoredKind.PARAM else ""))
                 continue
             if master_idx in d.piece_masks and bool(d.piece_masks[master_idx][indices].any()):
                 problems.append(f"{name} ({kind.value}): its fp32 master is non-finite too; give an fp32 source "

@@ -112,8 +112,9 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
     and its ``ds_config`` (enough for tests; stage-3 sub-groups are then assumed to be one per param
     group). When the save dir is a Hugging Face Trainer folder (``checkpoint-N/``) or an Accelerate
-    ``save_state`` folder and ``hf_files``, the plan also carries their files into OUT (:func:`dsckpt.hf.plan_resume_files`: names
-    listed from the folder, nothing opened), RNG states mapped to the new rank count.
+    ``save_state`` folder and ``hf_files``, the plan also carries their files into OUT
+    (:func:`dsckpt.hf.plan_resume_files`: names listed from the folder, nothing opened), RNG states mapped to the new
+    rank count.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -273,7 +273,8 @@ class _LegacyUnpickler(_AllowListed, pickle._Unpickler):  # type: ignore[name-de
         (n,) = struct.unpack("<Q", self.read(8))  # type: ignore[attr-defined]
         self.append(bytearray(self.read(n)))  # type: ignore[attr-defined]
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.BYTEARRAY8[0]: _load_bytearray8}  # type: ignore[attr-defined,dict-item]
+    dispatch: ClassVar = {**pickle._Unpickler.dispatch,  # type: ignore[attr-defined,dict-item]
+                          pickle.BYTEARRAY8[0]: _load_bytearray8}  # type: ignore[dict-item]
 
 
 def load(path: str | os.PathLike[str]) -> Any:

@@ -12,7 +12,7 @@ import os
 import pickle
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -49,7 +49,7 @@ class _Pickler(_PurePythonPickler):
             return
         super().save_global(obj, name)
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]  # private in typeshed
+    dispatch: ClassVar = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]  # private in typeshed
 
 
 def _dump(obj: Any, file: Any, protocol: int | None = None, **_: Any) -> None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     pass
 
-__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "AttributeDictStandIn", "DeepSpeedEnum", "DeepSpeedObject", "TorchDevice", "TorchDtype", "TorchSize", "stand_in_class", "to_torch_value", "torch_device", "torch_size"]
+__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "AttributeDictStandIn", "DeepSpeedEnum", "DeepSpeedObject", "TorchDevice",
+           "TorchDtype", "TorchSize", "stand_in_class", "to_torch_value", "torch_device", "torch_size"]
 
 # --------------------------------------------------------------------------------------------
 # Stand-ins for DeepSpeed's pickled classes

@@ -296,7 +296,7 @@ def open_state_dict(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, St
         if not isinstance(tree, Mapping):
             raise CorruptCheckpointError(f"{p}: expected a state dict (a mapping of tensors), found "
                                          f"{type(tree).__name__}")
-        cache._trees[p] = tree  # noqa: SLF001 - prime the parse cache with the tree we already have
+        cache._trees[p] = tree  # prime the parse cache with the tree we already have
         prefix, _ = _torch_root(tree)
         first_view: dict[tuple[Any, ...], str] = {}
         by_name: dict[str, TensorEntry] = {}

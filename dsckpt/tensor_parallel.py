@@ -4,21 +4,22 @@ Under tensor parallelism (DeepSpeed AutoTP, or Megatron-style models passed to D
 rank is an ordinary ZeRO / ``BF16_Optimizer`` checkpoint of its *local* slices, under the same param names on every
 rank (tests/fixtures/README.md, "AutoTP fixtures"). How the slices make the full tensor is recorded by the training
 code itself in ``universal_checkpoint_info`` (model-states files): category pattern lists (replicated, row-parallel,
-vocabulary, sub-params) and, for AutoTP 0.4, an ``affine_map`` per param (checked against the patterns, :func:`affine_disagreement`).
-:func:`tp_layout_from_record` turns that
+vocabulary, sub-params) and, for AutoTP 0.4, an ``affine_map`` per param (checked against the patterns,
+:func:`affine_disagreement`). :func:`tp_layout_from_record` turns that
 record plus every rank's local shapes into a :class:`~dsckpt.parallel_layout.TpLayout`: per param a
 :class:`~dsckpt.parallel_layout.ParamCut` (split kind, dim,
 per-rank widths of each sub-param, vocabulary rows kept). The merge rules are DeepSpeed 0.19.8's
 ``ds_to_universal.merge_tp_slices``; a split is never inferred from shapes.
 
 :meth:`~dsckpt.parallel_layout.ParamCut.rank_blocks` (the general vocabulary of cuts lives in
-:mod:`dsckpt.parallel_layout`, below every record that produces one) says where TP rank ``t``'s local flat elements land in the flattened full tensor as
-:class:`~dsckpt.parallel_layout.TpBlock` s, and :func:`compose` maps a reader's local :class:`~dsckpt.model.Fragment` through them. A
-row-parallel slice (split on dim 1) is strided in the full tensor; it becomes **one strided fragment**
-(``run_numel``/``dst_stride``, see :class:`~dsckpt.model.Fragment`) plus at most a partial head and tail run where a
-ZeRO partition boundary falls inside a row, instead of one fragment per row: a 70B model's row-parallel weights at
-TP 8 would otherwise carry ~65k fragments per tensor per stored copy (~40M in all), held for the whole run.
-Consumers that need contiguous runs expand one tensor's fragments at a time (:meth:`Fragment.runs`).
+:mod:`dsckpt.parallel_layout`, below every record that produces one) says where TP rank ``t``'s local flat elements
+land in the flattened full tensor as :class:`~dsckpt.parallel_layout.TpBlock` s, and :func:`compose` maps a reader's
+local :class:`~dsckpt.model.Fragment` through them. A row-parallel slice (split on dim 1) is strided in the full
+tensor; it becomes **one strided fragment** (``run_numel``/``dst_stride``, see :class:`~dsckpt.model.Fragment`)
+plus at most a partial head and tail run where a ZeRO partition boundary falls inside a row, instead of one fragment
+per row: a 70B model's row-parallel weights at TP 8 would otherwise carry ~65k fragments per tensor per stored copy
+(~40M in all), held for the whole run. Consumers that need contiguous runs expand one tensor's fragments at a time
+(:meth:`Fragment.runs`).
 
 Expert parallelism is described in the same vocabulary (:mod:`dsckpt.parallel_layout`, which holds the rank
 arithmetic of every parallel dimension): an expert-parallel rank's local experts are a dim-0 cut of a stacked
@@ -99,8 +100,9 @@ def _match(patterns: Sequence[str], name: str) -> str | None:
     return next((p for p in patterns if re.match(p, name)), None)
 
 
-def tp_layout_from_record(record: Mapping[str, Any] | None, name_to_rank_shapes: Mapping[str, Sequence[tuple[int, ...]]],
-                          *, where: str, buffers: frozenset[str] = frozenset()) -> TpLayout:
+def tp_layout_from_record(record: Mapping[str, Any] | None,
+                          name_to_rank_shapes: Mapping[str, Sequence[tuple[int, ...]]], *, where: str,
+                          buffers: frozenset[str] = frozenset()) -> TpLayout:
     """The :class:`TpLayout` of a TP checkpoint from its ``universal_checkpoint_info`` ``record`` and each param's
     local shape on every TP rank. ``buffers`` are replicated on every rank unless the record says otherwise.
 
@@ -151,8 +153,8 @@ def tp_layout_from_record(record: Mapping[str, Any] | None, name_to_rank_shapes:
     if problems:
         raise UnsupportedCheckpointError(
             f"{where}: the tensor-parallel record (universal_checkpoint_info) does not say how to rebuild "
-            f"{len(problems)} param(s): {'; '.join(problems[:6])}" + (f" and {len(problems) - 6} more" if len(problems) > 6
-                                                                       else "")
+            f"{len(problems)} param(s): {'; '.join(problems[:6])}"
+            + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
             + "; dsckpt does not guess splits from shapes, so nothing was read")
     return TpLayout(tp, source, cuts)
 
@@ -284,8 +286,8 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
     ds_to_universal cut them)."""
     src_tp = max(1, ckpt.tp_world_size)
     s = t if t < src_tp else 0
-    other_size = [f"{e.name} ({e.shape[0] + e.padding_rows} rows, {e.shape[0] + layout.name_to_cut[e.name].padding_rows}"
-                  " at the target)" for e in ckpt.entries
+    other_size = [f"{e.name} ({e.shape[0] + e.padding_rows} rows, "
+                  f"{e.shape[0] + layout.name_to_cut[e.name].padding_rows} at the target)" for e in ckpt.entries
                   if e.tied_to is None and layout.name_to_cut[e.name].padding_rows != e.padding_rows]
     if other_size:
         raise UnsupportedCheckpointError(
@@ -460,7 +462,8 @@ def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayo
             f"{_list(padded)} hold padding rows past the original vocabulary size, which a model at another TP size "
             "pads to a size only the model knows (Megatron: make_vocab_size_divisible_by x TP); changing the TP size "
             "of a padded vocabulary is not supported: write --universal and load it with "
-            "\"checkpoint\": {\"load_universal\": true} (DeepSpeed re-pads the vocabulary with zeros for the new model)")
+            "\"checkpoint\": {\"load_universal\": true} (DeepSpeed re-pads the vocabulary with zeros for the new "
+            "model)")
     if tp_size != 1:
         return target_layout(layout, tp_size, meta)
     cuts = {}

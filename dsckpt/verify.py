@@ -208,7 +208,8 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
                                                     workers=workers)
     problems += [Problem(Area.RECORDS, where, msg) for where, msg in record_problems]
     for f in report.findings:
-        problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}"))
+        problems.append(Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}",
+                                f"{f.check.value}: {f.describe()}"))
     problems += [Problem(Area.VALUES, name, msg)
                  for name, msg in replica_disagreements(ckpt, cache, workers=workers)]
     notes += audit.notes(ckpt.tag_dir)

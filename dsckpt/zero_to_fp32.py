@@ -522,9 +522,9 @@ def _write_torch(path: Path, plan: OutputPlan, file: OutputFile, ckpt: Checkpoin
 
 def run_output(plan: OutputPlan, ckpt: Checkpoint) -> list[Path]:
     """Write ``plan``'s files into its folder (created if missing; other files there are left alone, files of the
-    same names replaced with a warning, as DeepSpeed's converter replaces them). Each is written and re-opened in a temporary folder
-    beside them, every input record read is checked against its CRC-32, and only then are they moved into
-    place, the index last: a failure leaves ``output_dir`` as it was."""
+    same names replaced with a warning, as DeepSpeed's converter replaces them). Each is written and re-opened in a
+    temporary folder beside them, every input record read is checked against its CRC-32, and only then are they moved
+    into place, the index last: a failure leaves ``output_dir`` as it was."""
     from .atomic import fsync_dir, scratch_dir
 
     out = plan.output_dir

@@ -38,8 +38,8 @@ p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
 args = p.parse_args()
 
 import deepspeed  # noqa: E402
-from ds_launch import gloo_only, report_checks  # noqa: E402
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from ds_launch import gloo_only, report_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)

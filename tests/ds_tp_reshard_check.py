@@ -59,7 +59,7 @@ args = p.parse_args()
 
 
 import deepspeed  # noqa: E402
-from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # noqa: E402
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from ds_launch import gloo_only, logits_slack, report_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402

@@ -208,7 +208,7 @@ def deepspeed_cases(rng: random.Random, scale: float) -> Iterator[Case]:
             for region, spans in regs.items():
                 if not any(b > a for a, b in spans):
                     continue
-                for k in range(n_flip if region not in ("zipmeta", "legacy-count") else 2):
+                for _ in range(n_flip if region not in ("zipmeta", "legacy-count") else 2):
                     off = _pick(rng, spans)
                     seed = rng.randrange(1 << 30)
 

@@ -45,7 +45,9 @@ fixture_dir = os.path.join(HERE, "fixtures", "peft" if is_peft else "", args.nam
 truth = load_file(os.path.join(fixture_dir, "truth.safetensors"))
 class Probe(TrainerCallback):
     trainer = None
-    report: dict = {}
+
+    def __init__(self) -> None:
+        self.report: dict = {}
 
     def on_step_begin(self, args_, state, control, **kw):
         if self.report:

@@ -459,7 +459,7 @@ def run_subprocess(argv: list[str], env: dict[str, str]) -> Result:
         with open(Path(tmp) / "out", "w+b") as out, open(Path(tmp) / "err", "w+b") as err:
             start = time.monotonic()
             proc = subprocess.Popen([*timed, sys.executable, "-m", "dsckpt", *argv], stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, env=env, preexec_fn=_limits,  # noqa: PLW1509 (setrlimit only)
+                                    stdin=subprocess.DEVNULL, env=env, preexec_fn=_limits,  # setrlimit only
                                     start_new_session=True)
             try:
                 code = proc.wait(timeout=WALL_S)

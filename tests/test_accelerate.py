@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import FIXTURES
 from ds_launch import DEEPSPEED, run_deepspeed
+
 from dsckpt import safe_load
 from dsckpt.cli import main
 from dsckpt.hf import FileRole, is_accelerate_folder, is_hf_folder, plan_resume_files

@@ -524,7 +524,7 @@ def ds_moe_ep_runs(tmp_path_factory):
         pytest.skip("deepspeed launcher not installed")
     base = tmp_path_factory.mktemp("ds_moe_ep")
     pairs = []
-    for i, (world, ep) in enumerate([(4, 1), (4, 4)]):
+    for world, ep in [(4, 1), (4, 4)]:
         _moe_reshard(MOE_DIR / "moe_s2_bf16_w2_ep2" / "ckpt", base / f"ep{ep}", world, ep)
         pairs.append(f"moe_s2_bf16_w2_ep2={base / f'ep{ep}'}")
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=900)

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import all_fixtures, ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from conftest import all_fixtures, ids
 from dsckpt import open_checkpoint
 from dsckpt.binding import AmbiguousBindingError, Slot, order_candidates, resolve
 from dsckpt.cli import main

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import all_fixtures
+from scan_helpers import copy_fixture, plant
+
 from dsckpt.cli import main
 from dsckpt.layout import Owner, key_owner
 from dsckpt.model import Role
-from dsckpt.stand_ins import DeepSpeedObject
 from dsckpt.scan import StoredKind, nonfinite_scalars, scan
+from dsckpt.stand_ins import DeepSpeedObject
 from dsckpt.verify import verify
-from scan_helpers import copy_fixture, plant
 
 FX = next(f for f in all_fixtures() if f.name == "s2_bf16_w2_clientstate")
 MS = "mp_rank_00_model_states.pt"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import FIXTURES, fixtures_where, tree_digest
+
 from dsckpt.cli import main
 
 

@@ -26,7 +26,7 @@ from dsckpt.readers import read_checkpoint
 from dsckpt.writers.safetensors import TensorSpec, plan_shards
 
 sys.path.insert(0, str(FIXTURES))
-import hf_models as hm  # noqa: E402
+import hf_models as hm
 
 sys.path.remove(str(FIXTURES))
 

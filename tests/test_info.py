@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import all_fixtures, ids
+
 from dsckpt.cli import main
 
 FIXTURES = all_fixtures()

@@ -17,13 +17,14 @@ from conftest import FIXTURES
 from dsckpt.parallel_layout import (
     ParallelLayout,
     RankCoordinate,
+    SplitKind,
+    TpBlock,
     expert_cut,
     expert_owner,
     global_expert_id,
     global_expert_name,
     local_expert_name,
 )
-from dsckpt.parallel_layout import SplitKind, TpBlock
 from dsckpt.tensor_parallel import tp_layout_from_record
 
 # (dp, ep) with ep dividing dp

@@ -29,7 +29,7 @@ from dsckpt.peft import adapter_key, base_name, plan_merge_actions, read_adapter
 from dsckpt.readers import read_checkpoint
 
 sys.path.insert(0, str(FIXTURES))
-import peft_models as pm  # noqa: E402
+import peft_models as pm
 
 sys.path.remove(str(FIXTURES))
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import FIXTURES, all_fixtures, tree_digest
+
 from dsckpt.cli import main
 from dsckpt.errors import UsageError
 from dsckpt.layout import RunFolderKind, choose_in_run_folder, find_tag_dir, resolve_run_folder

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import save_file
-
 from conftest import all_fixtures, ids
+from safetensors.torch import save_file
+from scan_helpers import copy_fixture, plant
+
 from dsckpt import parsed_tree
 from dsckpt.cli import main
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Precision, Role
 from dsckpt.scan import Check, StoredKind, open_target, plan_scan, prepare_scan, run_scan, scan
-from scan_helpers import copy_fixture, plant
 
 FIXTURES = all_fixtures()
 # fp16 fixtures whose BatchNorm running_var (buffer_dtype fp16) overflowed in DeepSpeed training: GPU-made

@@ -26,12 +26,12 @@ from dsckpt.cli import main
 from dsckpt.errors import UnsupportedCheckpointError
 from dsckpt.layout import classify_files, find_tag_dir
 from dsckpt.model import Fragment, Role
+from dsckpt.parallel_layout import ParamCut, SplitKind
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.readers.common import lookup
 from dsckpt.readers.tensor_parallel import rank_files
 from dsckpt.readers.zero12 import read_zero12
 from dsckpt.scan import scan
-from dsckpt.parallel_layout import ParamCut, SplitKind
 from dsckpt.tensor_parallel import compose, tp_layout_from_record
 
 ROLE_KEY = {Role.MASTER: "fp32", Role.EXP_AVG: "exp_avg", Role.EXP_AVG_SQ: "exp_avg_sq"}

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import all_fixtures, fixtures_where, ids, tree_digest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import all_fixtures, fixtures_where, ids, tree_digest
 from dsckpt import open_checkpoint, to_fp32
 from dsckpt.cli import main
 from dsckpt.model import Kind, Role

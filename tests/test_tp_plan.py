@@ -22,8 +22,8 @@ from test_tensor_parallel import make_cut
 from dsckpt.chunks import fragment_views, place, plan_piece_chunks
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Fragment, Piece, Role, contiguous_fragments
-from dsckpt.readers import FileCache
 from dsckpt.parallel_layout import ParamCut, SplitKind, TpBlock
+from dsckpt.readers import FileCache
 from dsckpt.tensor_parallel import _local_fragments, compose
 
 

@@ -8,14 +8,13 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import all_fixtures, fixtures_where, ids, tree_digest
+from scan_helpers import copy_fixture, plant
+
 from dsckpt.cli import main
 from dsckpt.model import Role
 from dsckpt.readers.same_save import same_save_problems
 from dsckpt.verify import Area, verify
-from scan_helpers import copy_fixture, plant
-
 
 
 def _nonfinite_by_design(fx) -> bool:

@@ -271,7 +271,8 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     if plan.zero_stage == 0:
         from .stage0 import stage0_model_trees
 
-        return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)), *_copied(plan, tag_dir, cache)]
+        return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)),
+                *_copied(plan, tag_dir, cache)]
     src0 = cache.tree(plan.source_optim_files[0])
     same_family = (plan.from_stage == 3) == (plan.zero_stage == 3) and plan.from_wrapper == plan.optimizer_wrapper
     scalars = None if same_family else optimizer_scalars(src0, plan.from_stage)

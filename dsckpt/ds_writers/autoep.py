@@ -188,7 +188,8 @@ def retarget_tree(name: str, tree: Mapping[str, Any], plan: Any) -> dict[str, An
                        else pg) for pg in base["param_groups"]]
             osd[inner_key] = {**base, "param_groups": groups}
         if zero3 and "fp32_flat_groups" in osd:
-            # stage3.py _rigid_state_dict's key order: ... partition_count, ds_zero_partition_groups, optimizer_state_dict
+            # stage3.py _rigid_state_dict's key order: ... partition_count, ds_zero_partition_groups,
+            # optimizer_state_dict
             groups = partition_groups(plan, rank)
             osd = {k: v for k, v in osd.items() if k != "ds_zero_partition_groups"}
             keys = list(osd)

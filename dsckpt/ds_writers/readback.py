@@ -38,7 +38,8 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
     if (new.dp_world_size, max(1, new.tp_world_size)) != (plan.world_size, plan.tp_size):
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint records dp_world_size={new.dp_world_size} and "
-            f"tensor parallelism {new.tp_world_size}, expected {plan.world_size} and {plan.tp_size}; nothing was written")
+            f"tensor parallelism {new.tp_world_size}, expected {plan.world_size} and {plan.tp_size}; "
+            "nothing was written")
     if (source_layout_stage(new), new.optimizer_wrapper) != (plan.zero_stage, plan.optimizer_wrapper):
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
@@ -50,8 +51,8 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
                         full: bool, padding: bool = True) -> int:
     """Compare every stored copy (master, moments, module) of every tensor of ``new`` with ``src``, vocabulary
     padding rows included (:attr:`~dsckpt.model.TensorEntry.padding`; not with ``padding=False``: a universal
-    folder, which keeps none) (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError` listing what
-    differs. Returns the number of copies compared."""
+    folder, which keeps none) (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError`
+    listing what differs. Returns the number of copies compared."""
     from ..writers.torch_stream import element_nbytes
 
     src_entries = entries_by_name(src)

@@ -149,8 +149,9 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     if ckpt.moe is not None and common.get("moe_ep_size") is None:
         notes.append(moe_note(ckpt, world, len(copied)))
     elif ckpt.moe is not None:
-        notes.append(f"Mixture of Experts: expert-parallel size changed to {common['moe_ep_size']} (expert-data-parallel "
-                     f"{world // common['moe_ep_size']}); the {len(copied)} per-expert files are copied unchanged")
+        notes.append(f"Mixture of Experts: expert-parallel size changed to {common['moe_ep_size']} "
+                     f"(expert-data-parallel {world // common['moe_ep_size']}); the {len(copied)} per-expert files "
+                     "are copied unchanged")
     if ckpt.autoep is not None:
         copied = ckpt.autoep.expert_files
         ae, tgt = ckpt.autoep, common["autoep"]

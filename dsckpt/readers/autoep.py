@@ -227,7 +227,8 @@ def placeholder_router_aliases(module: Mapping[str, Any], entries: Mapping[str, 
     return out
 
 
-def entry_order(entries: Mapping[str, TensorEntry], module_names: list[str], layers: Sequence[AutoEpLayer]) -> list[TensorEntry]:
+def entry_order(entries: Mapping[str, TensorEntry], module_names: list[str],
+                layers: Sequence[AutoEpLayer]) -> list[TensorEntry]:
     """The engine's state-dict order: each layer's expert params right after the last module name of that layer
     (the router and its alias), as ``AutoEPMoELayer`` registers ``router`` before ``experts``."""
     names = [n for n in module_names if n in entries]
@@ -403,7 +404,8 @@ def _prove_expert_binding(files: CheckpointFiles, cache: FileCache, entries: Seq
         agree = compared = 0
         for f in master.fragments:
             k = min(f.numel, PROOF_WINDOW_NUMEL)
-            for src, dst in sorted({(f.src_offset, f.dst_offset), (f.src_offset + f.numel - k, f.dst_offset + f.numel - k)}):
+            ends = {(f.src_offset, f.dst_offset), (f.src_offset + f.numel - k, f.dst_offset + f.numel - k)}
+            for src, dst in sorted(ends):
                 c = next((c for c in copy.fragments if c.dst_offset <= dst and dst + k <= c.dst_offset + c.numel), None)
                 if c is None:  # the window spans two expert files: compare its first expert's part
                     c = next(c for c in copy.fragments if c.dst_offset <= dst < c.dst_offset + c.numel)
@@ -463,7 +465,7 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                                        stage=3, preset=_preset(cfg))
     # each rank's own record: its EP rank (the same for every layer), and the same placement as rank 0's
     ep_rank_of: list[int] = []
-    for r, mp in enumerate(model_paths):
+    for mp in model_paths:
         rec = cache.tree(mp).get("ds_autoep_layers")
         eps = {int(e.get("ep_rank", -1)) for e in rec} if isinstance(rec, list) and all(
             isinstance(e, Mapping) for e in rec) else set()

@@ -33,7 +33,8 @@ from .common import (
     step_of,
 )
 
-__all__ = ["ExpertGroups", "GroupPartitions", "group_partitions", "read_expert_groups", "module_side_entries", "read_zero12", "zero12_param_entries"]
+__all__ = ["ExpertGroups", "GroupPartitions", "group_partitions", "read_expert_groups", "module_side_entries",
+           "read_zero12", "zero12_param_entries"]
 
 
 
@@ -122,8 +123,8 @@ class ExpertGroups:
         return step_of(self.osd0["base_optimizer_state"].get("state"))
 
 
-def read_expert_groups(optim_files: list[Path], cache: FileCache, ms: Mapping[str, Any], ms_path: Path, tag_dir: Path, *,
-                  what: str) -> ExpertGroups:
+def read_expert_groups(optim_files: list[Path], cache: FileCache, ms: Mapping[str, Any], ms_path: Path,
+                       tag_dir: Path, *, what: str) -> ExpertGroups:
     """Open and cross-check the ZeRO-1/2 groups of a ``what`` ("Mixture-of-Experts", "AutoEP") save. Refuses
     ``BF16_Optimizer`` files (no ``zero_stage``), whose expert groups are not read."""
     osd0 = cache.tree(optim_files[0]).get(OSD)
@@ -302,7 +303,8 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 )
     excluded_ties: list[tuple[str, str]] = []
     entries = module_side_entries(ms_path, ms, meta.buffer_names, trainable, excluded_ties)
-    sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)), None)
+    sample = next((r.dtype_name for r in module.values() if isinstance(r, TensorRef) and is_floating(r.dtype_name)),
+                  None)
     wrapper = "BF16_Optimizer" if is_bf16_optimizer else "DeepSpeedZeroOptimizer"
     base = osd0.get("base_optimizer_state")
     return LogicalCheckpoint(

@@ -429,7 +429,7 @@ class _ZipStream:
         reader = threading.Thread(target=produce, name="dsckpt-read", daemon=True)
         reader.start()
         try:
-            for name, extents, nbytes in storages:
+            for name, _extents, nbytes in storages:
                 entry = self._begin(name, nbytes)
                 written = 0
                 while True:
@@ -508,7 +508,8 @@ def write_torch_tree(path: str | os.PathLike[str], tree: Any, *,
     """Write ``tree`` to ``path`` atomically in ``torch.save``'s zip format, one storage at a time.
 
     Tensor leaves are described in the module docstring. Storages are written in the order the
-    pickle first meets them, as ``torch.save`` does. Memory: :data:`BUFFERS` buffers of ``buffer_nbytes`` (default :data:`COPY_CHUNK_NBYTES`).
+    pickle first meets them, as ``torch.save`` does. Memory: :data:`BUFFERS` buffers of ``buffer_nbytes`` (default
+    :data:`COPY_CHUNK_NBYTES`).
     ``fsync=False``: the file is not fsync'd before its rename (:func:`~dsckpt.atomic.atomic_file`; the
     caller fsyncs it later, or it is not crash-durable). ``writeback=False``: the kernel's write-back is
     not started every :data:`WRITEBACK_KICK_NBYTES` (it only serves an fsync to come). ``make_parent`` and
