@@ -115,7 +115,7 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
     array. Scans the first pickle only (up to STOP)."""
     lim = limits.current()
     max_nbytes, max_objects, max_str = lim.max_parsed_nbytes, lim.max_objects, lim.max_str_nbytes
-    raw = bytes(data)
+    raw = data if isinstance(data, bytes) else bytes(data)
     mv = memoryview(raw)
     end = len(mv)
     ops = _OPS
