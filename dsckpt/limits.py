@@ -29,8 +29,8 @@ from pathlib import Path
 
 from .errors import CorruptCheckpointError, UsageError
 
-__all__ = ["LIMITS_ENV", "LimitExceededError", "ReadLimits", "charge_parsed", "current", "exceeded", "open_regular",
-           "parsing", "read_small_file", "regular_file", "same_file"]
+__all__ = ["LIMITS_ENV", "LimitExceededError", "ReadLimits", "charge_parsed", "current", "exceeded", "open_parsed",
+           "open_regular", "parsing", "read_small_file", "regular_file", "remember_parsed"]
 
 LIMITS_ENV = "DSCKPT_LIMITS"
 
@@ -222,13 +222,37 @@ def read_small_file(path: str | os.PathLike[str]) -> bytes:
         os.close(fd)
 
 
-def same_file(fd: int, path: str | os.PathLike[str], parsed: os.stat_result) -> None:
-    """Refuse ``fd`` (just opened from ``path``) unless it is the regular file ``parsed`` described when ``path``
-    was parsed (same device and inode): a file swapped in between is not read, and a FIFO never blocks."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptCheckpointError(f"{path}: is {_kind(st.st_mode)} now, not the regular file that was parsed; "
-                                     "the checkpoint changed while it was read — run the command again")
-    if (st.st_dev, st.st_ino) != (parsed.st_dev, parsed.st_ino):
-        raise CorruptCheckpointError(f"{path}: is another file than the one parsed (it was replaced while it was "
-                                     "read); the checkpoint changed under the command — run it again")
+
+# path -> (device, inode) of every file parsed: what a later read of its tensors must find there
+_parsed_ids: dict[str, tuple[int, int]] = {}
+
+
+def remember_parsed(path: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Record that ``path`` was parsed as the regular file ``st`` (``os.fstat`` of the descriptor it was parsed
+    from), for :func:`open_parsed`."""
+    _parsed_ids[os.fspath(path)] = (st.st_dev, st.st_ino)
+
+
+def open_parsed(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of ``path`` for reading the tensors of a parsed file: opened without blocking (a FIFO
+    swapped in since never blocks), then ``fstat`` of the descriptor must show the regular file that was parsed
+    (same device and inode, :func:`remember_parsed`); anything else is refused (exit 3). The caller closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e}); it was there when it was "
+                                     "parsed — the checkpoint changed while it was read, run the command again") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path}: is {_kind(st.st_mode)} now, not the regular file that was parsed; "
+                                         "the checkpoint changed while it was read — run the command again")
+        known = _parsed_ids.get(os.fspath(path))
+        if known is not None and known != (st.st_dev, st.st_ino):
+            raise CorruptCheckpointError(f"{path}: is another file than the one parsed (replaced while it was read); "
+                                         "the checkpoint changed under the command — run it again")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

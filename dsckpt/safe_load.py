@@ -332,6 +332,7 @@ def load_with_info(path: str | os.PathLike[str]) -> tuple[Any, FileInfo]:
     p = Path(path)
     try:
         with os.fdopen(limits.open_regular(p), "rb") as f:
+            limits.remember_parsed(p, os.fstat(f.fileno()))
             head = f.read(4)
             if head[:2] == b"PK":
                 obj, info = _load_zip(p, f)

@@ -304,6 +304,7 @@ VERIFY = ("verify", "{ckpt}")
 INFO = ("info", "{ckpt}")
 DIFF = ("diff", "{ckpt}", "{ckpt}")
 SCAN = ("scan", "-q", "{ckpt}")
+REPAIR = ("repair", "-q", "--whole-tensor", "--from", "master", "{ckpt}", "{out}/repaired")
 
 
 def _refused(*argvs: tuple[str, ...], phrases: tuple[str, ...]) -> tuple[Run, ...]:
@@ -390,6 +391,16 @@ def _ds_version_everywhere(value: Any) -> Callable[[Path], Path]:
         for f in sorted(_tag(ckpt).glob("*.pt")):
             edit_torch_file(f, edit)
         return _model_states(ckpt, ZERO2)
+
+    return build
+
+
+def _ds_version_in_optimizer_state(value: Any) -> Callable[[Path], Path]:
+    def build(ckpt: Path) -> Path:
+        def edit(tree: Any) -> None:
+            tree["optimizer_state_dict"]["ds_version"] = value
+
+        return edit_torch_file(_optim(ckpt, 0, ZERO3), edit)
 
     return build
 
@@ -484,7 +495,15 @@ def cases() -> list[Case]:
         _refused(INFO, phrases=("does not hold a tag folder name", "chars)")))
     add("ds-version-not-a-string", "message", ZERO2, "ds_version an int (19) in every file, as DeepSpeed's loader "
         "cannot parse", _ds_version_everywhere(19), (Run(VERIFY, 1, ("not a version DeepSpeed can parse",)),
-                                                   Run(TO_FP32, 0, same_as_clean=True)))
+                                                   Run(TO_FP32, 0, same_as_clean=True),
+                                                   *_refused(RESHARD, REPAIR, phrases=(
+                                                       "ds_version = 19 (int)", "not a version DeepSpeed can parse",
+                                                       "nothing was written"))))
+    add("ds-version-in-optimizer-state", "message", ZERO3, "the optimizer state's own ds_version '0.19.8; rm -rf' in "
+        "rank 0's file (the top-level one intact)", _ds_version_in_optimizer_state("0.19.8; rm -rf"),
+        (Run(VERIFY, 1, ("optimizer_state_dict.ds_version",)),
+         *_refused(("reshard", "-q", "-n", "4", "{ckpt}", "{out}/resharded"), REPAIR,
+                   phrases=("optimizer_state_dict.ds_version", "not a version DeepSpeed can parse"))))
     add("long-name", "message", ZERO2, "a 1 MB param name in param_shapes",
         lambda c: edit_torch_file(_model_states(c, ZERO2), _edit_param_shapes(_first_renamed("n" * 1_000_000))),
         _refused(TO_FP32, phrases=("chars)",)))

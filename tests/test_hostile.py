@@ -155,3 +155,30 @@ def test_ds_version_must_parse_as_packaging_does(version, ok):
     except (InvalidVersion, TypeError):
         parsed = False
     assert is_pep440(version) is ok is parsed
+
+
+@pytest.mark.parametrize("swap", ["fifo", "other-file"])
+def test_a_file_swapped_after_it_was_parsed_is_not_read(tmp_path, swap):
+    """Tensor reads open the file again: fstat of that descriptor must show the regular file that was parsed (same
+    device and inode). A FIFO swapped in does not block; another file (a copy) is not read as this one."""
+    import shutil
+    import time
+
+    from conftest import FIXTURES
+
+    from dsckpt import safe_load
+
+    src = FIXTURES / "s2_bf16_w2_2groups" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"
+    path = tmp_path / src.name
+    shutil.copyfile(src, path)
+    _, ref = parsed_tree.walk_tensors(safe_load.load(path))[0]
+    ref.read_numpy()  # the file that was parsed: read
+    path.rename(tmp_path / "moved.pt")
+    if swap == "fifo":
+        os.mkfifo(path)
+    else:
+        shutil.copyfile(tmp_path / "moved.pt", path)
+    start = time.monotonic()
+    with pytest.raises(CorruptCheckpointError, match="a FIFO" if swap == "fifo" else "another file than the one parsed"):
+        ref.read_numpy()
+    assert time.monotonic() - start < 5

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import limits
 from ..stand_ins import DeepSpeedObject
 from ..tensor_ref import TensorRef
 
@@ -253,7 +254,7 @@ def _read_elements(piece: Any, lo: int, hi: int, cache: Any, fds: dict[Path, int
             return None  # the readers refuse this with a message of their own
         fd = fds.get(f.file)
         if fd is None:
-            fd = fds[f.file] = os.open(f.file, os.O_RDONLY)
+            fd = fds[f.file] = limits.open_parsed(f.file)
         nbytes = (b - a) * dtype.itemsize
         raw = os.pread(fd, nbytes, ref.storage.file_offset + first * dtype.itemsize)
         if len(raw) != nbytes:
