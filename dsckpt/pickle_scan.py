@@ -100,6 +100,7 @@ _op(b"r", _PUT, 4)
 _op(b"\x94", _MEMOIZE)
 _op(b"\x80", _SKIP, 1)  # PROTO
 _op(b"\x95", _FRAME, 8)
+_OPS_BY_CODE: tuple[tuple[int, int, object] | None, ...] = tuple(_OPS.get(c) for c in range(256))
 # Protocol 0 opcodes with a text argument ending in a newline: handled by _line_op.
 _LINE_OPS = {ord(c): k for c, k in [("I", "obj"), ("F", "obj"), ("L", "long"), ("S", "str"), ("V", "str"),
                                      ("g", "get"), ("p", "put"), ("P", "persid"), ("c", "global"),
@@ -116,9 +117,8 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
     lim = limits.current()
     max_nbytes, max_objects, max_str = lim.max_parsed_nbytes, lim.max_objects, lim.max_str_nbytes
     raw = data if isinstance(data, bytes) else bytes(data)
-    mv = memoryview(raw)
-    end = len(mv)
-    ops = _OPS
+    end = len(raw)
+    ops = _OPS_BY_CODE
     unpack_from = struct.unpack_from
     nbytes = 0
     objects = 0
@@ -132,27 +132,27 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
     stopped = False
     check_at = 1 << 16  # compare with the budgets every so many bytes of pickle (and at the end)
     while pos < end:
-        code = mv[pos]
+        code = raw[pos]
         pos += 1
-        spec = ops.get(code)
+        spec = ops[code]
         if spec is None:
             if code not in _LINE_OPS:
                 break  # not an opcode: the unpickler refuses it here
-            nl = bytes(mv[pos:pos + (1 << 20)]).find(b"\n")
+            nl = raw.find(b"\n", pos, pos + (1 << 20))
             if nl < 0:
                 break
             line_kind = _LINE_OPS[code]
-            arg_len = nl
-            pos += nl + 1
+            arg_len = nl - pos
+            pos = nl + 1
             if line_kind in ("global", "inst"):
-                nl2 = bytes(mv[pos:pos + (1 << 20)]).find(b"\n")
-                if nl2 < 0:
+                nl = raw.find(b"\n", pos, pos + (1 << 20))
+                if nl < 0:
                     break
-                pos += nl2 + 1
+                pos = nl + 1
             if line_kind == "put":
                 memo_count += 1
                 try:
-                    memo_top = max(memo_top, int(bytes(mv[pos - arg_len - 1:pos - 1])))
+                    memo_top = max(memo_top, int(raw[pos - arg_len - 1:pos - 1]))
                 except ValueError:
                     break
             elif line_kind == "inst":
@@ -172,32 +172,34 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
                 nbytes += (_STR if line_kind == "str" else _NUMBER) + arg_len
             continue
         kind, nargs, extra = spec
-        if kind == _PUSH:
-            depth += 1
-            pos += nargs
-            # A run of one reference repeated ("h\x01" x 10^7, or "h\x01a": appended each time) is counted at
-            # the speed of comparing bytes, not one loop per opcode.
-            unit = raw[pos - nargs - 1:pos]
-            if raw.startswith(unit, pos):
-                n, pos = _repeats(raw, pos, unit)
-                depth += n
-            elif raw.startswith(unit + b"a", pos - nargs - 1) and raw.startswith(unit + b"a", pos + 1):
-                n, pos = _repeats(raw, pos + 1, unit + b"a")
-                nbytes += (n + 1) * _LIST_SLOT
-                depth -= 1
-        elif kind == _APPENDS or kind == _SETITEMS or kind == _ADDITEMS:
-            mark = marks.pop() if marks else 0
-            n = depth - mark
-            depth = mark
-            nbytes += n * (_LIST_SLOT if kind == _APPENDS else _DICT_ITEM // 2 if kind == _SETITEMS else _SET_ITEM)
-        elif kind == _PUT:
-            idx = mv[pos] if nargs == 1 else unpack_from("<I", mv, pos)[0]
+        if kind == _PUT:
+            idx = raw[pos] if nargs == 1 else unpack_from("<I", raw, pos)[0]
             pos += nargs
             memo_count += 1
             if idx > memo_top:
                 memo_top = idx
                 if (memo_top + 1) * _MEMO_SLOT > max_nbytes and not dict_memo:
                     raise limits.exceeded(where, f"a pickle memo index of {idx}", None, "max_parsed_nbytes")
+            continue
+        if kind == _PUSH:
+            depth += 1
+            pos += nargs
+            # A run of one reference repeated ("h\x01" x 10^7, or "h\x01a": appended each time) is counted at
+            # the speed of comparing bytes, not one loop per opcode.
+            if pos < end and raw[pos] in (code, 97):  # the same opcode again, or APPEND ("a")
+                unit = raw[pos - nargs - 1:pos]
+                if raw.startswith(unit, pos):
+                    n, pos = _repeats(raw, pos, unit)
+                    depth += n
+                elif raw.startswith(unit, pos + 1) and raw.startswith(unit + b"a", pos + 1):
+                    n, pos = _repeats(raw, pos + 1, unit + b"a")
+                    nbytes += (n + 1) * _LIST_SLOT
+                    depth -= 1
+        elif kind == _APPENDS or kind == _SETITEMS or kind == _ADDITEMS:
+            mark = marks.pop() if marks else 0
+            n = depth - mark
+            depth = mark
+            nbytes += n * (_LIST_SLOT if kind == _APPENDS else _DICT_ITEM // 2 if kind == _SETITEMS else _SET_ITEM)
         elif kind == _MEMOIZE:
             memo_count += 1
             memo_top = max(memo_top, memo_count - 1)
@@ -211,7 +213,7 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
             size = struct.calcsize(fmt)
             if pos + size > end:
                 break
-            (n,) = unpack_from(fmt, mv, pos)
+            (n,) = unpack_from(fmt, raw, pos)
             pos += size + n
             if pos > end:
                 break  # the unpickler refuses a length past the end
@@ -261,7 +263,8 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
             break
         else:  # _SKIP, _FRAME
             pos += nargs
-        high = max(high, depth)
+        if depth > high:  # noqa: PLR1730 (max() is a call: this runs for every opcode)
+            high = depth
         if pos >= check_at:
             check_at = pos + (1 << 16)
             _check(where, objects, nbytes + _overhead(high + high_marks, memo_top, memo_count, dict_memo), max_objects, max_nbytes)
