@@ -395,6 +395,15 @@ def _ds_version_everywhere(value: Any) -> Callable[[Path], Path]:
     return build
 
 
+def _in_every_file(edit: Callable[[Any], Any]) -> Callable[[Path], Path]:
+    def build(ckpt: Path) -> Path:
+        for f in sorted(_tag(ckpt).glob("*.pt")):
+            edit_torch_file(f, edit)
+        return _model_states(ckpt, ZERO2)
+
+    return build
+
+
 def _ds_version_in_optimizer_state(value: Any) -> Callable[[Path], Path]:
     def build(ckpt: Path) -> Path:
         def edit(tree: Any) -> None:
@@ -540,6 +549,11 @@ def cases() -> list[Case]:
         lambda c: edit_torch_file(ms(c, ZERO2), _legitimately_shared),
         (Run(INFO, 0), Run(VERIFY, 0), Run(SCAN, 0), Run(TO_FP32, 0, same_as_clean=True), Run(RESHARD, 0)),
         limited=True, once=True)
+    add("shared-in-ds-config", "hang", ZERO2, "ds_config of every file holding a list of 2,000 references to one list "
+        "of 1,000 floats (2 million paths, within every budget; compared across files)",
+        _in_every_file(lambda t: t["ds_config"].__setitem__("hostile", [[0.5] * 1000] * 2000) if "ds_config" in t
+                       else None), (Run(INFO, 0), Run(VERIFY, 0), Run(TO_FP32, 0, same_as_clean=True)), limited=True,
+        once=True)
     # ---- what a pickle builds, bounded before it is built (the opcode pre-scan)
     add("empty-lists-flood", "memory", ZERO2, "client state: 4x10^6 empty lists (one opcode each: 4 MB pickled, "
         "~350 MB built)", lambda c: splice(ms(c, ZERO2), b"](" + b"]" * 4_000_000 + b"e"),
