@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import limits
 from .dtypes import DTYPES
 from .errors import CorruptCheckpointError
 from .model import Fragment, Piece
@@ -184,7 +185,7 @@ def _gather(item: GatherRead, out: np.ndarray) -> np.ndarray:
             path = ref.storage.path
             fd = fds.get(path)
             if fd is None:
-                fd = fds[path] = os.open(path, os.O_RDONLY)
+                fd = fds[path] = limits.open_parsed(path)
             if not frag.strided:
                 s, e = max(lo, frag.dst_offset), min(hi, frag.dst_offset + frag.numel)
                 if s < e:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import limits
 from .errors import CorruptCheckpointError
 
 __all__ = [
@@ -260,7 +261,7 @@ class RecordCheck:
             return 0
         own = fd is None
         if own:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = limits.open_parsed(self.path)
         assert fd is not None
         buf = buffer if buffer is not None else memoryview(bytearray(FINISH_CHUNK_NBYTES))
         read = 0
@@ -303,7 +304,7 @@ def finish(checks: Iterable[RecordCheck | None]) -> int:
             for c in sorted(cs, key=lambda c: c.data_offset):
                 if c.touched and not c.done:
                     if fd is None:
-                        fd = os.open(path, os.O_RDONLY)
+                        fd = limits.open_parsed(path)
                     try:
                         c.finish(fd, buffer=buf)
                     except CorruptCheckpointError as e:

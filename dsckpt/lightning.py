@@ -86,7 +86,12 @@ def _rank0_model_states(ckpt: LogicalCheckpoint) -> Path:
         "write .safetensors or .pt instead, or pass --no-client-state")
 
 
-def _refused(obj: Any, key: tuple[Any, ...], out: list[str]) -> None:
+def _refused(obj: Any, key: tuple[Any, ...], out: list[str], seen: set[int]) -> None:
+    """What in ``obj`` Lightning's ``weights_only`` load refuses; a container shared by several places (the pickle
+    memo) is looked at once, under the first path that reaches it."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
     where = "".join(f"[{k!r}]" for k in key)
     if isinstance(obj, DeepSpeedObject):
         out.append(f"{obj.ds_module}.{obj.ds_name} at {where}")
@@ -96,10 +101,10 @@ def _refused(obj: Any, key: tuple[Any, ...], out: list[str]) -> None:
         for k, v in obj.items():
             if not isinstance(k, _PLAIN):
                 out.append(f"{type(k).__module__}.{type(k).__qualname__} (a key) at {where}")
-            _refused(v, (*key, k), out)
+            _refused(v, (*key, k), out, seen)
     elif type(obj) in (list, tuple, set, frozenset):
         for i, v in enumerate(obj):
-            _refused(v, (*key, i), out)
+            _refused(v, (*key, i), out, seen)
     elif not isinstance(obj, _PLAIN):
         out.append(f"{type(obj).__module__}.{type(obj).__qualname__} at {where}")
 
@@ -114,11 +119,12 @@ def plan_client_state(ckpt: LogicalCheckpoint, cache: FileCache) -> ClientStateP
     keys = tuple(k for k in tree if k not in CONVERTER_DROPPED_KEYS and k != "state_dict")
     dropped = tuple(k for k in tree if k in CONVERTER_DROPPED_KEYS)
     bad: list[str] = []
+    seen: set[int] = set()
     for k in keys:
         if not isinstance(k, str):
             bad.append(f"{type(k).__module__}.{type(k).__qualname__} (a top-level key)")
         else:
-            _refused(tree[k], (k,), bad)
+            _refused(tree[k], (k,), bad, seen)
     if bad:
         raise UnsafeCheckpointError(
             f"{source}: the client state holds {'; '.join(bad[:5])}"
@@ -130,19 +136,27 @@ def plan_client_state(ckpt: LogicalCheckpoint, cache: FileCache) -> ClientStateP
     return ClientStatePlan(source, keys, dropped, version if isinstance(version, str) else None)
 
 
-def _plain(obj: Any) -> Any:
+def _plain(obj: Any, memo: dict[int, Any]) -> Any:
+    """``obj`` with every ``AttributeDict`` a plain dict; a container shared by several places (the pickle memo) is
+    converted once and stays shared (looked up before anything is built)."""
+    if id(obj) in memo:
+        return memo[id(obj)]
     if isinstance(obj, AttributeDictStandIn):
-        return {k: _plain(v) for k, v in obj.items()}
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _plain(v)) for k, v in obj.items())
-    if type(obj) in (list, tuple, set, frozenset):
-        return type(obj)(_plain(v) for v in obj)
-    return obj
+        out: Any = {k: _plain(v, memo) for k, v in obj.items()}
+    elif type(obj) in (dict, OrderedDict):
+        out = type(obj)((k, _plain(v, memo)) for k, v in obj.items())
+    elif type(obj) in (list, tuple, set, frozenset):
+        out = type(obj)(_plain(v, memo) for v in obj)
+    else:
+        return obj
+    memo[id(obj)] = out
+    return out
 
 
 def client_state_tree(plan: ClientStatePlan, cache: FileCache) -> dict[str, Any]:
     """The carried values, in file order, for :func:`dsckpt.writers.torch_stream.write_torch_tree` (tensor leaves are
     source :class:`TensorRef` s, copied byte for byte; ``AttributeDict`` s become plain dicts)."""
     tree = cache.tree(plan.source)
-    return {k: _plain(tree[k]) for k in plan.keys}
+    memo: dict[int, Any] = {}
+    return {k: _plain(tree[k], memo) for k in plan.keys}
 

@@ -17,17 +17,20 @@ a socket in place of a rank file is refused at once instead of blocking or strea
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CorruptCheckpointError, UsageError
 
-__all__ = ["LIMITS_ENV", "LimitExceededError", "ReadLimits", "current", "exceeded", "open_regular",
-           "read_small_file", "regular_file"]
+__all__ = ["LIMITS_ENV", "LimitExceededError", "ReadLimits", "charge_parsed", "current", "exceeded", "open_parsed",
+           "open_regular", "parsing", "read_small_file", "regular_file", "remember_parsed"]
 
 LIMITS_ENV = "DSCKPT_LIMITS"
 
@@ -50,16 +53,25 @@ class ReadLimits:
     #: (tied tensors), so this is ~``max_objects``; a "billion laughs" pickle (a list holding one list ten
     #: times, nine levels deep) is a few KB with 10^9 references.
     max_references: int = 20_000_000
+    #: Tensors reached the same way: what listing a file's tensors by key path yields (each path is kept, ~200
+    #: bytes). Real files list each tensor once (twice where tied); a stage-0 optimizer state of a 100k-tensor
+    #: model lists 300k.
+    max_tensor_references: int = 1_000_000
     #: Bits of one integer. Counters, seeds and sizes fit 64 bits; Python refuses to print integers of more
     #: than 4,300 digits (``sys.get_int_max_str_digits``), which a JSON output would then fail on.
     max_int_bits: int = 4096
     #: Bytes (or characters) of one string or bytes object in a pickle. Names and configs are KBs; numpy
     #: arrays kept in client state (a sampler's indices) MBs.
     max_str_nbytes: int = 256 * _MIB
-    #: Bytes of one pickle (``data.pkl`` or a legacy file's main pickle). It is parsed in memory, and a
-    #: pickle can build objects taking up to ~30x its size; DeepSpeed's largest are a few MB (names and
-    #: shapes of every param).
+    #: Bytes of one pickle (``data.pkl`` or a legacy file's main pickle). It is parsed in memory (what it
+    #: builds: ``max_parsed_nbytes``); DeepSpeed's largest are a few MB (names and shapes of every param).
     max_pickle_nbytes: int = 64 * _MIB
+    #: Bytes of memory the objects of one pickle take, estimated from its opcodes *before* it is parsed
+    #: (:mod:`dsckpt.pickle_scan`: containers, their slots, strings, numbers, the memo table) and charged again
+    #: by every allow-listed call that copies what it is given (``bytearray(b)``, ``set(l)``, a stand-in's
+    #: state ...), before it copies. An opcode of one byte builds an object of 50-100 bytes, so a pickle within
+    #: ``max_pickle_nbytes`` could otherwise take GBs; DeepSpeed's pickles take a few MB.
+    max_parsed_nbytes: int = 256 * _MIB
     #: Inflated bytes of a *compressed* zip record. ``torch.save`` stores records uncompressed, always; a
     #: deflated record is a repacked file at best and a zip bomb at worst. Checked against the size the
     #: zip directory declares and again while inflating.
@@ -112,6 +124,41 @@ def exceeded(where: object, what: str, value: int | str | None, name: str) -> Li
     return LimitExceededError(
         f"{where}: {what}{shown} exceeds dsckpt's read limit {name}={limit}; the file is corrupt or hostile. "
         f"If it is a real checkpoint, raise the limit: {LIMITS_ENV}={name}={limit * 4}")
+
+
+# --------------------------------------------------------------------------------------------
+# Memory while parsing
+
+@dataclass
+class _Parse:
+    where: object  # the file being parsed
+    nbytes: int  # bytes of objects counted so far
+
+
+_parsing: contextvars.ContextVar[_Parse | None] = contextvars.ContextVar("dsckpt_parse", default=None)
+
+
+@contextlib.contextmanager
+def parsing(where: object, nbytes: int) -> Iterator[None]:
+    """The parse of ``where``, whose opcodes were estimated to build ``nbytes`` (within ``max_parsed_nbytes``):
+    :func:`charge_parsed` adds what allow-listed calls copy to it while the block runs."""
+    token = _parsing.set(_Parse(where, nbytes))
+    try:
+        yield
+    finally:
+        _parsing.reset(token)
+
+
+def charge_parsed(nbytes: int) -> None:
+    """Count ``nbytes`` an allow-listed call is about to build against ``max_parsed_nbytes`` of the parse in
+    progress (none: nothing to count), refusing it before it is built."""
+    state = _parsing.get()
+    if state is None:
+        return
+    state.nbytes += nbytes
+    limit = current().max_parsed_nbytes
+    if state.nbytes > limit:
+        raise exceeded(state.where, f"a pickle building more than {limit} bytes of objects", None, "max_parsed_nbytes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,3 +221,39 @@ def read_small_file(path: str | os.PathLike[str]) -> bytes:
             return f.read(limit + 1)
     finally:
         os.close(fd)
+
+
+
+# path -> (device, inode) of every file parsed: what a later read of its tensors must find there
+_parsed_ids: dict[str, tuple[int, int]] = {}
+
+
+def remember_parsed(path: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Record that ``path`` was parsed as the regular file ``st`` (``os.fstat`` of the descriptor it was parsed
+    from), for :func:`open_parsed`."""
+    _parsed_ids[os.fspath(path)] = (st.st_dev, st.st_ino)
+
+
+def open_parsed(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of ``path`` for reading the tensors of a parsed file: opened without blocking (a FIFO
+    swapped in since never blocks), then ``fstat`` of the descriptor must show the regular file that was parsed
+    (same device and inode, :func:`remember_parsed`); anything else is refused (exit 3). The caller closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e}); it was there when it was "
+                                     "parsed — the checkpoint changed while it was read, run the command again") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path}: is {_kind(st.st_mode)} now, not the regular file that was parsed; "
+                                         "the checkpoint changed while it was read — run the command again")
+        known = _parsed_ids.get(os.fspath(path))
+        if known is not None and known != (st.st_dev, st.st_ino):
+            raise CorruptCheckpointError(f"{path}: is another file than the one parsed (replaced while it was read); "
+                                         "the checkpoint changed under the command — run it again")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

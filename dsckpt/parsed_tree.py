@@ -29,16 +29,18 @@ __all__ = ["check_tree", "finish_checks", "map_structure", "materialize", "walk_
 def check_tree(obj: Any, where: object) -> None:
     """Refuse a parsed tree that goes past a :class:`dsckpt.limits.ReadLimits` budget: nesting depth (the
     longest chain of containers), distinct objects, references counted through every shared container
-    (what a walk that forgot where it had been would visit), a container holding itself, integers of more
-    than ``max_int_bits`` bits, strings and bytes of more than ``max_str_nbytes``.
+    (what a walk that forgot where it had been would visit), tensors counted the same way (what
+    :func:`walk_tensors` lists), a container holding itself, integers of more than ``max_int_bits`` bits,
+    strings and bytes of more than ``max_str_nbytes``.
 
-    One iterative pass that visits each container once (a "billion laughs" memo costs its size on disk,
-    not 10^9 visits); raises :class:`~dsckpt.limits.LimitExceededError` naming ``where`` and the limit."""
+    One iterative pass that visits each container once and does constant work for every further reference
+    to it (a "billion laughs" memo costs its size on disk, not 10^9 visits); raises
+    :class:`~dsckpt.limits.LimitExceededError` naming ``where`` and the limit."""
     lim = limits.current()
-    # id -> (height, references) of every container finished; a container on the current path maps to None
-    done: dict[int, tuple[int, int] | None] = {}
+    # id -> (height, references, tensor references) of every container finished; one on the current path: None
+    done: dict[int, tuple[int, int, int] | None] = {}
     objects = 0
-    # (container, its children, index of the next child, height so far, references so far)
+    # [container, its children, index of the next child, height so far, references so far, tensors so far]
     stack: list[list[Any]] = []
 
     def leaf(x: Any) -> None:
@@ -48,30 +50,40 @@ def check_tree(obj: Any, where: object) -> None:
             raise limits.exceeded(where, f"a {type(x).__name__} of {len(x)} characters/bytes", None,
                                   "max_str_nbytes")
 
-    def enter(x: Any) -> tuple[int, int] | None:
-        """(height, references) of ``x`` if known now (a leaf, a finished container); None once pushed."""
+    def enter(x: Any) -> tuple[int, int, int] | None:
+        """(height, references, tensors) of ``x`` if known now (a leaf, a finished container); None once pushed."""
         nonlocal objects
-        children = _children(x)
+        # The memo first: a container reached again costs one lookup, never a copy of its children (a list
+        # holding 10^6 references to one list of 10^6 items would otherwise copy 10^12 of them).
         key = id(x)
-        if children is not None and key in done:
+        if key in done:
             known = done[key]
             if known is None:
                 raise CorruptCheckpointError(f"{where}: a {type(x).__name__} in the pickle contains itself; no "
                                              "DeepSpeed checkpoint does, the file is corrupt or hostile")
             return known
+        children = _children(x)
         objects += 1  # a container once, a leaf (a number, a string: often shared, cheap to count) each time
         if objects > lim.max_objects:
             raise limits.exceeded(where, f"more than {lim.max_objects} objects in one pickle", None,
                                   "max_objects")
+        tensors = int(isinstance(x, TensorRef))
         if children is None:
             leaf(x)
-            return (0, 1)
+            return (0, 1, tensors)
         if len(stack) >= lim.max_depth:
             raise limits.exceeded(where, f"containers nested more than {lim.max_depth} deep", None,
                                   "max_depth")
         done[key] = None
-        stack.append([x, children, 0, 0, 1])
+        stack.append([x, children, 0, 0, 1, tensors])
         return None
+
+    def finished(height: int, refs: int, tensors: int) -> None:
+        if refs > lim.max_references:
+            raise limits.exceeded(where, f"{refs} objects reached through shared references", None, "max_references")
+        if tensors > lim.max_tensor_references:
+            raise limits.exceeded(where, f"{tensors} tensors reached through shared references", None,
+                                  "max_tensor_references")
 
     if enter(obj) is not None:
         return
@@ -84,16 +96,17 @@ def check_tree(obj: Any, where: object) -> None:
             if got is not None:
                 top[3] = max(top[3], got[0])
                 top[4] += got[1]
+                top[5] += got[2]
             continue
         stack.pop()
-        height, refs = top[3] + 1, top[4]
-        if refs > lim.max_references:
-            raise limits.exceeded(where, f"{refs} objects reached through shared references", None, "max_references")
-        done[id(top[0])] = (height, refs)
+        height, refs, tensors = top[3] + 1, top[4], top[5]
+        finished(height, refs, tensors)
+        done[id(top[0])] = (height, refs, tensors)
         if stack:
             parent = stack[-1]
             parent[3] = max(parent[3], height)
             parent[4] += refs
+            parent[5] += tensors
         elif height > lim.max_depth:
             raise limits.exceeded(where, f"containers nested {height} deep", None, "max_depth")
 

@@ -44,6 +44,7 @@ from .readers.common import FileCache, format_key, lookup
 from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
 from .stand_ins import DeepSpeedObject
 from .state_dict_files import TargetKind, detect_target, open_state_dict, read_safetensors_header
+from .validate import refuse_unloadable_fields
 
 __all__ = [
     "MASTER",
@@ -418,6 +419,8 @@ def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike
         raise UsageError(f"source '{source}' does not exist; give a .safetensors file, a sharded folder, a torch "
                          "state-dict file, or 'master'")
     logical, cache, kind = open_target(inp, tag=tag)
+    if kind is TargetKind.DEEPSPEED:  # the output carries every file's other fields as they are
+        refuse_unloadable_fields([(f, cache.tree(f)) for f in logical.files], source=f"'{logical.tag_dir}'")
     report = scan(inp, tag=tag, nonfinite_only=True, on_progress=on_progress)
     damage, orphans = assess_damage(logical, cache, report)
     # Patching a master or moments by name needs the proven owner of each optimizer-side tensor.

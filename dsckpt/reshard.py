@@ -387,8 +387,12 @@ def _tree_nbytes(tree: Any) -> int:
     """Tensor bytes a target file's tree will stream (for splitting files over ranks); at least 1."""
     total = 0
     todo = [tree]
+    seen: set[int] = set()  # the writer pickles a shared object once: count it once, look it up first
     while todo:
         x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
         if isinstance(x, dict):
             todo.extend(x.values())
         elif isinstance(x, (list, tuple)):

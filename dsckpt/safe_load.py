@@ -39,6 +39,7 @@ from . import crc, limits
 from .dtypes import DTYPES, dtype_info
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, shorten
 from .parsed_tree import check_tree, map_structure
+from .pickle_scan import prescan
 from .stand_ins import (
     ATTRIBUTE_DICTS,
     STAND_INS,
@@ -94,12 +95,25 @@ class _ReadOnlyCallable:
         object.__setattr__(self, "_fn", fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # What the call may copy from its arguments (a shared list given to set() 10^6 times), counted before it
+        # copies; the object it builds itself the pre-scan counted.
+        limits.charge_parsed(sum(_copy_nbytes(a) + sum(_copy_nbytes(x) for x in a) if type(a) is tuple
+                                 else _copy_nbytes(a) for a in args))
         return self._fn(*args, **kwargs)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("allow-listed callables are read-only")
 
     __setstate__ = _refuse_build
+
+
+def _copy_nbytes(x: Any) -> int:
+    """Bytes a call copying ``x`` one level deep builds (see :mod:`dsckpt.pickle_scan` for the sizes)."""
+    if isinstance(x, (str, bytes, bytearray)):
+        return len(x)
+    if isinstance(x, (list, tuple, dict, set, frozenset)):
+        return 104 * len(x)
+    return 0
 
 
 def _rebuild_tensor_v2(
@@ -161,6 +175,19 @@ def _bytearray(source: Any = b"", *args: Any) -> bytearray:
     return bytearray(source, *args)
 
 
+# Classes called by REDUCE, as functions so that :class:`_ReadOnlyCallable` counts what they copy.
+def _ordered_dict(*args: Any) -> OrderedDict[Any, Any]:
+    return OrderedDict(*args)
+
+
+def _set(*args: Any) -> set[Any]:
+    return set(*args)
+
+
+def _frozenset(*args: Any) -> frozenset[Any]:
+    return frozenset(*args)
+
+
 def _numpy_globals() -> dict[tuple[str, str], Any]:
 
     out: dict[tuple[str, str], Any] = {}
@@ -181,6 +208,8 @@ def _safe_np_reconstruct(real: Callable[..., Any]) -> Callable[..., Any]:
     def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
         if subtype is not np.ndarray:
             raise pickle.UnpicklingError(f"numpy reconstruct of {subtype!r} refused")
+        if tuple(shape) != (0,):  # numpy pickles (0,) and sets the data with BUILD; a shape would allocate it
+            raise pickle.UnpicklingError(f"numpy reconstruct of shape {shorten(shape)} refused (numpy writes (0,))")
         return real(subtype, shape, dtype)
 
     return reconstruct
@@ -188,7 +217,6 @@ def _safe_np_reconstruct(real: Callable[..., Any]) -> Callable[..., Any]:
 
 def _build_allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
-        ("collections", "OrderedDict"): OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
         ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
@@ -200,8 +228,9 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("torch", "device"): torch_device,
         ("copyreg", "_reconstructor"): _safe_reconstructor,
         ("builtins", "object"): object,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
+        ("collections", "OrderedDict"): _ordered_dict,
+        ("builtins", "set"): _set,
+        ("builtins", "frozenset"): _frozenset,
         ("builtins", "slice"): slice,
         ("builtins", "complex"): complex,
         ("builtins", "bytearray"): _bytearray,
@@ -304,6 +333,7 @@ def load_with_info(path: str | os.PathLike[str]) -> tuple[Any, FileInfo]:
     p = Path(path)
     try:
         with os.fdopen(limits.open_regular(p), "rb") as f:
+            limits.remember_parsed(p, os.fstat(f.fileno()))
             head = f.read(4)
             if head[:2] == b"PK":
                 obj, info = _load_zip(p, f)
@@ -385,7 +415,8 @@ def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:
 
     stream = _BoundedReader(io.BytesIO(data), path, len(data))
     try:
-        return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load(), info
+        with limits.parsing(path, prescan(data, path)[0]):
+            return _Unpickler(stream, path=path, resolve_storage=resolve_cached).load(), info
     except MemoryError as e:  # a BINBYTES length far beyond the in-memory pickle (CRC-checked, so hostile)
         raise CorruptCheckpointError(f"{path}: data.pkl asks for more memory than it holds; the file is "
                                      "corrupt or hostile") from e
@@ -433,10 +464,13 @@ def _load_legacy(path: Path, raw_file: Any) -> Any:
     # The pickles come first: none of them may run past max_pickle_nbytes into the file.
     f.limit_end = limits.current().max_pickle_nbytes
     plain = _PlainUnpickler(f, path)
+    _prescan_next(f, path)
     if plain.load() != _LEGACY_MAGIC:
         raise CorruptCheckpointError(f"{path}: not a torch checkpoint (bad magic number)")
+    _prescan_next(f, path)
     if _PlainUnpickler(f, path).load() != _LEGACY_PROTOCOL:
         raise CorruptCheckpointError(f"{path}: unsupported legacy torch protocol version")
+    _prescan_next(f, path)
     sys_info = _PlainUnpickler(f, path).load()
     if isinstance(sys_info, dict) and not sys_info.get("little_endian", True):
         raise CorruptCheckpointError(f"{path}: big-endian checkpoints are not supported")
@@ -454,7 +488,9 @@ def _load_legacy(path: Path, raw_file: Any) -> Any:
             raise CorruptCheckpointError(f"{path}: legacy storage views are not supported")
         return placeholders[key]
 
-    obj = _LegacyUnpickler(f, path=path, resolve_storage=resolve).load()
+    with limits.parsing(path, _prescan_next(f, path)):
+        obj = _LegacyUnpickler(f, path=path, resolve_storage=resolve).load()
+    _prescan_next(f, path)
     keys = _PlainUnpickler(f, path).load()
     f.limit_end = None
     if not isinstance(keys, list) or len(keys) > limits.current().max_objects:
@@ -473,6 +509,25 @@ def _load_legacy(path: Path, raw_file: Any) -> Any:
         resolved[ph.key] = ref
         offset = data_offset + ref.nbytes
     return _replace_legacy(obj, resolved)
+
+
+def _prescan_next(f: _BoundedReader, path: Path) -> int:
+    """:func:`~dsckpt.pickle_scan.prescan` of the pickle starting at ``f``'s position (a legacy file's pickles
+    lie one after the other, before the tensor data), read in chunks doubling from 64 KiB up to the pickle
+    budget; ``f`` is left where it was."""
+    start = f.tell()
+    end = f.limit_end if f.limit_end is not None else limits.current().max_pickle_nbytes
+    n = 1 << 16
+    try:
+        while True:
+            data = f.raw_read(min(n, max(end - start, 0)))
+            f.seek(start)
+            nbytes, stopped = prescan(data, path, dict_memo=True)
+            if stopped or len(data) < min(n, end - start) or start + n >= end:
+                return nbytes
+            n *= 2
+    finally:
+        f.seek(start)
 
 
 class _BoundedReader:
@@ -499,6 +554,10 @@ class _BoundedReader:
 
     def read(self, n: int = -1) -> bytes:
         self._check(n if n is not None and n >= 0 else None)
+        return self._f.read(n)
+
+    def raw_read(self, n: int) -> bytes:
+        """Up to ``n`` bytes from here, unchecked (the pre-scan reads ahead)."""
         return self._f.read(n)
 
     def readinto(self, b: Any) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import limits
 from .chunks import fragment_views, place
 from .dtypes import DTYPES, from_float32, to_float32
 from .errors import CorruptCheckpointError
@@ -349,7 +350,7 @@ class _OpenFiles:
         if fd is None:
             if len(self.fds) >= MAX_OPEN_FILES:
                 os.close(self.fds.pop(next(iter(self.fds))))
-            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+            fd = self.fds[path] = limits.open_parsed(path)
         return fd
 
     def close(self) -> None:

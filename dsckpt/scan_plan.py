@@ -301,10 +301,16 @@ def nonfinite_scalars(trees: Mapping[Path, Any]) -> tuple[Finding, ...]:
     """Non-finite Python ``float`` values of the parsed files (not tensors: a ReduceLROnPlateau
     ``best``, a loss scaler's ``cur_scale``), each a one-value ``nonfinite`` finding of kind ``other``,
     or ``client state`` where :func:`~dsckpt.layout.key_owner` says so; configuration (``ds_config``,
-    where the HF Trainer writes ``steps_per_print: inf``) is skipped. Pure."""
+    where the HF Trainer writes ``steps_per_print: inf``) is skipped. A container or float the pickle shares
+    between several places of one file is visited once and reported under the first path that reaches it. Pure."""
     out: list[Finding] = []
+    seen: set[int] = set()  # of the file being visited
 
     def visit(x: Any, path: Path, key: tuple[Any, ...]) -> None:
+        if isinstance(x, (float, dict, list, tuple, stand_ins.DeepSpeedObject)):
+            if id(x) in seen:  # the memo first: constant work for each further reference
+                return
+            seen.add(id(x))
         if isinstance(x, float):
             owner = key_owner(path.name, key)
             if not math.isfinite(x) and owner is not Owner.CONFIG:
@@ -323,6 +329,7 @@ def nonfinite_scalars(trees: Mapping[Path, Any]) -> tuple[Finding, ...]:
                 visit(v, path, (*key, k))
 
     for path, tree in trees.items():
+        seen.clear()
         visit(tree, path, ())
     return tuple(out)
 

@@ -11,6 +11,8 @@ import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import limits
+
 if TYPE_CHECKING:
     pass
 
@@ -32,6 +34,11 @@ class DeepSpeedObject:
     ds_name: str = ""
 
     def __setstate__(self, state: Any) -> None:
+        # BUILD copies the state into the object: a shared state dict given to 10^6 objects is 10^6 copies.
+        if isinstance(state, tuple):
+            limits.charge_parsed(sum(104 * len(x) for x in state if isinstance(x, dict)))
+        elif isinstance(state, dict):
+            limits.charge_parsed(104 * len(state))
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):

@@ -24,7 +24,7 @@ import numpy as np
 from . import parsed_tree, safe_load
 from .dtypes import DTYPES, dtype_info
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .limits import open_regular, read_small_file
+from .limits import open_parsed, open_regular, read_small_file, remember_parsed
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, dtype_name, lookup
 from .tensor_ref import TensorRef
@@ -140,7 +140,7 @@ class SafetensorsRef:
         nbytes, offset = numel * itemsize, self.file_offset + start * itemsize
         own = fd is None
         if fd is None:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = open_parsed(self.path)
         try:
             got = 0
             while got < nbytes:
@@ -174,6 +174,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, SafetensorsRef], dict
     try:
         size = path.stat().st_size
         with os.fdopen(open_regular(path), "rb") as f:
+            remember_parsed(path, os.fstat(f.fileno()))
             (n,) = struct.unpack("<Q", f.read(8))
             if n > min(100_000_000, size - 8):
                 raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")

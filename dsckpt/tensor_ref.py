@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import crc
+from . import crc, limits
 from .dtypes import DTYPES
 from .errors import CorruptCheckpointError
 
@@ -212,7 +212,7 @@ def read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview, *,
     offset = storage.file_offset + first * itemsize
     own = fd is None
     if fd is None:
-        fd = os.open(storage.path, os.O_RDONLY)
+        fd = limits.open_parsed(storage.path)
     try:
         got = 0
         while got < nbytes:

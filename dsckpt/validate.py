@@ -20,6 +20,7 @@ A failure is :class:`~dsckpt.errors.CorruptCheckpointError` naming the file and 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from .errors import CorruptCheckpointError, shorten
 from .tensor_ref import TensorRef
 
-__all__ = ["shape_of", "validate_tree"]
+__all__ = ["is_pep440", "refuse_unloadable_fields", "shape_of", "unloadable_fields", "validate_tree"]
 
 _INT64 = 1 << 63
 
@@ -103,3 +104,56 @@ def validate_tree(path: Path, tree: Any) -> None:
         for name, target in _names(tree["shared_params"], path, ("shared_params",), "names to names").items():
             if not isinstance(target, str):
                 raise _bad(path, ("shared_params", name), f"is {type(target).__name__}, not a name (str)")
+
+
+# --------------------------------------------------------------------------------------------
+# Fields DeepSpeed's loader parses
+
+# PEP 440's version grammar (its appendix B regex, which packaging.version.VERSION_PATTERN is): DeepSpeed's
+# loader calls packaging.version.parse(ds_version) on the optimizer state (0.19.8 stage_1_and_2.py:3677-3679,
+# bf16_optimizer.py:672-674; an empty one fails its assert). Written out here rather than importing packaging:
+# one regex, no run-time dependency, the same answer as packaging >= 22 (which refuses what is not PEP 440).
+_PEP440 = re.compile(r"""
+    v?
+    (?:(?:[0-9]+)!)?                                # epoch
+    (?:[0-9]+(?:\.[0-9]+)*)                         # release
+    (?:[-_.]?(?:alpha|a|beta|b|preview|pre|c|rc)[-_.]?(?:[0-9]+)?)?
+    (?:(?:-[0-9]+)|(?:[-_.]?(?:post|rev|r)[-_.]?(?:[0-9]+)?))?
+    (?:[-_.]?dev[-_.]?(?:[0-9]+)?)?
+    (?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?             # local version
+""", re.VERBOSE | re.IGNORECASE)
+
+
+def is_pep440(value: object) -> bool:
+    """True for a string ``packaging.version.parse`` accepts (surrounding whitespace allowed, as there)."""
+    return isinstance(value, str) and _PEP440.fullmatch(value.strip()) is not None
+
+
+def unloadable_fields(tree: Any) -> list[tuple[str, Any]]:
+    """``(field, value)`` for every field of a DeepSpeed file's tree that DeepSpeed's loader rejects: a
+    ``ds_version`` (top level, and the optimizer state's own) that is not a PEP 440 version string. Pure."""
+    if not isinstance(tree, Mapping):
+        return []
+    osd = tree.get("optimizer_state_dict")
+    return [(field, holder["ds_version"])
+            for field, holder in (("ds_version", tree), ("optimizer_state_dict.ds_version", osd))
+            if isinstance(holder, Mapping) and "ds_version" in holder and not is_pep440(holder["ds_version"])]
+
+
+def refuse_unloadable_fields(jobs: Sequence[tuple[Path, Any]], *, source: object) -> None:
+    """The one check of every command that writes DeepSpeed files (``reshard``, ``repair``): refuse, before
+    anything is written, a ``(path, tree)`` whose tree carries a field DeepSpeed's loader rejects
+    (:func:`unloadable_fields`) -- carried over from ``source``, it would make the output unloadable."""
+    found: dict[tuple[str, str], list[str]] = {}  # (field, value shown) -> the files carrying it
+    for path, tree in jobs:
+        for field, value in unloadable_fields(tree):
+            found.setdefault((field, f"{shorten(value)} ({type(value).__name__})"), []).append(path.name)
+    if found:
+        (field, shown), names = next(iter(found.items()))
+        more = sum(len(v) for v in found.values()) - len(names)
+        raise CorruptCheckpointError(
+            f"{', '.join(names)}: the output would carry {field} = {shown} from {source}"
+            + (f" ({more} more such field(s) in other files)" if more else "")
+            + ", which is not a version DeepSpeed can parse (packaging.version.parse: PEP 440), so DeepSpeed's "
+            "load_checkpoint would fail on it; nothing was written. Restore the source files from the same save "
+            "(DeepSpeed writes its version string, e.g. '0.19.8')")

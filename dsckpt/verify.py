@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .readers import FileCache, read_checkpoint
 from .readers.same_save import file_facts, same_save_problems
+from .validate import is_pep440, unloadable_fields
 
 if TYPE_CHECKING:
     from .scan import Finding
@@ -220,44 +220,17 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
                         report.client_state)
 
 
-# PEP 440's version grammar (its appendix B regex, which packaging.version.VERSION_PATTERN is): DeepSpeed's
-# loader calls packaging.version.parse(ds_version) on the optimizer state (0.19.8 stage_1_and_2.py:3677-3679,
-# bf16_optimizer.py:672-674; an empty one fails its assert). Written out here rather than importing packaging:
-# one regex, no run-time dependency, the same answer as packaging >= 22 (which refuses what is not PEP 440).
-_PEP440 = re.compile(r"""
-    v?
-    (?:(?:[0-9]+)!)?                                # epoch
-    (?:[0-9]+(?:\.[0-9]+)*)                         # release
-    (?:[-_.]?(?:alpha|a|beta|b|preview|pre|c|rc)[-_.]?(?:[0-9]+)?)?
-    (?:(?:-[0-9]+)|(?:[-_.]?(?:post|rev|r)[-_.]?(?:[0-9]+)?))?
-    (?:[-_.]?dev[-_.]?(?:[0-9]+)?)?
-    (?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?             # local version
-""", re.VERBOSE | re.IGNORECASE)
-
-
-def is_pep440(value: object) -> bool:
-    """True for a string ``packaging.version.parse`` accepts (surrounding whitespace allowed, as there)."""
-    return isinstance(value, str) and _PEP440.fullmatch(value.strip()) is not None
-
-
 def ds_version_problems(trees: dict[Path, Any], tag_dir: Path) -> list[tuple[str, str]]:
     """``(where, message)`` for every ``ds_version`` (top level, and the optimizer state's own) that DeepSpeed's
     loader could not parse as a version."""
-    from collections.abc import Mapping
-
     from .errors import shorten
 
     out = []
     for path, tree in trees.items():
-        if not isinstance(tree, Mapping):
-            continue
-        osd = tree.get("optimizer_state_dict")
-        for where, holder in (("ds_version", tree), ("optimizer_state_dict.ds_version", osd)):
-            if isinstance(holder, Mapping) and "ds_version" in holder and not is_pep440(holder["ds_version"]):
-                value = holder["ds_version"]
-                message = (f"{shorten(value)} ({type(value).__name__}) is not a version DeepSpeed can parse "
-                           "(packaging.version.parse: PEP 440); DeepSpeed's load_checkpoint would fail on it")
-                out.append((f"{path.relative_to(tag_dir)} {where}", message))
+        for where, value in unloadable_fields(tree):
+            message = (f"{shorten(value)} ({type(value).__name__}) is not a version DeepSpeed can parse "
+                       "(packaging.version.parse: PEP 440); DeepSpeed's load_checkpoint would fail on it")
+            out.append((f"{path.relative_to(tag_dir)} {where}", message))
     return out
 
 

@@ -177,6 +177,80 @@ def billion_laughs(levels: int = 9, width: int = 10) -> Any:
     return x
 
 
+# Memo indices of spliced payloads: above any the fixtures' pickles use (< 1,000), low enough that the unpickler's
+# memo table (an array up to twice the highest index) stays small.
+_MEMO = 10_000
+
+
+def _get(i: int) -> bytes:
+    return b"j" + struct.pack("<I", i)  # LONG_BINGET
+
+
+def _put(i: int) -> bytes:
+    return b"r" + struct.pack("<I", i)  # LONG_BINPUT
+
+
+def shared_chain(widths: tuple[int, ...], kind: str = "list") -> bytes:
+    """Opcodes for a container holding ``widths[0]`` references to one container holding ``widths[1]`` references
+    to ... one ``[1.0]``: ``prod(widths)`` paths, a few bytes per reference pickled. ``kind``: list, tuple or dict
+    (int keys, the shared container each value)."""
+    out = b"]G" + struct.pack(">d", 1.0) + b"a" + _put(_MEMO) + b"0"
+    for level, width in enumerate(reversed(widths)):
+        ref = _get(_MEMO + level)
+        if kind == "list":
+            body = b"](" + ref * width + b"e"
+        elif kind == "tuple":
+            body = b"(" + ref * width + b"t"
+        else:
+            body = b"}(" + b"".join(b"J" + struct.pack("<i", k) + ref for k in range(width)) + b"u"
+        out += body + (_put(_MEMO + level + 1) + b"0" if level < len(widths) - 1 else b"")
+    return out
+
+
+def shared_state_builds(objects: int, state_items: int) -> bytes:
+    """Opcodes for a list of ``objects`` DeepSpeed ``LossScaler`` stand-ins, each given (BUILD) the one memoised
+    state dict of ``state_items`` entries: each BUILD copies it, ``objects * state_items`` entries in all."""
+    g, m = _get, _MEMO
+    head = (b"ccopyreg\n_reconstructor\n" + _put(m) + b"0"
+            + b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n" + _put(m + 1) + b"0"
+            + b"cbuiltins\nobject\n" + _put(m + 2) + b"0"
+            + b"}(" + b"".join(b"X" + struct.pack("<I", 8) + b"k%07d" % k + b"K\x01" for k in range(state_items))
+            + b"u" + _put(m + 3) + b"0")
+    one = g(m) + g(m + 1) + g(m + 2) + b"N\x87R" + g(m + 3) + b"b"
+    return head + b"](" + one * objects + b"e"
+
+
+def _stand_in_with(value: Any) -> Any:
+    from dsckpt.stand_ins import stand_in_class
+
+    cls = stand_in_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+    assert cls is not None
+    obj = cls.__new__(cls)
+    obj.__dict__.update(cur_scale=1.0, shared=value)
+    return obj
+
+
+def _tensor_attribute(value: Any) -> Callable[[Any], None]:
+    """The first module tensor given a Python attribute holding ``value`` (torch pickles a tensor's ``__dict__``)."""
+    def edit(tree: Any) -> None:
+        name = next(iter(tree["module"]))
+        tree["module"][name].hostile = value
+
+    return edit
+
+
+def _legitimately_shared(tree: Any) -> None:
+    """Client state that shares for real: one dict and one tensor referenced from many places (the pickler's memo),
+    a list of 2,000 references to one list of 1,000 floats (2 million paths, within every budget)."""
+    import torch
+
+    cfg = {"lr": 0.1, "betas": [0.9, 0.99]}
+    t = torch.arange(6.0)
+    tree["shared_cfg"] = [cfg] * 1000
+    tree["shared_tensor"] = {"a": t, "b": [t] * 1000}
+    tree["shared_floats"] = [[0.5] * 1000] * 2000
+
+
 def _tag(ckpt: Path) -> Path:
     return ckpt / STEP
 
@@ -219,6 +293,9 @@ class Case:
     #: run in a subprocess under WALL_S / ADDRESS_SPACE (the damage aims at time or memory)
     limited: bool = False
     env: tuple[tuple[str, str], ...] = ()
+    #: build the damaged copy once and give it to every run (each its own OUT): the crafted file is large, or the
+    #: runs many
+    once: bool = False
 
 
 TO_FP32 = ("to-fp32", "-q", "{ckpt}", "{out}/model.safetensors")
@@ -227,6 +304,7 @@ VERIFY = ("verify", "{ckpt}")
 INFO = ("info", "{ckpt}")
 DIFF = ("diff", "{ckpt}", "{ckpt}")
 SCAN = ("scan", "-q", "{ckpt}")
+REPAIR = ("repair", "-q", "--whole-tensor", "--from", "master", "{ckpt}", "{out}/repaired")
 
 
 def _refused(*argvs: tuple[str, ...], phrases: tuple[str, ...]) -> tuple[Run, ...]:
@@ -313,6 +391,25 @@ def _ds_version_everywhere(value: Any) -> Callable[[Path], Path]:
         for f in sorted(_tag(ckpt).glob("*.pt")):
             edit_torch_file(f, edit)
         return _model_states(ckpt, ZERO2)
+
+    return build
+
+
+def _in_every_file(edit: Callable[[Any], Any]) -> Callable[[Path], Path]:
+    def build(ckpt: Path) -> Path:
+        for f in sorted(_tag(ckpt).glob("*.pt")):
+            edit_torch_file(f, edit)
+        return _model_states(ckpt, ZERO2)
+
+    return build
+
+
+def _ds_version_in_optimizer_state(value: Any) -> Callable[[Path], Path]:
+    def build(ckpt: Path) -> Path:
+        def edit(tree: Any) -> None:
+            tree["optimizer_state_dict"]["ds_version"] = value
+
+        return edit_torch_file(_optim(ckpt, 0, ZERO3), edit)
 
     return build
 
@@ -407,10 +504,71 @@ def cases() -> list[Case]:
         _refused(INFO, phrases=("does not hold a tag folder name", "chars)")))
     add("ds-version-not-a-string", "message", ZERO2, "ds_version an int (19) in every file, as DeepSpeed's loader "
         "cannot parse", _ds_version_everywhere(19), (Run(VERIFY, 1, ("not a version DeepSpeed can parse",)),
-                                                   Run(TO_FP32, 0, same_as_clean=True)))
+                                                   Run(TO_FP32, 0, same_as_clean=True),
+                                                   *_refused(RESHARD, REPAIR, phrases=(
+                                                       "ds_version = 19 (int)", "not a version DeepSpeed can parse",
+                                                       "nothing was written"))))
+    add("ds-version-in-optimizer-state", "message", ZERO3, "the optimizer state's own ds_version '0.19.8; rm -rf' in "
+        "rank 0's file (the top-level one intact)", _ds_version_in_optimizer_state("0.19.8; rm -rf"),
+        (Run(VERIFY, 1, ("optimizer_state_dict.ds_version",)),
+         *_refused(("reshard", "-q", "-n", "4", "{ckpt}", "{out}/resharded"), REPAIR,
+                   phrases=("optimizer_state_dict.ds_version", "not a version DeepSpeed can parse"))))
     add("long-name", "message", ZERO2, "a 1 MB param name in param_shapes",
         lambda c: edit_torch_file(_model_states(c, ZERO2), _edit_param_shapes(_first_renamed("n" * 1_000_000))),
         _refused(TO_FP32, phrases=("chars)",)))
+    # ---- shared references (issue 34): each container once, constant work per further reference to it
+    every = (INFO, VERIFY, SCAN, TO_FP32, RESHARD)
+    ms = _model_states
+    add("shared-lists-3x1e6", "hang", ZERO2, "client state: a list of 10^6 references to one list of 10^6 references "
+        "to one list of 10^6 references to [1.0] (10^18 paths, 15 MB pickled)",
+        lambda c: splice(ms(c, ZERO2), shared_chain((10 ** 6, 10 ** 6, 10 ** 6))),
+        _refused(*every, phrases=("max_references", "DSCKPT_LIMITS=max_references=")), limited=True, once=True)
+    add("shared-dicts-2e7", "hang", ZERO2, "client state: a dict of 10^4 int keys, each value one dict of 10^3 int "
+        "keys to one [1.0] (2x10^7 references)", lambda c: splice(ms(c, ZERO2), shared_chain((10 ** 4, 10 ** 3), "dict")),
+        _refused(INFO, TO_FP32, phrases=("max_references",)), limited=True, once=True)
+    add("shared-tuples-1e7x10", "hang", ZERO2, "client state: a tuple of 10^7 references to one tuple of 10 references "
+        "to one [1.0]", lambda c: splice(ms(c, ZERO2), shared_chain((10 ** 7, 10), "tuple")),
+        _refused(INFO, SCAN, phrases=("max_parsed_nbytes",)), limited=True, once=True)
+    add("shared-in-stand-in", "hang", ZERO2, "client state: a DeepSpeed LossScaler (stand-in) whose attribute holds a "
+        "list holding one list 10 times, 9 levels deep",
+        lambda c: edit_torch_file(ms(c, ZERO2), _set("scaler", _stand_in_with(billion_laughs()))),
+        _refused(INFO, RESHARD, phrases=("max_references",)), limited=True, once=True)
+    add("shared-state-builds", "memory", ZERO2, "client state: 10^5 LossScaler stand-ins each given (BUILD) one "
+        "state dict of 10^4 entries (10^9 entries copied)",
+        lambda c: splice(ms(c, ZERO2), shared_state_builds(10 ** 5, 10 ** 4)),
+        _refused(INFO, TO_FP32, phrases=("max_parsed_nbytes",)), limited=True, once=True)
+    add("shared-in-tensor-attribute", "hang", ZERO2, "a module tensor with a Python attribute holding a list holding "
+        "one list 10 times, 9 levels deep", lambda c: edit_torch_file(ms(c, ZERO2), _tensor_attribute(billion_laughs())),
+        _refused(INFO, TO_FP32, phrases=("max_references",)), limited=True, once=True)
+    # 2x10^4 references under a limit of 10^4 (the default's 10^6 needs a 10 MB pickle that takes a minute to write
+    # through dsckpt's pure-Python pickler): the same walk, the same refusal
+    add("one-tensor-2e4-times", "memory", ZERO2, "client state: a list of 2x10^4 references to one tensor, "
+        "max_tensor_references=10000", lambda c: edit_torch_file(
+            ms(c, ZERO2), lambda t: _set("tensors", [t["module"][next(iter(t["module"]))]] * 20_000)(t)),
+        _refused(SCAN, TO_FP32, phrases=("max_tensor_references=10000",)), limited=True, once=True,
+        env=(("DSCKPT_LIMITS", "max_tensor_references=10000"),))
+    add("legitimately-shared", "hang", ZERO2, "client state sharing for real: a dict and a tensor referenced 1,000 "
+        "times, a list of 2,000 references to one list of 1,000 floats",
+        lambda c: edit_torch_file(ms(c, ZERO2), _legitimately_shared),
+        (Run(INFO, 0), Run(VERIFY, 0), Run(SCAN, 0), Run(TO_FP32, 0, same_as_clean=True), Run(RESHARD, 0)),
+        limited=True, once=True)
+    add("shared-in-ds-config", "hang", ZERO2, "ds_config of every file holding a list of 2,000 references to one list "
+        "of 1,000 floats (2 million paths, within every budget; compared across files)",
+        _in_every_file(lambda t: t["ds_config"].__setitem__("hostile", [[0.5] * 1000] * 2000) if "ds_config" in t
+                       else None), (Run(INFO, 0), Run(VERIFY, 0), Run(TO_FP32, 0, same_as_clean=True)), limited=True,
+        once=True)
+    # ---- what a pickle builds, bounded before it is built (the opcode pre-scan)
+    add("empty-lists-flood", "memory", ZERO2, "client state: 4x10^6 empty lists (one opcode each: 4 MB pickled, "
+        "~350 MB built)", lambda c: splice(ms(c, ZERO2), b"](" + b"]" * 4_000_000 + b"e"),
+        _refused(INFO, phrases=("max_parsed_nbytes",)), limited=True)
+    add("memo-index-bomb", "memory", ZERO2, "a LONG_BINPUT to memo index 2^31-1 (the unpickler's memo table: 32 GB)",
+        lambda c: splice(ms(c, ZERO2), b"]" + _put(2 ** 31 - 1)),
+        _refused(INFO, phrases=("memo index", "max_parsed_nbytes")), limited=True)
+    add("set-of-shared-list", "memory", ZERO2, "client state: set() called 10^4 times on one list of 10^5 items "
+        "(10^9 items copied)", lambda c: splice(ms(c, ZERO2), b"cbuiltins\nset\n" + _put(_MEMO) + b"0](" + b"K\x01" * 100_000
+                                                   + b"e" + _put(_MEMO + 1) + b"0](" + (_get(_MEMO) + _get(_MEMO + 1)
+                                                                                        + b"\x85R") * 10_000 + b"e"),
+        _refused(INFO, phrases=("max_parsed_nbytes",)), limited=True)
     add("bad-limits-setting", "message", ZERO2, "DSCKPT_LIMITS naming no limit", lambda c: c,
         (Run(INFO, 2, ("DSCKPT_LIMITS", "max_depth")),), env=(("DSCKPT_LIMITS", "depth=5"),))
     return out
@@ -567,13 +725,21 @@ def check_run(case: Case, run: Run, res: Result, *, victim: Path, before: dict[s
 def run_case(case: Case, work: Path, clean_exports: dict[str, Path]) -> list[str]:
     """Build ``case`` under ``work`` and give it to each of its commands; the problems found, prefixed."""
     found = []
+    shared: tuple[Path, Path] | None = None
     for i, run in enumerate(case.runs):
-        root = work / f"{case.id}-{i}"
-        root.mkdir(parents=True)
+        if case.once and shared is not None:
+            root, victim = shared
+            out = root / "out"
+            shutil.rmtree(out)
+            out.mkdir()
+        else:
+            root = work / f"{case.id}-{i}"
+            root.mkdir(parents=True)
+            shutil.copytree(FIXTURES / case.fixture / "ckpt", root / "ckpt", symlinks=True)
+            victim = case.build(root / "ckpt")
+            out = setup_out(case, root)
+            shared = (root, victim)
         ckpt = root / "ckpt"
-        shutil.copytree(FIXTURES / case.fixture / "ckpt", ckpt, symlinks=True)
-        victim = case.build(ckpt)
-        out = setup_out(case, root)
         argv = [a.replace("{ckpt}", str(ckpt)).replace("{out}", str(out)) for a in run.argv]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **dict(case.env)}
         before = snapshot(root, out)
@@ -589,7 +755,10 @@ def run_case(case: Case, work: Path, clean_exports: dict[str, Path]) -> list[str
         found += [f"{case.id} {' '.join(run.argv[:1])}: {p}" for p in
                   check_run(case, run, res, victim=victim, before=before, after=after, out=out,
                             clean_export=clean_exports.get(case.fixture))]
-        shutil.rmtree(root, ignore_errors=True)
+        if not case.once:
+            shutil.rmtree(root, ignore_errors=True)
+    if shared is not None:
+        shutil.rmtree(shared[0], ignore_errors=True)
     return found
 
 

@@ -155,3 +155,72 @@ def test_ds_version_must_parse_as_packaging_does(version, ok):
     except (InvalidVersion, TypeError):
         parsed = False
     assert is_pep440(version) is ok is parsed
+
+
+@pytest.mark.parametrize("swap", ["fifo", "other-file"])
+def test_a_file_swapped_after_it_was_parsed_is_not_read(tmp_path, swap):
+    """Tensor reads open the file again: fstat of that descriptor must show the regular file that was parsed (same
+    device and inode). A FIFO swapped in does not block; another file (a copy) is not read as this one."""
+    import shutil
+    import time
+
+    from conftest import FIXTURES
+
+    from dsckpt import safe_load
+
+    src = FIXTURES / "s2_bf16_w2_2groups" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"
+    path = tmp_path / src.name
+    shutil.copyfile(src, path)
+    _, ref = parsed_tree.walk_tensors(safe_load.load(path))[0]
+    ref.read_numpy()  # the file that was parsed: read
+    path.rename(tmp_path / "moved.pt")
+    if swap == "fifo":
+        os.mkfifo(path)
+    else:
+        shutil.copyfile(tmp_path / "moved.pt", path)
+    start = time.monotonic()
+    with pytest.raises(CorruptCheckpointError, match="a FIFO" if swap == "fifo" else "another file than the one parsed"):
+        ref.read_numpy()
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("fixture, name", [
+    ("s2_bf16_w2_2groups", "mp_rank_00_model_states.pt"),
+    ("s2_bf16_w2_2groups", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ("s3_fp32_w2", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ("hf_llama_z2_bf16_w2", "mp_rank_00_model_states.pt"),
+])
+def test_the_pre_scan_estimate_is_above_what_parsing_takes(fixture, name):
+    """max_parsed_nbytes bounds memory only if the opcode estimate is never below what the unpickler builds."""
+    import tracemalloc
+    import zipfile
+
+    from conftest import FIXTURES
+
+    from dsckpt import safe_load
+    from dsckpt.pickle_scan import prescan
+
+    path = FIXTURES / fixture / "ckpt" / "global_step3" / name
+    with zipfile.ZipFile(path) as zf:
+        data = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    estimate, stopped = prescan(data, path)
+    assert stopped
+    safe_load.load(path)  # imports and caches warm
+    tracemalloc.start()
+    try:
+        tree = safe_load.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tree and peak <= estimate <= 3 * peak
+
+
+def test_the_pre_scan_refuses_before_parsing(monkeypatch):
+    from dsckpt.pickle_scan import prescan
+
+    _with_limits(monkeypatch, "max_parsed_nbytes=1MiB")
+    with pytest.raises(LimitExceededError, match="max_parsed_nbytes=1048576"):
+        prescan(b"\x80\x02](" + b"]" * 100_000 + b"e.", "f.pt")
+    with pytest.raises(LimitExceededError, match="memo index of 2147483647"):
+        prescan(b"\x80\x02]r\xff\xff\xff\x7f.", "f.pt")
+    assert prescan(b"\x80\x02](" + b"]" * 1000 + b"e.", "f.pt")[1]  # within the budget

@@ -234,15 +234,21 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
 
 def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
     """``(path, tree)`` for every target file, in plan order. Reads source trees (pickles) through
-    ``cache``, no tensor bytes; not thread-safe (the cache is not)."""
+    ``cache``, no tensor bytes; not thread-safe (the cache is not). Refuses a tree carrying a field DeepSpeed's
+    loader rejects (:func:`~dsckpt.validate.refuse_unloadable_fields`) before anything is written."""
+    from ..validate import refuse_unloadable_fields
+
     if plan.tensor_ranks:
         from ..tensor_parallel import rank_view
 
         layouts = (ckpt.tensor_parallel, plan.tp_layout)
-        return [job for part in plan.tensor_ranks
+        jobs = [job for part in plan.tensor_ranks
                 for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache,
                                             layouts)]
-    return _build_rank_jobs(plan, ckpt, tag_dir, cache)
+    else:
+        jobs = _build_rank_jobs(plan, ckpt, tag_dir, cache)
+    refuse_unloadable_fields(jobs, source=f"'{ckpt.tag_dir}'")
+    return jobs
 
 
 def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any,

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import limits
 from ..stand_ins import DeepSpeedObject
 from ..tensor_ref import TensorRef
 
@@ -27,15 +28,22 @@ _OPTIM_FACTS = ("zero_stage", "partition_count", "loss_scaler", "dynamic_loss_sc
                 "param_groups", "adam_step")
 
 
-def _plain(value: Any) -> Any:
-    """A comparable, JSON-able form of a parsed value (stand-ins by their state)."""
+def _plain(value: Any, seen: set[int] | None = None) -> Any:
+    """A comparable, JSON-able form of a parsed value (stand-ins by their state). A container the pickle shares
+    between several places is rendered once; a further reference to it (looked up first, constant work) is the
+    string ``<shared>``: JSON cannot share, and 10^6 references to one list of 10^6 would render 10^12 values."""
+    seen = set() if seen is None else seen
+    if isinstance(value, (DeepSpeedObject, Mapping, list, tuple)):
+        if id(value) in seen:
+            return "<shared>"
+        seen.add(id(value))
     if isinstance(value, DeepSpeedObject):
         return {"class": f"{value.ds_module}.{value.ds_name}",
-                **{k: _plain(v) for k, v in sorted(value.__dict__.items())}}
+                **{k: _plain(v, seen) for k, v in sorted(value.__dict__.items())}}
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, seen) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, seen) for v in value]
     if isinstance(value, TensorRef):
         return float(value.item()) if value.numel == 1 else f"<tensor {list(value.shape)}>"
     if isinstance(value, (int, float, str, bool)) or value is None:
@@ -253,7 +261,7 @@ def _read_elements(piece: Any, lo: int, hi: int, cache: Any, fds: dict[Path, int
             return None  # the readers refuse this with a message of their own
         fd = fds.get(f.file)
         if fd is None:
-            fd = fds[f.file] = os.open(f.file, os.O_RDONLY)
+            fd = fds[f.file] = limits.open_parsed(f.file)
         nbytes = (b - a) * dtype.itemsize
         raw = os.pread(fd, nbytes, ref.storage.file_offset + first * dtype.itemsize)
         if len(raw) != nbytes:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .. import limits
 from ..atomic import atomic_file, verification_failed
 from ..crc import RecordCheck, crc32, crc32_combine
 from ..dtypes import DTYPES
@@ -459,7 +460,7 @@ class _ZipStream:
             return
         fd = self._fds.get(ext.path)
         if fd is None:
-            fd = self._fds[ext.path] = os.open(ext.path, os.O_RDONLY)
+            fd = self._fds[ext.path] = limits.open_parsed(ext.path)
         offset, left = ext.file_offset, ext.nbytes
         while left:
             buf = free.get()
