@@ -7,7 +7,7 @@ For every checkpoint, in interleaved rounds (forward, then backward), each a fre
 files read once at the start of each round (page cache warm): `cat` of every file in the tag folder (the floor), `dsckpt scan
 --nonfinite`, `dsckpt scan` (every check) and `dsckpt verify`, and with ``--baseline-src DIR`` (a folder holding
 another ``dsckpt/``, e.g. ``git archive <sha> dsckpt | tar -x -C DIR``) the same three commands run from that source
-as ``[before]``; ``--block-variants 256`` adds `scan --nonfinite` with 256 KiB blocks. Wall time from ``perf_counter``; CPU time (user + system) and peak RSS from ``os.wait4`` of the
+as ``[before]``; ``--block-variants 256:65536`` adds every command with 256 KiB blocks and 64K-element comparisons. Wall time from ``perf_counter``; CPU time (user + system) and peak RSS from ``os.wait4`` of the
 child (this script imports nothing big, so the child's RSS high-water mark is its own). The table gives medians
 and each command's ratio to the median `cat` of the same run. The commands run with ``python -P`` so that the
 current folder's ``dsckpt/`` never shadows the one asked for.
@@ -74,7 +74,7 @@ def _pythonpath(first: Path) -> str:
 
 
 def cases(ckpt: Path, only: list[str], baseline: Path | None,
-          blocks: list[int]) -> list[tuple[str, list[str], dict[str, str]]]:
+          blocks: list[tuple[int, int]]) -> list[tuple[str, list[str], dict[str, str]]]:
     files = tag_files(ckpt)
     env = {**os.environ, "PYTHONPATH": _pythonpath(REPO)}
     out = [("cat", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files)], env)]
@@ -84,15 +84,16 @@ def cases(ckpt: Path, only: list[str], baseline: Path | None,
             benv = {**os.environ, "PYTHONPATH": _pythonpath(baseline.resolve())}
             out.append((f"{name} [before]", [sys.executable, "-P", "-m", "dsckpt.cli", *COMMANDS[name], str(ckpt)],
                         benv))
-    for kib in blocks:  # the same code with another block size (scan_engine.BLOCK_NBYTES), for scan --nonfinite
-        code = (f"import sys, dsckpt.scan_engine as e; e.BLOCK_NBYTES = {kib << 10}; from dsckpt.cli import main; "
-                "sys.argv[0] = 'dsckpt'; main()")
-        out.append((f"scan-nf [{kib} KiB blocks]", [sys.executable, "-P", "-c", code, *COMMANDS["scan-nf"],
-                                                    str(ckpt)], env))
+    for kib, compare in blocks:  # the same code with other block sizes (scan_engine's), for every command
+        code = (f"import sys, dsckpt.scan_engine as e; e.BLOCK_NBYTES = {kib << 10}; "
+                f"e.COMPARE_BLOCK_NUMEL = {compare}; from dsckpt.cli import main; sys.argv[0] = 'dsckpt'; main()")
+        for name in only:
+            out.append((f"{name} [{kib} KiB, {compare >> 10}K]", [sys.executable, "-P", "-c", code, *COMMANDS[name],
+                                                                  str(ckpt)], env))
     return out
 
 
-def run(ckpt: Path, rounds: int, only: list[str], baseline: Path | None, blocks: list[int],
+def run(ckpt: Path, rounds: int, only: list[str], baseline: Path | None, blocks: list[tuple[int, int]],
         budget_s: float) -> dict[str, list[dict[str, float]]]:
     """Interleaved rounds (forward, backward, ...); no new round once ``budget_s`` has passed (two at least)."""
     cs = cases(ckpt, only, baseline, blocks)
@@ -208,8 +209,11 @@ def main() -> None:
     ap.add_argument("--baseline-src", type=Path, default=None)
     ap.add_argument("--only", default="scan-nf,scan,verify")
     ap.add_argument("--costs", action="store_true", help="also measure the per-check costs (one thread)")
+    ap.add_argument("--no-costs", dest="costs", action="store_false", help="(the default)")
     ap.add_argument("--blocks", default="256,1024,4096", help="block sizes for --costs, KiB")
-    ap.add_argument("--block-variants", default="", help="KiB: also time scan --nonfinite with these block sizes")
+    ap.add_argument("--block-variants", default="",
+                    help="KIB:NUMEL,...: also time every command with scan_engine.BLOCK_NBYTES = KIB KiB and "
+                         "COMPARE_BLOCK_NUMEL = NUMEL elements")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="per checkpoint: no new round after this")
     ap.add_argument("--report", type=Path, default=None, help="write every sample here (JSON)")
     args = ap.parse_args()
@@ -223,7 +227,8 @@ def main() -> None:
             continue
         print(f"{ckpt}:", file=sys.stderr, flush=True)
         samples = run(ckpt, args.rounds, only, args.baseline_src,
-                      [int(k) for k in args.block_variants.split(",") if k], args.budget_s)
+                      [(int(v.split(":")[0]), int(v.split(":")[1])) for v in args.block_variants.split(",") if v],
+                      args.budget_s)
         entry: dict = {"samples": samples}
         print(table(ckpt, samples), flush=True)
         if args.costs:

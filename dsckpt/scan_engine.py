@@ -419,9 +419,12 @@ def _stream(dtype: str, p: _Part, a: _Acc, pool: dict[Any, np.ndarray], files: _
     np_dtype = DTYPES[dtype].numpy
     step = max(1, BLOCK_NBYTES // np.dtype(np_dtype).itemsize)
     buf = _buffer(pool, "block", np_dtype, min(step, p.numel))
+    raw = memoryview(buf.view(np.uint8))
+    itemsize = buf.itemsize
     reader = _open(p.ref, p.src, p.numel, files)
     for off in range(0, p.numel, step):
-        _check(reader.read_into(buf[: min(step, p.numel - off)]), dtype, p, off, a, pool)
+        n = min(step, p.numel - off)
+        _check(reader.read_into(buf[:n], raw[: n * itemsize]), dtype, p, off, a, pool)
     reader.close()
 
 
@@ -498,7 +501,7 @@ class _WholeRead:
         self.ref, self.start, self.numel, self.done = ref, start, numel, 0
         self.data: np.ndarray | None = None
 
-    def read_into(self, out: np.ndarray) -> np.ndarray:
+    def read_into(self, out: np.ndarray, raw: memoryview | None = None) -> np.ndarray:
         if self.data is None:
             if isinstance(self.ref, TensorRef):
                 import torch
@@ -544,8 +547,8 @@ def _check(x: np.ndarray, dtype: str, p: _Part, off: int, a: _Acc, pool: dict[An
     16-bit ones one AND and one max over the exponent bits; no mask is built unless the block holds a
     finding."""
     if x.dtype.kind == "f" and x.dtype.itemsize >= 4:
-        hi, lo = float(_MAX(x)), float(_MIN(x))
-        finite = math.isfinite(hi) and math.isfinite(lo)
+        hi, lo = _MAX(x), _MIN(x)
+        finite = -math.inf < lo and hi < math.inf  # False for NaN
         nan = posinf = neginf = 0
         if not finite:
             nan, posinf, neginf, first = _count_nonfinite(x)

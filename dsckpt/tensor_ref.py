@@ -270,12 +270,16 @@ class SequentialRead:
         self._crc = 0
         self._done = 0  # elements read
 
-    def read_into(self, out: np.ndarray) -> np.ndarray:
-        """The next ``out.size`` elements, read into ``out`` (1-D, contiguous)."""
+    def read_into(self, out: np.ndarray, raw: memoryview | None = None) -> np.ndarray:
+        """The next ``out.size`` elements, read into ``out`` (1-D, contiguous); ``raw``: its bytes, if the caller
+        has them as a memoryview already (a block loop saves making one per block)."""
         n = out.size
         assert self._done + n <= self.numel, "read past the planned range"
-        raw = byte_view(out)
-        pread_exact(self.fd, raw, self._offset + self._done * self.itemsize, self._truncated)
+        if raw is None:
+            raw = byte_view(out)
+        offset = self._offset + self._done * self.itemsize
+        if os.preadv(self.fd, [raw], offset) != raw.nbytes:  # short read: finish it, or say the file ends
+            pread_exact(self.fd, raw, offset, self._truncated)
         if self._check is not None:
             self._crc = crc.crc32(raw, self._crc)
         self._done += n
