@@ -362,12 +362,14 @@ MAX_OPEN_FILES = 32  # per scan thread
 
 
 # Every byte is checked while it is in cache: a stored range is read in blocks of BLOCK_NBYTES into one reused
-# buffer, and each block's CRC-32, inf/NaN check (and fp16-overflow check) run on it before the next is read, so
-# the bytes cross memory once, as in `cat` (before: 4 MiB parts read whole, then CRC'd, then checked, each pass
-# from memory; issue 35). A master and its 16-bit copy are compared COMPARE_BLOCK_NUMEL elements at a time, both
-# blocks read just before. Big enough that the few Python calls per block stay small next to its bytes.
-BLOCK_NBYTES = 1 << 20
-COMPARE_BLOCK_NUMEL = 1 << 17
+# buffer per thread, and each block's CRC-32 and inf/NaN (and fp16-overflow) checks run on it before the next block
+# is read -- no second pass over memory, no chunk-sized buffers per stored copy; a master and its 16-bit copy are
+# compared COMPARE_BLOCK_NUMEL elements at a time, both blocks read just before (issue 35). The sizes are a
+# trade-off measured on a lent 16-core host (bench/results/scan-2026-11-26.md): eight threads each take the GIL a
+# few times a block, so 1 MiB blocks (L2-sized) made `scan` of a 1B ZeRO-2 checkpoint 1.96x `cat`, 2 MiB 1.61x,
+# 4 MiB 1.31x (before: 1.42x); a 4 MiB block (plus its exponent bits) stays in L3 there and on the 2-core machine.
+BLOCK_NBYTES = 4 << 20
+COMPARE_BLOCK_NUMEL = 1 << 19
 
 
 class _Acc:
