@@ -25,7 +25,7 @@ from .model import (
 )
 from .readers.common import FileCache, lookup
 from .scan_plan import FP16_MAX, MAX_INDICES, Check, Finding, RawScan, ScanPlan, StoredKind
-from .tensor_ref import TensorRef
+from .tensor_ref import TensorRef, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ def _stream(dtype: str, p: _Part, a: _Acc, pool: dict[Any, np.ndarray], files: _
     np_dtype = DTYPES[dtype].numpy
     step = max(1, BLOCK_NBYTES // np.dtype(np_dtype).itemsize)
     buf = _buffer(pool, "block", np_dtype, min(step, p.numel))
-    raw = memoryview(buf.view(np.uint8))
+    raw = byte_view(buf)
     itemsize = buf.itemsize
     reader = _open(p.ref, p.src, p.numel, files)
     for off in range(0, p.numel, step):
@@ -451,8 +451,9 @@ def _compare(task: _Task, acc: list[_Acc], pool: dict[Any, np.ndarray], files: _
                 ka, kb = _clip(p, s, e)
                 if ka >= kb:
                     continue
-                if paths[k] is not None:  # this thread's descriptor, re-fetched: other reads may have evicted it
-                    readers[k].fd = files.fd(paths[k])
+                path = paths[k]
+                if path is not None:  # this thread's descriptor, re-fetched: other reads may have evicted it
+                    readers[k].fd = files.fd(path)
                 if p.frag is None:
                     x = readers[k].read_into(buf[p.lo + ka - s: p.lo + kb - s])
                 else:

@@ -389,3 +389,27 @@ def test_scan_names_only_the_checks_that_ran(tmp_path, target, checks):
     assert ", ".join(names[c] for c in doc["checks"]) == checks
     nonfinite = CliRunner().invoke(main, ["scan", str(path), "-q", "--nonfinite"])
     assert nonfinite.stdout.splitlines()[0].endswith("; checks: inf/NaN")
+
+
+@pytest.mark.parametrize("block_nbytes", [8, 4 << 20], ids=["8-byte-blocks", "default"])
+def test_a_flipped_bit_fails_the_chained_crc_whatever_the_block_size(tmp_path, monkeypatch, block_nbytes):
+    """A block's CRC-32 is chained onto the previous block's and handed to the record's check once per range:
+    one flipped bit in the middle of a record is still caught, however many blocks the range took."""
+    import struct
+    import zipfile
+
+    from dsckpt import scan_engine
+
+    monkeypatch.setattr(scan_engine, "BLOCK_NBYTES", block_nbytes)
+    monkeypatch.setattr(scan_engine, "COMPARE_BLOCK_NUMEL", 3)
+    ckpt = copy_fixture(next(f for f in FIXTURES if f.name == "ds0189_s2_bf16_w2"), tmp_path)
+    path = next(ckpt.glob("*/*optim_states.pt"))
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    for nonfinite_only in (True, False):
+        with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+            scan(ckpt, nonfinite_only=nonfinite_only)
