@@ -466,6 +466,9 @@ def _hf_lines(hf: Any, tied_left_out: tuple[str, ...] = ()) -> list[str]:
     return lines
 
 
+_CHECK_NAMES = {"nonfinite": "inf/NaN", "fp16_overflow": "fp16 overflow", "mismatch": "master/16-bit mismatch"}
+
+
 @main.command()
 @click.argument("target", type=click.Path(exists=True, path_type=str))
 @tag_option
@@ -503,7 +506,7 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))
     else:
-        checks = "inf/NaN" if nonfinite_only else "inf/NaN, fp16 overflow, master/16-bit mismatch"
+        checks = ", ".join(_CHECK_NAMES[c.value] for c in report.checks)
         head = (f"scanned {report.target} ({report.target_kind.value}): {report.stored_tensors} stored tensors, "
                 f"{report.numel_scanned:,} values, {_human(report.nbytes_read)}; checks: {checks}")
         click.echo(head)

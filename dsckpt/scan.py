@@ -107,7 +107,7 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
 
 
 def _report(plan: ScanPlan, found: list[Finding], stored_tensors: int, totals: tuple[int, int]) -> ScanReport:
-    return ScanReport(plan.target, plan.target_kind, plan.checks,
+    return ScanReport(plan.target, plan.target_kind, plan.checks_run,
                       tuple(f for f in found if f.kind is not StoredKind.CLIENT_STATE), stored_tensors,
                       totals[0], totals[1],
                       client_state=tuple(f for f in found if f.kind is StoredKind.CLIENT_STATE))

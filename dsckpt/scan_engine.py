@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from .model import (
 )
 from .readers.common import FileCache, lookup
 from .scan_plan import FP16_MAX, MAX_INDICES, Check, Finding, RawScan, ScanPlan, StoredKind
-from .tensor_ref import TensorRef
+from .tensor_ref import TensorRef, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def scan_pass(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], 
             pool = local.pool = {}
             local.files = _OpenFiles()
             opened.append(local.files)  # list.append is atomic
-        return _run_task(task, chunk, pool, local.files)
+        return _run_task(task, pool, local.files)
 
     def apply(task: _Task, updates: list[_Update]) -> None:
         for u in updates:
@@ -361,96 +362,247 @@ class _OpenFiles:
 MAX_OPEN_FILES = 32  # per scan thread
 
 
-def _run_task(task: _Task, chunk: int, pool: dict[Any, np.ndarray], files: _OpenFiles) -> list[_Update]:
-    """Read and check one chunk (in a worker thread): the tally updates, in tally order.
+# Every byte is checked while it is in cache: a stored range is read in blocks of BLOCK_NBYTES into one reused
+# buffer per thread, and each block's CRC-32 and inf/NaN (and fp16-overflow) checks run on it before the next block
+# is read -- no second pass over memory, no chunk-sized buffers per stored copy; a master and its 16-bit copy are
+# compared COMPARE_BLOCK_NUMEL elements at a time, both blocks read just before (issue 35). The sizes are a
+# trade-off measured on a lent 16-core host (bench/results/scan-2026-11-26.md): eight threads each take the GIL a
+# few times a block, so 1 MiB blocks (L2-sized) made `scan` of a 1B ZeRO-2 checkpoint 1.96x `cat`, 2 MiB 1.61x,
+# 4 MiB 1.31x (before: 1.42x); a 4 MiB block (plus its exponent bits) stays in L3 there and on the 2-core machine.
+BLOCK_NBYTES = 4 << 20
+COMPARE_BLOCK_NUMEL = 1 << 19
 
-    Each stored copy gets a buffer of its own only when the copies are compared with each other;
-    otherwise every part goes through one buffer, in turn."""
-    bufs = [_buffer(pool, slot, DTYPES[d].numpy, chunk)[: task.numel] for slot, d in enumerate(task.dtypes)
-            ] if task.compare is not None else []
+
+class _Acc:
+    """What one part's blocks found so far."""
+
+    __slots__ = ("differ", "differ_first", "first", "nan", "neginf", "over", "over_first", "posinf")
+
+    def __init__(self) -> None:
+        self.nan = self.posinf = self.neginf = self.over = self.differ = 0
+        self.first: list[int] = []
+        self.over_first: list[int] = []
+        self.differ_first: list[int] = []
+
+
+def _run_task(task: _Task, pool: dict[Any, np.ndarray], files: _OpenFiles) -> list[_Update]:
+    """Read and check one chunk (in a worker thread): the tally updates, in tally order (part by part, then the
+    master/16-bit comparison), the same whatever the block sizes."""
+    acc = [_Acc() for _ in task.parts]
+    compare = task.compare
+    for k, p in enumerate(task.parts):
+        if compare is None or p.slot not in compare:
+            _stream(task.dtypes[p.slot], p, acc[k], pool, files)
+    if compare is not None:
+        _compare(task, acc, pool, files)
     out: list[_Update] = []
-    for p in task.parts:
-        dtype = task.dtypes[p.slot]
-        if bufs and p.frag is None:
-            part = bufs[p.slot][p.dst: p.dst + p.numel]
-        else:
-            part = _buffer(pool, "part", DTYPES[dtype].numpy, p.numel)
-        _read_into(p.ref, p.src, p.numel, part, files)
-        if bufs and p.frag is not None:
-            place(part, bufs[p.slot], p.frag, p.k0, task.base)
-        nan, posinf, neginf, first = _nonfinite(part, dtype, pool)
+    for p, a in zip(task.parts, acc):
+        nbytes = p.numel * DTYPES[task.dtypes[p.slot]].itemsize
+        count = a.nan + a.posinf + a.neginf
         if p.padding:
-            if nan + posinf + neginf:
+            if count:
                 logger.info("%s %s: non-finite leftover bytes in stage-3 partition padding (ignored)",
                             p.where.file.name, p.where.key)
-            out.append(_Update(Check.NONFINITE, p.where, 0, nbytes_read=part.nbytes))
+            out.append(_Update(Check.NONFINITE, p.where, 0, nbytes_read=nbytes))
             continue
-        out.append(_Update(Check.NONFINITE, p.where, p.numel, nan + posinf + neginf, nan, posinf, neginf,
-                           tuple(p.logical(int(i)) for i in first), part.nbytes))
+        out.append(_Update(Check.NONFINITE, p.where, p.numel, count, a.nan, a.posinf, a.neginf, tuple(a.first),
+                           nbytes))
         if p.overflow:
-            count, first = _fp16_overflow(part)
-            out.append(_Update(Check.FP16_OVERFLOW, p.where, p.numel, count,
-                               first=tuple(p.logical(int(i)) for i in first)))
-    if task.compare is not None:
-        mi, li = task.compare
-        differ = _differ(bufs[mi], bufs[li], task.dtypes[li], pool, chunk)
+            out.append(_Update(Check.FP16_OVERFLOW, p.where, p.numel, a.over, first=tuple(a.over_first)))
+    if compare is not None:
+        index = {id(p): k for k, p in enumerate(task.parts)}
         for p in task.compare_wheres:
-            if differ is None:
-                out.append(_Update(Check.MISMATCH, p.where, p.numel))
-            elif p.frag is None:
-                d = differ[p.dst: p.dst + p.numel]
-                first = np.flatnonzero(d)[:MAX_INDICES]
-                out.append(_Update(Check.MISMATCH, p.where, p.numel, int(np.count_nonzero(d)),
-                                   first=tuple(int(i) + p.lo for i in first)))
-            else:  # the part's elements, wherever they lie in the chunk, in order
-                views = [(k, v.reshape(-1))
-                         for k, v in fragment_views(differ, p.frag, p.k0, p.k0 + p.numel, task.base)]
-                count = sum(int(np.count_nonzero(v)) for _, v in views)
-                at = [p.frag.dst_index(k + int(i)) for k, v in views for i in np.flatnonzero(v)[:MAX_INDICES]]
-                out.append(_Update(Check.MISMATCH, p.where, p.numel, count, first=tuple(at[:MAX_INDICES])))
+            a = acc[index[id(p)]]
+            out.append(_Update(Check.MISMATCH, p.where, p.numel, a.differ, first=tuple(a.differ_first)))
     return out
 
 
-def _read_into(ref: Any, start: int, numel: int, out: np.ndarray, files: _OpenFiles) -> None:
-    if isinstance(ref, TensorRef):
-        if not ref.is_contiguous():
-            import torch  # strided stored tensors only (never written by DeepSpeed): torch gathers them
+def _stream(dtype: str, p: _Part, a: _Acc, pool: dict[Any, np.ndarray], files: _OpenFiles) -> None:
+    """Read part ``p`` block by block into one reused buffer, checking each block while it is in cache."""
+    np_dtype = DTYPES[dtype].numpy
+    step = max(1, BLOCK_NBYTES // np.dtype(np_dtype).itemsize)
+    buf = _buffer(pool, "block", np_dtype, min(step, p.numel))
+    raw = byte_view(buf)
+    itemsize = buf.itemsize
+    reader = _open(p.ref, p.src, p.numel, files)
+    for off in range(0, p.numel, step):
+        n = min(step, p.numel - off)
+        _check(reader.read_into(buf[:n], raw[: n * itemsize]), dtype, p, off, a, pool)
+    reader.close()
 
-            got = ref.read(start, numel).contiguous()
-            out.view(np.uint8)[:] = got.reshape(-1).view(torch.uint8).numpy()
-            return
-        ref.read_numpy(start, numel, out=out, fd=files.fd(ref.storage.path))
-    else:  # a SafetensorsRef
-        path = getattr(ref, "path", None)
-        ref.read_numpy(start, numel, out=out, fd=None if path is None else files.fd(path))
+
+def _compare(task: _Task, acc: list[_Acc], pool: dict[Any, np.ndarray], files: _OpenFiles) -> None:
+    """The master and 16-bit slots of a chunk, COMPARE_BLOCK_NUMEL logical elements at a time: each block of
+    both copies is read (and checked) just before the two are compared."""
+    assert task.compare is not None
+    mi, li = task.compare
+    step = COMPARE_BLOCK_NUMEL
+    slots = [(slot, task.dtypes[slot], [(k, p) for k, p in enumerate(task.parts) if p.slot == slot])
+             for slot in (mi, li)]
+    readers = {k: _open(p.ref, p.src, p.numel, files) for _, _, parts in slots for k, p in parts}
+    paths = {k: _path(p.ref) for _, _, parts in slots for k, p in parts}
+    end = task.base + task.numel
+    for s in range(task.base, end, step):
+        e = min(end, s + step)
+        bufs = []
+        for slot, dtype, parts in slots:
+            np_dtype = DTYPES[dtype].numpy
+            buf = _buffer(pool, ("compare", slot == li), np_dtype, step)[: e - s]
+            for k, p in parts:
+                ka, kb = _clip(p, s, e)
+                if ka >= kb:
+                    continue
+                path = paths[k]
+                if path is not None:  # this thread's descriptor, re-fetched: other reads may have evicted it
+                    readers[k].fd = files.fd(path)
+                if p.frag is None:
+                    x = readers[k].read_into(buf[p.lo + ka - s: p.lo + kb - s])
+                else:
+                    x = readers[k].read_into(_buffer(pool, "part", np_dtype, kb - ka))
+                    place(x, buf, p.frag, p.k0 + ka, s)
+                _check(x, dtype, p, ka, acc[k], pool)
+            bufs.append(buf)
+        differ = _differ(bufs[0], bufs[1], task.dtypes[li], pool, step)
+        if differ is None:
+            continue
+        for k, p in slots[1][2]:
+            ka, kb = _clip(p, s, e)
+            if ka < kb:
+                _add_differ(differ, p, ka, kb, s, acc[k])
+    for reader in readers.values():
+        reader.close()
+
+
+def _clip(p: _Part, s: int, e: int) -> tuple[int, int]:
+    """The elements ``[ka, kb)`` of part ``p`` (counted from its first) whose logical index lies in ``[s, e)``."""
+    if p.frag is None:
+        return max(s, p.lo) - p.lo, min(e, p.lo + p.numel) - p.lo
+    w0, w1 = p.frag.window(s, e)
+    return max(w0, p.k0) - p.k0, min(w1, p.k0 + p.numel) - p.k0
+
+
+def _add_differ(differ: np.ndarray, p: _Part, ka: int, kb: int, s: int, a: _Acc) -> None:
+    """Count the differing elements ``[ka, kb)`` of 16-bit part ``p`` in a block starting at logical ``s``."""
+    need = MAX_INDICES - len(a.differ_first)
+    if p.frag is None:
+        d = differ[p.lo + ka - s: p.lo + kb - s]
+        a.differ += int(np.count_nonzero(d))
+        if need > 0:
+            a.differ_first += [int(i) + p.lo + ka for i in np.flatnonzero(d)[:need]]
+        return
+    views = [(k, v.reshape(-1)) for k, v in fragment_views(differ, p.frag, p.k0 + ka, p.k0 + kb, s)]
+    a.differ += sum(int(np.count_nonzero(v)) for _, v in views)
+    if need > 0:
+        at = [p.frag.dst_index(k + int(i)) for k, v in views for i in np.flatnonzero(v)[:need]]
+        a.differ_first += at[:need]
+
+
+class _WholeRead:
+    """A range read in one go, then handed out block by block: strided stored tensors (never written by
+    DeepSpeed; torch gathers them) and refs without :meth:`sequential`."""
+
+    def __init__(self, ref: Any, start: int, numel: int) -> None:
+        self.ref, self.start, self.numel, self.done = ref, start, numel, 0
+        self.data: np.ndarray | None = None
+
+    def read_into(self, out: np.ndarray, raw: memoryview | None = None) -> np.ndarray:
+        if self.data is None:
+            if isinstance(self.ref, TensorRef):
+                import torch
+
+                got = self.ref.read(self.start, self.numel).contiguous()
+                self.data = got.reshape(-1).view(torch.uint8).numpy().view(out.dtype)
+            else:
+                self.data = self.ref.read_numpy(self.start, self.numel)
+        out[...] = self.data[self.done: self.done + out.size]
+        self.done += out.size
+        return out
+
+    def close(self) -> None:
+        self.data = None
+
+
+def _path(ref: Any) -> Path | None:
+    """The file ``ref`` is read from block by block (:meth:`sequential`), or None (:class:`_WholeRead`)."""
+    if isinstance(ref, TensorRef):
+        return ref.storage.path if ref.is_contiguous() else None
+    path = getattr(ref, "path", None)  # a SafetensorsRef
+    return path if path is not None and hasattr(ref, "sequential") else None
+
+
+def _open(ref: Any, start: int, numel: int, files: _OpenFiles) -> Any:
+    """A reader of elements ``[start, start + numel)`` of ``ref``, front to back (``read_into``, ``close``)."""
+    path = _path(ref)
+    if path is None:
+        return _WholeRead(ref, start, numel)
+    return ref.sequential(start, numel, fd=files.fd(path))
 
 
 # The exponent bits of each IEEE type: a value is inf/NaN exactly when all of them are set.
 _EXPONENT = {"bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00), "float32": ("<u4", 0x7F800000)}
+_MAX, _MIN = np.maximum.reduce, np.minimum.reduce
+
+
+def _check(x: np.ndarray, dtype: str, p: _Part, off: int, a: _Acc, pool: dict[Any, np.ndarray]) -> None:
+    """The inf/NaN (and for an fp32 master of an fp16 run, fp16-overflow) check of one block ``x``: elements
+    ``[off, off + len(x))`` of part ``p``, added to ``a``.
+
+    fp32/fp64 blocks cost two reductions (max and min: NaN and inf show in them, and so does |x| > 65504),
+    16-bit ones one AND and one max over the exponent bits; no mask is built unless the block holds a
+    finding."""
+    if x.dtype.kind == "f" and x.dtype.itemsize >= 4:
+        hi, lo = _MAX(x), _MIN(x)
+        finite = -math.inf < lo and hi < math.inf  # False for NaN
+        nan = posinf = neginf = 0
+        if not finite:
+            nan, posinf, neginf, first = _count_nonfinite(x)
+            _add_first(a.first, p, off, first)
+        if p.overflow and not (finite and -FP16_MAX <= lo and hi <= FP16_MAX):
+            count, first = _fp16_overflow(x)
+            a.over += count
+            _add_first(a.over_first, p, off, first)
+    else:
+        nan, posinf, neginf, first = _nonfinite(x, dtype, pool)
+        if nan + posinf + neginf:
+            _add_first(a.first, p, off, first)
+    a.nan += nan
+    a.posinf += posinf
+    a.neginf += neginf
+
+
+def _add_first(first: list[int], p: _Part, off: int, found: np.ndarray) -> None:
+    need = MAX_INDICES - len(first)
+    if need > 0:
+        first += [p.logical(off + int(i)) for i in found[:need]]
 
 
 def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray]) -> tuple[int, int, int, np.ndarray]:
-    """``(nan, +inf, -inf, first indices)`` of a chunk of stored ``dtype`` bytes (see :mod:`dsckpt.dtypes`).
+    """``(nan, +inf, -inf, first indices)`` of a block of stored ``dtype`` bytes (see :mod:`dsckpt.dtypes`).
 
-    Proving a chunk finite costs one AND and one max over its exponent bits (no float conversion,
-    no mask); only a chunk that holds inf/NaN is counted exactly."""
-    none = np.empty(0, dtype=np.intp)
+    Proving a 16-bit block finite costs one AND and one max over its exponent bits (no float conversion,
+    no mask); only a block that holds inf/NaN is counted exactly."""
     exp = _EXPONENT.get(dtype)
     if exp is not None:
         view, mask = exp
         bits = x.view(view)
         tmp = _buffer(pool, "exponent", view, len(bits))
         np.bitwise_and(bits, mask, out=tmp)
-        if int(tmp.max()) != mask:
-            return 0, 0, 0, none
-        f = to_float32(x, dtype)
-    elif x.dtype.kind in "fc":
+        if int(_MAX(tmp)) != mask:
+            return 0, 0, 0, _NONE
+        return _count_nonfinite(to_float32(x, dtype))
+    if x.dtype.kind in "fc":
         with np.errstate(all="ignore"):
             if np.isfinite(np.sum(x)):
-                return 0, 0, 0, none
-        f = x
-    else:
-        return 0, 0, 0, none
+                return 0, 0, 0, _NONE
+        return _count_nonfinite(x)
+    return 0, 0, 0, _NONE
+
+
+_NONE = np.empty(0, dtype=np.intp)
+
+
+def _count_nonfinite(f: np.ndarray) -> tuple[int, int, int, np.ndarray]:
+    """``(nan, +inf, -inf, first indices)`` of a float block, counted exactly."""
     bad = ~np.isfinite(f)
     vals = f[bad]
     if vals.dtype.kind == "c":
@@ -467,8 +619,6 @@ def _nonfinite(x: np.ndarray, dtype: str, pool: dict[Any, np.ndarray]) -> tuple[
 def _fp16_overflow(x: np.ndarray) -> tuple[int, np.ndarray]:
     """Finite float32 values with ``|x| > FP16_MAX``: count and first indices."""
     with np.errstate(invalid="ignore"):
-        if x.max() <= FP16_MAX and x.min() >= -FP16_MAX:  # a NaN fails both: counted below
-            return 0, np.empty(0, dtype=np.intp)
         over = np.isfinite(x) & (np.abs(x) > FP16_MAX)
     return int(np.count_nonzero(over)), np.flatnonzero(over)[:MAX_INDICES]
 
@@ -476,12 +626,13 @@ def _fp16_overflow(x: np.ndarray) -> tuple[int, np.ndarray]:
 def _differ(master: np.ndarray, lowp: np.ndarray, lowp_dtype: str, pool: dict[Any, np.ndarray],
             chunk: int) -> np.ndarray | None:
     """Where the stored 16-bit values differ from the fp32 master rounded to ``lowp_dtype`` (all three
-    finite), or None when the chunk is proven equal bit for bit (the common case: no mask is built)."""
+    finite), or None when the block is proven equal bit for bit (the common case: no mask is built, and
+    every temporary is a reused buffer of the block's size)."""
     n = len(master)
     rounded = _buffer(pool, "rounded", "<u2", chunk)[:n]
     if lowp_dtype == "bfloat16":
         # from_float32's round to nearest even, in place in a reused buffer; NaN masters may come out
-        # wrong here, which only sends the chunk to the exact comparison below.
+        # wrong here, which only sends the block to the exact comparison below.
         u = master.view(np.uint32)
         t = _buffer(pool, "round", "<u4", chunk)[:n]
         np.right_shift(u, 16, out=t)
@@ -493,7 +644,9 @@ def _differ(master: np.ndarray, lowp: np.ndarray, lowp_dtype: str, pool: dict[An
     else:
         with np.errstate(over="ignore"):
             np.copyto(rounded.view(np.float16), master, casting="unsafe")
-    if np.array_equal(rounded, lowp.view(np.uint16)):
+    same = _buffer(pool, "same", np.bool_, chunk)[:n]
+    np.not_equal(rounded, lowp.view(np.uint16), out=same)
+    if not np.logical_or.reduce(same):
         return None
     r = to_float32(from_float32(master, lowp_dtype), lowp_dtype)
     lo = to_float32(lowp, lowp_dtype)

@@ -217,12 +217,22 @@ class ScanPlan:
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     scalars: tuple[Finding, ...] = ()  # non-finite Python floats, found while planning (nonfinite_scalars)
 
+    @property
+    def checks_run(self) -> tuple[Check, ...]:
+        """The checks of :attr:`checks` that apply to something in the plan: ``fp16_overflow`` only where an fp32
+        master of an fp16 run is read, ``mismatch`` only where a master has a 16-bit copy to compare with (never
+        in a plain safetensors or fp32 checkpoint); ``nonfinite`` always."""
+        applies = {Check.NONFINITE: True,
+                   Check.FP16_OVERFLOW: any(e.overflow_pieces for e in self.entries),
+                   Check.MISMATCH: any(e.compare is not None for e in self.entries)}
+        return tuple(c for c in self.checks if applies[c])
+
 
 @dataclass(frozen=True)
 class ScanReport:
     target: Path
     target_kind: TargetKind
-    checks: tuple[Check, ...]
+    checks: tuple[Check, ...]  # the checks that ran (ScanPlan.checks_run)
     findings: tuple[Finding, ...]
     stored_tensors: int
     numel_scanned: int

@@ -27,7 +27,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .limits import open_parsed, open_regular, read_small_file, remember_parsed
 from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, dtype_name, lookup
-from .tensor_ref import TensorRef
+from .tensor_ref import SequentialRead, TensorRef, pread_exact
 
 if TYPE_CHECKING:
     import torch
@@ -135,6 +135,16 @@ class SafetensorsRef:
                                          f"'{self.name}', which has {total}")
         return numel
 
+    def sequential(self, start: int, numel: int, *, fd: int) -> SequentialRead:
+        """Elements ``[start, start + numel)`` read front to back in blocks through ``fd``, as
+        :meth:`dsckpt.tensor_ref.TensorRef.sequential` (safetensors stores no CRC)."""
+        numel = self._check_range(start, numel)
+        itemsize = dtype_info(self.dtype_name).itemsize
+        return SequentialRead(fd, self.file_offset + start * itemsize, numel, itemsize, self._truncated())
+
+    def _truncated(self) -> str:
+        return f"{self.path}: file ends inside tensor '{self.name}'; it is truncated"
+
     def _read_bytes(self, start: int, numel: int, view: memoryview, fd: int | None = None) -> None:
         itemsize = dtype_info(self.dtype_name).itemsize
         nbytes, offset = numel * itemsize, self.file_offset + start * itemsize
@@ -142,13 +152,7 @@ class SafetensorsRef:
         if fd is None:
             fd = open_parsed(self.path)
         try:
-            got = 0
-            while got < nbytes:
-                n = os.preadv(fd, [view[got:nbytes]], offset + got)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{self.path}: file ends inside tensor '{self.name}'; "
-                                                 "it is truncated")
-                got += n
+            pread_exact(fd, view[:nbytes], offset, self._truncated())
         finally:
             if own:
                 os.close(fd)

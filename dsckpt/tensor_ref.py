@@ -21,7 +21,7 @@ from .errors import CorruptCheckpointError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StorageRef", "TensorRef", "byte_view", "read_bytes"]
+__all__ = ["SequentialRead", "StorageRef", "TensorRef", "byte_view", "pread_exact", "read_bytes"]
 
 # --------------------------------------------------------------------------------------------
 # Lazy tensors
@@ -155,6 +155,17 @@ class TensorRef:
         read_bytes(self.storage, self.storage_offset + start, numel, byte_view(out), fd=fd)
         return out
 
+    def sequential(self, start: int, numel: int, *, fd: int) -> SequentialRead:
+        """Elements ``[start, start + numel)`` (contiguous tensors only), to be read front to back in blocks
+        through ``fd`` (see :class:`SequentialRead`; bounds are checked here, before any read)."""
+        numel = self._check_range(start, numel)
+        if not self.is_contiguous():
+            raise ValueError(f"{self!r} is strided; read it with read()")
+        storage, first = self.storage, self.storage_offset + start
+        _check_storage_range(storage, first, numel)
+        return SequentialRead(fd, storage.file_offset + first * storage.itemsize, numel, storage.itemsize,
+                              _truncated(storage), storage.check, first * storage.itemsize)
+
     def item(self) -> int | float:
         """The value of a one-element tensor (Adam's ``step``, a loss scale), read without torch and
         CRC-checked like every read: an int for integer and bool dtypes (exact, as torch's ``item()``),
@@ -200,33 +211,82 @@ def byte_view(array: np.ndarray) -> memoryview:
 def read_bytes(storage: StorageRef, first: int, numel: int, view: memoryview, *, fd: int | None = None) -> None:
     """``pread`` elements ``[first, first + numel)`` of ``storage`` into ``view`` (raw bytes), through
     ``fd`` if given (else the file is opened for this read)."""
-    itemsize = storage.itemsize
+    _check_storage_range(storage, first, numel)
+    if numel == 0:
+        return
+    nbytes = numel * storage.itemsize
+    own = fd is None
+    if fd is None:
+        fd = limits.open_parsed(storage.path)
+    try:
+        pread_exact(fd, view[:nbytes], storage.file_offset + first * storage.itemsize, _truncated(storage))
+    finally:
+        if own:
+            os.close(fd)
+    if storage.check is not None:
+        storage.check.update(first * storage.itemsize, view[:nbytes])
+
+
+def _check_storage_range(storage: StorageRef, first: int, numel: int) -> None:
     if first + numel > storage.numel:
         raise CorruptCheckpointError(
             f"{storage.path}: tensor runs past the end of its storage {storage.key!r} "
             f"({first + numel} > {storage.numel} elements); the file is corrupt"
         )
-    if numel == 0:
-        return
-    nbytes = numel * itemsize
-    offset = storage.file_offset + first * itemsize
-    own = fd is None
-    if fd is None:
-        fd = limits.open_parsed(storage.path)
-    try:
-        got = 0
-        while got < nbytes:
-            n = os.preadv(fd, [view[got:nbytes]], offset + got)
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
-                    "the file is truncated — the save was probably interrupted"
-                )
-            got += n
-    finally:
-        if own:
-            os.close(fd)
-    if storage.check is not None:
-        storage.check.update(first * itemsize, view[:nbytes])
 
 
+def _truncated(storage: StorageRef) -> str:
+    return (f"{storage.path}: file ends inside tensor data (storage {storage.key!r}); "
+            "the file is truncated — the save was probably interrupted")
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, truncated: str) -> None:
+    """Fill ``view`` from byte ``offset`` of ``fd``; :class:`CorruptCheckpointError` (``truncated``) when the file
+    ends first."""
+    got, nbytes = 0, view.nbytes
+    while got < nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise CorruptCheckpointError(truncated)
+        got += n
+
+
+class SequentialRead:
+    """One range of a stored tensor read front to back in blocks the caller sizes (``scan``'s cache-sized blocks):
+    :meth:`read_into` fills the caller's buffer with the next elements and chains their CRC-32 onto the previous
+    blocks' while the bytes are still in cache; :meth:`close` hands the record's check the CRC of everything read,
+    once (one :meth:`~dsckpt.crc.RecordCheck.add_crc` per range, not per block). Bounds were checked before the
+    first read; a block past the range raises ``AssertionError`` (a caller bug, not a file's)."""
+
+    __slots__ = ("_check", "_check_offset", "_crc", "_done", "_offset", "_truncated", "fd", "itemsize", "numel")
+
+    def __init__(self, fd: int, offset: int, numel: int, itemsize: int, truncated: str,
+                 check: crc.RecordCheck | None = None, check_offset: int = 0) -> None:
+        self.fd = fd  # may be replaced between reads by another descriptor of the same file
+        self._offset, self.numel, self.itemsize = offset, numel, itemsize
+        self._truncated = truncated
+        self._check = None if check is None or check.done else check  # a record verified already: no CRC
+        self._check_offset = check_offset
+        self._crc = 0
+        self._done = 0  # elements read
+
+    def read_into(self, out: np.ndarray, raw: memoryview | None = None) -> np.ndarray:
+        """The next ``out.size`` elements, read into ``out`` (1-D, contiguous); ``raw``: its bytes, if the caller
+        has them as a memoryview already (a block loop saves making one per block)."""
+        n = out.size
+        assert self._done + n <= self.numel, "read past the planned range"
+        if raw is None:
+            raw = byte_view(out)
+        offset = self._offset + self._done * self.itemsize
+        if os.preadv(self.fd, [raw], offset) != raw.nbytes:  # short read: finish it, or say the file ends
+            pread_exact(self.fd, raw, offset, self._truncated)
+        if self._check is not None:
+            self._crc = crc.crc32(raw, self._crc)
+        self._done += n
+        return out
+
+    def close(self) -> None:
+        """Account for the CRC-32 of what was read (raises on a mismatch once its record is covered)."""
+        if self._check is not None and self._done:
+            check, self._check = self._check, None
+            check.add_crc(self._check_offset, self._crc, self._done * self.itemsize)

@@ -214,7 +214,7 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
                  for name, msg in replica_disagreements(ckpt, cache, workers=workers)]
     notes += audit.notes(ckpt.tag_dir)
     notes += ckpt.notes
-    assert Check.MISMATCH in report.checks
+    assert Check.MISMATCH in plan.checks
     return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
                         report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes),
                         report.client_state)

@@ -328,3 +328,88 @@ def test_real_fp16_param_overflow_found_in_copy_and_master():
     assert fx.truth()["param/fc2.weight"].view(-1)[0].item() > 65504  # 69999.99 after Adam steps
     only = scan(fx.ckpt, nonfinite_only=True)
     assert [(f.check.value, f.name) for f in only.findings] == [("nonfinite", "fc2.weight")]
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_findings_do_not_depend_on_the_block_sizes(tmp_path, monkeypatch, workers):
+    """Each stored range is checked block by block while in cache (issue 35): findings, counts, first indices and
+    bytes read are those of one block per chunk, for inf/NaN in several copies, a master/16-bit mismatch and fp16
+    overflow (plan made as if fp16, as above)."""
+    from dsckpt import scan_engine
+
+    fx = next(f for f in FIXTURES if f.name == "s2_bf16_w2_2groups")
+    ckpt = copy_fixture(fx, tmp_path)
+    master = fx.truth()["param/fc1.weight"].reshape(-1)
+    plant(ckpt, "fc1.weight", Role.MASTER, 3, float(master[3]) * 2 + 1)  # a mismatch
+    for i in (1, 5, 6, 17):
+        plant(ckpt, "fc1.weight", Role.EXP_AVG, i, math.nan)
+    plant(ckpt, "fc1.weight", Role.MASTER, 9, -math.inf)
+    plant(ckpt, "fc1.weight", Role.MASTER, 11, 70000.0)
+
+    def run(workers: int):
+        logical, cache, kind = open_target(ckpt)
+        logical = dataclasses.replace(logical, precision=Precision.FP16)
+        plan = plan_scan(logical, {f: cache.tree(f) for f in logical.files}, cache.tensor, target=ckpt,
+                         target_kind=kind)
+        return run_scan(plan, cache, workers=workers)
+
+    whole = run(0)
+    got = sorted((f.check.value, f.kind.value, f.count, f.first_indices) for f in whole.findings)
+    assert got == [("fp16_overflow", "fp32 master", 1, (11,)),
+                   ("mismatch", "param", 2, (3, 11)),  # the -inf master (9) is not compared: it is a nonfinite one
+                   ("nonfinite", "exp_avg", 1, (1,)), ("nonfinite", "exp_avg", 3, (5, 6, 17)),  # two ranks' partitions
+                   ("nonfinite", "fp32 master", 1, (9,))], got
+    monkeypatch.setattr(scan_engine, "BLOCK_NBYTES", 8)
+    monkeypatch.setattr(scan_engine, "COMPARE_BLOCK_NUMEL", 3)
+    tiny = run(workers)
+    assert tiny.findings == whole.findings
+    assert (tiny.numel_scanned, tiny.nbytes_read, tiny.checks) == (whole.numel_scanned, whole.nbytes_read,
+                                                                    whole.checks)
+
+
+@pytest.mark.parametrize("target, checks", [
+    ("s2_fp16_w1_bnoverflow", "inf/NaN, fp16 overflow, master/16-bit mismatch"),
+    ("s2_bf16_w2_2groups", "inf/NaN, master/16-bit mismatch"),
+    ("s2_fp32_w4", "inf/NaN"),
+    ("safetensors", "inf/NaN"),
+])
+def test_scan_names_only_the_checks_that_ran(tmp_path, target, checks):
+    """fp16 overflow only where an fp16 run's fp32 masters are read, the master/16-bit comparison only where a
+    master has a 16-bit copy: neither in a .safetensors file or an fp32 checkpoint (issue 35)."""
+    if target == "safetensors":
+        path = tmp_path / "model.safetensors"
+        save_file({"a": torch.ones(3, dtype=torch.float16), "b": torch.ones(2)}, str(path))
+    else:
+        path = next(f for f in FIXTURES if f.name == target).ckpt
+    r = CliRunner().invoke(main, ["scan", str(path), "-q"])
+    assert r.exit_code in (0, 1), r.output
+    assert r.stdout.splitlines()[0].endswith(f"; checks: {checks}")
+    doc = json.loads(CliRunner().invoke(main, ["scan", str(path), "--json"]).stdout)
+    names = {"nonfinite": "inf/NaN", "fp16_overflow": "fp16 overflow", "mismatch": "master/16-bit mismatch"}
+    assert ", ".join(names[c] for c in doc["checks"]) == checks
+    nonfinite = CliRunner().invoke(main, ["scan", str(path), "-q", "--nonfinite"])
+    assert nonfinite.stdout.splitlines()[0].endswith("; checks: inf/NaN")
+
+
+@pytest.mark.parametrize("block_nbytes", [8, 4 << 20], ids=["8-byte-blocks", "default"])
+def test_a_flipped_bit_fails_the_chained_crc_whatever_the_block_size(tmp_path, monkeypatch, block_nbytes):
+    """A block's CRC-32 is chained onto the previous block's and handed to the record's check once per range:
+    one flipped bit in the middle of a record is still caught, however many blocks the range took."""
+    import struct
+    import zipfile
+
+    from dsckpt import scan_engine
+
+    monkeypatch.setattr(scan_engine, "BLOCK_NBYTES", block_nbytes)
+    monkeypatch.setattr(scan_engine, "COMPARE_BLOCK_NUMEL", 3)
+    ckpt = copy_fixture(next(f for f in FIXTURES if f.name == "ds0189_s2_bf16_w2"), tmp_path)
+    path = next(ckpt.glob("*/*optim_states.pt"))
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    for nonfinite_only in (True, False):
+        with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
+            scan(ckpt, nonfinite_only=nonfinite_only)
