@@ -218,30 +218,38 @@ class LayoutPlan:
 class OptimizerCopies:
     """The range copies of one target partition's optimizer-side flat tensors: the fp32 master and each
     per-element optimizer state of the group's params (their keys, in the optimizer's order: every param of the
-    group must have every one)."""
+    group must have every one). ``whole``: state keys kept whole per param rather than partitioned (Muon's ZeRO-1/2
+    ``momentum_buffer``: each param that meets the partition, whole, one after the other)."""
 
-    def __init__(self, ckpt: LogicalCheckpoint, entries: Iterable[TensorEntry]) -> None:
+    def __init__(self, ckpt: LogicalCheckpoint, entries: Iterable[TensorEntry], whole: Sequence[str] = ()) -> None:
         self.tag_dir = ckpt.tag_dir
         self.keys = tuple(dict.fromkeys(k for e in entries for k in e.state_keys))
+        self.whole = {k: 0 for k in whole if k in self.keys}  # key -> its length so far
         self.dtypes: dict[str, str] = {}
         self.master: list[RangeCopy] = []
         self.states: dict[str, list[RangeCopy]] = {k: [] for k in self.keys}
 
     def add(self, name: str, entry: TensorEntry, elem_start: int, numel: int, dst_offset: int) -> None:
-        """Elements ``[elem_start, elem_start + numel)`` of param ``name`` land at ``dst_offset``."""
+        """Elements ``[elem_start, elem_start + numel)`` of param ``name`` land at ``dst_offset`` (the whole param
+        at the end of each ``whole`` state)."""
         for key, lst in ((None, self.master), *self.states.items()):
             piece = entry.piece(Role.MASTER) if key is None else entry.state_piece(key)
             if piece is None:
                 raise CorruptCheckpointError(f"'{self.tag_dir}': param '{name}' has no {key or 'master'} values")
             if key is not None:
                 self.dtypes.setdefault(key, piece.dtype)
-            lst.extend(range_copies(piece, elem_start, numel, dst_offset, name))
+            if key is not None and key in self.whole:
+                lst.extend(range_copies(piece, 0, entry.numel, self.whole[key], name))
+                self.whole[key] += entry.numel
+            else:
+                lst.extend(range_copies(piece, elem_start, numel, dst_offset, name))
 
     def master_spec(self, numel: int) -> FlatSpec:
         return FlatSpec(numel, "float32", coalesce(self.master))
 
     def state_specs(self, numel: int) -> tuple[tuple[str, FlatSpec], ...]:
-        return tuple((k, FlatSpec(numel, self.dtypes.get(k, "float32"), coalesce(c))) for k, c in self.states.items())
+        return tuple((k, FlatSpec(self.whole.get(k, numel), self.dtypes.get(k, "float32"), coalesce(c)))
+                     for k, c in self.states.items())
 
 
 def element_nbytes(precision: Precision) -> int:

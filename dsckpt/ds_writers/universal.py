@@ -7,10 +7,12 @@ checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``, runtime/base_op
 ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``), by source family:
 
 ZeRO-1/2 and ``BF16_Optimizer`` sources (loaded by ZeRO-1/2 or ``BF16_Optimizer`` engines)
-  * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt = {"cat_dim": 0, "param": <fp32, param shape>}``
+  * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt = {"cat_dim": 0, "param": <fp32, param shape>}``: one file per
+    per-element optimizer state, named by its key (``momentum_buffer.pt``, ``sum.pt``, ...: the loader reads
+    every ``<key>.pt`` in the folder);
     (the loader reads ``param`` and cuts it with ``cat_dim``, ``chunk(tp_world_size)[tp_rank]``);
-  * ``zero/<param>/step.pt``: the param group's Adam ``step`` tensor, bare (the loader sets each
-    group's step from it);
+  * ``zero/<param>/step.pt``: the param group's ``step``, bare (the loader sets each group's step from it),
+    where the optimizer keeps one;
   * ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other module tensor
     (buffers, frozen params, tied aliases; never read by the loader);
   * ``zero/optimizer_state.pt``: rank 0's ZeRO optimizer dict without ``base_optimizer_state``,
@@ -165,6 +167,9 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                         "does not write")
     if ckpt.layout.startswith("universal"):
         problems.append("a universal checkpoint already")
+    if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
+        problems.append("Muon param groups, whose ZeRO-1/2 momentum holds whole params and which ds_to_universal "
+                        "does not convert")
     if not optimizer_files:
         problems.append("no ZeRO optimizer files")
     if problems:
@@ -197,8 +202,10 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                 states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
         written.add(e.name)
         if not zero3:
-            first = e.state_pieces[0].fragments[0]
-            steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
+            group = next((g for g in ckpt.optimizer_groups if g.index == e.group), None)
+            if group is None or group.step is not None:  # SGD, Adagrad ... keep no step: nor does the folder
+                first = e.state_pieces[0].fragments[0]
+                steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
     if not zero3:  # ds_to_universal.py:1201-1215: every other module tensor, upcast
         for e in ckpt.entries:
             if e.name in written:

@@ -22,7 +22,8 @@ from ..partition import zero3_partition_numel, zero3_sub_groups
 from .common import (
     OSD,
     OptimizerScalars,
-    own_copy,
+    group_state_tree,
+    group_states,
     shapes_tree,
     streamed,
     target_ds_config,
@@ -168,12 +169,12 @@ def zero3_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sca
         src0 = _template(plan, scalars)
     osd0 = src0[OSD]
     inner0 = osd0[OSD]
-    src_state = inner0["state"]
-    first_state = src_state[sorted(src_state.keys())[0]] if src_state else {}
+    # each sub-group's state starts from its param group's (step and scalars as saved; each group its own)
+    states = scalars.group_states if scalars is not None else group_states(inner0)
     state: dict[Any, Any] = {}
     for g in r.groups:
-        specs = g.state_specs
-        state[g.group] = {k: streamed(specs[k], cache) if k in specs else own_copy(v) for k, v in first_state.items()}
+        owner = plan.subgroup_to_group[g.group]
+        state[g.group] = group_state_tree(states[owner] if owner < len(states) else {}, g.state_specs, cache)
     param_groups = []
     for gi, pg in enumerate(inner0["param_groups"]):
         param_groups.append({**pg, "params": [t for t, owner in enumerate(plan.subgroup_to_group) if owner == gi]})
@@ -190,8 +191,7 @@ def _template(plan: LayoutPlan, s: OptimizerScalars) -> dict[str, Any]:
     (stage3.py:3431-3447). ZeRO-3 stores no ``clip_grad``: the new engine keeps its configured one."""
     osd = {"zero_stage": zero_stage_enum(3), "loss_scaler": s.loss_scaler,
            "dynamic_loss_scale": s.dynamic_loss_scale, "overflow": s.overflow, "partition_count": None,
-           OSD: {"state": {0: {"step": s.step, "exp_avg": None, "exp_avg_sq": None}},
-                 "param_groups": [dict(pg) for pg in s.param_groups]},
+           OSD: {"state": {}, "param_groups": [dict(pg) for pg in s.param_groups]},
            "fp32_flat_groups": None}
     top = dict(s.top)
     top["ds_config"] = target_ds_config(top.get("ds_config"), 3, plan.sub_group_size)

@@ -306,7 +306,7 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                     (Role.MASTER, None): (OSD, "single_partition_of_fp32_groups", g)}
                 mk = parts.moment_keys[g]
                 if mk is not None:
-                    keys.update({(Role.OPTIM_STATE, sk): (*mk, sk) for sk in ADAM_STATE_KEYS})
+                    keys.update({(Role.OPTIM_STATE, sk): (*mk, sk) for sk in parts.state_keys[g]})
                 for copy, kpath in keys.items():
                     local = [Fragment(optim_files[ranks[sp.rank]], kpath, sp.src_offset, sp.numel, sp.dst_offset,
                                       ranks[sp.rank]) for sp in spans]

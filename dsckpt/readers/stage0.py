@@ -29,7 +29,6 @@ from ..layout import CheckpointFiles
 from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..tensor_ref import TensorRef
 from .common import (
-    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -64,15 +63,27 @@ def module_params_and_aliases(module: Mapping[str, Any], buffer_names: set[str])
     return unique, aliases
 
 
-def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int) -> list[Piece]:
+def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int,
+                   owner_numel: int | None = None) -> list[Piece]:
+    """The optimizer states of a param: every key of its optimizer ``state`` whose tensor has one value per element
+    of the tensor the state belongs to (``owner_numel`` elements: the flat master of a fused group, else the param
+    itself), elements ``[src_offset, src_offset + numel)`` of it."""
+    owner = numel if owner_numel is None else owner_numel
     pieces = []
     if isinstance(state, Mapping):
-        for sk in ADAM_STATE_KEYS:
-            ref = state.get(sk)
-            if isinstance(ref, TensorRef) and src_offset + numel <= ref.numel:
-                pieces.append(Piece(Role.OPTIM_STATE, "float32", (Fragment(path, (*state_key, sk), src_offset, numel, 0),),
-                                    state_key=sk))
+        for sk, ref in state.items():
+            if isinstance(ref, TensorRef) and len(ref.shape) > 0 and ref.numel == owner and src_offset + numel <= ref.numel:
+                pieces.append(Piece(Role.OPTIM_STATE, ref.dtype_name,
+                                    (Fragment(path, (*state_key, sk), src_offset, numel, 0),), state_key=str(sk)))
     return pieces
+
+
+def _state_shape(st: Any) -> tuple[int, ...] | None:
+    """The shape of a param's optimizer state (its first tensor that is not 0-d, as ``step`` is): what binds it."""
+    if not isinstance(st, Mapping):
+        return None
+    ref = next((v for v in st.values() if isinstance(v, TensorRef) and len(v.shape) > 0), None)
+    return tuple(ref.shape) if ref is not None else None
 
 
 def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
@@ -242,7 +253,7 @@ def _fused(path: Path, module: Mapping[str, Any], unique: list[str],
                            (Fragment(path, ("optimizer", "fp32_groups_flat", group), off, ref.numel, 0),))
             k = state_index[group]
             moments = _moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
-                                     inner_state.get(k), off, ref.numel) if k is not None else []
+                                     inner_state.get(k), off, ref.numel, flats[group].numel) if k is not None else []
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, True, (master, *moments, *pieces), group=group)
     return entries, [amb] if amb is not None else []
 
@@ -315,8 +326,7 @@ def _plain(path: Path, module: Mapping[str, Any], unique: list[str],
     for g, group in enumerate((optimizer or {}).get("param_groups") or []):
         for i, idx in enumerate(group.get("params", [])):
             st = state.get(idx)
-            exp_avg = st.get("exp_avg") if isinstance(st, Mapping) else None
-            shape = tuple(exp_avg.shape) if isinstance(exp_avg, TensorRef) else None
+            shape = _state_shape(st)
             slots.append(Slot(g, i, shape, f"optimizer.state[{idx}]"))
             keys.append(idx)
     shapes = [tuple(module[n].shape) for n in unique]

@@ -19,7 +19,6 @@ from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Ro
 from ..partition import zero3_partition_numel, zero3_spans
 from ..tensor_ref import TensorRef
 from .common import (
-    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -72,6 +71,7 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     inner = osds[0].get(OSD) or {}
     state_keys = sorted((inner.get("state") or {}).keys())
 
+    sub_states = zero3_state_keys(optim_paths, osds, state_keys)
     entries: dict[str, TensorEntry] = {}
     for s, shapes in enumerate(param_shapes):
         offset = 0
@@ -83,8 +83,8 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 Fragment(optim_paths[sp.rank], (OSD, "fp32_flat_groups", s), sp.src_offset, sp.numel,
                          sp.dst_offset, sp.rank) for sp in spans))]
             if s < len(state_keys):
-                for sk in ADAM_STATE_KEYS:
-                    pieces.append(Piece(Role.OPTIM_STATE, "float32", tuple(
+                for sk, dtype in sub_states[s].items():
+                    pieces.append(Piece(Role.OPTIM_STATE, dtype, tuple(
                         Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], sk),
                                  sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans), state_key=sk))
             entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=s)
@@ -122,6 +122,28 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         files=tuple(files.all_files()), ds_config=meta.ds_config, excluded_ties=tuple(excluded_ties),
         optimizer_groups=zero3_optimizer_groups(inner, param_shapes), optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def zero3_state_keys(optim_paths: list[Path], osds: list[Any], state_keys: list[Any]) -> list[dict[str, str]]:
+    """Per fp32 sub-group: the keys (and dtypes) of its per-element optimizer states, a tensor of the sub-group's
+    partition length on every rank (DeepSpeed's rule, tensor_fragment.py), in the optimizer's order."""
+    from .zero12 import per_element_keys
+
+    out = []
+    for s, key in enumerate(state_keys):
+        found: dict[str, str] | None = None
+        for path, osd in zip(optim_paths, osds):
+            flat = osd["fp32_flat_groups"][s] if s < len(osd["fp32_flat_groups"]) else None
+            st = ((osd.get(OSD) or {}).get("state") or {}).get(key)
+            got = per_element_keys(st, flat.numel if isinstance(flat, TensorRef) else 0)
+            if found is None:
+                found = got
+            elif got != found:
+                raise CorruptCheckpointError(
+                    f"{path}: sub-group {s}'s per-element optimizer states are {sorted(got)}, rank 0's "
+                    f"{sorted(found)}; the optimizer files come from different runs")
+        out.append(found or {})
+    return out
 
 
 def zero3_optimizer_groups(inner: Mapping[str, Any], param_shapes: list[Any]) -> tuple[OptimizerGroup, ...]:
