@@ -172,7 +172,7 @@ def test_deepspeed_resumes_every_optimizer_resharded(tmp_path):
     control = next(f for f in cpu if f.name.startswith("sgd"))
     _write_tampered(control, tmp_path / "tampered")
     pairs.append(f"optim/{control.name}={tmp_path / 'tampered'}")
-    rc, results, log = run_check_script("ds_reshard_check.py", pairs, world=LIVE_WORLD, cwd=tmp_path, timeout=1500)
+    _, results, log = run_check_script("ds_reshard_check.py", pairs, world=LIVE_WORLD, cwd=tmp_path, timeout=1500)
     results, controls = passed_except_controls(results, log)
     assert {r["fixture"] for r in results} == {f"optim/{f.name}" for f in cpu}
     assert len(controls) == 1 and not controls[0]["ok"], controls
