@@ -43,6 +43,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
 from ..model import Kind, LogicalCheckpoint, Precision, Role
+from ..readers.common import lookup
+from ..tensor_ref import TensorRef
 from .plan import FlatSpec, coalesce, range_copies, rank_of
 
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
@@ -77,7 +79,7 @@ class StateFile:
 
 @dataclass(frozen=True)
 class StepFile:
-    """``zero/<name>/step.pt``: the Adam ``step`` tensor at ``key`` of ``file`` (the param's group)."""
+    """``zero/<name>/step.pt``: the ``step`` at ``key`` of ``file`` (the param's group), a tensor or a number."""
 
     name: str
     file: Path
@@ -275,7 +277,13 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
         else:
             yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
     for s in plan.step_files:
-        yield s.path, own_copy(cache.tensor(s.file, s.key))
+        step = lookup(cache.tree(s.file), s.key, s.file)
+        if not isinstance(step, TensorRef):  # FusedLamb keeps its step as a Python int
+            raise UnsupportedCheckpointError(
+                f"cannot write a universal checkpoint of '{plan.source_tag_dir}': the step of '{s.name}''s param group "
+                f"is a Python {type(step).__name__} (FusedLamb keeps it so), and a universal folder holds each step as "
+                "a tensor (zero/<param>/step.pt); reshard it as ZeRO files instead (reshard -n N)")
+        yield s.path, own_copy(step)
     for c in plan.cast_files:
         yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}
     opt = optimizer_state_tree(plan, cache.tree(plan.optimizer_source))
