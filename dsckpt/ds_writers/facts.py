@@ -50,7 +50,8 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
                         "DeepSpeed itself resets them when the world size changes")
     if opt_type == "adagrad" and ckpt.zero_stage == 3:
         problems.append("Adagrad at ZeRO-3, whose checkpoints DeepSpeed 0.19.8 cannot resume, not even unchanged "
-                        "(load_checkpoint fails on its own save)")
+                        "(load_checkpoint of its own save fails: \"loaded state dict contains a parameter group that "
+                        "doesn't match the size of optimizer's group\")")
     if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups) and ckpt.zero_stage == 3:
         problems.append("Muon at ZeRO-3 (dsckpt rewrites Muon's ZeRO-1/2 layout, whose momentum holds whole params)")
     offload = zcfg.get("offload_optimizer") or {}
