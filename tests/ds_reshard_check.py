@@ -213,7 +213,88 @@ def check_universal_leaves_alone(meta, truth, lowp, buffers_before, buffers_afte
                   f"(saved {truth[f'buffer/{n}'].flatten()[:3].tolist()})", flush=True)
 
 
+def check_optim(name, ckpt_dir):
+    """An optimizer fixture (``optim/<name>``, tests/fixtures/generate_optim.py): its model, groups and config on
+    this many ranks, plain ``load_checkpoint``; then every per-element state tensor of every param (the fragment
+    API; Muon's ZeRO-1/2 momentum from each rank's buffer), the fp32 masters, each group's step and
+    hyper-parameters, global_steps, exactly; then one more step."""
+    import generate_optim as go
+
+    fdir = os.path.join(args.fixtures, name)
+    meta = json.load(open(os.path.join(fdir, "truth.json")))
+    truth = load_file(os.path.join(fdir, "truth.safetensors"))
+    spec = go.OPTIM_FIXTURES[meta["name"]]
+    stage = args.zero_stage if args.zero_stage is not None else meta["stage"]
+    cfg = json.loads(json.dumps(meta["config"]))
+    cfg["zero_optimization"]["stage"] = stage
+    cfg["train_batch_size"] = fm.MICRO_BATCH * world
+    use_gloo_safe_all_gather(stage)
+    model = fm.build_model({}).to(dev)
+    go.tag_muon(model, spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=go.model_parameters(model, spec), config=cfg)
+    load_path, _ = engine.load_checkpoint(ckpt_dir)
+    if load_path is None:
+        return [f"load_checkpoint returned None for {ckpt_dir}"]
+    problems = []
+    opt, base = engine.optimizer, go.innermost(engine.optimizer)
+    if stage in (1, 2):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    params = dict(engine.module.named_parameters())
+    name_of = {id(q): n for n, q in params.items()}
+    muon = go.muon_momentum(opt, base, stage, name_of)
+    keys = {n: g["state_keys"] for g in meta["groups"] for n in g["names"]}
+    checked = 0
+    for n in meta["trainable"]:
+        q = params[n]
+        got = {"param": safe_get_full_fp32_param(q)}
+        for k in keys[n]:
+            got[k] = muon.get(n) if k == "momentum_buffer" and n in muon else safe_get_full_optimizer_state(q, k)
+        for k, t in got.items():
+            # values exactly; not the dtype: torch's Optimizer.load_state_dict casts a restored state to its
+            # param's (the fp32 flat partition's), as Muon's bf16 momentum at ZeRO-2 is after any resume
+            want = truth[f"{k}/{n}"]
+            if t is None or not torch.equal(t.detach().cpu().float(), want.float()):
+                problems.append(f"{k} of '{n}' differs from the source")
+            checked += 1
+    if checked <= len(meta["trainable"]):
+        problems.append(f"only {checked} tensors compared: the check proves nothing")
+    flats = go.flat_groups(opt, stage)
+
+    def group_step(g):
+        if stage == 3:  # stage3.py steps each sub-group with 'params' = [its flat], then empties it
+            firsts = [f for i, f in enumerate(flats) if opt.sub_group_to_group_id[i] == g]
+        else:
+            firsts = [f for f in flats if any(f is x for x in base.param_groups[g]["params"])]
+        st = base.state[firsts[0]] if firsts else {}
+        return float(st["step"]) if "step" in st else None
+
+    for g, want in enumerate(meta["groups"]):
+        if group_step(g) != (float(want["step"]) if want["step"] is not None else None):
+            problems.append(f"group {g} step {group_step(g)} != {want['step']}")
+        for k, v in want["hyperparams"].items():
+            if k in base.param_groups[g] and go.jsonable(base.param_groups[g][k]) != v:
+                problems.append(f"group {g} {k} {base.param_groups[g][k]!r} != {v!r}")
+    if engine.global_steps != meta["global_steps"]:
+        problems.append(f"global_steps {engine.global_steps} != {meta['global_steps']}")
+    before = [group_step(g) for g in range(len(meta["groups"]))]
+    ids, tgt = fm.make_batch(fm.STEPS, rank)
+    loss = F.cross_entropy(engine(ids.to(dev)).float(), tgt.to(dev))
+    engine.backward(loss)
+    engine.step()
+    if not torch.isfinite(loss):
+        problems.append(f"loss after resume is {float(loss)}")
+    if engine.global_steps != meta["global_steps"] + 1:
+        problems.append(f"global_steps after one more step: {engine.global_steps}")
+    after = [group_step(g) for g in range(len(meta["groups"]))]
+    if [None if b is None else b + 1 for b in before] != after:
+        problems.append(f"group steps after one more step: {after} (before {before})")
+    return problems
+
+
 def check_one(name, ckpt_dir):
+    if name.startswith("optim/"):
+        return check_optim(name, ckpt_dir)
     problems = []
     spec, cfg, engine = build(name)
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))

@@ -46,7 +46,7 @@ from typing import Any
 
 from ..errors import UnsupportedCheckpointError, UsageError
 from ..model import LogicalCheckpoint, Precision
-from ..partition import DEFAULT_SUB_GROUP_SIZE, round_robin_order
+from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
 from .plan import (
     BF16_WRAPPER,
     ZERO3_WRAPPER,
@@ -181,6 +181,11 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
             f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
             f"{target.zero_stage}: stage changes of MoE checkpoints are not supported (DeepSpeed 0.19.8 has no "
             "native MoE at ZeRO-3); reshard it at its own stage")
+    if target.zero_stage in (0, 3) and any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
+        raise UnsupportedCheckpointError(
+            f"cannot convert '{ckpt.tag_dir}' (Muon) from ZeRO stage {src_stage} to stage {target.zero_stage}: "
+            "Muon's ZeRO-1/2 momentum holds whole params, and dsckpt writes it at ZeRO-1/2 only; reshard it at "
+            "stage 1 or 2")
     wrapper = target_wrapper(ckpt, target)
     common = {**common, "zero_stage": target.zero_stage, "optimizer_wrapper": wrapper,
               "source_zero_stage": src_stage, "source_optimizer_wrapper": ckpt.optimizer_wrapper}
@@ -223,10 +228,7 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
     out = []
     for src_flat in facts.group_flat_order:
         if facts.round_robin and not source_bf16_optimizer:
-            original = [""] * len(src_flat)
-            for pos, idx in enumerate(round_robin_order(len(src_flat), source_world)):
-                original[idx] = src_flat[pos]
-            out.append(original)
+            out.append(undo_round_robin(src_flat, source_world))
         else:
             out.append(list(src_flat))
     return out

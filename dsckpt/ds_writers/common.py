@@ -148,8 +148,10 @@ class OptimizerScalars:
     layout: carried into files of another layout.
 
     ``param_groups``: the inner optimizer's hyperparameters per param group, ``params`` left out;
-    ``step``: Adam's step (the stored value, a 0-d tensor); ``clip_grad``: ``None`` when the source
-    does not store it (stage 3), so that the new engine keeps its configured value.
+    ``group_states``: per param group, its optimizer state as stored (the first sub-group's at stage 3; ``{}``
+    before any step): its ``step`` and other scalars are carried as saved, its per-element tensors are replaced
+    by the writer; ``step``: the first group's step; ``clip_grad``: ``None`` when the source does not store it
+    (stage 3), so that the new engine keeps its configured value.
     """
 
     loss_scaler: Any
@@ -160,6 +162,7 @@ class OptimizerScalars:
     step: Any
     ds_version: Any
     top: Mapping[str, Any]  # the file's other top-level keys (ds_config, ds_version ...)
+    group_states: tuple[Mapping[str, Any], ...] = ()
 
 
 def optimizer_scalars(src0: Mapping[str, Any], source_stage: int) -> OptimizerScalars:
@@ -167,7 +170,8 @@ def optimizer_scalars(src0: Mapping[str, Any], source_stage: int) -> OptimizerSc
     osd = src0[OSD]
     inner = osd[OSD] if source_stage == 3 else osd["base_optimizer_state"]
     groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner["param_groups"])
-    steps = [s["step"] for s in inner["state"].values() if isinstance(s, Mapping) and "step" in s]
+    states = group_states(inner)
+    steps = [s["step"] for s in states if "step" in s]
     return OptimizerScalars(
         loss_scaler=osd["loss_scaler"] if "loss_scaler" in osd else loss_scaler(),
         dynamic_loss_scale=osd.get("dynamic_loss_scale", False),
@@ -177,7 +181,29 @@ def optimizer_scalars(src0: Mapping[str, Any], source_stage: int) -> OptimizerSc
         step=steps[0] if steps else None,
         ds_version=osd.get("ds_version", src0.get("ds_version")),
         top={k: v for k, v in src0.items() if k != OSD},
+        group_states=states,
     )
+
+
+def group_states(inner: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    """Per param group of a ZeRO optimizer's inner state dict, the state of its first flat param (ZeRO-1/2: its one
+    flat partition; ZeRO-3: its first sub-group); ``{}`` where it has none."""
+    state = inner.get("state") or {}
+    out = []
+    for pg in inner.get("param_groups") or []:
+        params = pg.get("params") if isinstance(pg, Mapping) else None
+        first = params[0] if isinstance(params, list) and params else None
+        st = state.get(first) if first is not None else None
+        out.append(st if isinstance(st, Mapping) else {})
+    return tuple(out)
+
+
+def group_state_tree(group_state: Mapping[str, Any], specs: Mapping[str, FlatSpec], cache: Any) -> dict[str, Any]:
+    """A flat group's optimizer state in the target: its per-element tensors streamed from ``specs``, every other
+    value (``step``, scalars) as the source saved it; the source's key order."""
+    out = {k: streamed(specs[k], cache) if k in specs else own_copy(v) for k, v in group_state.items()}
+    out.update({k: streamed(spec, cache) for k, spec in specs.items() if k not in out})
+    return out
 
 
 def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -> Any:

@@ -3,9 +3,11 @@
 :func:`read_source_facts` reads the few layout facts the writers plan with (flat order from
 ``param_shapes``, stage-3 sub-groups and ``ds_id`` s, round robin, parameter alignment) from the
 source's rank-0 files -- pickles only, no tensor bytes -- and refuses up front, in one message, what
-no writer can reproduce (tensor/pipeline parallel sizes, NVMe offload, optimizers other than
-Adam/AdamW, amsgrad, elastic or AutoEP layouts, unequal Adam steps). :func:`derive_facts` recovers
-the same facts from the logical model alone (pure; used by tests and dry runs without a cache).
+no writer can reproduce (tensor/pipeline parallel sizes, NVMe offload, optimizer state that is not one value per
+element -- 1-bit Adam/Lamb error feedback, factored second moments --, Adagrad at ZeRO-3, elastic or AutoEP
+layouts). Every optimizer whose state is per element is rewritten, whatever its keys; each group keeps its own
+``step`` and hyper-parameters. :func:`derive_facts` recovers the same facts from the logical model alone (pure;
+used by tests and dry runs without a cache).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from .plan import SourceFacts, source_layout_stage
 
 __all__ = ["derive_facts", "entries_by_name", "read_source_facts", "refusal_message", "refusals_from_logical"]
 
-ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
-SUPPORTED_OPTIMIZERS = frozenset({"adam", "adamw"})
+# ds_config optimizer types whose state holds buffers sized by the world size (1-bit error feedback)
+ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
 
 
 def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
@@ -41,9 +43,17 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     cfg = ckpt.ds_config or {}
     z = cfg.get("zero_optimization")
     zcfg: Mapping[str, Any] = z if isinstance(z, Mapping) else {}
-    opt_cfg = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), Mapping) else None
-    if opt_cfg is not None and str(opt_cfg.get("type", "")).lower() not in SUPPORTED_OPTIMIZERS:
-        problems.append(f"optimizer type '{opt_cfg.get('type')}' in ds_config (only Adam/AdamW are supported)")
+    opt_type = (ckpt.optimizer_type or "").lower()
+    if opt_type in ONE_BIT_OPTIMIZERS:
+        problems.append(f"optimizer type '{ckpt.optimizer_type}' in ds_config: its error-feedback buffers "
+                        "(worker_error, server_error) are sized by the world size, not one value per element, and "
+                        "DeepSpeed itself resets them when the world size changes")
+    if opt_type == "adagrad" and ckpt.zero_stage == 3:
+        problems.append("Adagrad at ZeRO-3, whose checkpoints DeepSpeed 0.19.8 cannot resume, not even unchanged "
+                        "(load_checkpoint of its own save fails: \"loaded state dict contains a parameter group that "
+                        "doesn't match the size of optimizer's group\")")
+    if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups) and ckpt.zero_stage == 3:
+        problems.append("Muon at ZeRO-3 (dsckpt rewrites Muon's ZeRO-1/2 layout, whose momentum holds whole params)")
     offload = zcfg.get("offload_optimizer") or {}
     if isinstance(offload, Mapping) and str(offload.get("device", "")).lower() == "nvme":
         problems.append("ZeRO-3 optimizer state offloaded to NVMe (offload_optimizer.device = nvme)")
@@ -81,23 +91,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         problems.append("Mixture-of-Experts layers ('num_experts' in the model states)")
     if (ckpt.moe is not None or ckpt.autoep is not None) and bool(zcfg.get("round_robin_gradients", False)):
         problems.append("Mixture-of-Experts with round_robin_gradients")
-    extra_keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s} - ADAM_STATE_KEYS)
-    if extra_keys:
-        problems.append(f"optimizer state keys {extra_keys} (only Adam/AdamW's step, exp_avg, exp_avg_sq "
-                        "are supported; amsgrad and other optimizers are not)")
-    if any(isinstance(g, Mapping) and g.get("amsgrad") for g in param_groups):
-        problems.append("amsgrad=True in the optimizer param groups")
-    if any(isinstance(g, Mapping) and "momentum" in g and "betas" not in g for g in param_groups):
-        problems.append("an SGD-style optimizer (param groups have 'momentum', no 'betas')")
-    steps = set()
-    from ..tensor_ref import TensorRef
-
-    for s in state.values():
-        if isinstance(s, Mapping) and "step" in s:
-            v = s["step"]
-            steps.add(float(v.item()) if isinstance(v, TensorRef) else float(v))
-    if len(steps) > 1:
-        problems.append(f"different Adam step counts across groups {sorted(steps)}")
+    problems += non_element_states(ckpt, state)
     if problems:
         raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
 
@@ -132,6 +126,29 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     )
 
 
+def non_element_states(ckpt: LogicalCheckpoint, state: Mapping[Any, Any]) -> list[str]:
+    """The optimizer states of rank 0 that hold more than one value yet not one per element of their flat group
+    (nor are Muon's whole-param momentum): each refused by name, since no rewrite to another layout exists for
+    them. Scalars (``step``, NAdam's ``mu_product``) are kept as saved."""
+    from ..tensor_ref import TensorRef
+
+    per_element = {k for e in ckpt.entries for k in e.state_keys}
+    found: dict[str, tuple[int, ...]] = {}
+    for st in state.values():
+        if not isinstance(st, Mapping):
+            continue
+        for k, v in st.items():
+            if isinstance(v, TensorRef) and v.numel > 1 and str(k) not in per_element:
+                found.setdefault(str(k), tuple(v.shape))
+    out = []
+    for k, shape in found.items():
+        why = ("a factored second moment (row/column statistics, as Adafactor keeps)" if k.endswith(("_row", "_col"))
+               else "an error-feedback buffer sized by the world size (1-bit Adam/Lamb)" if "error" in k
+               else "not one value per element of its param group")
+        out.append(f"optimizer state '{k}' of shape {list(shape)}: {why}; it has no rewrite to another layout")
+    return out
+
+
 def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     problems = []
     if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
@@ -149,7 +166,8 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
 
 def refusal_message(ckpt: LogicalCheckpoint, problems: list[str]) -> str:
     return (f"cannot reshard '{ckpt.tag_dir}': found " + "; ".join(problems)
-            + ". dsckpt reshard supports data-parallel ZeRO 0-3 checkpoints trained with Adam/AdamW")
+            + ". dsckpt reshard rewrites data-parallel ZeRO 0-3 checkpoints of any optimizer whose state is one "
+            "value per element (Adam, AdamW, SGD, Adagrad, Lion, Lamb, Muon, torch.optim classes)")
 
 
 

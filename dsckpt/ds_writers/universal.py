@@ -7,10 +7,12 @@ checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``, runtime/base_op
 ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``), by source family:
 
 ZeRO-1/2 and ``BF16_Optimizer`` sources (loaded by ZeRO-1/2 or ``BF16_Optimizer`` engines)
-  * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt = {"cat_dim": 0, "param": <fp32, param shape>}``
+  * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt = {"cat_dim": 0, "param": <fp32, param shape>}``: one file per
+    per-element optimizer state, named by its key (``momentum_buffer.pt``, ``sum.pt``, ...: the loader reads
+    every ``<key>.pt`` in the folder);
     (the loader reads ``param`` and cuts it with ``cat_dim``, ``chunk(tp_world_size)[tp_rank]``);
-  * ``zero/<param>/step.pt``: the param group's Adam ``step`` tensor, bare (the loader sets each
-    group's step from it);
+  * ``zero/<param>/step.pt``: the param group's ``step``, bare (the loader sets each group's step from it),
+    where the optimizer keeps one;
   * ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other module tensor
     (buffers, frozen params, tied aliases; never read by the loader);
   * ``zero/optimizer_state.pt``: rank 0's ZeRO optimizer dict without ``base_optimizer_state``,
@@ -41,12 +43,14 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
 from ..model import Kind, LogicalCheckpoint, Precision, Role
+from ..readers.common import lookup
+from ..tensor_ref import TensorRef
 from .plan import FlatSpec, coalesce, range_copies, rank_of
 
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
            "universal_trees"]
 
-STATES = ((Role.MASTER, "fp32"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq"))
+MASTER_FILE = "fp32"  # zero/<param>/fp32.pt; each optimizer state goes to zero/<param>/<state key>.pt
 # ds_to_universal.py _save_optimizer_state: what a ZeRO-1/2 optimizer_state.pt leaves out
 SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
@@ -56,7 +60,7 @@ class StateFile:
     """``zero/<name>/<state>.pt``: one whole fp32 param state assembled from ``spec``'s ranges."""
 
     name: str
-    state: str  # "fp32", "exp_avg", "exp_avg_sq"
+    state: str  # "fp32", or the optimizer state key: "exp_avg", "exp_avg_sq", ...
     spec: FlatSpec
     shape: tuple[int, ...]  # as written: the param's shape (ZeRO-1/2 source) or flat (ZeRO-3 source)
     wrapped: bool  # {"cat_dim": 0, "param": t} (ZeRO-1/2 source) or the bare tensor (ZeRO-3 source)
@@ -75,7 +79,7 @@ class StateFile:
 
 @dataclass(frozen=True)
 class StepFile:
-    """``zero/<name>/step.pt``: the Adam ``step`` tensor at ``key`` of ``file`` (the param's group)."""
+    """``zero/<name>/step.pt``: the ``step`` at ``key`` of ``file`` (the param's group), a tensor or a number."""
 
     name: str
     file: Path
@@ -165,6 +169,9 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                         "does not write")
     if ckpt.layout.startswith("universal"):
         problems.append("a universal checkpoint already")
+    if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
+        problems.append("Muon param groups, whose ZeRO-1/2 momentum holds whole params and which ds_to_universal "
+                        "does not convert")
     if not optimizer_files:
         problems.append("no ZeRO optimizer files")
     if problems:
@@ -178,10 +185,12 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     for e in ckpt.entries:
         if e.kind is not Kind.PARAM or not e.trainable or e.tied_to is not None:
             continue
-        for role, state in STATES:
-            piece = e.piece(role)
+        if not e.state_keys:
+            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no optimizer state values")
+        for state in (MASTER_FILE, *e.state_keys):
+            piece = e.piece(Role.MASTER) if state == MASTER_FILE else e.state_piece(state)
             if piece is None:
-                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {role.value} values")
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {state} values")
             spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
             cut = ckpt.autoep.name_to_cut.get(e.name) if ckpt.autoep is not None else None
             if cut is not None:
@@ -195,10 +204,10 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                 states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
         written.add(e.name)
         if not zero3:
-            moments = e.piece(Role.EXP_AVG)
-            assert moments is not None
-            first = moments.fragments[0]
-            steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
+            group = next((g for g in ckpt.optimizer_groups if g.index == e.group), None)
+            if group is None or group.step is not None:  # SGD, Adagrad ... keep no step: nor does the folder
+                first = e.state_pieces[0].fragments[0]
+                steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
     if not zero3:  # ds_to_universal.py:1201-1215: every other module tensor, upcast
         for e in ckpt.entries:
             if e.name in written:
@@ -268,7 +277,13 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
         else:
             yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
     for s in plan.step_files:
-        yield s.path, own_copy(cache.tensor(s.file, s.key))
+        step = lookup(cache.tree(s.file), s.key, s.file)
+        if not isinstance(step, TensorRef):  # FusedLamb keeps its step as a Python int
+            raise UnsupportedCheckpointError(
+                f"cannot write a universal checkpoint of '{plan.source_tag_dir}': the step of '{s.name}''s param group "
+                f"is a Python {type(step).__name__} (FusedLamb keeps it so), and a universal folder holds each step as "
+                "a tensor (zero/<param>/step.pt); reshard it as ZeRO files instead (reshard -n N)")
+        yield s.path, own_copy(step)
     for c in plan.cast_files:
         yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}
     opt = optimizer_state_tree(plan, cache.tree(plan.optimizer_source))

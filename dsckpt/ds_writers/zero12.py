@@ -30,11 +30,13 @@ from ..partition import (
     zero12_group_layout,
     zero12_param_slice_mappings,
 )
+from ..readers.zero12 import MUON_STATE
 from .common import (
     OSD,
     OptimizerScalars,
     fragment_address,
-    own_copy,
+    group_state_tree,
+    group_states,
     shapes_tree,
     streamed,
     target_ds_config,
@@ -46,7 +48,7 @@ from .plan import (
     FlatSpec,
     GroupPartition,
     LayoutPlan,
-    RangeCopy,
+    OptimizerCopies,
     RankPlan,
     coalesce,
     element_nbytes,
@@ -115,17 +117,13 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
             p_start = k * p_numel
             padding = (bf16_optimizer_group_padding(layout, k) if bf16_optimizer else layout.rank_padding(k))
             stored = p_numel if bf16_optimizer else p_numel - layout.rank_padding(k)
-            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
+            muon = g < len(ckpt.optimizer_groups) and bool(ckpt.optimizer_groups[g].hyperparam("use_muon"))
+            copies = OptimizerCopies(ckpt, (entry_of(nm) for nm in flat), whole=(MUON_STATE,) if muon else ())
             for nm, off, numel in zip(flat, layout.param_offsets, layout.param_numels):
                 lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
                 if lo >= hi:
                     continue
-                entry = entry_of(nm)
-                for role, lst in role_copies.items():
-                    piece = entry.piece(role)
-                    if piece is None:
-                        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
-                    lst.extend(range_copies(piece, lo - off, hi - lo, lo - p_start, nm))
+                copies.add(nm, entry_of(nm), lo - off, hi - lo, lo - p_start)
             offsets_by_name = dict(zip(flat, layout.param_offsets))
             orig_numels = [entry_of(nm).numel for nm in original]
             maps = zero12_param_slice_mappings(
@@ -133,9 +131,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 [offsets_by_name[nm] for nm in original] if any(pads) else None)
             groups.append(GroupPartition(
                 group=g, partition_numel=p_numel, padding_numel=padding,
-                master=FlatSpec(stored, "float32", coalesce(role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(p_numel, "float32", coalesce(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(p_numel, "float32", coalesce(role_copies[Role.EXP_AVG_SQ])),
+                master=copies.master_spec(stored), states=copies.state_specs(p_numel),
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
                 partition_count=layout.world_size if ep else None,
             ))
@@ -283,15 +279,10 @@ def zero12_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sc
         src0 = _template(plan, scalars)
     osd0 = src0[OSD]
     base0 = osd0["base_optimizer_state"]
-    state_keys = sorted(base0["state"].keys())
+    states = group_states(base0)
     state: dict[Any, Any] = {}
-    for g in r.groups:
-        src_state = base0["state"][state_keys[g.group]]
-        new = {}
-        for k, v in src_state.items():
-            new[k] = (streamed(g.exp_avg, cache) if k == "exp_avg" else
-                      streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else own_copy(v))
-        state[state_keys[g.group]] = new
+    for g, pg in zip(r.groups, base0["param_groups"]):
+        state[pg["params"][0]] = group_state_tree(states[g.group], g.state_specs, cache)
     osd = dict(osd0)
     osd["base_optimizer_state"] = {**base0, "state": state}
     osd["single_partition_of_fp32_groups"] = [streamed(g.master, cache) for g in r.groups]
@@ -316,7 +307,7 @@ def _template(plan: LayoutPlan, s: OptimizerScalars) -> dict[str, Any]:
     if len(s.param_groups) != n_groups:
         raise CorruptCheckpointError(f"the source optimizer has {len(s.param_groups)} param groups, its params "
                                      f"{n_groups}")
-    base = {"state": {g: {"step": s.step, "exp_avg": None, "exp_avg_sq": None} for g in range(n_groups)},
+    base = {"state": {g: dict(s.group_states[g]) if g < len(s.group_states) else {} for g in range(n_groups)},
             "param_groups": [{**pg, "params": [g]} for g, pg in enumerate(s.param_groups)]}
     osd: dict[str, Any]
     if plan.optimizer_wrapper == BF16_WRAPPER:

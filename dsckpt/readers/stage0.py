@@ -26,7 +26,7 @@ from typing import Any
 from ..binding import Ambiguity, Slot, ambiguity_from, order_candidates, resolve
 from ..errors import CorruptCheckpointError
 from ..layout import CheckpointFiles
-from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..tensor_ref import TensorRef
 from .common import (
     FileCache,
@@ -35,6 +35,8 @@ from .common import (
     is_floating,
     metadata_from_model_states,
     module_piece,
+    optimizer_groups,
+    optimizer_type,
     order_like_module,
     precision_of,
     step_of,
@@ -61,14 +63,27 @@ def module_params_and_aliases(module: Mapping[str, Any], buffer_names: set[str])
     return unique, aliases
 
 
-def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int) -> list[Piece]:
+def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int,
+                   owner_numel: int | None = None) -> list[Piece]:
+    """The optimizer states of a param: every key of its optimizer ``state`` whose tensor has one value per element
+    of the tensor the state belongs to (``owner_numel`` elements: the flat master of a fused group, else the param
+    itself), elements ``[src_offset, src_offset + numel)`` of it."""
+    owner = numel if owner_numel is None else owner_numel
     pieces = []
     if isinstance(state, Mapping):
-        for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-            ref = state.get(role.value)
-            if isinstance(ref, TensorRef) and src_offset + numel <= ref.numel:
-                pieces.append(Piece(role, "float32", (Fragment(path, (*state_key, role.value), src_offset, numel, 0),)))
+        for sk, ref in state.items():
+            if isinstance(ref, TensorRef) and len(ref.shape) > 0 and ref.numel == owner and src_offset + numel <= ref.numel:
+                pieces.append(Piece(Role.OPTIM_STATE, ref.dtype_name,
+                                    (Fragment(path, (*state_key, sk), src_offset, numel, 0),), state_key=str(sk)))
     return pieces
+
+
+def _state_shape(st: Any) -> tuple[int, ...] | None:
+    """The shape of a param's optimizer state (its first tensor that is not 0-d, as ``step`` is): what binds it."""
+    if not isinstance(st, Mapping):
+        return None
+    ref = next((v for v in st.values() if isinstance(v, TensorRef) and len(v.shape) > 0), None)
+    return tuple(ref.shape) if ref is not None else None
 
 
 def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
@@ -97,6 +112,8 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     for e in buffer_entries(ms_path, module, meta.buffer_names):
         entries[e.name] = e
     sample = next((module[n].dtype_name for n in unique if is_floating(module[n].dtype_name)), None)
+    inner = ((optimizer.get("optimizer_state_dict") if wrapper.startswith("FP16_") else optimizer)
+             if isinstance(optimizer, Mapping) else None)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="stage0", zero_stage=0,
         precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,
@@ -104,7 +121,33 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper=wrapper,
         entries=tuple(order_like_module(entries, list(module))), files=tuple(files.all_files()),
         ds_config=meta.ds_config, ambiguities=tuple(ambiguities),
+        optimizer_groups=_optimizer_groups(inner, entries, list(module)), optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def _optimizer_groups(inner: Any, entries: Mapping[str, TensorEntry],
+                      module_order: list[str]) -> tuple[OptimizerGroup, ...]:
+    """The torch optimizer's param groups (the inner one under FP16_Optimizer / FP16_UnfusedOptimizer): each
+    group's params (the entries bound to it) in the optimizer's order (where their stored copies sit: the
+    flat master's offset, the master's index, the optimizer state's index) and the step of its first param
+    that has a state."""
+    if not isinstance(inner, Mapping) or not isinstance(inner.get("param_groups"), list):
+        return ()
+    groups, state = inner["param_groups"], inner.get("state") or {}
+    position = {n: i for i, n in enumerate(module_order)}
+
+    def where(e: TensorEntry) -> tuple[Any, ...]:
+        p = e.piece(Role.MASTER) or next(iter(e.state_pieces), None)
+        f = p.fragments[0] if p is not None and p.fragments else None
+        return (0, f.key, f.src_offset, position.get(e.name, 0)) if f is not None else (1, position.get(e.name, 0))
+
+    names, states = [], []
+    for g, pg in enumerate(groups):
+        own = [e for e in entries.values() if e.group == g and e.tied_to is None and e.kind is Kind.PARAM]
+        names.append([e.name for e in sorted(own, key=where)])
+        params = pg.get("params") if isinstance(pg, Mapping) else None
+        states.append(next((state[i] for i in (params or []) if isinstance(state, Mapping) and i in state), None))
+    return optimizer_groups(groups, names, states)
 
 
 @dataclass(frozen=True)
@@ -210,7 +253,7 @@ def _fused(path: Path, module: Mapping[str, Any], unique: list[str],
                            (Fragment(path, ("optimizer", "fp32_groups_flat", group), off, ref.numel, 0),))
             k = state_index[group]
             moments = _moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
-                                     inner_state.get(k), off, ref.numel) if k is not None else []
+                                     inner_state.get(k), off, ref.numel, flats[group].numel) if k is not None else []
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, True, (master, *moments, *pieces), group=group)
     return entries, [amb] if amb is not None else []
 
@@ -283,8 +326,7 @@ def _plain(path: Path, module: Mapping[str, Any], unique: list[str],
     for g, group in enumerate((optimizer or {}).get("param_groups") or []):
         for i, idx in enumerate(group.get("params", [])):
             st = state.get(idx)
-            exp_avg = st.get("exp_avg") if isinstance(st, Mapping) else None
-            shape = tuple(exp_avg.shape) if isinstance(exp_avg, TensorRef) else None
+            shape = _state_shape(st)
             slots.append(Slot(g, i, shape, f"optimizer.state[{idx}]"))
             keys.append(idx)
     shapes = [tuple(module[n].shape) for n in unique]

@@ -49,7 +49,10 @@ from .zero12 import module_side_entries
 
 __all__ = ["STATE_FILES", "UNIVERSAL_KEYS", "read_universal"]
 
-STATE_FILES = {Role.MASTER: "fp32.pt", Role.EXP_AVG: "exp_avg.pt", Role.EXP_AVG_SQ: "exp_avg_sq.pt"}
+# (role, optimizer state key, file name) of the per-param files ds_to_universal writes; another optimizer's
+# per-element states are further <key>.pt files (DeepSpeed's loader reads every one in the folder)
+STATE_FILES = ((Role.MASTER, None, "fp32.pt"), (Role.OPTIM_STATE, "exp_avg", "exp_avg.pt"),
+               (Role.OPTIM_STATE, "exp_avg_sq", "exp_avg_sq.pt"))
 STEP_FILE = "step.pt"
 # Keys of a per-param state dict this reader understands. Others (is_expert_param ...) describe expert slicing
 # (universal_checkpoint.py). The tensor-parallel ones say how the loader re-cuts an already merged tensor; the
@@ -90,6 +93,24 @@ def _state_key(path: Path, cache: FileCache, tp: bool, num_experts: int | None =
         raise CorruptCheckpointError(f"{path}: no tensor under 'param'; the file is not a universal checkpoint "
                                      "state file")
     return ("param",), ref
+
+
+def _state_names(tag_dir: Path, names: list[str]) -> tuple[tuple[str, ...], bool]:
+    """The optimizer state keys of the folder (every ``<key>.pt`` beside ``fp32.pt`` in any param's folder,
+    Adam's first; Adam's own when none is there, so that a conversion stopped before them is reported) and
+    whether any param folder holds ``step.pt``."""
+    found: dict[str, None] = {}
+    has_step = False
+    for name in names:
+        pdir = _param_dir(tag_dir, name)
+        if not pdir.is_dir():
+            continue
+        for f in sorted(pdir.iterdir()):
+            if f.suffix == ".pt" and f.name not in ("fp32.pt", STEP_FILE):
+                found[f.stem] = None
+            has_step = has_step or f.name == STEP_FILE
+    keys = [k for _, k, _ in STATE_FILES[1:] if k in found] + [k for k in found if k not in ("exp_avg", "exp_avg_sq")]
+    return tuple(keys) if keys else tuple(k for _, k, _ in STATE_FILES[1:] if k is not None), has_step
 
 
 def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> LogicalCheckpoint:
@@ -186,6 +207,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     state_files: list[Path] = []
     step_ref: TensorRef | None = None
     module = ms.get("module") or {}
+    state_names, has_step = _state_names(tag_dir, [str(n) for shapes in param_shapes for n in shapes])
     for g, shapes in enumerate(param_shapes):
         for name in shapes:
             name = str(name)
@@ -196,7 +218,8 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 shape, numel = cut.full_shape, math.prod(cut.full_shape)
             pdir = _param_dir(tag_dir, name)
             pieces = []
-            for role, fname in STATE_FILES.items():
+            for role, state_key, fname in ((Role.MASTER, None, "fp32.pt"),
+                                           *((Role.OPTIM_STATE, k, f"{k}.pt") for k in state_names)):
                 path = pdir / fname
                 if not path.is_file():
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
@@ -206,7 +229,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                     raise CorruptCheckpointError(
                         f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
                         f"float32[{numel}]; the file is damaged or belongs to another model")
-                pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),)))
+                pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key))
                 state_files.append(path)
             if not zero3:
                 step_path = pdir / STEP_FILE
@@ -215,7 +238,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                     ref = cache.tree(step_path)
                     if step_ref is None and isinstance(ref, TensorRef):
                         step_ref = ref
-                else:
+                elif has_step:
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
             # vocabulary padding: only the module copies (model-states files) keep it; ds_to_universal cut the rest
             trainable[name] = TensorEntry(name, shape, Kind.PARAM, True, (*pieces, *side.pieces), group=g,

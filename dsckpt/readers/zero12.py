@@ -10,6 +10,7 @@ padding on save (``group_paddings`` says how much); ``BF16_Optimizer`` keeps it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,17 +18,21 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
-from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..partition import split_by_partitions
+from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
+from ..partition import split_by_partitions, undo_round_robin
 from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
     is_floating,
+    lookup,
     metadata_from_model_states,
     module_piece,
+    optimizer_groups,
+    optimizer_type,
     order_like_module,
     precision_of,
     step_of,
@@ -39,13 +44,35 @@ __all__ = ["ExpertGroups", "GroupPartitions", "group_partitions", "read_expert_g
 
 
 class GroupPartitions:
-    """Per group: every rank's partition length (padding included) and where moments live."""
+    """Per group: every rank's partition length (padding included) and where its optimizer state lives."""
 
     def __init__(self, partition_numel: list[int], stored_numels: list[list[int]],
-                 moment_keys: list[tuple[Any, ...] | None]):
+                 moment_keys: list[tuple[Any, ...] | None], state_keys: list[tuple[str, ...]] | None = None,
+                 state_dtypes: list[dict[str, str]] | None = None, muon: list[bool] | None = None):
         self.partition_numel = partition_numel  # per group
         self.stored_numels = stored_numels  # per group, per rank: saved fp32 partition length
-        self.moment_keys = moment_keys  # per group: key path prefix of the Adam state for that group
+        self.moment_keys = moment_keys  # per group: key path prefix of the optimizer state of that group
+        # per group: the keys of its per-element states (a tensor of the partition's length on every rank, the
+        # rule of DeepSpeed's fragment API, tensor_fragment.py), in the optimizer's order; and their dtypes
+        self.state_keys = state_keys if state_keys is not None else [ADAM_STATE_KEYS] * len(partition_numel)
+        self.state_dtypes = state_dtypes if state_dtypes is not None else [
+            dict.fromkeys(k, "float32") for k in self.state_keys]
+        # per group: a Muon group (param group 'use_muon'), whose momentum_buffer holds whole params
+        self.muon = muon if muon is not None else [False] * len(partition_numel)
+
+
+#: Muon's state at ZeRO-1/2: per group, each Muon param's momentum WHOLE on every rank whose partition the param
+#: meets (stage_1_and_2.py _muon_momentum_buffer: the concat of params_in_partition), not a partition
+MUON_STATE = "momentum_buffer"
+
+
+def per_element_keys(state: Any, numel: int) -> dict[str, str]:
+    """The keys of a flat group's optimizer ``state`` that hold one value per element of its ``numel``-element
+    partition, in the state's order, with their dtypes."""
+    if not isinstance(state, Mapping) or numel <= 1:
+        return {}
+    return {str(k): v.dtype_name for k, v in state.items()
+            if isinstance(v, TensorRef) and len(v.shape) == 1 and v.numel == numel}
 
 
 def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: bool) -> GroupPartitions:
@@ -99,8 +126,36 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
             raise CorruptCheckpointError(f"{optim_files[0]}: optimizer state keys {keys[:4]} are not param "
                                          "indices; the file is damaged")
         state_keys = sorted(keys)
-        moment_keys = [(OSD, "base_optimizer_state", "state", state_keys[g]) if g < len(state_keys) else None
-                       for g in range(n_groups)]
+        # the state of group g is keyed by its one flat param (param_groups[g]['params'][0]): by position where
+        # the groups do not say
+        groups = base.get("param_groups")
+        owner = [pg["params"][0] if isinstance(pg, Mapping) and isinstance(pg.get("params"), list)
+                 and len(pg["params"]) == 1 else None for pg in (groups if isinstance(groups, list) else [])]
+        moment_keys = []
+        for g in range(n_groups):
+            k = owner[g] if g < len(owner) and owner[g] is not None else (
+                state_keys[g] if g < len(state_keys) else None)
+            moment_keys.append((OSD, "base_optimizer_state", "state", k) if k in base["state"] else None)
+        keys_of, dtypes, muon = [], [], []
+        for g in range(n_groups):
+            pg = groups[g] if isinstance(groups, list) and g < len(groups) else None
+            muon.append(isinstance(pg, Mapping) and bool(pg.get("use_muon", False)))
+            mk = moment_keys[g]
+            found = per_element_keys(base["state"].get(mk[-1]) if mk is not None else None, partition_numel[g])
+            if muon[g]:
+                found.pop(MUON_STATE, None)
+            for rank, t in enumerate(trees[1:], start=1):
+                other = (t.get("base_optimizer_state") or {}).get("state") or {}
+                got = per_element_keys(other.get(mk[-1]) if mk is not None else None, partition_numel[g])
+                if muon[g]:
+                    got.pop(MUON_STATE, None)
+                if got != found:
+                    raise CorruptCheckpointError(
+                        f"{optim_files[rank]}: group {g}'s per-element optimizer states are {sorted(got)}, rank 0's "
+                        f"{sorted(found)}; the optimizer files come from different runs")
+            keys_of.append(tuple(found))
+            dtypes.append(found)
+        return GroupPartitions(partition_numel, stored, moment_keys, keys_of, dtypes, muon)
     return GroupPartitions(partition_numel, stored, moment_keys)
 
 
@@ -198,6 +253,8 @@ def zero12_param_entries(
         world = len(optim_files)
         starts = [r * p_numel for r in range(world)]
         # Moments keep the padding on every rank; masters only where keeps_padding.
+        muon_at = muon_positions(shapes, p_numel, world, align_pads[g] if align_pads is not None else None) \
+            if parts.muon[g] else {}
         offset = 0
         for i, (name, shape) in enumerate(shapes.items()):
             shape = tuple(int(s) for s in shape)
@@ -218,10 +275,12 @@ def zero12_param_entries(
             pieces = [master]
             mk = parts.moment_keys[g]
             if mk is not None:
-                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-                    pieces.append(Piece(role, "float32", tuple(
-                        Fragment(optim_files[sp.rank], (*mk, role.value), sp.src_offset, sp.numel,
-                                 sp.dst_offset, sp.rank) for sp in spans)))
+                for sk in parts.state_keys[g]:
+                    pieces.append(Piece(Role.OPTIM_STATE, parts.state_dtypes[g].get(sk, "float32"), tuple(
+                        Fragment(optim_files[sp.rank], (*mk, sk), sp.src_offset, sp.numel,
+                                 sp.dst_offset, sp.rank) for sp in spans), state_key=sk))
+                if parts.muon[g] and spans:
+                    pieces.append(muon_piece(muon_at, g, spans[0].rank, name, numel, optim_files, mk, cache))
             full_name = name_prefix + name
             if module_names_to_refs is not None and full_name in module_names_to_refs:
                 path, key, ref = module_names_to_refs[full_name]
@@ -238,6 +297,44 @@ def zero12_param_entries(
                 f"{p_numel * world}; 'param_shapes' does not match the optimizer files"
             )
     return entries
+
+
+def muon_positions(shapes: Mapping[str, Any], p_numel: int, world: int,
+                   align: list[Any] | None) -> dict[tuple[int, str], int]:
+    """Where each param of a Muon group lies in each rank's ``momentum_buffer``: ``{(rank, name): offset}`` for the
+    ranks whose partition the param meets (the buffer is the concat of those params, whole, in flat order), and
+    ``{(rank, ""): numel}`` each buffer's length."""
+    out: dict[tuple[int, str], int] = {}
+    offset = 0
+    spans = []
+    for i, (name, shape) in enumerate(shapes.items()):
+        numel = math.prod(int(s) for s in shape)
+        spans.append((name, offset, numel))
+        offset += numel + (int(align[i]) if align is not None else 0)
+    for r in range(world):
+        lo, hi, pos = r * p_numel, (r + 1) * p_numel, 0
+        for name, start, numel in spans:
+            if start < hi and start + numel > lo and numel:
+                out[(r, name)] = pos
+                pos += numel
+        out[(r, "")] = pos
+    return out
+
+
+def muon_piece(at: Mapping[tuple[int, str], int], g: int, rank: int, name: str, numel: int, optim_files: list[Path],
+               mk: tuple[Any, ...], cache: FileCache) -> Piece:
+    """The Muon ``momentum_buffer`` of param ``name`` of group ``g``: whole in the buffer of ``rank``, the first
+    rank whose partition holds part of it (every such rank holds the same copy: DeepSpeed all-reduces the
+    gradient of a split Muon param to each)."""
+    path = optim_files[rank]
+    ref = lookup(cache.tree(path), (*mk, MUON_STATE), path)
+    if not isinstance(ref, TensorRef) or ref.numel != at[(rank, "")]:
+        have = ref.numel if isinstance(ref, TensorRef) else 0
+        raise CorruptCheckpointError(
+            f"{path}: group {g}'s Muon {MUON_STATE} holds {have} elements, the whole params its partition meets "
+            f"need {at[(rank, '')]}; the file is damaged or not a DeepSpeed 0.19.8 Muon save")
+    return Piece(Role.OPTIM_STATE, ref.dtype_name, (Fragment(path, (*mk, MUON_STATE), at[(rank, name)], numel, 0, rank),),
+                 state_key=MUON_STATE)
 
 
 def flat_order_note(path: Path, g: int, shapes: Mapping[str, Any], module: Any,
@@ -323,7 +420,32 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
                     if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
         excluded_ties=tuple(excluded_ties),
+        optimizer_groups=zero12_optimizer_groups(base, ms.get("param_shapes"), meta.ds_config, world,
+                                                 is_bf16_optimizer),
+        optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def zero12_optimizer_groups(base: Any, param_shapes: Any, ds_config: Any, world: int,
+                            bf16_optimizer: bool) -> tuple[OptimizerGroup, ...]:
+    """The ZeRO-1/2 (or ``BF16_Optimizer``) inner optimizer's param groups: group ``g`` is flat group ``g``
+    (``param_shapes[g]``, in flat order: round robin undone to give the optimizer's order) and keeps one state
+    per group (``state`` keyed by the group's one flat param)."""
+    if not isinstance(base, Mapping) or not isinstance(param_shapes, list):
+        return ()
+    z = (ds_config or {}).get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    round_robin = bool(z.get("round_robin_gradients", False)) if isinstance(z, Mapping) else False
+    names = [[str(n) for n in shapes] for shapes in param_shapes]
+    if round_robin and not bf16_optimizer:
+        names = [undo_round_robin(n, world) for n in names]
+    state = base.get("state") or {}
+    groups = base.get("param_groups")
+    states = []
+    for g, pg in enumerate(groups if isinstance(groups, list) else []):
+        params = pg.get("params") if isinstance(pg, Mapping) else None
+        first = params[0] if isinstance(params, list) and params else g
+        states.append(state.get(first) if isinstance(state, Mapping) else None)
+    return optimizer_groups(groups, names, states)
 
 
 def module_side_entries(ms_path: Path, ms: Mapping[str, Any], buffer_names: tuple[str, ...],

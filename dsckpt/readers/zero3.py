@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
-from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
 from ..tensor_ref import TensorRef
 from .common import (
@@ -23,6 +23,8 @@ from .common import (
     alias_entry,
     buffer_entries,
     metadata_from_model_states,
+    optimizer_groups,
+    optimizer_type,
     order_like_module,
     precision_of,
     step_of,
@@ -69,6 +71,7 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     inner = osds[0].get(OSD) or {}
     state_keys = sorted((inner.get("state") or {}).keys())
 
+    sub_states = zero3_state_keys(optim_paths, osds, state_keys)
     entries: dict[str, TensorEntry] = {}
     for s, shapes in enumerate(param_shapes):
         offset = 0
@@ -80,10 +83,10 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 Fragment(optim_paths[sp.rank], (OSD, "fp32_flat_groups", s), sp.src_offset, sp.numel,
                          sp.dst_offset, sp.rank) for sp in spans))]
             if s < len(state_keys):
-                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-                    pieces.append(Piece(role, "float32", tuple(
-                        Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], role.value),
-                                 sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans)))
+                for sk, dtype in sub_states[s].items():
+                    pieces.append(Piece(Role.OPTIM_STATE, dtype, tuple(
+                        Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], sk),
+                                 sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans), state_key=sk))
             entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=s)
             offset += zero3_partition_numel(numel, world)
         for rank, osd in enumerate(osds):
@@ -117,7 +120,46 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
         entries=tuple(order_like_module(entries, list(module0))),
         files=tuple(files.all_files()), ds_config=meta.ds_config, excluded_ties=tuple(excluded_ties),
+        optimizer_groups=zero3_optimizer_groups(inner, param_shapes), optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def zero3_state_keys(optim_paths: list[Path], osds: list[Any], state_keys: list[Any]) -> list[dict[str, str]]:
+    """Per fp32 sub-group: the keys (and dtypes) of its per-element optimizer states, a tensor of the sub-group's
+    partition length on every rank (DeepSpeed's rule, tensor_fragment.py), in the optimizer's order."""
+    from .zero12 import per_element_keys
+
+    out = []
+    for s, key in enumerate(state_keys):
+        found: dict[str, str] | None = None
+        for path, osd in zip(optim_paths, osds):
+            flat = osd["fp32_flat_groups"][s] if s < len(osd["fp32_flat_groups"]) else None
+            st = ((osd.get(OSD) or {}).get("state") or {}).get(key)
+            got = per_element_keys(st, flat.numel if isinstance(flat, TensorRef) else 0)
+            if found is None:
+                found = got
+            elif got != found:
+                raise CorruptCheckpointError(
+                    f"{path}: sub-group {s}'s per-element optimizer states are {sorted(got)}, rank 0's "
+                    f"{sorted(found)}; the optimizer files come from different runs")
+        out.append(found or {})
+    return out
+
+
+def zero3_optimizer_groups(inner: Mapping[str, Any], param_shapes: list[Any]) -> tuple[OptimizerGroup, ...]:
+    """The ZeRO-3 optimizer's param groups: each lists its fp32 sub-groups (``params``), whose params
+    (``param_shapes``) it holds in order; its step is its first sub-group's (every sub-group steps together)."""
+    groups = inner.get("param_groups")
+    state = inner.get("state") or {}
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return ()
+    names: list[list[str]] = []
+    states: list[Any] = []
+    for pg in groups:
+        subs = [s for s in (pg.get("params") or []) if isinstance(s, int) and 0 <= s < len(param_shapes)]
+        names.append([str(n) for s in subs for n in param_shapes[s]])
+        states.append(state.get(subs[0]) if subs else None)
+    return optimizer_groups(groups, names, states)
 
 
 def zero3_module_side_entries(ms0_path: Path, ms0: Mapping[str, Any], model_paths: list[Path],
