@@ -460,15 +460,21 @@ def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool =
     """Write ``(path, tree)`` jobs, ``workers`` at a time; yields the paths in order. Not fsync'd here:
     the caller fsyncs them all at once while it verifies (:func:`~dsckpt.atomic.background_fsync`);
     ``writeback``: start the kernel's write-back while writing (only useful when an fsync follows)."""
+    from .nvme_swap import SWAP_SUFFIX
+    from .writers.raw import write_raw_tensor
     from .writers.torch_stream import write_torch_tree
+
+    def write(path: Path, tree: Any) -> Path:
+        if path.name.endswith(SWAP_SUFFIX):  # an NVMe swap file: the tensor's bytes, no container
+            return write_raw_tensor(path, tree, fsync=False, make_parent=make_parent)
+        return write_torch_tree(path, tree, fsync=False, writeback=writeback, make_parent=make_parent)
 
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
-            yield write_torch_tree(path, tree, fsync=False, writeback=writeback, make_parent=make_parent)
+            yield write(path, tree)
         return
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dsckpt-write") as pool:
-        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback,
-                               make_parent=make_parent) for path, tree in jobs]
+        futures = [pool.submit(write, path, tree) for path, tree in jobs]
         try:
             for fut in futures:
                 yield fut.result()

@@ -145,14 +145,42 @@ def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("OK")
 
 
-def test_stage0_is_not_converted():
-    fx = next(f for f in all_fixtures() if f.name == "s0_fp32_w1")
+def test_zero_to_stage0_is_refused_and_stage_checked():
+    fx = next(f for f in all_fixtures() if f.name == "s2_fp32_w4")
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    with pytest.raises(UnsupportedCheckpointError, match="from ZeRO stage 0 to stage 2: stage changes are supported"):
-        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
+    with pytest.raises(UnsupportedCheckpointError, match="from ZeRO stage 2 to stage 0: a stage-0 target"):
+        plan_reshard(ckpt, 2, zero_stage=0, facts=read_source_facts(ckpt, cache))
     with pytest.raises(UsageError, match="--zero-stage must be 1, 2 or 3"):
         plan_reshard(ckpt, 2, zero_stage=4)
+
+
+STAGE0 = [f for f in all_fixtures() if f.meta["stage"] == 0 and f.meta["dtype"] != "fp16"
+          and not f.name.startswith(("moe", "ds0"))]
+
+
+@pytest.mark.parametrize("fx", STAGE0, ids=ids(STAGE0))
+@pytest.mark.parametrize("world,stage", [(2, 1), (3, 2), (3, 3)])
+def test_stage0_to_zero(fx, world, stage, tmp_path):
+    """Stage 0 -> ZeRO-1/2/3 (fp32: the module is the master; bf16: FP16_UnfusedOptimizer's fp32_groups or
+    FP16_Optimizer's fp32_groups_flat): the output holds the recorded masters, moments, module weights and
+    buffers; its step and hyperparameters are the source's."""
+    _, result = convert(fx.ckpt, tmp_path / "out", world, stage)
+    assert result.verified_tensors > 0
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.dp_world_size) == (stage, world)
+    assert back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    expected = fx.expected_fp32()
+    names = [n for n, t in iter_tensors(back) if torch.equal(t, expected[n])]
+    assert sorted(names) == sorted(expected)
+
+
+def test_stage0_fp16_to_zero_is_refused_by_name():
+    fx = next(f for f in all_fixtures() if f.name == "s0_fp16_w1_adapter_cpuforced")
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    with pytest.raises(UnsupportedCheckpointError, match="fp16 stage-0 save keeps its dynamic loss scale"):
+        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------

@@ -180,6 +180,24 @@ def optimizer_scalars(src0: Mapping[str, Any], source_stage: int) -> OptimizerSc
     )
 
 
+def stage0_scalars(model_states: Mapping[str, Any]) -> OptimizerScalars:
+    """The scalars of a stage-0 save (``mp_rank_00_model_states.pt``'s ``optimizer``: a torch optimizer's state
+    dict, or ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``'s around one, fp16/fused_optimizer.py and
+    unfused_optimizer.py ``state_dict``). fp32 and bf16 ZeRO files hold a static ``LossScaler(1.0)``; a dynamic
+    fp16 scaler has no counterpart written here and is refused before planning."""
+    opt = model_states.get("optimizer")
+    if not isinstance(opt, Mapping):
+        raise CorruptCheckpointError("the stage-0 model states hold no optimizer state")
+    inner = opt.get(OSD) if OSD in opt else opt
+    groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner.get("param_groups") or [])
+    steps = [st["step"] for st in (inner.get("state") or {}).values() if isinstance(st, Mapping) and "step" in st]
+    return OptimizerScalars(
+        loss_scaler=loss_scaler(), dynamic_loss_scale=False, overflow=False, clip_grad=opt.get("clip_grad"),
+        param_groups=groups, step=steps[0] if steps else None, ds_version=model_states.get("ds_version"),
+        top={k: model_states[k] for k in ("ds_config", "ds_version") if k in model_states},
+    )
+
+
 def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -> Any:
     """The recorded ``ds_config`` with the target's ZeRO stage (DeepSpeed does not read it back; it
     tells the next reader what the files are)."""

@@ -3,7 +3,7 @@
 :func:`read_source_facts` reads the few layout facts the writers plan with (flat order from
 ``param_shapes``, stage-3 sub-groups and ``ds_id`` s, round robin, parameter alignment) from the
 source's rank-0 files -- pickles only, no tensor bytes -- and refuses up front, in one message, what
-no writer can reproduce (tensor/pipeline parallel sizes, NVMe offload, optimizers other than
+no writer can reproduce (tensor/pipeline parallel sizes, optimizers other than
 Adam/AdamW, amsgrad, elastic or AutoEP layouts, unequal Adam steps). :func:`derive_facts` recovers
 the same facts from the logical model alone (pure; used by tests and dry runs without a cache).
 """
@@ -44,16 +44,13 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     opt_cfg = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), Mapping) else None
     if opt_cfg is not None and str(opt_cfg.get("type", "")).lower() not in SUPPORTED_OPTIMIZERS:
         problems.append(f"optimizer type '{opt_cfg.get('type')}' in ds_config (only Adam/AdamW are supported)")
-    offload = zcfg.get("offload_optimizer") or {}
-    if isinstance(offload, Mapping) and str(offload.get("device", "")).lower() == "nvme":
-        problems.append("ZeRO-3 optimizer state offloaded to NVMe (offload_optimizer.device = nvme)")
-    if (ckpt.tag_dir / "offloaded_tensors").exists():
-        problems.append("an 'offloaded_tensors/' folder (NVMe-swapped optimizer state)")
 
     if source_layout_stage(ckpt) == 0:
         if problems:
             raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
-        return SourceFacts((), ())
+        # a ZeRO-3 target's ds_ids: the module's own params in order (stage 0 records no shared_params)
+        own = (e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None)
+        return SourceFacts((), (), param_ds_ids=tuple((n, i) for i, n in enumerate(own)))
 
     optim_files = [files.dp_mp_to_optim_states[(d, 0)] for d in range(ckpt.dp_world_size)]
     osd0 = cache.tree(optim_files[0]).get(OSD) or {}

@@ -180,7 +180,17 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
-    assert plan.from_stage == 3, "stage-0 sources are refused before planning"
+    if plan.from_stage == 0:  # the full module is there already (16-bit, or fp32 = the master)
+        from .stage0 import zero_keys_from_stage0
+
+        tree = dict(cache.tree(plan.source_model_files[0]))
+        zero_keys_from_stage0(tree, ckpt)
+        tree["dp_world_size"] = plan.world_size
+        tree["param_shapes"] = shapes_tree(plan)
+        _set_frozen(tree, plan, ckpt, dict(tree["module"]))
+        tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
+        return name, tree
+    assert plan.from_stage == 3
     src = dict(cache.tree(plan.source_model_files[0]))  # source rank 0: its buffers and shared_params
     module = _full_module(ckpt, src["module"], cache)
     tree = dict(src)
