@@ -52,7 +52,7 @@ from .ds_writers.readback import compare_checkpoints, verify_written
 from .ds_writers.universal import UniversalPlan
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import LogicalCheckpoint
+from .model import LogicalCheckpoint, Precision
 
 __all__ = [
     "ReshardPlan",
@@ -148,7 +148,10 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
         source_optim_files=optim,
-        bf16_prefixed_optim=any(p.name.startswith("bf16_") for p in optim),
+        # DeepSpeed prefixes the optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
+        # optimizer files (stage 0, universal folder) says so through its precision
+        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in optim) if optim
+                             else ckpt.precision is Precision.BF16),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
     )
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):

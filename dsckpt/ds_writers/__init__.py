@@ -284,6 +284,10 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
 
         src0: Any = None
         scalars = stage0_scalars(cache.tree(plan.source_model_files[0]))
+    elif plan.layout.startswith("universal"):  # a universal folder: zero/optimizer_state.pt
+        from .common import universal_scalars
+
+        src0, scalars = None, universal_scalars(ckpt, cache)
     else:
         src0 = cache.tree(plan.source_optim_files[0])
         same_family = ((plan.from_stage == 3) == (plan.zero_stage == 3)

@@ -198,6 +198,30 @@ def stage0_scalars(model_states: Mapping[str, Any]) -> OptimizerScalars:
     )
 
 
+def universal_scalars(ckpt: Any, cache: Any) -> OptimizerScalars:
+    """The scalars of a universal folder: ``zero/optimizer_state.pt`` (source rank 0's ZeRO optimizer dict
+    without its partitions, plus ``param_groups``; ds_to_universal.py), the step from a ``step.pt`` (ZeRO-1/2
+    sources) or the inner optimizer state (ZeRO-3 sources)."""
+    from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
+    from ..tensor_ref import TensorRef
+
+    opt = cache.tree(ckpt.tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE)
+    inner = opt.get(OSD) if isinstance(opt.get(OSD), Mapping) else {}
+    steps = [st["step"] for st in (inner.get("state") or {}).values() if isinstance(st, Mapping) and "step" in st]
+    if not steps:
+        steps = [t for p in sorted(ckpt.files) if p.name == "step.pt"
+                 for t in (cache.tree(p),) if isinstance(t, TensorRef)][:1]
+    groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in opt.get("param_groups") or [])
+    ms_top = {k: opt[k] for k in ("ds_version",) if k in opt}
+    return OptimizerScalars(
+        loss_scaler=opt["loss_scaler"] if "loss_scaler" in opt else loss_scaler(),
+        dynamic_loss_scale=opt.get("dynamic_loss_scale", False), overflow=opt.get("overflow", False),
+        clip_grad=opt.get("clip_grad"), param_groups=groups, step=steps[0] if steps else None,
+        ds_version=opt.get("ds_version", ckpt.ds_version),
+        top={"ds_config": ckpt.ds_config, "ds_version": ckpt.ds_version, **ms_top},
+    )
+
+
 def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -> Any:
     """The recorded ``ds_config`` with the target's ZeRO stage (DeepSpeed does not read it back; it
     tells the next reader what the files are)."""

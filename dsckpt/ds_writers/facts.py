@@ -52,6 +52,10 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         own = (e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None)
         return SourceFacts((), (), param_ds_ids=tuple((n, i) for i, n in enumerate(own)))
 
+    if ckpt.layout.startswith("universal"):
+        if problems:
+            raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
+        return _universal_facts(ckpt, zcfg, cache)
     optim_files = [files.dp_mp_to_optim_states[(d, 0)] for d in range(ckpt.dp_world_size)]
     osd0 = cache.tree(optim_files[0]).get(OSD) or {}
     if ckpt.zero_stage == 3:
@@ -129,6 +133,33 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     )
 
 
+def _universal_facts(ckpt: LogicalCheckpoint, zcfg: Mapping[str, Any], cache: Any) -> SourceFacts:
+    """The layout facts of a universal folder (``ds_to_universal``'s output): flat order and stage-3 sub-groups from
+    the model-states files it copied, their optimizer param groups from ``zero/optimizer_state.pt``."""
+    from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
+    from .plan import source_model_files
+
+    ms0 = cache.tree(source_model_files(ckpt)[0])
+    opt = cache.tree(ckpt.tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE)
+    flat_order = tuple(tuple(str(n) for n in shapes) for shapes in ms0.get("param_shapes") or [])
+    sub_to_group = list(range(len(flat_order)))
+    if ckpt.zero_stage == 3:
+        for g, pg in enumerate(opt.get("param_groups") or []):
+            for sg in pg.get("params", []) if isinstance(pg, Mapping) else []:
+                if isinstance(sg, int) and 0 <= sg < len(sub_to_group):
+                    sub_to_group[sg] = g
+    module = ms0.get("module") or {}
+    buffers = set(ms0.get("buffer_names") or ())
+    tied = set((ms0.get("shared_params") or {}).keys())
+    ds_ids = tuple((n, i) for i, n in enumerate(n for n in module if n not in buffers and n not in tied))
+    return SourceFacts(
+        group_flat_order=flat_order, subgroup_to_group=tuple(sub_to_group),
+        round_robin=bool(zcfg.get("round_robin_gradients", False)),
+        parameter_alignment=bool(zcfg.get("parameter_alignment", False)),
+        sub_group_size=int(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)) if ckpt.zero_stage == 3 else None,
+        param_ds_ids=ds_ids)
+
+
 def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     problems = []
     if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
@@ -138,9 +169,10 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {ckpt.zero_stage}")
-    if ckpt.layout.startswith("universal"):
-        problems.append("a DeepSpeed universal checkpoint, which DeepSpeed loads on any rank count with "
-                        "load_universal; it is read (info, to-fp32, scan), not rewritten")
+    if ckpt.layout.startswith("universal") and (ckpt.tensor_parallel is not None or ckpt.autoep is not None):
+        problems.append("a DeepSpeed universal checkpoint of a tensor-parallel or AutoEP run, which is written as "
+                        "ZeRO files for data-parallel runs only; DeepSpeed loads it on any rank count with "
+                        "load_universal")
     return problems
 
 
