@@ -198,6 +198,11 @@ DS_STAGE_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (4, 1, None): ["s3_fp32_w2", "s2_bf16_w2_2groups", "s3_bf16_w3_subgroups", "s2_fp32_w4",
                    "s2_fp16_w2_cpuforced"],
 }
+# Stage-0 sources (fp32: the module is the master; bf16 FP16_UnfusedOptimizer and fused FP16_Optimizer) and
+# DeepSpeed universal folders (tests/fixtures/universal) as sources, loaded in the same launches.
+DS_STAGE_CASES[(3, 2, None)] += ["s0_fp32_w1", "s0_bf16_w2", "universal/s3_bf16_w3_subgroups"]
+DS_STAGE_CASES[(3, 3, None)] += ["s0_bf16_w1_adapter_fused", "universal/s1_bf16_w2_bf16opt"]
+DS_STAGE_CASES[(4, 1, None)] += ["s0_bf16_w1_adapter", "universal/s2_bf16_w2_2groups"]
 
 
 TAMPERED_CASE = (3, 3, None)  # its launch also loads a control whose exp_avg and exp_avg_sq were swapped on rank 0
@@ -224,11 +229,12 @@ def ds_stage_runs(tmp_path_factory):
     runs = {}
     for (world, stage, sub), names in DS_STAGE_CASES.items():
         pairs = []
-        for name in names:
+        for source in names:
+            name = source.removeprefix("universal/")
             if name not in known:
                 continue
-            out = base / f"{name}_to{world}_s{stage}"
-            convert(REPO / "tests" / "fixtures" / name / "ckpt", out, world, stage, sub)
+            out = base / f"{source.replace('/', '_')}_to{world}_s{stage}"
+            convert(REPO / "tests" / "fixtures" / source / "ckpt", out, world, stage, sub)
             pairs.append(f"{name}={out}")
         if (world, stage, sub) == TAMPERED_CASE and "s2_bf16_w2_2groups" in known:
             _write_tampered(base / "tampered")
@@ -256,5 +262,6 @@ def test_deepspeed_resumes_stage_converted_checkpoints(ds_stage_runs, case):
         assert rc == 1, log
     else:
         assert rc == 0, log
-    assert {r["fixture"] for r in results} == set(DS_STAGE_CASES[case]) & {f.name for f in all_fixtures()}
+    assert {r["fixture"] for r in results} == ({n.removeprefix("universal/") for n in DS_STAGE_CASES[case]}
+                                               & {f.name for f in all_fixtures()})
     assert all(r["world_size"] == case[0] for r in results)
