@@ -118,7 +118,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"--zero-stage must be 1, 2 or 3, got {zero_stage!r}")
+        raise UsageError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if sub_group_size is not None and (not isinstance(sub_group_size, int) or sub_group_size < 1):
         raise UsageError(f"--sub-group-size must be a positive integer, got {sub_group_size!r}")
     tp = max(1, ckpt.tp_world_size) if tp_size is None else tp_size

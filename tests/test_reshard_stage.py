@@ -145,13 +145,48 @@ def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("OK")
 
 
-def test_zero_to_stage0_is_refused_and_stage_checked():
-    fx = next(f for f in all_fixtures() if f.name == "s2_fp32_w4")
+ZERO_TO_0 = [f for f in ZERO if f.meta["dtype"] != "fp16" and not f.name.startswith(("ds0", "moe"))
+             and not (f.meta["dtype"] == "fp32" and len(f.meta["param_groups"]) > 1)]
+
+
+@pytest.mark.parametrize("fx", ZERO_TO_0, ids=ids(ZERO_TO_0))
+def test_zero_to_stage0(fx, tmp_path):
+    """ZeRO-1/2/3 -> stage 0: one model-states file with the full module and the stage-0 optimizer (fp32: a torch
+    state dict over model.parameters(); bf16: FP16_UnfusedOptimizer's fp32_groups), read back as the truth."""
+    _, result = convert(fx.ckpt, tmp_path / "out", 2, 0)
+    assert result.verified_tensors > 0
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.dp_world_size) == (0, 2)
+    assert back.optimizer_wrapper == ("torch optimizer" if fx.meta["dtype"] == "fp32" else "FP16_UnfusedOptimizer")
+    assert back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    assert sorted(p.name for p in (tmp_path / "out" / fx.meta["tag"]).iterdir()) == ["mp_rank_00_model_states.pt"]
+    expected = fx.expected_fp32()
+    got = dict(iter_tensors(back))
+    assert sorted(got) == sorted(expected)
+    for n, t in got.items():
+        assert torch.equal(t, expected[n]), n
+
+
+@pytest.mark.parametrize("name, why", [
+    ("s2_fp16_w2_cpuforced", "an fp16 target"),
+    ("s2_fp32_w2_legacy", None),
+])
+def test_zero_to_stage0_refusals(name, why):
+    fx = next(f for f in all_fixtures() if f.name == name)
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    with pytest.raises(UnsupportedCheckpointError, match="from ZeRO stage 2 to stage 0: a stage-0 target"):
+    if why is None:  # fp32 with two param groups: which group a frozen param was given to is not recorded
+        import json as _json
+        cfg = _json.loads(_json.dumps(ckpt.ds_config))
+        two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
+        from dsckpt.ds_writers import plan_layout  # noqa: F401  (the refusal is the planner's)
+        from dsckpt.ds_writers.stage0 import plan_stage0_from_zero
+        with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
+            plan_stage0_from_zero(dataclasses.replace(ckpt, ds_config=cfg), [list(two[0]), list(two[1])], {})
+        return
+    with pytest.raises(UnsupportedCheckpointError, match=why):
         plan_reshard(ckpt, 2, zero_stage=0, facts=read_source_facts(ckpt, cache))
-    with pytest.raises(UsageError, match="--zero-stage must be 1, 2 or 3"):
+    with pytest.raises(UsageError, match="--zero-stage must be 0, 1, 2 or 3"):
         plan_reshard(ckpt, 2, zero_stage=4)
 
 

@@ -37,7 +37,8 @@ over by :func:`~.common.optimizer_scalars`; what the target layout has and the s
 set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` for a bf16
 ``BF16_Optimizer`` source written as ZeRO). A stage-0 source (fp32 or bf16; :func:`.stage0.stage0_as_zero_source`)
 is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
-model-states file (:func:`~.common.stage0_scalars`); a stage-0 target is written only from stage 0.
+model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
+with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     """Plan every file of ``target`` from ``ckpt``. Pure: no tensor or file I/O.
 
     ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
-    Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) a stage change from ZeRO to stage 0.
+    Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) what no writer here writes.
 
     Tensor parallelism is one more dimension of the same layout: each target TP rank is an ordinary
     data-parallel checkpoint of its local slices (:func:`dsckpt.tensor_parallel.rank_view` maps them through
@@ -174,10 +175,13 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    if src_stage != 0 and target.zero_stage == 0:
-        raise UnsupportedCheckpointError(
-            f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {src_stage} to stage 0: a stage-0 target is not "
-            "written yet; load it at ZeRO-1 (same per-rank memory for the module, the optimizer state split)")
+    if src_stage != 0 and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
+        from .stage0 import plan_stage0_from_zero
+
+        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER)
+        return plan_stage0_from_zero(ckpt, orders, {
+            **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
+            "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
     if ckpt.moe is not None and target.zero_stage != src_stage:
         raise UnsupportedCheckpointError(
             f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
@@ -275,6 +279,12 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
+    if plan.zero_stage == 0 and plan.from_stage != 0:
+        from .common import optimizer_scalars
+        from .stage0 import stage0_tree_from_zero
+
+        scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
+        return [(tag_dir / "mp_rank_00_model_states.pt", stage0_tree_from_zero(plan, ckpt, scalars, cache))]
     if plan.zero_stage == 0:
         from .stage0 import stage0_model_trees
 

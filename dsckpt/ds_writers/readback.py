@@ -74,10 +74,12 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
         for role, a, b, what in [*((r, a, b, r.value) for r, a, b in _copies_to_compare(e, n)),
                                  *((r, e.padding_piece(r), n.padding_piece(r), f"{r.value} padding rows")
                                    for r in dict.fromkeys(p.role for p in e.padding) if padding)]:
-            if role is Role.MASTER and a is None and b is not None and e.trainable:
-                # a stage-0 fp32 source keeps no master: its module weights are the master
-                module = e.piece(Role.MODULE)
-                a = module if module is not None and module.dtype == "float32" else None
+            if role is Role.MASTER and (a is None) != (b is None) and e.trainable:
+                # a stage-0 fp32 save keeps no master: its module weights are the master
+                side = e if a is None else n
+                module = side.piece(Role.MODULE)
+                module = module if module is not None and module.dtype == "float32" else None
+                a, b = (module, b) if a is None else (a, module)
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
                     problems.append(f"'{name}' lost its {what} copy")

@@ -13,7 +13,8 @@ from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
-__all__ = ["plan_stage0", "stage0_as_zero_source", "stage0_model_trees", "zero_keys_from_stage0"]
+__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees", "stage0_tree_from_zero",
+           "zero_keys_from_stage0"]
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
@@ -82,3 +83,87 @@ def zero_keys_from_stage0(tree: dict[str, Any], ckpt: LogicalCheckpoint, rank: i
     files), and ``shared_params`` ({alias: source}) on rank 0, as DeepSpeed computes it (engine.py:5490-5528)."""
     tree["optimizer"] = None
     tree["shared_params"] = {e.name: e.tied_to for e in ckpt.entries if e.tied_to is not None} if rank == 0 else {}
+
+
+def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], common: Mapping[str, Any]) -> LayoutPlan:
+    """ZeRO-1/2/3 -> stage 0: one ``mp_rank_00_model_states.pt`` holding the full module and the optimizer state
+    DeepSpeed 0.19.8's stage-0 engine loads (engine.py ``_load_checkpoint``: ``optimizer.load_state_dict``):
+
+    * fp32: a plain torch optimizer state dict. Its indices count ``model.parameters()`` in module order, frozen
+      params included (they hold no state), as the engine builds the optimizer from the params it is given; so
+      one param group only, and the run must pass ``model.parameters()`` (torch refuses a group of another size);
+    * bf16 with ``torch_adam``: ``FP16_UnfusedOptimizer``'s (fp16/unfused_optimizer.py ``state_dict``): per group
+      its trainable params' fp32 masters (``fp32_groups``), the inner state indexed over them, a static scale.
+
+    Refused (not written yet): fp16 (its dynamic loss scaler), and bf16 without ``torch_adam`` (the fused
+    ``FP16_Optimizer`` with ``fp32_groups_flat``)."""
+    cfg = ckpt.ds_config or {}
+    opt_params = ((cfg.get("optimizer") or {}).get("params") or {}) if isinstance(cfg.get("optimizer"), Mapping) else {}
+    why = None
+    if ckpt.precision is Precision.FP16:
+        why = "an fp16 target (its dynamic loss scaler in FP16_Optimizer's fields) is not written yet"
+    elif ckpt.precision is Precision.BF16 and not opt_params.get("torch_adam"):
+        why = ("a bf16 stage-0 run without torch_adam uses the fused FP16_Optimizer (fp32_groups_flat), which is not "
+               "written yet; with \"torch_adam\": true in the optimizer params it is FP16_UnfusedOptimizer, which is")
+    elif ckpt.precision is Precision.FP32 and len(orders) != 1:
+        why = (f"{len(orders)} param groups: at fp32 the stage-0 optimizer numbers every param it is given, frozen "
+               "ones too, and the files do not say which group a frozen param was given to")
+    elif ckpt.moe is not None or ckpt.autoep is not None:
+        why = "Mixture-of-Experts layouts are not converted to stage 0"
+    if why is not None:
+        raise UnsupportedCheckpointError(f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {ckpt.zero_stage} to "
+                                         f"stage 0: {why}")
+    by_name = {e.name: e for e in ckpt.entries}
+    shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
+    wrapper = "torch optimizer" if ckpt.precision is Precision.FP32 else "FP16_UnfusedOptimizer"  # as readers name it
+    return LayoutPlan(**{**common, "optimizer_wrapper": wrapper}, param_shapes=shapes, subgroup_to_group=(),
+                      alignment_paddings=(), ranks=(),
+                      notes=("stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
+                             + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers "
+                                "frozen params too)" if ckpt.precision is Precision.FP32 else ""),))
+
+
+def stage0_tree_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any, cache: Any) -> dict[str, Any]:
+    """The ``mp_rank_00_model_states.pt`` tree of :func:`plan_stage0_from_zero`'s plan."""
+    from .common import own_copy, streamed, target_ds_config
+    from .plan import FlatSpec, range_copies
+    from .zero12 import full_module
+
+    src = dict(cache.tree(plan.source_model_files[0]))
+    module = src["module"] if plan.from_stage in (1, 2) else full_module(ckpt, src["module"], cache)
+    by_name = {e.name: e for e in ckpt.entries}
+
+    def whole(name: str, role: Role) -> Any:
+        e = by_name[name]
+        piece = e.piece(role)
+        if piece is None:
+            raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': param '{name}' has no {role.value} values")
+        return streamed(FlatSpec(e.numel, "float32", range_copies(piece, 0, e.numel, 0, name)), cache, shape=e.shape)
+
+    def state(name: str) -> dict[str, Any]:
+        return {"step": own_copy(scalars.step), "exp_avg": whole(name, Role.EXP_AVG),
+                "exp_avg_sq": whole(name, Role.EXP_AVG_SQ)}
+
+    orders = [[n for n, _ in group] for group in plan.param_shapes]
+    optimizer: dict[str, Any]
+    if ckpt.precision is Precision.FP32:
+        params = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
+        trained = set(orders[0])
+        optimizer = {"state": {i: state(n) for i, n in enumerate(params) if n in trained},
+                     "param_groups": [{**scalars.param_groups[0], "params": list(range(len(params)))}]}
+    else:
+        k = 0
+        inner_state: dict[int, Any] = {}
+        groups = []
+        for g, names in enumerate(orders):
+            groups.append({**scalars.param_groups[g], "params": list(range(k, k + len(names)))})
+            for n in names:
+                inner_state[k] = state(n)
+                k += 1
+        optimizer = {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": ckpt.global_steps or 0,
+                     "optimizer_state_dict": {"state": inner_state, "param_groups": groups},
+                     "fp32_groups": [[whole(n, Role.MASTER) for n in names] for names in orders]}
+    src.update(module=module, optimizer=optimizer, param_shapes=None, frozen_param_shapes=None,
+               frozen_param_fragments=None, shared_params=None, dp_world_size=plan.world_size,
+               ds_config=target_ds_config(src.get("ds_config"), 0, None))
+    return src
