@@ -69,7 +69,7 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
                 master = Piece(Role.MASTER, "float32", module.fragments)
                 e = dataclasses.replace(e, pieces=(master, *e.pieces))
             # the optimizer-side position: unfused fp32_groups[g][i], fused offset, or torch state index
-            where = (e.piece(Role.EXP_AVG) if ckpt.optimizer_wrapper == "torch optimizer" else master) or master
+            where = (e.state_piece("exp_avg") if ckpt.optimizer_wrapper == "torch optimizer" else master) or master
             f = where.fragments[0]
             key = tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in f.key)
             members.setdefault(e.group if e.group is not None else 0, []).append(((*key, f.src_offset), e.name))
@@ -133,16 +133,15 @@ def stage0_tree_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: An
     module = src["module"] if plan.from_stage in (1, 2) else full_module(ckpt, src["module"], cache)
     by_name = {e.name: e for e in ckpt.entries}
 
-    def whole(name: str, role: Role) -> Any:
+    def whole(name: str, role: Role, key: str | None = None) -> Any:
         e = by_name[name]
-        piece = e.piece(role)
+        piece = e.piece(role) if key is None else e.state_piece(key)
         if piece is None:
-            raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': param '{name}' has no {role.value} values")
+            raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': param '{name}' has no {key or role.value} values")
         return streamed(FlatSpec(e.numel, "float32", range_copies(piece, 0, e.numel, 0, name)), cache, shape=e.shape)
 
     def state(name: str) -> dict[str, Any]:
-        return {"step": own_copy(scalars.step), "exp_avg": whole(name, Role.EXP_AVG),
-                "exp_avg_sq": whole(name, Role.EXP_AVG_SQ)}
+        return {"step": own_copy(scalars.step), **{k: whole(name, Role.OPTIM_STATE, k) for k in by_name[name].state_keys}}
 
     orders = [[n for n, _ in group] for group in plan.param_shapes]
     optimizer: dict[str, Any]

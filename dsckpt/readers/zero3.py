@@ -20,6 +20,7 @@ from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -83,10 +84,10 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 Fragment(*where[(sp.rank, s, None)], sp.src_offset, sp.numel, sp.dst_offset, sp.rank)
                 for sp in spans))]
             if s < len(state_keys):
-                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-                    pieces.append(Piece(role, "float32", tuple(
-                        Fragment(*where[(sp.rank, s, role.value)], sp.src_offset, sp.numel, sp.dst_offset,
-                                 sp.rank) for sp in spans)))
+                for sk in ADAM_STATE_KEYS:
+                    pieces.append(Piece(Role.OPTIM_STATE, "float32", tuple(
+                        Fragment(*where[(sp.rank, s, sk)], sp.src_offset, sp.numel, sp.dst_offset, sp.rank)
+                        for sp in spans), state_key=sk))
             entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=s)
             offset += zero3_partition_numel(numel, world)
         for rank in range(world):
@@ -142,7 +143,7 @@ def _subgroup_sources(files: CheckpointFiles, ms0: Mapping[str, Any], param_shap
         names = list(shapes)
         for rank, osd in enumerate(osds):
             stored = osd["fp32_flat_groups"][s]
-            keys = (Role.EXP_AVG.value, Role.EXP_AVG_SQ.value)
+            keys = ADAM_STATE_KEYS
             swapped = isinstance(stored, TensorRef) and stored.numel == 0 and bool(names) and any(
                 _numel(_shape(shp)) for shp in shapes.values())
             if not swapped:
