@@ -28,6 +28,7 @@ from dsckpt.reshard import (
 
 OFFLOAD = [f for f in all_fixtures() if "offload_optimizer" in (f.meta["config"].get("zero_optimization") or {})]
 CPU_S3 = "s3_bf16_w2_offload"
+SUBGROUPS = "s3_bf16_w3_subgroups"  # ZeRO-3, 3 sub-groups of 22, 24 and 11 fp32 elements per rank at 3 ranks
 
 
 def convert(src: Path, out: Path, world: int, stage: int | None = None, ckpt_edit=None):
@@ -109,7 +110,7 @@ def test_nvme_swap_files_written_and_read_back(tiny_swap_threshold, tmp_path):
     """An NVMe target: swapped sub-groups leave empty tensors in the optimizer files (as DeepSpeed saves them) and
     their master and moments go to offloaded_tensors/rankNN/{first}_{last}.tensor.swp, padded to 1 KiB; the reader
     takes them from there, and a reshard of that output to other sizes reads them back exactly."""
-    fx = next(f for f in OFFLOAD if f.name == CPU_S3)
+    fx = next(f for f in all_fixtures() if f.name == SUBGROUPS)
     plan, _ = convert(fx.ckpt, tmp_path / "nvme3", 3, ckpt_edit=_as_nvme)
     groups = plan.ranks[0].groups
     assert [g.swapped for g in groups] == [g.partition_numel * 4 >= 64 for g in groups] and any(
@@ -132,7 +133,7 @@ def test_nvme_swap_files_written_and_read_back(tiny_swap_threshold, tmp_path):
 
 
 def test_nvme_missing_swap_file_is_named(tiny_swap_threshold, tmp_path):
-    fx = next(f for f in OFFLOAD if f.name == CPU_S3)
+    fx = next(f for f in all_fixtures() if f.name == SUBGROUPS)
     convert(fx.ckpt, tmp_path / "nvme", 2, ckpt_edit=_as_nvme)
     victim = next((tmp_path / "nvme" / fx.meta["tag"] / "offloaded_tensors" / "rank01").glob("exp_avg-*"))
     victim.unlink()
