@@ -15,7 +15,7 @@ from conftest import all_fixtures, ids, tree_digest
 from ds_launch import DEEPSPEED, REPO, passed_except_controls, run_check_script
 
 from dsckpt import nvme_swap
-from dsckpt.assemble import iter_tensors
+from dsckpt.assemble import iter_tensors, read_piece
 from dsckpt.errors import CorruptCheckpointError
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import (
@@ -41,12 +41,22 @@ def convert(src: Path, out: Path, world: int, stage: int | None = None, ckpt_edi
 
 
 def assert_truth(path: Path, fx) -> None:
+    """Masters (fp32 state dict) and every optimizer state of every trainable param equal the recorded truth."""
     expected = fx.expected_fp32()
-    seen = 0
-    for name, t in iter_tensors(read_checkpoint(path)):
+    cache = FileCache()
+    ckpt = read_checkpoint(path, cache=cache)
+    got = dict(iter_tensors(ckpt, cache))
+    assert sorted(got) == sorted(expected)
+    for name, t in got.items():
         assert torch.equal(t, expected[name]), name
-        seen += 1
-    assert seen == len(expected)
+    truth = fx.truth()
+    states = 0
+    for e in ckpt.entries:
+        for key in e.state_keys if e.tied_to is None else ():
+            assert torch.equal(read_piece(e.state_piece(key), e.shape, cache, name=e.name), truth[f"{key}/{e.name}"]), \
+                f"{key} of {e.name}"
+            states += 1
+    assert states == sum(1 for k in truth if k.startswith("exp_avg")) - 2 * len(fx.meta["tied"]), states
 
 
 def test_offload_fixtures_exist():
