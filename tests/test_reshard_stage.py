@@ -233,10 +233,10 @@ DS_STAGE_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (4, 1, None): ["s3_fp32_w2", "s2_bf16_w2_2groups", "s3_bf16_w3_subgroups", "s2_fp32_w4",
                    "s2_fp16_w2_cpuforced"],
 }
-# Stage-0 sources (fp32: the module is the master; bf16 FP16_UnfusedOptimizer and fused FP16_Optimizer) and
-# DeepSpeed universal folders (tests/fixtures/universal) as sources, loaded in the same launches.
+# Stage-0 sources (fp32: the module is the master; bf16 FP16_UnfusedOptimizer) and DeepSpeed universal folders
+# (tests/fixtures/universal) as sources, loaded in the same launches (no fixture here needs a JIT-built op).
 DS_STAGE_CASES[(3, 2, None)] += ["s0_fp32_w1", "s0_bf16_w2", "universal/s3_bf16_w3_subgroups"]
-DS_STAGE_CASES[(3, 3, None)] += ["s0_bf16_w1_adapter_fused", "universal/s1_bf16_w2_bf16opt"]
+DS_STAGE_CASES[(3, 3, None)] += ["s0_fp32_w1_adapter_all", "universal/s1_bf16_w2_bf16opt"]
 DS_STAGE_CASES[(4, 1, None)] += ["s0_bf16_w1_adapter", "universal/s2_bf16_w2_2groups"]
 
 
