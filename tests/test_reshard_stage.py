@@ -238,6 +238,8 @@ DS_STAGE_CASES: dict[tuple[int, int, int | None], list[str]] = {
 DS_STAGE_CASES[(3, 2, None)] += ["s0_fp32_w1", "s0_bf16_w2", "universal/s3_bf16_w3_subgroups"]
 DS_STAGE_CASES[(3, 3, None)] += ["s0_fp32_w1_adapter_all", "universal/s1_bf16_w2_bf16opt"]
 DS_STAGE_CASES[(4, 1, None)] += ["s0_bf16_w1_adapter", "universal/s2_bf16_w2_2groups"]
+# ZeRO-1/2/3 -> stage 0 (fp32 one group: torch optimizer; bf16: FP16_UnfusedOptimizer)
+DS_STAGE_CASES[(2, 0, None)] = ["s2_bf16_w2_2groups", "s1_fp32_w2", "s3_bf16_w3_subgroups"]
 
 
 TAMPERED_CASE = (3, 3, None)  # its launch also loads a control whose exp_avg and exp_avg_sq were swapped on rank 0
