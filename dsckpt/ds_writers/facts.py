@@ -17,6 +17,7 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD
 from ..model import Kind, LogicalCheckpoint, Role, TensorEntry
 from ..partition import DEFAULT_SUB_GROUP_SIZE
+from ..readers.zero3 import zero3_ds_ids
 from .moe import held_by_ep_rank_0
 from .plan import SourceFacts, source_layout_stage
 
@@ -117,12 +118,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     else:
         sub_to_group = list(range(len(flat_order)))
         sub_group_size = None
-    # ZeRO-3's ds_id: a param's position among the module's own params (tied aliases and buffers
-    # left out), the order DeepSpeed partitions them in (stage3.py:1174).
-    module = ms0.get("module") or {}
-    buffers = set(ms0.get("buffer_names") or ())
-    tied = set((ms0.get("shared_params") or {}).keys())
-    ds_ids = tuple((n, i) for i, n in enumerate(n for n in module if n not in buffers and n not in tied))
+    ds_ids = tuple(zero3_ds_ids(ms0).items())
     return SourceFacts(
         group_flat_order=flat_order,
         subgroup_to_group=tuple(sub_to_group),
@@ -148,10 +144,7 @@ def _universal_facts(ckpt: LogicalCheckpoint, zcfg: Mapping[str, Any], cache: An
             for sg in pg.get("params", []) if isinstance(pg, Mapping) else []:
                 if isinstance(sg, int) and 0 <= sg < len(sub_to_group):
                     sub_to_group[sg] = g
-    module = ms0.get("module") or {}
-    buffers = set(ms0.get("buffer_names") or ())
-    tied = set((ms0.get("shared_params") or {}).keys())
-    ds_ids = tuple((n, i) for i, n in enumerate(n for n in module if n not in buffers and n not in tied))
+    ds_ids = tuple(zero3_ds_ids(ms0).items())
     return SourceFacts(
         group_flat_order=flat_order, subgroup_to_group=tuple(sub_to_group),
         round_robin=bool(zcfg.get("round_robin_gradients", False)),
