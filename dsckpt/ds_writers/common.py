@@ -29,8 +29,11 @@ __all__ = [
     "own_copy",
     "retarget_tp_keys",
     "shapes_tree",
+    "stage0_scalars",
     "streamed",
     "target_ds_config",
+    "universal_scalars",
+    "zero_keys_from_stage0",
     "zero_stage_enum",
 ]
 
@@ -220,6 +223,13 @@ def universal_scalars(ckpt: Any, cache: Any) -> OptimizerScalars:
         ds_version=opt.get("ds_version", ckpt.ds_version),
         top={"ds_config": ckpt.ds_config, "ds_version": ckpt.ds_version, **ms_top},
     )
+
+
+def zero_keys_from_stage0(tree: dict[str, Any], ckpt: Any, rank: int = 0) -> None:
+    """A stage-0 model-states tree given the keys a ZeRO one has: no ``optimizer`` (it goes to the optimizer
+    files), and ``shared_params`` ({alias: source}) on rank 0, as DeepSpeed computes it (engine.py:5490-5528)."""
+    tree["optimizer"] = None
+    tree["shared_params"] = {e.name: e.tied_to for e in ckpt.entries if e.tied_to is not None} if rank == 0 else {}
 
 
 def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -> Any:

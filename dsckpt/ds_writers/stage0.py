@@ -13,8 +13,7 @@ from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
-__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees", "stage0_tree_from_zero",
-           "zero_keys_from_stage0"]
+__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees", "stage0_tree_from_zero"]
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
@@ -76,13 +75,6 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
         entries.append(e)
     orders = [[n for _, n in sorted(members[g], key=lambda m: m[0])] for g in sorted(members)]
     return dataclasses.replace(ckpt, entries=tuple(entries)), orders
-
-
-def zero_keys_from_stage0(tree: dict[str, Any], ckpt: LogicalCheckpoint, rank: int = 0) -> None:
-    """A stage-0 model-states tree given the keys a ZeRO one has: no ``optimizer`` (it goes to the optimizer
-    files), and ``shared_params`` ({alias: source}) on rank 0, as DeepSpeed computes it (engine.py:5490-5528)."""
-    tree["optimizer"] = None
-    tree["shared_params"] = {e.name: e.tied_to for e in ckpt.entries if e.tied_to is not None} if rank == 0 else {}
 
 
 def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], common: Mapping[str, Any]) -> LayoutPlan:

@@ -174,7 +174,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
     if plan.from_stage == 0:  # the full module is there already (16-bit, or fp32 = the master)
-        from .stage0 import zero_keys_from_stage0
+        from .common import zero_keys_from_stage0
 
         tree = dict(cache.tree(plan.source_model_files[0]))
         zero_keys_from_stage0(tree, ckpt)

@@ -141,7 +141,7 @@ def zero3_model_tree(plan: LayoutPlan, r: RankPlan, ckpt: LogicalCheckpoint, src
     if r.rank > 0 and source_rank == 0:
         tree["shared_params"] = {}  # DeepSpeed computes shared_params on rank 0 only (engine.py:5490-5528)
     if plan.from_stage == 0:
-        from .stage0 import zero_keys_from_stage0
+        from .common import zero_keys_from_stage0
 
         zero_keys_from_stage0(tree, ckpt, r.rank)
     if plan.from_stage != 3:
