@@ -287,10 +287,10 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
 
         return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)), *_copied(plan, tag_dir, cache)]
     if plan.from_stage == 0:  # the optimizer state is inside the stage-0 model states
-        from .common import stage0_scalars
+        from .common import OptimizerScalars, stage0_scalars
 
         src0: Any = None
-        scalars = stage0_scalars(cache.tree(plan.source_model_files[0]))
+        scalars: OptimizerScalars | None = stage0_scalars(cache.tree(plan.source_model_files[0]))
     elif plan.layout.startswith("universal"):  # a universal folder: zero/optimizer_state.pt
         from .common import universal_scalars
 

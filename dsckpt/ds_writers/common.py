@@ -191,7 +191,7 @@ def stage0_scalars(model_states: Mapping[str, Any]) -> OptimizerScalars:
     opt = model_states.get("optimizer")
     if not isinstance(opt, Mapping):
         raise CorruptCheckpointError("the stage-0 model states hold no optimizer state")
-    inner = opt.get(OSD) if OSD in opt else opt
+    inner: Mapping[str, Any] = opt[OSD] if isinstance(opt.get(OSD), Mapping) else opt
     groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner.get("param_groups") or [])
     steps = [st["step"] for st in (inner.get("state") or {}).values() if isinstance(st, Mapping) and "step" in st]
     return OptimizerScalars(
