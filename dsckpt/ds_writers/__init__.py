@@ -280,8 +280,8 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         from .common import optimizer_scalars
         from .stage0 import stage0_tree_from_zero
 
-        scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
-        return [(tag_dir / "mp_rank_00_model_states.pt", stage0_tree_from_zero(plan, ckpt, scalars, cache))]
+        zero_scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
+        return [(tag_dir / "mp_rank_00_model_states.pt", stage0_tree_from_zero(plan, ckpt, zero_scalars, cache))]
     if plan.zero_stage == 0:
         from .stage0 import stage0_model_trees
 
