@@ -104,7 +104,8 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
         why = "Mixture-of-Experts layouts are not converted to stage 0"
     if why is not None:
         raise UnsupportedCheckpointError(f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {ckpt.zero_stage} to "
-                                         f"stage 0: {why}")
+                                         f"stage 0: {why}; write it as ZeRO-1 instead (--zero-stage 1: the full "
+                                         "module on every rank, as at stage 0)")
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = "torch optimizer" if ckpt.precision is Precision.FP32 else "FP16_UnfusedOptimizer"  # as readers name it
