@@ -122,7 +122,10 @@ def test_cli_reshard_zero_stage_says_what_the_config_needs(tmp_path):
     r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "1",
                              "--sub-group-size", "40"])
     assert r.exit_code == 2 and "applies to a ZeRO-3 target only" in r.stderr
-    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "0"])
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "0", "-q"])
+    assert r.exit_code == 0 and "ZeRO stage 2 -> 0: wrote 1 files" in r.stdout, r.output
+    assert 'resume with: "zero_optimization": {"stage": 0}' in r.stdout
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "q"), "-n", "2", "--zero-stage", "4"])
     assert r.exit_code == 2
 
 
