@@ -724,8 +724,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--workers", default=None, type=click.IntRange(1, 64),
               help="Target files written at once (default: half the cores, at most 8).")
-@click.option("--zero-stage", "zero_stage", type=click.IntRange(1, 3), default=None,
-              help="Write the checkpoint for this ZeRO stage (1, 2 or 3; default: the input's).")
+@click.option("--zero-stage", "zero_stage", type=click.IntRange(0, 3), default=None,
+              help="Write the checkpoint for this ZeRO stage (0 = no ZeRO, 1, 2 or 3; default: the input's).")
 @click.option("--sub-group-size", "sub_group_size", type=click.IntRange(min=1), default=None,
               help="ZeRO-3 target: zero_optimization.sub_group_size of the new run (default: the input's "
                    "at stage 3, else DeepSpeed's default 1e9).")
@@ -744,7 +744,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
             ep_size: int | None, distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
-    (and, with --zero-stage, under another ZeRO stage: 1, 2 and 3 from any of 1, 2, 3).
+    (and, with --zero-stage, under another ZeRO stage: 0, 1, 2 and 3 from any of them).
 
     Writes OUT as a new save dir ('latest' + the same tag) with fp32 master weights, Adam moments, step
     counts, loss scaler, scheduler and client state carried over exactly. CKPT is never modified.

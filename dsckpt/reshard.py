@@ -52,7 +52,7 @@ from .ds_writers.readback import compare_checkpoints, verify_written
 from .ds_writers.universal import UniversalPlan
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import LogicalCheckpoint
+from .model import LogicalCheckpoint, Precision
 
 __all__ = [
     "ReshardPlan",
@@ -119,7 +119,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"--zero-stage must be 1, 2 or 3, got {zero_stage!r}")
+        raise UsageError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if sub_group_size is not None and (not isinstance(sub_group_size, int) or sub_group_size < 1):
         raise UsageError(f"--sub-group-size must be a positive integer, got {sub_group_size!r}")
     tp = max(1, ckpt.tp_world_size) if tp_size is None else tp_size
@@ -149,7 +149,10 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
         source_optim_files=optim,
-        bf16_prefixed_optim=any(p.name.startswith("bf16_") for p in optim),
+        # DeepSpeed prefixes the optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
+        # optimizer files (stage 0, universal folder) says so through its precision
+        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in optim) if optim
+                             else ckpt.precision is Precision.BF16),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
     )
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
@@ -465,15 +468,21 @@ def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool =
     """Write ``(path, tree)`` jobs, ``workers`` at a time; yields the paths in order. Not fsync'd here:
     the caller fsyncs them all at once while it verifies (:func:`~dsckpt.atomic.background_fsync`);
     ``writeback``: start the kernel's write-back while writing (only useful when an fsync follows)."""
+    from .nvme_swap import SWAP_SUFFIX
+    from .writers.raw import write_raw_tensor
     from .writers.torch_stream import write_torch_tree
+
+    def write(path: Path, tree: Any) -> Path:
+        if path.name.endswith(SWAP_SUFFIX):  # an NVMe swap file: the tensor's bytes, no container
+            return write_raw_tensor(path, tree, fsync=False, make_parent=make_parent)
+        return write_torch_tree(path, tree, fsync=False, writeback=writeback, make_parent=make_parent)
 
     if workers <= 1 or len(jobs) <= 1:
         for path, tree in jobs:
-            yield write_torch_tree(path, tree, fsync=False, writeback=writeback, make_parent=make_parent)
+            yield write(path, tree)
         return
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dsckpt-write") as pool:
-        futures = [pool.submit(write_torch_tree, path, tree, fsync=False, writeback=writeback,
-                               make_parent=make_parent) for path, tree in jobs]
+        futures = [pool.submit(write, path, tree) for path, tree in jobs]
         try:
             for fut in futures:
                 yield fut.result()

@@ -53,7 +53,7 @@ from .tensor_ref import StorageRef, TensorRef
 if TYPE_CHECKING:
     pass
 
-__all__ = ["FileInfo", "load", "load_with_info"]
+__all__ = ["FileInfo", "load", "load_raw", "load_with_info"]
 
 # --------------------------------------------------------------------------------------------
 # Allow-listed globals
@@ -356,6 +356,25 @@ def load_with_info(path: str | os.PathLike[str]) -> tuple[Any, FileInfo]:
         raise CorruptCheckpointError(
             f"{p}: cannot be read as a torch checkpoint file ({e.strerror or e}); its zip directory points "
             "outside the file — it is truncated or corrupt") from e
+
+
+def load_raw(path: str | os.PathLike[str], dtype_name: str) -> tuple[TensorRef, FileInfo]:
+    """A headerless file of ``dtype_name`` elements as one 1-D :class:`TensorRef` (nothing is unpickled):
+    DeepSpeed's NVMe swap files (``<id>.tensor.swp``, written with async I/O, :mod:`dsckpt.nvme_swap`). The
+    file carries no CRC; a size that is not a whole number of elements is a damaged file."""
+    p = Path(path)
+    fd = limits.open_regular(p)
+    try:
+        nbytes = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    itemsize = DTYPES[dtype_name].itemsize
+    if nbytes % itemsize:
+        raise CorruptCheckpointError(f"{p}: {nbytes} bytes is not a whole number of {dtype_name} elements; "
+                                     "the swap file is truncated or corrupt")
+    numel = nbytes // itemsize
+    storage = StorageRef(p, "raw", dtype_name, numel, 0, "cpu")
+    return TensorRef(storage, 0, (numel,), (1,)), FileInfo(None)
 
 
 def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -133,16 +132,6 @@ def test_reshard_refuses_one_bit_optimizers(optimizer):
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
     with pytest.raises(UnsupportedCheckpointError, match=f"optimizer type '{optimizer}'.*sized by the world size"):
         read_source_facts(replace(ckpt, optimizer_type=optimizer), cache)
-
-
-def test_reshard_refuses_nvme_offload():
-    fx = pick(stage=3)
-    cache = FileCache()
-    ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    cfg = json.loads(json.dumps(ckpt.ds_config))
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/nvme"}
-    with pytest.raises(UnsupportedCheckpointError, match="NVMe"):
-        read_source_facts(replace(ckpt, ds_config=cfg), cache)
 
 
 def test_reshard_refuses_to_write_into_input(tmp_path):

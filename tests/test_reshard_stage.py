@@ -122,7 +122,10 @@ def test_cli_reshard_zero_stage_says_what_the_config_needs(tmp_path):
     r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "1",
                              "--sub-group-size", "40"])
     assert r.exit_code == 2 and "applies to a ZeRO-3 target only" in r.stderr
-    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "0"])
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "p"), "-n", "2", "--zero-stage", "0", "-q"])
+    assert r.exit_code == 0 and "ZeRO stage 2 -> 0: wrote 1 files" in r.stdout, r.output
+    assert 'resume with: "zero_optimization": {"stage": 0}' in r.stdout
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "q"), "-n", "2", "--zero-stage", "4"])
     assert r.exit_code == 2
 
 
@@ -145,14 +148,77 @@ def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("OK")
 
 
-def test_stage0_is_not_converted():
-    fx = next(f for f in all_fixtures() if f.name == "s0_fp32_w1")
+ZERO_TO_0 = [f for f in ZERO if f.meta["dtype"] != "fp16" and not f.name.startswith(("ds0", "moe"))
+             and not (f.meta["dtype"] == "fp32" and len(f.meta["param_groups"]) > 1)]
+
+
+@pytest.mark.parametrize("fx", ZERO_TO_0, ids=ids(ZERO_TO_0))
+def test_zero_to_stage0(fx, tmp_path):
+    """ZeRO-1/2/3 -> stage 0: one model-states file with the full module and the stage-0 optimizer (fp32: a torch
+    state dict over model.parameters(); bf16: FP16_UnfusedOptimizer's fp32_groups), read back as the truth."""
+    _, result = convert(fx.ckpt, tmp_path / "out", 2, 0)
+    assert result.verified_tensors > 0
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.dp_world_size) == (0, 2)
+    assert back.optimizer_wrapper == ("torch optimizer" if fx.meta["dtype"] == "fp32" else "FP16_UnfusedOptimizer")
+    assert back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    assert sorted(p.name for p in (tmp_path / "out" / fx.meta["tag"]).iterdir()) == ["mp_rank_00_model_states.pt"]
+    expected = fx.expected_fp32()
+    got = dict(iter_tensors(back))
+    assert sorted(got) == sorted(expected)
+    for n, t in got.items():
+        assert torch.equal(t, expected[n]), n
+
+
+@pytest.mark.parametrize("name, why", [
+    ("s2_fp16_w2_cpuforced", "an fp16 target"),
+    ("s2_fp32_w2_legacy", None),
+])
+def test_zero_to_stage0_refusals(name, why):
+    fx = next(f for f in all_fixtures() if f.name == name)
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    with pytest.raises(UnsupportedCheckpointError, match="from ZeRO stage 0 to stage 2: stage changes are supported"):
-        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
-    with pytest.raises(UsageError, match="--zero-stage must be 1, 2 or 3"):
+    if why is None:  # fp32 with two param groups: which group a frozen param was given to is not recorded
+        import json as _json
+        cfg = _json.loads(_json.dumps(ckpt.ds_config))
+        two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
+        from dsckpt.ds_writers import plan_layout  # noqa: F401  (the refusal is the planner's)
+        from dsckpt.ds_writers.stage0 import plan_stage0_from_zero
+        with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
+            plan_stage0_from_zero(dataclasses.replace(ckpt, ds_config=cfg), [list(two[0]), list(two[1])], {})
+        return
+    with pytest.raises(UnsupportedCheckpointError, match=why):
+        plan_reshard(ckpt, 2, zero_stage=0, facts=read_source_facts(ckpt, cache))
+    with pytest.raises(UsageError, match="--zero-stage must be 0, 1, 2 or 3"):
         plan_reshard(ckpt, 2, zero_stage=4)
+
+
+STAGE0 = [f for f in all_fixtures() if f.meta["stage"] == 0 and f.meta["dtype"] != "fp16"
+          and not f.name.startswith(("moe", "ds0"))]
+
+
+@pytest.mark.parametrize("fx", STAGE0, ids=ids(STAGE0))
+@pytest.mark.parametrize("world,stage", [(2, 1), (3, 2), (3, 3)])
+def test_stage0_to_zero(fx, world, stage, tmp_path):
+    """Stage 0 -> ZeRO-1/2/3 (fp32: the module is the master; bf16: FP16_UnfusedOptimizer's fp32_groups or
+    FP16_Optimizer's fp32_groups_flat): the output holds the recorded masters, moments, module weights and
+    buffers; its step and hyperparameters are the source's."""
+    _, result = convert(fx.ckpt, tmp_path / "out", world, stage)
+    assert result.verified_tensors > 0
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.dp_world_size) == (stage, world)
+    assert back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    expected = fx.expected_fp32()
+    names = [n for n, t in iter_tensors(back) if torch.equal(t, expected[n])]
+    assert sorted(names) == sorted(expected)
+
+
+def test_stage0_fp16_to_zero_is_refused_by_name():
+    fx = next(f for f in all_fixtures() if f.name == "s0_fp16_w1_adapter_cpuforced")
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    with pytest.raises(UnsupportedCheckpointError, match="fp16 stage-0 save keeps its dynamic loss scale"):
+        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------
@@ -170,6 +236,13 @@ DS_STAGE_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (4, 1, None): ["s3_fp32_w2", "s2_bf16_w2_2groups", "s3_bf16_w3_subgroups", "s2_fp32_w4",
                    "s2_fp16_w2_cpuforced"],
 }
+# Stage-0 sources (fp32: the module is the master; bf16 FP16_UnfusedOptimizer) and DeepSpeed universal folders
+# (tests/fixtures/universal) as sources, loaded in the same launches (no fixture here needs a JIT-built op).
+DS_STAGE_CASES[(3, 2, None)] += ["s0_fp32_w1", "s0_bf16_w2", "universal/s3_bf16_w3_subgroups"]
+DS_STAGE_CASES[(3, 3, None)] += ["s0_fp32_w1_adapter_all", "universal/s1_bf16_w2_bf16opt"]
+DS_STAGE_CASES[(4, 1, None)] += ["s0_bf16_w1_adapter", "universal/s2_bf16_w2_2groups"]
+# ZeRO-1/2/3 -> stage 0 (fp32 one group: torch optimizer; bf16: FP16_UnfusedOptimizer)
+DS_STAGE_CASES[(2, 0, None)] = ["s2_bf16_w2_2groups", "s1_fp32_w2", "s3_bf16_w3_subgroups"]
 
 
 TAMPERED_CASE = (3, 3, None)  # its launch also loads a control whose exp_avg and exp_avg_sq were swapped on rank 0
@@ -197,11 +270,12 @@ def ds_stage_runs(tmp_path_factory):
     runs = {}
     for (world, stage, sub), names in DS_STAGE_CASES.items():
         pairs = []
-        for name in names:
+        for source in names:
+            name = source.removeprefix("universal/")
             if name not in known:
                 continue
-            out = base / f"{name}_to{world}_s{stage}"
-            convert(REPO / "tests" / "fixtures" / name / "ckpt", out, world, stage, sub)
+            out = base / f"{source.replace('/', '_')}_to{world}_s{stage}"
+            convert(REPO / "tests" / "fixtures" / source / "ckpt", out, world, stage, sub)
             pairs.append(f"{name}={out}")
         if (world, stage, sub) == TAMPERED_CASE and "s2_bf16_w2_2groups" in known:
             _write_tampered(base / "tampered")
@@ -230,5 +304,6 @@ def test_deepspeed_resumes_stage_converted_checkpoints(ds_stage_runs, case):
         assert rc == 1, log
     else:
         assert rc == 0, log
-    assert {r["fixture"] for r in results} == set(DS_STAGE_CASES[case]) & {f.name for f in all_fixtures()}
+    assert {r["fixture"] for r in results} == ({n.removeprefix("universal/") for n in DS_STAGE_CASES[case]}
+                                               & {f.name for f in all_fixtures()})
     assert all(r["world_size"] == case[0] for r in results)

@@ -295,11 +295,34 @@ def test_universal_refusals(fixture, why, tmp_path):
     assert not (tmp_path / "u").exists()
 
 
-@pytest.mark.parametrize("args", [["--universal"], ["-n", "3"]])
-def test_universal_source_is_refused(args, tmp_path):
-    r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s1_fp32_w2" / "ckpt"), str(tmp_path / "u"), *args])
+def test_universal_source_to_universal_is_refused(tmp_path):
+    r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s1_fp32_w2" / "ckpt"), str(tmp_path / "u"),
+                                  "--universal"])
     assert r.exit_code == 3, r.output
-    assert "found a DeepSpeed universal checkpoint, which DeepSpeed loads on any rank count" in r.stderr
+    assert "found a universal checkpoint already" in r.stderr
+
+
+@pytest.mark.parametrize("name", UNIV)
+@pytest.mark.parametrize("world,stage", [(3, None), (1, 3), (2, 1)])
+def test_universal_source_written_as_zero_files(name, world, stage, tmp_path):
+    """A universal folder as reshard input: native ZeRO files for any world size and stage, holding the truth
+    recorded for the run it was converted from (masters, moments, module copies, frozen params, buffers)."""
+    from dsckpt.assemble import iter_tensors
+    from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+    fx = next(f for f in all_fixtures() if f.name == name)
+    cache = FileCache()
+    ckpt = read_checkpoint(UNIVERSAL / name / "ckpt", cache=cache)
+    plan = plan_reshard(ckpt, world, zero_stage=stage, facts=read_source_facts(ckpt, cache))
+    run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    back = read_checkpoint(tmp_path / "out")
+    assert not back.layout.startswith("universal") and back.dp_world_size == world
+    assert back.zero_stage == (stage or fx.meta["stage"]) and back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    expected = fx.expected_fp32()
+    got = dict(iter_tensors(back))
+    assert sorted(got) == sorted(expected)
+    for n, t in got.items():
+        assert torch.equal(t, expected[n]), n
 
 
 # --- planning without files -----------------------------------------------------------------------

@@ -35,7 +35,10 @@ checkpoint, so any ZeRO stage 1-3 source can be planned for any stage 1-3 target
 stores besides them (loss scaler, ``clip_grad``, optimizer hyperparameters, client state) is carried
 over by :func:`~.common.optimizer_scalars`; what the target layout has and the source does not is
 set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` for a bf16
-``BF16_Optimizer`` source written as ZeRO). Stage 0 sources and targets are not converted.
+``BF16_Optimizer`` source written as ZeRO). A stage-0 source (fp32 or bf16; :func:`.stage0.stage0_as_zero_source`)
+is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
+model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
+with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     """Plan every file of ``target`` from ``ckpt``. Pure: no tensor or file I/O.
 
     ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
-    Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) a stage change from or to stage 0.
+    Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) what no writer here writes.
 
     Tensor parallelism is one more dimension of the same layout: each target TP rank is an ordinary
     data-parallel checkpoint of its local slices (:func:`dsckpt.tensor_parallel.rank_view` maps them through
@@ -172,10 +175,13 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    if (src_stage == 0) != (target.zero_stage == 0):
-        raise UnsupportedCheckpointError(
-            f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {src_stage} to stage {target.zero_stage}: "
-            "stage changes are supported between ZeRO stages 1, 2 and 3 only")
+    if src_stage != 0 and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
+        from .stage0 import plan_stage0_from_zero
+
+        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER)
+        return plan_stage0_from_zero(ckpt, orders, {
+            **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
+            "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
     if ckpt.moe is not None and target.zero_stage != src_stage:
         raise UnsupportedCheckpointError(
             f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
@@ -194,7 +200,12 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
 
         return plan_stage0(ckpt, common)
     src_bf16_opt = ckpt.optimizer_wrapper == BF16_WRAPPER
-    orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
+    if src_stage == 0:  # stage 0 -> ZeRO: the module (fp32) or the wrapper's fp32 groups become partitions
+        from .stage0 import stage0_as_zero_source
+
+        ckpt, orders = stage0_as_zero_source(ckpt)
+    else:
+        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
     models = source_model_files(ckpt)
     common = {**common, "source_model_files": models}
     if target.zero_stage == 3:
@@ -276,14 +287,31 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
+    if plan.zero_stage == 0 and plan.from_stage != 0:
+        from .common import optimizer_scalars
+        from .stage0 import stage0_tree_from_zero
+
+        zero_scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
+        return [(tag_dir / "mp_rank_00_model_states.pt", stage0_tree_from_zero(plan, ckpt, zero_scalars, cache))]
     if plan.zero_stage == 0:
         from .stage0 import stage0_model_trees
 
         return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)),
                 *_copied(plan, tag_dir, cache)]
-    src0 = cache.tree(plan.source_optim_files[0])
-    same_family = (plan.from_stage == 3) == (plan.zero_stage == 3) and plan.from_wrapper == plan.optimizer_wrapper
-    scalars = None if same_family else optimizer_scalars(src0, plan.from_stage)
+    if plan.from_stage == 0:  # the optimizer state is inside the stage-0 model states
+        from .common import OptimizerScalars, stage0_scalars
+
+        src0: Any = None
+        scalars: OptimizerScalars | None = stage0_scalars(cache.tree(plan.source_model_files[0]))
+    elif plan.layout.startswith("universal"):  # a universal folder: zero/optimizer_state.pt
+        from .common import universal_scalars
+
+        src0, scalars = None, universal_scalars(ckpt, cache)
+    else:
+        src0 = cache.tree(plan.source_optim_files[0])
+        same_family = ((plan.from_stage == 3) == (plan.zero_stage == 3)
+                       and plan.from_wrapper == plan.optimizer_wrapper)
+        scalars = None if same_family else optimizer_scalars(src0, plan.from_stage)
     if plan.zero_stage in (1, 2):
         from .zero12 import zero12_model_tree, zero12_optim_tree
 
@@ -298,13 +326,14 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
             assert r.optim_file is not None
             jobs.append((tag_dir / r.optim_file, zero12_optim_tree(plan, r, src0, scalars, cache)))
         return jobs
-    from .zero3 import zero3_model_tree, zero3_optim_tree
+    from .zero3 import zero3_model_tree, zero3_optim_tree, zero3_swap_jobs
 
     src_models: Sequence[Any] = [cache.tree(p) for p in plan.source_model_files]
     for r in plan.ranks:
         assert r.model_file is not None and r.optim_file is not None
         jobs.append((tag_dir / r.model_file, zero3_model_tree(plan, r, ckpt, src_models, cache)))
         jobs.append((tag_dir / r.optim_file, zero3_optim_tree(plan, r, src0, scalars, cache)))
+        jobs += [(tag_dir / rel, t) for rel, t in zero3_swap_jobs(plan, r, ckpt.ds_config, cache)]
     return jobs
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,11 @@ __all__ = [
     "own_copy",
     "retarget_tp_keys",
     "shapes_tree",
+    "stage0_scalars",
     "streamed",
     "target_ds_config",
+    "universal_scalars",
+    "zero_keys_from_stage0",
     "zero_stage_enum",
 ]
 
@@ -198,12 +201,64 @@ def group_states(inner: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     return tuple(out)
 
 
-def group_state_tree(group_state: Mapping[str, Any], specs: Mapping[str, FlatSpec], cache: Any) -> dict[str, Any]:
-    """A flat group's optimizer state in the target: its per-element tensors streamed from ``specs``, every other
-    value (``step``, scalars) as the source saved it; the source's key order."""
-    out = {k: streamed(specs[k], cache) if k in specs else own_copy(v) for k, v in group_state.items()}
-    out.update({k: streamed(spec, cache) for k, spec in specs.items() if k not in out})
+def group_state_tree(group_state: Mapping[str, Any], specs: Mapping[str, FlatSpec], cache: Any,
+                     stream: Callable[[FlatSpec], Any] | None = None) -> dict[str, Any]:
+    """A flat group's optimizer state in the target: its per-element tensors streamed from ``specs`` (through
+    ``stream`` if given: a ZeRO-3 sub-group swapped to NVMe saves empty tensors), every other value (``step``,
+    scalars) as the source saved it; the source's key order."""
+    put = stream if stream is not None else (lambda spec: streamed(spec, cache))
+    out = {k: put(specs[k]) if k in specs else own_copy(v) for k, v in group_state.items()}
+    out.update({k: put(spec) for k, spec in specs.items() if k not in out})
     return out
+
+
+def stage0_scalars(model_states: Mapping[str, Any]) -> OptimizerScalars:
+    """The scalars of a stage-0 save (``mp_rank_00_model_states.pt``'s ``optimizer``: a torch optimizer's state
+    dict, or ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``'s around one, fp16/fused_optimizer.py and
+    unfused_optimizer.py ``state_dict``). fp32 and bf16 ZeRO files hold a static ``LossScaler(1.0)``; a dynamic
+    fp16 scaler has no counterpart written here and is refused before planning."""
+    opt = model_states.get("optimizer")
+    if not isinstance(opt, Mapping):
+        raise CorruptCheckpointError("the stage-0 model states hold no optimizer state")
+    inner: Mapping[str, Any] = opt[OSD] if isinstance(opt.get(OSD), Mapping) else opt
+    groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner.get("param_groups") or [])
+    steps = [st["step"] for st in (inner.get("state") or {}).values() if isinstance(st, Mapping) and "step" in st]
+    return OptimizerScalars(
+        loss_scaler=loss_scaler(), dynamic_loss_scale=False, overflow=False, clip_grad=opt.get("clip_grad"),
+        param_groups=groups, step=steps[0] if steps else None, ds_version=model_states.get("ds_version"),
+        top={k: model_states[k] for k in ("ds_config", "ds_version") if k in model_states},
+    )
+
+
+def universal_scalars(ckpt: Any, cache: Any) -> OptimizerScalars:
+    """The scalars of a universal folder: ``zero/optimizer_state.pt`` (source rank 0's ZeRO optimizer dict
+    without its partitions, plus ``param_groups``; ds_to_universal.py), the step from a ``step.pt`` (ZeRO-1/2
+    sources) or the inner optimizer state (ZeRO-3 sources)."""
+    from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
+    from ..tensor_ref import TensorRef
+
+    opt = cache.tree(ckpt.tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE)
+    inner = opt.get(OSD) if isinstance(opt.get(OSD), Mapping) else {}
+    steps = [st["step"] for st in (inner.get("state") or {}).values() if isinstance(st, Mapping) and "step" in st]
+    if not steps:
+        steps = [t for p in sorted(ckpt.files) if p.name == "step.pt"
+                 for t in (cache.tree(p),) if isinstance(t, TensorRef)][:1]
+    groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in opt.get("param_groups") or [])
+    ms_top = {k: opt[k] for k in ("ds_version",) if k in opt}
+    return OptimizerScalars(
+        loss_scaler=opt["loss_scaler"] if "loss_scaler" in opt else loss_scaler(),
+        dynamic_loss_scale=opt.get("dynamic_loss_scale", False), overflow=opt.get("overflow", False),
+        clip_grad=opt.get("clip_grad"), param_groups=groups, step=steps[0] if steps else None,
+        ds_version=opt.get("ds_version", ckpt.ds_version),
+        top={"ds_config": ckpt.ds_config, "ds_version": ckpt.ds_version, **ms_top},
+    )
+
+
+def zero_keys_from_stage0(tree: dict[str, Any], ckpt: Any, rank: int = 0) -> None:
+    """A stage-0 model-states tree given the keys a ZeRO one has: no ``optimizer`` (it goes to the optimizer
+    files), and ``shared_params`` ({alias: source}) on rank 0, as DeepSpeed computes it (engine.py:5490-5528)."""
+    tree["optimizer"] = None
+    tree["shared_params"] = {e.name: e.tied_to for e in ckpt.entries if e.tied_to is not None} if rank == 0 else {}
 
 
 def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -> Any:

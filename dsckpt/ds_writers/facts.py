@@ -3,7 +3,7 @@
 :func:`read_source_facts` reads the few layout facts the writers plan with (flat order from
 ``param_shapes``, stage-3 sub-groups and ``ds_id`` s, round robin, parameter alignment) from the
 source's rank-0 files -- pickles only, no tensor bytes -- and refuses up front, in one message, what
-no writer can reproduce (tensor/pipeline parallel sizes, NVMe offload, optimizer state that is not one value per
+no writer can reproduce (tensor/pipeline parallel sizes, optimizer state that is not one value per
 element -- 1-bit Adam/Lamb error feedback, factored second moments --, Adagrad at ZeRO-3, elastic or AutoEP
 layouts). Every optimizer whose state is per element is rewritten, whatever its keys; each group keeps its own
 ``step`` and hyper-parameters. :func:`derive_facts` recovers the same facts from the logical model alone (pure;
@@ -19,6 +19,7 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD
 from ..model import Kind, LogicalCheckpoint, Role, TensorEntry
 from ..partition import DEFAULT_SUB_GROUP_SIZE
+from ..readers.zero3 import zero3_ds_ids
 from .moe import held_by_ep_rank_0
 from .plan import SourceFacts, source_layout_stage
 
@@ -54,17 +55,18 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
                         "doesn't match the size of optimizer's group\")")
     if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups) and ckpt.zero_stage == 3:
         problems.append("Muon at ZeRO-3 (dsckpt rewrites Muon's ZeRO-1/2 layout, whose momentum holds whole params)")
-    offload = zcfg.get("offload_optimizer") or {}
-    if isinstance(offload, Mapping) and str(offload.get("device", "")).lower() == "nvme":
-        problems.append("ZeRO-3 optimizer state offloaded to NVMe (offload_optimizer.device = nvme)")
-    if (ckpt.tag_dir / "offloaded_tensors").exists():
-        problems.append("an 'offloaded_tensors/' folder (NVMe-swapped optimizer state)")
 
     if source_layout_stage(ckpt) == 0:
         if problems:
             raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
-        return SourceFacts((), ())
+        # a ZeRO-3 target's ds_ids: the module's own params in order (stage 0 records no shared_params)
+        own = (e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None)
+        return SourceFacts((), (), param_ds_ids=tuple((n, i) for i, n in enumerate(own)))
 
+    if ckpt.layout.startswith("universal"):
+        if problems:
+            raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
+        return _universal_facts(ckpt, zcfg, cache)
     optim_files = [files.dp_mp_to_optim_states[(d, 0)] for d in range(ckpt.dp_world_size)]
     osd0 = cache.tree(optim_files[0]).get(OSD) or {}
     if ckpt.zero_stage == 3:
@@ -110,12 +112,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
     else:
         sub_to_group = list(range(len(flat_order)))
         sub_group_size = None
-    # ZeRO-3's ds_id: a param's position among the module's own params (tied aliases and buffers
-    # left out), the order DeepSpeed partitions them in (stage3.py:1174).
-    module = ms0.get("module") or {}
-    buffers = set(ms0.get("buffer_names") or ())
-    tied = set((ms0.get("shared_params") or {}).keys())
-    ds_ids = tuple((n, i) for i, n in enumerate(n for n in module if n not in buffers and n not in tied))
+    ds_ids = tuple(zero3_ds_ids(ms0).items())
     return SourceFacts(
         group_flat_order=flat_order,
         subgroup_to_group=tuple(sub_to_group),
@@ -149,6 +146,30 @@ def non_element_states(ckpt: LogicalCheckpoint, state: Mapping[Any, Any]) -> lis
     return out
 
 
+def _universal_facts(ckpt: LogicalCheckpoint, zcfg: Mapping[str, Any], cache: Any) -> SourceFacts:
+    """The layout facts of a universal folder (``ds_to_universal``'s output): flat order and stage-3 sub-groups from
+    the model-states files it copied, their optimizer param groups from ``zero/optimizer_state.pt``."""
+    from ..layout import UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
+    from .plan import source_model_files
+
+    ms0 = cache.tree(source_model_files(ckpt)[0])
+    opt = cache.tree(ckpt.tag_dir / UNIVERSAL_DIR / UNIVERSAL_OPTIMIZER_STATE)
+    flat_order = tuple(tuple(str(n) for n in shapes) for shapes in ms0.get("param_shapes") or [])
+    sub_to_group = list(range(len(flat_order)))
+    if ckpt.zero_stage == 3:
+        for g, pg in enumerate(opt.get("param_groups") or []):
+            for sg in pg.get("params", []) if isinstance(pg, Mapping) else []:
+                if isinstance(sg, int) and 0 <= sg < len(sub_to_group):
+                    sub_to_group[sg] = g
+    ds_ids = tuple(zero3_ds_ids(ms0).items())
+    return SourceFacts(
+        group_flat_order=flat_order, subgroup_to_group=tuple(sub_to_group),
+        round_robin=bool(zcfg.get("round_robin_gradients", False)),
+        parameter_alignment=bool(zcfg.get("parameter_alignment", False)),
+        sub_group_size=int(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)) if ckpt.zero_stage == 3 else None,
+        param_ds_ids=ds_ids)
+
+
 def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     problems = []
     if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
@@ -158,9 +179,10 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {ckpt.zero_stage}")
-    if ckpt.layout.startswith("universal"):
-        problems.append("a DeepSpeed universal checkpoint, which DeepSpeed loads on any rank count with "
-                        "load_universal; it is read (info, to-fp32, scan), not rewritten")
+    if ckpt.layout.startswith("universal") and (ckpt.tensor_parallel is not None or ckpt.autoep is not None):
+        problems.append("a DeepSpeed universal checkpoint of a tensor-parallel or AutoEP run, which is written as "
+                        "ZeRO files for data-parallel runs only; DeepSpeed loads it on any rank count with "
+                        "load_universal")
     return problems
 
 

@@ -82,6 +82,7 @@ class GroupPartition:
     slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
     ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
     partition_count: int | None = None  # MoE expert group: the expert-data-parallel size (else the world size)
+    swapped: bool = False  # stage 3, NVMe optimizer offload: in offloaded_tensors/ swap files (dsckpt.nvme_swap)
 
     @property
     def state_specs(self) -> dict[str, FlatSpec]:

@@ -75,6 +75,12 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
         for role, a, b, what in [*_copies_to_compare(e, n),
                                  *((r, e.padding_piece(r, 0, k), n.padding_piece(r, 0, k), f"{k or r.value} padding rows")
                                    for r, k in dict.fromkeys((p.role, p.state_key) for p in e.padding) if padding)]:
+            if role is Role.MASTER and (a is None) != (b is None) and e.trainable:
+                # a stage-0 fp32 save keeps no master: its module weights are the master
+                side = e if a is None else n
+                module = side.piece(Role.MODULE)
+                module = module if module is not None and module.dtype == "float32" else None
+                a, b = (module, b) if a is None else (a, module)
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
                     problems.append(f"'{name}' lost its {what} copy")

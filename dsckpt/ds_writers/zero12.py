@@ -177,9 +177,19 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
-    assert plan.from_stage == 3, "stage-0 sources are refused before planning"
+    if plan.from_stage == 0:  # the full module is there already (16-bit, or fp32 = the master)
+        from .common import zero_keys_from_stage0
+
+        tree = dict(cache.tree(plan.source_model_files[0]))
+        zero_keys_from_stage0(tree, ckpt)
+        tree["dp_world_size"] = plan.world_size
+        tree["param_shapes"] = shapes_tree(plan)
+        _set_frozen(tree, plan, ckpt, dict(tree["module"]))
+        tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
+        return name, tree
+    assert plan.from_stage == 3
     src = dict(cache.tree(plan.source_model_files[0]))  # source rank 0: its buffers and shared_params
-    module = _full_module(ckpt, src["module"], cache)
+    module = full_module(ckpt, src["module"], cache)
     tree = dict(src)
     tree["module"] = module
     tree["param_shapes"] = shapes_tree(plan)
@@ -203,7 +213,7 @@ def _set_frozen(tree: dict[str, Any], plan: LayoutPlan, ckpt: LogicalCheckpoint,
         tree["frozen_param_fragments"] = None
 
 
-def _full_module(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: Any) -> OrderedDict[str, Any]:
+def full_module(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: Any) -> OrderedDict[str, Any]:
     """The full module state dict from a ZeRO-3 source, in the source's key order: buffers as stored
     on rank 0, frozen params from their 16-bit partitions, trainable params from the fp32 master
     (cast to the module dtype; only that needs torch), tied aliases sharing their source's tensor."""

@@ -12,10 +12,13 @@ params (``frozen_param_fragments``); ``shared_params`` is filled on rank 0 only 
 
 from __future__ import annotations
 
+import functools
+
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .. import nvme_swap
 from ..errors import CorruptCheckpointError
 from ..model import Kind, LogicalCheckpoint, Role
 from ..partition import zero3_partition_numel, zero3_sub_groups
@@ -40,7 +43,7 @@ from .plan import (
     range_copies,
 )
 
-__all__ = ["plan_zero3", "zero3_model_tree", "zero3_optim_tree"]
+__all__ = ["plan_zero3", "zero3_model_tree", "zero3_optim_tree", "zero3_swap_jobs"]
 
 
 def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequence[str]], *,
@@ -75,6 +78,8 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
         for idx in zero3_sub_groups([ents0[n].numel for n in group_names], count, sub_group_size):
             target_subgroups.append([group_names[i] for i in idx])
             sub_to_group.append(g)
+    # NVMe optimizer offload: a sub-group whose per-rank partition DeepSpeed swaps lives in swap files
+    nvme = ckpt.ds_config if nvme_swap.nvme_optimizer(ckpt.ds_config) else None
     ranks = []
     for r in range(world):
         groups = []
@@ -95,6 +100,7 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
                 group=t, partition_numel=offset, padding_numel=0,
                 master=copies.master_spec(offset), states=copies.state_specs(offset),
                 ds_id=ds_id,
+                swapped=nvme is not None and ds_id is not None and nvme_swap.swappable(offset, nvme),
             ))
         frozen = []
         for e in ckpt.entries:
@@ -110,6 +116,11 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
     shapes = tuple(tuple((n, entries_of(sub_to_group[t], 0)[1][n].shape) for n in names)
                    for t, names in enumerate(target_subgroups))
     notes = list(common.get("notes", ()))
+    if nvme is not None:
+        swapped = sum(g.swapped for g in ranks[0].groups)
+        notes.append(f"NVMe optimizer offload: {swapped} of {len(target_subgroups)} sub-groups per rank are swapped "
+                     f"at {world} ranks (>= 1 MiB of fp32 each); their masters and optimizer state go to "
+                     f"{nvme_swap.OFFLOAD_DIR}/rankNN/, the rest into the optimizer files")
     if len(target_subgroups) != source_subgroups:
         notes.append(f"ZeRO-3 sub-groups re-formed for {world} ranks: {source_subgroups} -> "
                      f"{len(target_subgroups)} (sub_group_size counts per-rank partition sizes)")
@@ -132,6 +143,10 @@ def zero3_model_tree(plan: LayoutPlan, r: RankPlan, ckpt: LogicalCheckpoint, src
     tree = dict(src_models[source_rank])
     if r.rank > 0 and source_rank == 0:
         tree["shared_params"] = {}  # DeepSpeed computes shared_params on rank 0 only (engine.py:5490-5528)
+    if plan.from_stage == 0:
+        from .common import zero_keys_from_stage0
+
+        zero_keys_from_stage0(tree, ckpt, r.rank)
     if plan.from_stage != 3:
         _partitioned_module(tree, ckpt)
         tree["ds_config"] = target_ds_config(tree.get("ds_config"), 3, plan.sub_group_size)
@@ -174,16 +189,40 @@ def zero3_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sca
     state: dict[Any, Any] = {}
     for g in r.groups:
         owner = plan.subgroup_to_group[g.group]
-        state[g.group] = group_state_tree(states[owner] if owner < len(states) else {}, g.state_specs, cache)
+        state[g.group] = group_state_tree(states[owner] if owner < len(states) else {}, g.state_specs, cache,
+                                          functools.partial(_saved, g, cache=cache))
     param_groups = []
     for gi, pg in enumerate(inner0["param_groups"]):
         param_groups.append({**pg, "params": [t for t, owner in enumerate(plan.subgroup_to_group) if owner == gi]})
     osd = dict(osd0)
     osd["partition_count"] = plan.world_size
     osd[OSD] = {**inner0, "state": state, "param_groups": param_groups}
-    osd["fp32_flat_groups"] = [streamed(g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
+    osd["fp32_flat_groups"] = [_saved(g, g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
                                for g in r.groups]
     return {**src0, OSD: osd}
+
+
+def _saved(g: GroupPartition, spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
+    """What the optimizer file holds of one flat tensor: the tensor, or for a sub-group swapped to NVMe the
+    empty tensor DeepSpeed saves there (its data is in the swap files, :func:`zero3_swap_jobs`)."""
+    return streamed(FlatSpec(0, spec.dtype, ()) if g.swapped else spec, cache, attrs)
+
+
+def zero3_swap_jobs(plan: LayoutPlan, r: RankPlan, ds_config: Mapping[str, Any] | None,
+                    cache: Any) -> list[tuple[str, Any]]:
+    """``(path relative to the tag folder, raw tensor)`` of rank ``r``'s NVMe swap files: the master and each
+    optimizer state tensor of every swapped sub-group, padded to DeepSpeed's I/O alignment with zeros."""
+    folder = f"{nvme_swap.OFFLOAD_DIR}/{nvme_swap.rank_dir(r.rank)}"
+    jobs: list[tuple[str, Any]] = []
+    for g in r.groups:
+        if not g.swapped:
+            continue
+        assert g.ds_id is not None
+        for name, spec in ((nvme_swap.master_file(g.ds_id), g.master),
+                           *((nvme_swap.state_file(k, g.ds_id), st) for k, st in g.states)):
+            padded = FlatSpec(nvme_swap.aligned_numel(spec.numel, ds_config), spec.dtype, spec.copies)
+            jobs.append((f"{folder}/{name}", streamed(padded, cache)))
+    return jobs
 
 
 def _template(plan: LayoutPlan, s: OptimizerScalars) -> dict[str, Any]:

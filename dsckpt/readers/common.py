@@ -12,6 +12,7 @@ from .. import crc, parsed_tree, safe_load
 from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
 from ..model import Fragment, Kind, OptimizerGroup, Piece, Precision, Role, TensorEntry
+from ..nvme_swap import SWAP_SUFFIX
 from ..stand_ins import DeepSpeedObject
 from ..tensor_ref import TensorRef
 from ..validate import validate_tree
@@ -34,6 +35,9 @@ class FileCache:
 
     def tree(self, path: Path) -> Any:
         if path not in self._trees:
+            if path.name.endswith(SWAP_SUFFIX):  # NVMe swap file: raw fp32 bytes (dsckpt.nvme_swap)
+                self._trees[path], self.infos[path] = safe_load.load_raw(path, "float32")
+                return self._trees[path]
             obj, self.infos[path] = safe_load.load_with_info(path)
             # A bare tensor is a whole file only in universal checkpoints (ds_to_universal's ZeRO-3
             # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is ().

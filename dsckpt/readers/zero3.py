@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import nvme_swap
 from ..errors import CorruptCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
@@ -22,6 +23,7 @@ from .common import (
     FileCache,
     alias_entry,
     buffer_entries,
+    lookup,
     metadata_from_model_states,
     optimizer_groups,
     optimizer_type,
@@ -72,6 +74,7 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     state_keys = sorted((inner.get("state") or {}).keys())
 
     sub_states = zero3_state_keys(optim_paths, osds, state_keys)
+    where = _subgroup_sources(files, ms0, param_shapes, optim_paths, osds, state_keys, sub_states, world, cache)
     entries: dict[str, TensorEntry] = {}
     for s, shapes in enumerate(param_shapes):
         offset = 0
@@ -80,25 +83,21 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             numel = _numel(shape)
             spans = zero3_spans(numel, world, offset)
             pieces = [Piece(Role.MASTER, "float32", tuple(
-                Fragment(optim_paths[sp.rank], (OSD, "fp32_flat_groups", s), sp.src_offset, sp.numel,
-                         sp.dst_offset, sp.rank) for sp in spans))]
+                Fragment(*where[(sp.rank, s, None)], sp.src_offset, sp.numel, sp.dst_offset, sp.rank)
+                for sp in spans))]
             if s < len(state_keys):
                 for sk, dtype in sub_states[s].items():
                     pieces.append(Piece(Role.OPTIM_STATE, dtype, tuple(
-                        Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], sk),
-                                 sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans), state_key=sk))
+                        Fragment(*where[(sp.rank, s, sk)], sp.src_offset, sp.numel, sp.dst_offset, sp.rank)
+                        for sp in spans), state_key=sk))
             entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=s)
             offset += zero3_partition_numel(numel, world)
-        for rank, osd in enumerate(osds):
-            stored = osd["fp32_flat_groups"][s]
-            if isinstance(stored, TensorRef) and stored.numel == 0 and offset:
-                raise CorruptCheckpointError(
-                    f"{optim_paths[rank]}: fp32 sub-group {s} is empty; it was swapped to NVMe "
-                    "(offloaded_tensors/), which dsckpt does not read yet"
-                )
+        for rank in range(world):
+            path, key = where[(rank, s, None)]
+            stored = cache.tensor(path, key) if key == () else lookup(cache.tree(path), key, path)
             if not isinstance(stored, TensorRef) or stored.numel < offset:
                 raise CorruptCheckpointError(
-                    f"{optim_paths[rank]}: fp32 sub-group {s} holds "
+                    f"{path}: fp32 sub-group {s} holds "
                     f"{stored.numel if isinstance(stored, TensorRef) else 0} elements, 'param_shapes' "
                     f"needs {offset}"
                 )
@@ -132,9 +131,15 @@ def zero3_state_keys(optim_paths: list[Path], osds: list[Any], state_keys: list[
     out = []
     for s, key in enumerate(state_keys):
         found: dict[str, str] | None = None
+        swapped_keys: dict[str, str] = {}
         for path, osd in zip(optim_paths, osds):
             flat = osd["fp32_flat_groups"][s] if s < len(osd["fp32_flat_groups"]) else None
             st = ((osd.get(OSD) or {}).get("state") or {}).get(key)
+            if isinstance(flat, TensorRef) and flat.numel == 0 and isinstance(st, Mapping):
+                # swapped to NVMe: master and states saved as empty tensors, the values are in the swap files
+                swapped_keys = {str(k): "float32" for k, v in st.items()
+                                if isinstance(v, TensorRef) and len(v.shape) == 1 and v.numel == 0}
+                continue
             got = per_element_keys(st, flat.numel if isinstance(flat, TensorRef) else 0)
             if found is None:
                 found = got
@@ -142,8 +147,60 @@ def zero3_state_keys(optim_paths: list[Path], osds: list[Any], state_keys: list[
                 raise CorruptCheckpointError(
                     f"{path}: sub-group {s}'s per-element optimizer states are {sorted(got)}, rank 0's "
                     f"{sorted(found)}; the optimizer files come from different runs")
-        out.append(found or {})
+        out.append(found if found is not None else swapped_keys)
     return out
+
+
+def zero3_ds_ids(ms0: Mapping[str, Any]) -> dict[str, int]:
+    """ZeRO-3's ``ds_id`` of every param: its position among the module's own params (tied aliases and
+    buffers left out), the order DeepSpeed partitions them in (stage3.py:1174)."""
+    module = ms0.get("module") or {}
+    buffers = set(ms0.get("buffer_names") or ())
+    tied = set((ms0.get("shared_params") or {}).keys())
+    return {n: i for i, n in enumerate(n for n in module if n not in buffers and n not in tied)}
+
+
+def _subgroup_sources(files: CheckpointFiles, ms0: Mapping[str, Any], param_shapes: list[Any],
+                      optim_paths: list[Path], osds: list[Any], state_keys: list[Any],
+                      sub_states: list[dict[str, str]], world: int,
+                      cache: FileCache) -> dict[tuple[int, int, str | None], tuple[Path, tuple[Any, ...]]]:
+    """``(rank, sub-group, state key or None for the master) -> (file, key path)`` of every flat partition.
+
+    A sub-group saved empty was swapped to NVMe: it is read from the copy of the rank's swap folder that
+    ``save_checkpoint`` put in ``offloaded_tensors/rank{NN}/`` (:mod:`dsckpt.nvme_swap`)."""
+    where: dict[tuple[int, int, str | None], tuple[Path, tuple[Any, ...]]] = {}
+    ds_ids: dict[str, int] | None = None
+    missing: list[str] = []
+    for s, shapes in enumerate(param_shapes):
+        names = list(shapes)
+        for rank, osd in enumerate(osds):
+            stored = osd["fp32_flat_groups"][s]
+            keys = list(sub_states[s]) if s < len(sub_states) else []
+            swapped = isinstance(stored, TensorRef) and stored.numel == 0 and bool(names) and any(
+                _numel(_shape(shp)) for shp in shapes.values())
+            if not swapped:
+                where[(rank, s, None)] = (optim_paths[rank], (OSD, "fp32_flat_groups", s))
+                if s < len(state_keys):
+                    for k in keys:
+                        where[(rank, s, k)] = (optim_paths[rank], (OSD, OSD, "state", state_keys[s], k))
+                continue
+            if ds_ids is None:
+                ds_ids = zero3_ds_ids(ms0)
+            if names[0] not in ds_ids or names[-1] not in ds_ids:
+                raise CorruptCheckpointError(f"{optim_paths[rank]}: fp32 sub-group {s} was swapped to NVMe, and "
+                                             f"its params {names[0]!r}..{names[-1]!r} are not in the module")
+            sid = nvme_swap.swap_id(ds_ids[names[0]], ds_ids[names[-1]])
+            folder = files.tag_dir / nvme_swap.OFFLOAD_DIR / nvme_swap.rank_dir(rank)
+            where[(rank, s, None)] = (folder / nvme_swap.master_file(sid), ())
+            for k in keys:
+                where[(rank, s, k)] = (folder / nvme_swap.state_file(k, sid), ())
+            missing += [str(p) for p, _ in (where[(rank, s, k)] for k in (None, *keys)) if not p.is_file()]
+    if missing:
+        raise CorruptCheckpointError(
+            f"'{files.tag_dir}': fp32 sub-groups were swapped to NVMe (their optimizer-file tensors are empty), but "
+            f"{len(missing)} swap file(s) are missing: {', '.join(missing[:3])}"
+            + (" ..." if len(missing) > 3 else "") + "; copy the save's offloaded_tensors/ folder along with it")
+    return where
 
 
 def zero3_optimizer_groups(inner: Mapping[str, Any], param_shapes: list[Any]) -> tuple[OptimizerGroup, ...]:
