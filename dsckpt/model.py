@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
-    from .parallel_layout import AutoEpLayout, MoeLayout, TpLayout
+    from .parallel_layout import AutoEpLayout, MoeLayout, PipelineRecord, TpLayout
 
 __all__ = [
     "Fragment",
@@ -262,6 +262,7 @@ class LogicalCheckpoint:
     # 'module'; ZeRO-3 keeps an empty placeholder, so there it has no entry)
     excluded_ties: tuple[tuple[str, str], ...] = ()
     autoep: AutoEpLayout | None = None  # DeepSpeed AutoEP (HF MoE models) only: how the experts are cut
+    pipeline: PipelineRecord | None = None  # pipeline checkpoints only: layer files and each stage's params
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)
