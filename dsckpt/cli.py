@@ -830,6 +830,9 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                f"{len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
+    if plan.stages is not None and plan.stages.target is not None:
+        click.echo(f"resume with: PipelineModule(..., num_stages={plan.pp_size}, partition_method="
+                   f"'{plan.stages.target.method}') on {plan.total_world_size} ranks")
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))

@@ -201,3 +201,56 @@ def test_cli_pipeline_reshard(tmp_path):
     r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "4"])
     assert r.exit_code == 0, r.output
     assert "from 2 to 4 ranks (PP 2 x DP 1 -> PP 2 x DP 2)" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- live: real loads
+
+def _tamper(out: Path) -> str:
+    """One fp32 master element of stage 1's first rank changed; returns the param it belongs to."""
+    (f,) = (out / "global_step3").glob("zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    sd = torch.load(f, weights_only=False)
+    sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
+    torch.save(sd, f)
+    return next(iter(torch.load(out / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
+                     ["param_shapes"][0]))
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
+    """One 4-rank launch: DeepSpeed's PipelineEngine loads with plain load_checkpoint() what reshard wrote for
+    2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
+    BF16_Optimizer): masters, moments, steps, global steps bit for bit, and one more train_batch runs. A tampered
+    control fails. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
+    import subprocess
+    import sys
+
+    from ds_launch import DEEPSPEED, passed_except_controls, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    cases = [("pp2_dp2_fp32", 4, {"pp_size": 4, **UNIFORM}), ("pp2_dp2_fp32", 1, {"pp_size": 1, **UNIFORM}),
+             ("pp2_fp32", 2, {}), ("pp2_dp2_bf16", 4, {"pp_size": 4, **UNIFORM}),
+             ("pp2_dp2_bf16_z0", 1, {"pp_size": 1, **UNIFORM})]
+    known = {f.name for f in PIPELINE}
+    pairs = []
+    for name, pp, kw in cases:
+        if name in known:
+            out = tmp_path / f"{name}_pp{pp}"
+            _reshard(_fixture(name).ckpt, out, 4, **kw)
+            pairs.append(f"{name}@pp{pp}={out}")
+    _reshard(_fixture("pp2_dp2_fp32").ckpt, tmp_path / "tampered", 4, pp_size=4, **UNIFORM)
+    tampered = _tamper(tmp_path / "tampered")
+    pairs.append(f"pp2_dp2_fp32@pp4={tmp_path / 'tampered'}")
+    src = _fixture("pp2_dp2_fp32").ckpt
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        str(src / "global_step3"), "--output_folder", str(tmp_path / "ds_univ" / "global_step3"),
+                        "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True,
+                       env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"}, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (tmp_path / "ds_univ" / "latest_universal").write_text("global_step3")
+    pairs.append(f"pp2_dp2_fp32@pp4@universal={tmp_path / 'ds_univ'}")
+    rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
+    results, controls = passed_except_controls(results, log)
+    assert len(results) == len(pairs) - 1 and rc == 1, log
+    assert len(controls) == 1 and f"param of {tampered} differs" in str(controls[0]["problems"]), controls
