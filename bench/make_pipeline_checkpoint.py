@@ -21,16 +21,16 @@ p.add_argument("--out", required=True)
 p.add_argument("--hidden", type=int, default=256)
 p.add_argument("--layers", type=int, default=6)
 p.add_argument("--stages", type=int, default=2)
-p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))
 args = p.parse_args()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
-from ds_launch import gloo_only  # noqa: E402
+import deepspeed
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule
+from ds_launch import gloo_only
 
 gloo_only()
 deepspeed.init_distributed("gloo")

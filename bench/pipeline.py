@@ -5,7 +5,8 @@ loads at any stage count) and against ``cp -r`` of the same files (the floor: ev
     python bench/pipeline.py --ckpt bench/out/pp2 --rounds 1 --json bench/out/pipeline.json
 
 Each case runs once per round with the page cache warm (the input is read once before), its output removed after
-it; wall time and peak RSS come from bench/run.py's ``measure``. dsckpt runs with its default ``--verify quick``
+it; wall time and peak RSS come from bench/run.py's ``measure``. ``ds_to_universal`` needs ``--inject_missing_state``
+on a plain PipelineModule run (it refuses one without Megatron's ``universal_checkpoint_info``). dsckpt runs with its default ``--verify quick``
 and fsync; ``cp -r`` and ds_to_universal are followed by ``sync`` inside the timing, so all three reach the disk.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import measure  # noqa: E402
+from run import measure
 
 
 def _warm(path: Path) -> int:
@@ -45,6 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     tag = (args.ckpt / "latest").read_text().strip()
     nbytes = _warm(args.ckpt)
+    print(f"input {args.ckpt}: {nbytes / 1e9:.2f} GB warm in the page cache", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="dsckpt-pp-bench-", dir=args.ckpt.parent))
     py = sys.executable
     env = {"PYTHONPATH": str(HERE.parent), "DS_ACCELERATOR": "cpu"}
@@ -55,7 +57,7 @@ def main() -> None:
         f"ds_to_universal (workers {args.ds_workers})": (
             ["sh", "-c", f'"{py}" -m deepspeed.checkpoint.ds_to_universal --input_folder "{args.ckpt / tag}" '
                          f'--output_folder "{tmp / "univ"}" --num_extract_workers {args.ds_workers} '
-                         f'--num_merge_workers {args.ds_workers} >/dev/null && sync'], tmp / "univ"),
+                         f'--num_merge_workers {args.ds_workers} --inject_missing_state >/dev/null && sync'], tmp / "univ"),
         "cp -r": (["sh", "-c", f'cp -r "{args.ckpt}" "{tmp / "copy"}" && sync'], tmp / "copy"),
     }
     results: dict[str, list[tuple[float, int]]] = {k: [] for k in cases}
@@ -65,6 +67,8 @@ def main() -> None:
             s = measure(cmd, env)
             outputs[name] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
             results[name].append((s.wall_s, s.maxrss_bytes))
+            print(f"  {name}: {s.wall_s:.1f} s, peak RSS {s.maxrss_bytes / 2**30:.2f} GiB, output "
+                  f"{outputs[name] / 1e9:.2f} GB", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     rows = []

@@ -52,7 +52,7 @@ from .ds_writers.readback import compare_checkpoints, verify_written
 from .ds_writers.universal import UniversalPlan
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import LogicalCheckpoint
+from .model import Kind, LogicalCheckpoint
 
 __all__ = [
     "ReshardPlan",
@@ -557,6 +557,11 @@ def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) 
             f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
             f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
             f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
+    if src.pipeline is not None:  # ds_to_universal keeps a pipeline run's trainable params only (no layer files)
+        import dataclasses
+
+        src = dataclasses.replace(src, entries=tuple(e for e in src.entries if e.kind is Kind.PARAM and e.trainable
+                                                     and e.tied_to is None))
     # ds_to_universal cuts vocabulary padding rows: no padding values to compare
     checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL, padding=False)
     new_cache.finish_checks()

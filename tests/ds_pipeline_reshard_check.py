@@ -25,20 +25,20 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 sys.path.insert(0, HERE)
-import fixture_models as fm  # noqa: E402
-from ds_launch import gloo_only, report_checks  # noqa: E402
+import fixture_models as fm
+from ds_launch import gloo_only, report_checks
 
 p = argparse.ArgumentParser()
 p.add_argument("--result", default=None)
-p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))
 p.add_argument("pairs", nargs="+")
 args = p.parse_args()
 
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from deepspeed.pipe import PipelineModule  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import deepspeed
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from safetensors.torch import load_file
 
 gloo_only()
 deepspeed.init_distributed("gloo")
@@ -49,7 +49,8 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     pp = int(next(o[2:] for o in opts if o.startswith("pp")))
     universal = "universal" in opts
     spec = fm.FIXTURES[name]
-    meta = json.load(open(os.path.join(HERE, "fixtures", name, "truth.json")))
+    with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
+        meta = json.load(fh)
     truth = load_file(os.path.join(HERE, "fixtures", name, "truth.safetensors"))
     cfg = fm.ds_config(spec)
     cfg.pop("train_batch_size", None)

@@ -203,6 +203,37 @@ def test_cli_pipeline_reshard(tmp_path):
     assert "from 2 to 4 ranks (PP 2 x DP 1 -> PP 2 x DP 2)" in r.stdout
 
 
+UNIVERSAL = [f for f in PIPELINE if (f.dir / "universal.json").exists()]
+
+
+@pytest.mark.parametrize("fx", UNIVERSAL, ids=ids(UNIVERSAL))
+def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
+    """``reshard --universal`` of a pipeline run writes what DeepSpeed's ``ds_to_universal --inject_missing_state``
+    wrote for it (recorded by tests/fixtures/record_pipeline_universal.py): the same files, and in every
+    ``zero/<param>/<state>.pt`` the same keys and the same values bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dsckpt.cli import main as cli
+
+    rec = json.loads((fx.dir / "universal.json").read_text())
+    assert rec["rc"] == 0, rec
+    r = CliRunner().invoke(cli, ["reshard", str(fx.ckpt), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "u" / f"{fx.meta['tag']}_universal"
+    written = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert written == rec["files"]
+    want = load_file(str(fx.dir / "universal_truth.safetensors"))
+    for key, t in want.items():
+        state, param = key.split("/", 1)
+        got = torch.load(folder / "zero" / param / f"{state}.pt", weights_only=False)
+        assert {k: repr(v) for k, v in got.items() if k != "param"} == rec["extra_keys"][key], key
+        assert got["param"].dtype == t.dtype and torch.equal(got["param"], t), key
+    for param, step in rec["step"].items():
+        assert float(torch.load(folder / "zero" / param / "step.pt", weights_only=False)) == step
+
+
 # ---------------------------------------------------------------------------------------------- live: real loads
 
 def _tamper(out: Path) -> str:
