@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # issue 32's pipeline benchmark (bench/pipeline.py) on a lent host, in one device call. From /work/main:
-#   git -C WORKTREE archive HEAD | tar -x -C .gpu/pipeline/src ; carry [".gpu/pipeline", ".whl"]
+#   git -C WORKTREE archive HEAD | tar -x -C .gpu/pipeline/src ; click and safetensors wheels in .gpu/pipeline/wheels
+#   (the host has torch, not them); carry [".gpu/pipeline", ".whl"]
 #   bash .gpu/pipeline/src/bench/pipeline_gpu.sh        (HIDDEN=8192 LAYERS=15: 1.007B params)
 set -euo pipefail
 ROOT=$(pwd)
@@ -8,7 +9,8 @@ SRC=${SRC:-$ROOT/.gpu/pipeline/src}
 OUTDIR=${OUT:-$ROOT/bench-out}
 WORK=${WORK:-/tmp/ppbench}
 mkdir -p "$OUTDIR" "$WORK"
-python3 -m pip install -q --no-deps --no-index "$ROOT"/.whl/*.whl 2>&1 | tail -2 || true
+python3 -m pip install -q --no-deps --no-index "$ROOT"/.whl/*.whl "$ROOT"/.gpu/pipeline/wheels/*.whl 2>&1 | tail -2 || true
+python3 -c "import torch, deepspeed, click, safetensors; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 nproc; free -g | head -2; df -h "$WORK" | tail -1
 cd "$SRC"
 t0=$(date +%s)
