@@ -131,10 +131,11 @@ def _check_truth(fx, out: Path, pp: int, dp: int):
 
     checked = 0
     for e in new.entries:
-        for role, key in ((Role.MASTER, "param"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq")):
-            if f"{key}/{e.name}" not in truth or e.piece(role) is None or not e.trainable:
+        for key, piece in (("param", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+                           ("exp_avg_sq", e.state_piece("exp_avg_sq"))):
+            if f"{key}/{e.name}" not in truth or piece is None or not e.trainable:
                 continue
-            got = read_piece(e.piece(role), e.shape, cache, name=e.name)
+            got = read_piece(piece, e.shape, cache, name=e.name)
             want = truth[f"{key}/{e.name}"]
             assert torch.equal(got, want.to(got.dtype)) and want.dtype == torch.float32, (e.name, role)
             checked += 1

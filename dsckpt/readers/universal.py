@@ -293,7 +293,7 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
                 numel = math.prod(shape)
                 pdir = _param_dir(tag_dir, name)
                 pieces = []
-                for role, fname in STATE_FILES.items():
+                for role, state_key, fname in STATE_FILES:
                     path = pdir / fname
                     if not path.is_file():
                         missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
@@ -303,7 +303,7 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
                         raise CorruptCheckpointError(
                             f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} "
                             f"needs float32[{numel}]; the file is damaged or belongs to another model")
-                    pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),)))
+                    pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key))
                     state_files.append(path)
                 step_path = pdir / STEP_FILE
                 if step_path.is_file():
