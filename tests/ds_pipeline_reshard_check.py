@@ -65,6 +65,12 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     if load_path is None:
         return [f"load_checkpoint({ckpt_dir}) found nothing to load"]
     stage = engine.grid.get_stage_id()
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # DeepSpeed links the optimizer-state fragments of the fragment API lazily at the first step (the fixture
+        # generator and tests/ds_reshard_check.py do the same): before it, safe_get_full_optimizer_state fails
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
     checked = 0
     for n, q in engine.module.named_parameters():
         if q.requires_grad:

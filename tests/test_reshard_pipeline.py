@@ -275,7 +275,8 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     src = _fixture("pp2_dp2_fp32").ckpt
     r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                         str(src / "global_step3"), "--output_folder", str(tmp_path / "ds_univ" / "global_step3"),
-                        "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True,
+                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                       capture_output=True, text=True,
                        env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"}, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     (tmp_path / "ds_univ" / "latest_universal").write_text("global_step3")
