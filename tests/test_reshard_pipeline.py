@@ -137,7 +137,7 @@ def _check_truth(fx, out: Path, pp: int, dp: int):
                 continue
             got = read_piece(piece, e.shape, cache, name=e.name)
             want = truth[f"{key}/{e.name}"]
-            assert torch.equal(got, want.to(got.dtype)) and want.dtype == torch.float32, (e.name, role)
+            assert torch.equal(got, want.to(got.dtype)) and want.dtype == torch.float32, (e.name, key)
             checked += 1
     assert checked == 3 * len(fx.meta["trainable"])
     return new
