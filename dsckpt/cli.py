@@ -704,12 +704,22 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--world-size", "-n", "world_size", type=click.IntRange(min=1), default=None,
               help="Number of ranks the checkpoint will be resumed on (required unless --universal); with tensor "
-                   "parallelism, TP size x data-parallel size.")
+                   "or pipeline parallelism, TP size x pipeline stages x data-parallel size.")
 @click.option("--tp-size", "tp_size", type=click.IntRange(min=1), default=None,
               help="Tensor-parallel size of the resumed run (default: the input's).")
 @click.option("--ep-size", "ep_size", type=click.IntRange(min=1), default=None,
               help="Expert-parallel size (autoep_size) of the resumed run, for DeepSpeed AutoEP checkpoints "
                    "(default: the input's).")
+@click.option("--pp-size", "pp_size", type=click.IntRange(min=1), default=None,
+              help="Pipeline stages (PipelineModule num_stages) of the resumed run (default: the input's).")
+@click.option("--partition-method", "partition_method", default=None, metavar="METHOD",
+              help="PipelineModule partition_method the resumed run uses: parameters (DeepSpeed's default), "
+                   "uniform or type:REGEX. Gives the new stage boundaries; the input's are checked against it.")
+@click.option("--num-layers", "num_layers", type=click.IntRange(min=1), default=None,
+              help="Entries in the PipelineModule's layer list, where layers past the last layer_XX file "
+                   "(functions, tied uses with a forward_fn) have no file (default: up to the last layer file).")
+@click.option("--layer-types", "layer_types", default=None, metavar="NAME,...",
+              help="The PipelineModule layers' class names in order, for --partition-method type:REGEX.")
 @tag_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
                                              "(1 if there is work).")
@@ -742,7 +752,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
 def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_run: bool, force: bool, verify: str,
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
             sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
-            ep_size: int | None, distributed: bool) -> None:
+            ep_size: int | None, pp_size: int | None, partition_method: str | None, num_layers: int | None,
+            layer_types: str | None, distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 0, 1, 2 and 3 from any of them).
 
@@ -774,10 +785,11 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     ckpt, _ = _run_folder(ckpt)
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None or tp_size is not None \
-                or ep_size is not None:
+                or ep_size is not None or pp_size is not None or partition_method is not None \
+                or num_layers is not None or layer_types is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
-                             "stage family; drop --world-size, --zero-stage, --sub-group-size, --tp-size and "
-                             "--ep-size")
+                             "stage family; drop --world-size, --zero-stage, --sub-group-size, --tp-size, "
+                             "--ep-size, --pp-size, --partition-method, --num-layers and --layer-types")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
                            quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
         return
@@ -787,7 +799,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
                         facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size,
-                        ep_size=ep_size)
+                        ep_size=ep_size, pp_size=pp_size, partition_method=partition_method, num_layers=num_layers,
+                        layer_types=layer_types.split(",") if layer_types else None)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -808,7 +821,10 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
-    if plan.tp_size > 1 or plan.source_tp_size > 1:
+    if plan.stages is not None:
+        stages = (f" (PP {plan.source_pp_size} x DP {plan.source_world_size} -> PP {plan.pp_size} x DP "
+                  f"{plan.world_size})") + stages
+    elif plan.tp_size > 1 or plan.source_tp_size > 1:
         stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
                   f"{plan.world_size})") + stages
     if plan.autoep is not None and logical.autoep is not None:
@@ -820,6 +836,9 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                f"wrote {len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
+    if plan.stages is not None and plan.stages.target is not None:
+        click.echo(f"resume with: PipelineModule(..., num_stages={plan.pp_size}, partition_method="
+                   f"'{plan.stages.target.method}') on {plan.total_world_size} ranks")
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .binding import Ambiguity
-    from .parallel_layout import AutoEpLayout, MoeLayout, TpLayout
+    from .parallel_layout import AutoEpLayout, MoeLayout, PipelineRecord, TpLayout
 
 __all__ = [
     "Fragment",
@@ -315,6 +315,7 @@ class LogicalCheckpoint:
     # 'module'; ZeRO-3 keeps an empty placeholder, so there it has no entry)
     excluded_ties: tuple[tuple[str, str], ...] = ()
     autoep: AutoEpLayout | None = None  # DeepSpeed AutoEP (HF MoE models) only: how the experts are cut
+    pipeline: PipelineRecord | None = None  # pipeline checkpoints only: layer files and each stage's params
     # The optimizer's param groups as saved (ZeRO-1/2/3, BF16_Optimizer and stage-0 readers; () elsewhere)
     optimizer_groups: tuple[OptimizerGroup, ...] = ()
     # The optimizer as ds_config names it ("AdamW", "SGD", "RMSprop" ...); None when the config names none (a

@@ -50,17 +50,21 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "EXPERT_NAME",
+    "PARTITION_METHODS",
     "AutoEpLayer",
     "AutoEpLayout",
     "MoeLayout",
     "ParallelLayout",
     "ParamCut",
+    "PipelineLayer",
+    "PipelineLayout",
+    "PipelineRecord",
     "RankCoordinate",
     "SplitKind",
     "TpBlock",
@@ -70,7 +74,10 @@ __all__ = [
     "global_expert_id",
     "global_expert_name",
     "local_expert_name",
+    "partition_balanced",
+    "partition_uniform",
     "stacked_expert_cut",
+    "stage_parts",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -424,3 +431,169 @@ def local_expert_name(global_name: str, cut: ParamCut) -> tuple[int, str]:
         raise ValueError(f"'{global_name}' is not an expert parameter name")
     r, local = expert_owner(cut, int(m["id"]))
     return r, f"{m['prefix']}{local}{m['rest']}"
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline stages: a cut of the layer list, so of the params (PipelineModule, DeepSpeed 0.19.8)
+
+PARTITION_METHODS = ("parameters", "uniform", "type:REGEX")
+
+
+def partition_uniform(num_items: int, num_parts: int) -> tuple[int, ...]:
+    """``deepspeed.runtime.utils.partition_uniform``: ``num_parts + 1`` boundaries; the first ``num_items %
+    num_parts`` parts get one item more."""
+    if num_items <= num_parts:
+        return tuple(min(p, num_items) for p in range(num_parts + 1))
+    chunk, residual = divmod(num_items, num_parts)
+    return tuple(p * chunk + min(p, residual) for p in range(num_parts + 1))
+
+
+def partition_balanced(weights: Sequence[int | float], num_parts: int) -> tuple[int, ...]:
+    """``deepspeed.runtime.utils.partition_balanced``: the linear partition that minimises the spread (max - min) of
+    the parts' weight sums, by the same dynamic programme -- float64 sums, ties going to the last split point
+    ``k`` tried (its ``>=``) -- so that equal costs pick the same boundaries DeepSpeed picks."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = math.inf
+    prefix = [0.0] * (n + 1)
+    for i, w in enumerate(weights):
+        prefix[i + 1] = prefix[i] + float(w)  # numpy.cumsum of the weights as float64
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    dp_max[0][0] = 0.0
+    dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                seg = prefix[i] - prefix[k]
+                max_sum = max(dp_max[k][j - 1], seg)
+                min_sum = min(dp_min[k][j - 1], seg)
+                cost = max_sum - min_sum
+                if dp_cost[i][j] >= cost:
+                    dp_cost[i][j] = cost
+                    dp_max[i][j] = max_sum
+                    dp_min[i][j] = min_sum
+                    position[i][j] = k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(position[parts[-1]][j])
+    return tuple(reversed(parts))
+
+
+def stage_parts(method: str, num_stages: int, trainable_numels: Sequence[int],
+                layer_types: Sequence[str | None] | None = None) -> tuple[int, ...]:
+    """The stage boundaries ``PipelineModule._partition_layers`` computes: stage ``s`` holds layers
+    ``[parts[s], parts[s + 1])``. ``trainable_numels``: per layer spec, the trainable elements DeepSpeed's
+    ``_count_layer_params`` counts (0 for functions; a ``TiedLayerSpec`` counts its module at every use).
+    ``layer_types``: per layer, the class (or function) name ``_find_layer_type`` matches, for ``type:REGEX``
+    (searched case-insensitively, as DeepSpeed's ``regex.IGNORECASE`` search does). Raises ``ValueError`` for an
+    unknown method or a ``type:`` pattern matching no layer."""
+    method = method.lower()
+    if num_stages < 1:
+        raise ValueError(f"the number of pipeline stages must be >= 1, got {num_stages}")
+    if method == "uniform":
+        return partition_uniform(len(trainable_numels), num_stages)
+    if method == "parameters":
+        return partition_balanced(list(trainable_numels), num_stages)
+    if method.startswith("type:"):
+        if layer_types is None:
+            raise ValueError(f"partition method '{method}' needs the layers' type names")
+        pattern = re.compile(method.split(":")[1], re.IGNORECASE)
+        binary = [1 if t is not None and pattern.search(t) else 0 for t in layer_types]
+        if not any(binary):
+            raise ValueError(f"partition method '{method}' matches none of the layer types")
+        return partition_balanced(binary, num_stages)
+    raise ValueError(f"partition method '{method}' is not one of DeepSpeed's: parameters, uniform, type:REGEX")
+
+
+@dataclass(frozen=True)
+class PipelineLayer:
+    """One entry of a ``PipelineModule``'s layer list as the checkpoint shows it: ``param_names`` are the params it
+    owns in ``PipelineModule.state_dict()`` names (``"{index}.{param}"``, or for a ``TiedLayerSpec`` use the tied
+    module's ``"tied_modules.{key}.{param}"``), ``trainable_numel`` what the ``parameters`` method counts for it,
+    ``tied_key`` the ``TiedLayerSpec`` key (None otherwise), ``has_file`` whether ``layer_{index:02d}-...`` exists
+    (functions and tied uses with a ``forward_fn`` have none)."""
+
+    index: int
+    param_names: tuple[str, ...]
+    trainable_numel: int
+    tied_key: str | None = None
+    has_file: bool = True
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The pipeline dimension: the layer list and its stage boundaries ``parts`` (``PipelineModule.parts``: stage
+    ``s`` holds layers ``[parts[s], parts[s + 1])``). A stage is a cut of the params: :meth:`stage_param_names` are
+    the params a stage's module holds, in the module's own order (its ``tied_modules`` first, in order of first use
+    on the stage, then the numbered layers in order) -- the order DeepSpeed's optimizer sees them in when the
+    optimizer is built from ``model.parameters()``. A tied module's params belong to every stage that uses it;
+    the first such stage is the one whose layer file holds its module copy. ``method``: the partition method the
+    boundaries were computed with (None: as found in the checkpoint)."""
+
+    layers: tuple[PipelineLayer, ...]
+    parts: tuple[int, ...]
+    method: str | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.parts) - 1
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def stage_of_layer(self, index: int) -> int:
+        for s in range(self.num_stages):
+            if self.parts[s] <= index < self.parts[s + 1]:
+                return s
+        raise ValueError(f"layer {index} lies outside the stage boundaries {list(self.parts)}")
+
+    def stage_layers(self, stage: int) -> tuple[PipelineLayer, ...]:
+        return self.layers[self.parts[stage]:self.parts[stage + 1]]
+
+    def stage_param_names(self, stage: int) -> tuple[str, ...]:
+        layers = self.stage_layers(stage)
+        tied: list[str] = []
+        seen: set[str] = set()
+        for layer in layers:
+            if layer.tied_key is not None and layer.tied_key not in seen:
+                seen.add(layer.tied_key)
+                tied.extend(layer.param_names)
+        own = [n for layer in layers if layer.tied_key is None for n in layer.param_names]
+        return (*tied, *own)
+
+    def stages_of(self, name: str) -> tuple[int, ...]:
+        """The stages holding param ``name`` (several for a tied module's param)."""
+        return tuple(s for s in range(self.num_stages) if name in self.stage_param_names(s))
+
+    def describe(self) -> str:
+        return ", ".join(f"stage {s}: layers {self.parts[s]}-{self.parts[s + 1] - 1}" if self.parts[s + 1] >
+                         self.parts[s] else f"stage {s}: no layers" for s in range(self.num_stages))
+
+
+@dataclass(frozen=True)
+class PipelineRecord:
+    """What a pipeline checkpoint's files say about its stages (read by ``readers/pipeline.py``), before any
+    partition method is assumed: the layers that have a ``layer_XX-...`` file, and per stage its
+    ``mp_rank_{s:02d}_model_states.pt`` and its optimizer param groups' trainable params in flat order
+    (``param_shapes``). ``tied``: per ``TiedLayerSpec`` key, its module's params and trainable elements. Layers
+    without a file (functions, tied uses with a ``forward_fn``) and the stage boundaries are not stored: a
+    partition method rebuilds them (:func:`dsckpt.pipeline_stages.plan_stages`)."""
+
+    layers: tuple[PipelineLayer, ...]
+    stage_group_orders: tuple[tuple[tuple[str, ...], ...], ...]
+    stage_model_files: tuple[Path, ...]
+    layer_files: tuple[Path, ...]
+    tied: tuple[tuple[str, tuple[str, ...], int], ...] = ()
+    stage_buffers: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_group_orders)
+
+    def stage_params(self, stage: int) -> tuple[str, ...]:
+        return tuple(n for g in self.stage_group_orders[stage] for n in g)

@@ -52,7 +52,7 @@ from .ds_writers.readback import compare_checkpoints, verify_written
 from .ds_writers.universal import UniversalPlan
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import LogicalCheckpoint, Precision
+from .model import Kind, LogicalCheckpoint, Precision
 
 __all__ = [
     "ReshardPlan",
@@ -99,12 +99,17 @@ class ReshardResult:
 
 def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | None = None,
                  sub_group_size: int | None = None, facts: SourceFacts | None = None,
-                 hf_files: bool = True, tp_size: int | None = None, ep_size: int | None = None) -> ReshardPlan:
+                 hf_files: bool = True, tp_size: int | None = None, ep_size: int | None = None,
+                 pp_size: int | None = None, partition_method: str | None = None, num_layers: int | None = None,
+                 layer_types: Sequence[str] | None = None) -> ReshardPlan:
     """Decide every byte range of the checkpoint resharded to ``world_size`` ranks and ZeRO stage
     ``zero_stage`` (default: the source's). No tensor I/O.
 
-    ``world_size`` counts every rank: ``tp_size`` tensor-parallel ranks (default: the source's) times the
-    data-parallel size, which is ``world_size / tp_size``. A TP size other than the source's and 1 takes AutoTP's
+    ``world_size`` counts every rank: ``tp_size`` tensor-parallel ranks (default: the source's) times ``pp_size``
+    pipeline stages (default: the source's) times the data-parallel size, which is ``world_size / (tp_size *
+    pp_size)``. Another stage count takes the stage boundaries ``PipelineModule`` computes with
+    ``partition_method`` (default DeepSpeed's ``parameters``) over the layer list (``num_layers``, ``layer_types``:
+    what the files do not state; :func:`dsckpt.pipeline_stages.plan_stages`). A TP size other than the source's and 1 takes AutoTP's
     widths at that size (:mod:`dsckpt.autotp_widths`), whose key/value head count is read from the HF
     ``config.json`` in ``ckpt.root`` unless ``facts.autotp_meta`` gives it.
 
@@ -125,14 +130,23 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     tp = max(1, ckpt.tp_world_size) if tp_size is None else tp_size
     if not isinstance(tp, int) or tp < 1:
         raise UsageError(f"--tp-size must be a positive integer, got {tp_size!r}")
-    if world_size % tp:
-        raise UsageError(f"--world-size {world_size} is not a multiple of the tensor-parallel size {tp} "
-                         "(the data-parallel size is world size / TP size)")
-    total_world = world_size
-    world_size //= tp
     problems = refusals_from_logical(ckpt)
     if problems:
         raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
+    stages = None
+    if ckpt.pipeline is not None:
+        from .pipeline_stages import plan_stages
+
+        stages = plan_stages(ckpt, pp_size, method=partition_method, num_layers=num_layers, layer_types=layer_types)
+    elif pp_size not in (None, 1) or partition_method is not None or num_layers is not None or layer_types:
+        raise UsageError(f"--pp-size, --partition-method, --num-layers and --layer-types are for pipeline "
+                         f"(PipelineModule) checkpoints, and '{ckpt.tag_dir}' has no pipeline stages")
+    pp = stages.pp_size if stages is not None else 1
+    if world_size % (tp * pp):
+        raise UsageError(f"--world-size {world_size} is not a multiple of the tensor-parallel size {tp} times the "
+                         f"pipeline size {pp} (the data-parallel size is world size / (TP size x pipeline stages))")
+    total_world = world_size
+    world_size //= tp * pp
     facts = facts if facts is not None else derive_facts(ckpt)
     if tp not in (1, max(1, ckpt.tp_world_size)) and ckpt.tensor_parallel is not None and facts.autotp_meta is None:
         from dataclasses import replace
@@ -157,8 +171,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     )
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
         raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
-    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size),
-                       facts, common)
+    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size,
+                                    stages=stages), facts, common)
 
 
 
@@ -417,8 +431,8 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
         except OSError:
             return 0
 
-    if plan.tensor_ranks:
-        return sum(output_nbytes_bound(p) for p in plan.tensor_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
+    if plan.mp_ranks:
+        return sum(output_nbytes_bound(p) for p in plan.mp_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
     models = [size(p) for p in plan.source_model_files]
     copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
@@ -557,6 +571,11 @@ def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) 
             f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
             f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
             f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
+    if src.pipeline is not None:  # ds_to_universal keeps a pipeline run's trainable params only (no layer files)
+        import dataclasses
+
+        src = dataclasses.replace(src, entries=tuple(e for e in src.entries if e.kind is Kind.PARAM and e.trainable
+                                                     and e.tied_to is None))
     # ds_to_universal cuts vocabulary padding rows: no padding values to compare
     checked = compare_checkpoints(src, cache, new, new_cache, full=mode is Verify.FULL, padding=False)
     new_cache.finish_checks()

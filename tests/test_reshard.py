@@ -112,14 +112,16 @@ def test_same_size_reshard_reproduces_deepspeed_files(fx, tmp_path):
         _same(a, b, f.name)
 
 
-def test_reshard_refuses_pipeline_parallel(tmp_path):
+def test_reshard_refuses_pipeline_parallel_without_zero(tmp_path):
+    """Pipeline runs reshard (tests/test_reshard_pipeline.py), except without ZeRO, where fp32 keeps the optimizer
+    state in each stage's mp_rank_XX_model_states.pt, which is not read."""
     if not PIPELINE:
         pytest.skip("no pipeline fixture")
     cache = FileCache()
-    ckpt = read_checkpoint(PIPELINE[0].ckpt, cache=cache)
-    with pytest.raises(UnsupportedCheckpointError, match="pipeline parallel size 2"):
+    ckpt = replace(read_checkpoint(PIPELINE[0].ckpt, cache=cache), zero_stage=0, optimizer_wrapper="none")
+    with pytest.raises(UnsupportedCheckpointError, match="a pipeline run without ZeRO or BF16_Optimizer"):
         read_source_facts(ckpt, cache)
-    with pytest.raises(UnsupportedCheckpointError, match="pipeline parallel size 2"):
+    with pytest.raises(UnsupportedCheckpointError, match="a pipeline run without ZeRO or BF16_Optimizer"):
         plan_reshard(ckpt, 2)
 
 
@@ -164,9 +166,11 @@ def test_cli_reshard_dry_run_and_run(tmp_path):
 def test_cli_reshard_unsupported_exits_3(tmp_path):
     if not PIPELINE:
         pytest.skip("no pipeline fixture")
-    r = CliRunner().invoke(main, ["reshard", str(PIPELINE[0].ckpt), str(tmp_path / "o"), "-n", "2"])
+    fx = next(f for f in PIPELINE if f.name == "pp2_fp32")  # a partition method that does not give its stages
+    r = CliRunner().invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "4", "--pp-size", "4",
+                                  "--partition-method", "parameters", "--num-layers", "7"])
     assert r.exit_code == 3
-    assert "pipeline parallel size" in r.stderr and "\n" not in r.stderr.strip()
+    assert "does not give the source's 2 stages" in r.stderr and "\n" not in r.stderr.strip()
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------

@@ -242,7 +242,7 @@ def test_plan_is_one_data_parallel_plan_per_tp_rank():
     plan = plan_reshard(ckpt, 6, facts=derive_facts(ckpt))
     assert (plan.tp_size, plan.world_size, plan.total_world_size, plan.has_work) == (2, 3, 6, True)
     assert [p.mp_rank for p in plan.parts()] == [0, 1]
-    assert [r.optim_file for r in plan.tensor_ranks[1].ranks] == [
+    assert [r.optim_file for r in plan.mp_ranks[1].ranks] == [
         f"bf16_zero_pp_rank_{d}_mp_rank_01_optim_states.pt" for d in range(3)]
     # uneven KV heads: TP rank 0 holds more of k_proj than rank 1, and its view says so
     cut = ckpt.tensor_parallel.name_to_cut["model.layers.0.self_attn.k_proj.weight"]

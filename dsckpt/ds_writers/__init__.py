@@ -108,7 +108,7 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     Tensor parallelism is one more dimension of the same layout: each target TP rank is an ordinary
     data-parallel checkpoint of its local slices (:func:`dsckpt.tensor_parallel.rank_view` maps them through
     the :class:`~dsckpt.parallel_layout.TpLayout`), planned by the same writers into files named
-    ``..._mp_rank_{t:02d}_...`` (:attr:`LayoutPlan.tensor_ranks`).
+    ``..._mp_rank_{t:02d}_...`` (:attr:`LayoutPlan.mp_ranks`).
     """
     src_tp = max(1, ckpt.tp_world_size)
     tp = src_tp if target.tp_size is None else target.tp_size
@@ -128,19 +128,57 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
             raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
                                              "together with AutoTP is not supported")
         common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
-    if ckpt.tensor_parallel is not None or tp != 1:
-        return _plan_tensor_ranks(ckpt, target, tp, facts, common)
+    if ckpt.tensor_parallel is not None or tp != 1 or target.stages is not None:
+        return _plan_mp_ranks(ckpt, target, tp, facts, common)
     return _plan_ranks(ckpt, target, facts, common)
 
 
-def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: SourceFacts,
-                       common: Mapping[str, Any]) -> LayoutPlan:
-    """One data-parallel plan per target TP rank, each from that rank's view of ``ckpt``."""
+def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: SourceFacts,
+                   common: Mapping[str, Any]) -> LayoutPlan:
+    """One data-parallel plan per target model-parallel rank ``m = stage * tp + t`` (pipeline stage, TP rank), each
+    from that rank's view of ``ckpt`` (:func:`mp_rank_view`: the stage's params, then TP rank ``t``'s slices)."""
     import dataclasses
 
-    from ..tensor_parallel import rank_view, resize_layout
-
     src_tp = max(1, ckpt.tp_world_size)
+    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
+    stages = target.stages
+    pp = stages.pp_size if stages is not None else 1
+    if stages is not None and layout is not None and (stages.target is not None or tp != src_tp):
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' (pipeline {stages.source_pp_size} x tensor parallelism {src_tp}) to "
+            f"pipeline {pp} x tensor parallelism {tp}: a tensor x pipeline run is resharded to another data-parallel "
+            "size only (stages and TP size kept)")
+    parts = []
+    for s in range(pp):
+        for t in range(tp):
+            view, view_facts = mp_rank_view(ckpt, facts, stages, layout, s, t)
+            part_common = {**common, "source_optim_files": source_optim_files(view), "mp_rank": s * tp + t,
+                           "hf_files": None, "source_tp_size": src_tp, "tp_size": tp,
+                           "source_pp_size": stages.source_pp_size if stages else 1, "pp_size": pp}
+            if stages is not None and s == 0 and t == 0:
+                assert ckpt.pipeline is not None
+                part_common["copied_model_files"] = ckpt.pipeline.layer_files
+            parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1, stages=None), view_facts,
+                                     part_common))
+    notes = parts[0].notes
+    if layout is not None and tp not in (1, src_tp):
+        meta = facts.autotp_meta
+        split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
+        note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
+                f"{tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced the source's widths "
+                f"of all {split} split params")
+        notes = (*notes, note)
+    if stages is not None:
+        notes = (*notes, stages.note())
+    return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
+                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
+                               copied_model_files=())
+
+
+def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
+    """The target's :class:`~dsckpt.parallel_layout.TpLayout`: the source's cuts at ``tp`` ranks."""
+    from ..tensor_parallel import resize_layout
+
     if ckpt.tensor_parallel is None:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
@@ -150,26 +188,30 @@ def _plan_tensor_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: 
             f"{{\"load_universal\": true}} and autotp_size {tp}: DeepSpeed's universal loader cuts each param by the "
             "live AutoTP layer")
     try:
-        layout = resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
+        return resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
     except UnsupportedCheckpointError as e:
         raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
-    parts = []
-    for t in range(tp):
-        view = rank_view(ckpt, layout, t)
-        optim = source_optim_files(view)
-        part_common = {**common, "source_optim_files": optim, "mp_rank": t, "hf_files": None,
-                       "source_tp_size": src_tp, "tp_size": tp}
-        parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1), facts, part_common))
-    notes = parts[0].notes
-    if tp not in (1, src_tp):
-        meta = facts.autotp_meta
-        split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
-        note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
-                f"{tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced the source's widths "
-                f"of all {split} split params")
-        notes = (*notes, note)
-    return dataclasses.replace(parts[0], ranks=(), tensor_ranks=tuple(parts), tp_layout=layout,
-                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes)
+
+
+def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layout: Any, stage: int,
+                 t: int) -> tuple[LogicalCheckpoint, SourceFacts]:
+    """Model-parallel rank (``stage``, ``t``) of the target as an ordinary data-parallel checkpoint and its facts:
+    the pipeline stage's cut of the params (:func:`dsckpt.pipeline_stages.stage_view`), then TP rank ``t``'s cut of
+    each (:func:`dsckpt.tensor_parallel.rank_view`). Pure."""
+    import dataclasses
+
+    view = ckpt
+    if stages is not None:
+        from ..pipeline_stages import stage_view
+
+        view = stage_view(ckpt, stages, stage)
+        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
+                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
+    if layout is not None:
+        from ..tensor_parallel import rank_view
+
+        view = rank_view(view, layout, t)
+    return view, facts
 
 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
@@ -251,13 +293,14 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     loader rejects (:func:`~dsckpt.validate.refuse_unloadable_fields`) before anything is written."""
     from ..validate import refuse_unloadable_fields
 
-    if plan.tensor_ranks:
-        from ..tensor_parallel import rank_view
-
+    if plan.mp_ranks:
         layouts = (ckpt.tensor_parallel, plan.tp_layout)
-        jobs = [job for part in plan.tensor_ranks
-                for job in _build_rank_jobs(part, rank_view(ckpt, plan.tp_layout, part.mp_rank), tag_dir, cache,
-                                            layouts)]
+        facts = SourceFacts((), ())
+        jobs = [job for part in plan.mp_ranks
+                for job in _build_rank_jobs(part, mp_rank_view(ckpt, facts, plan.stages, plan.tp_layout,
+                                                               part.mp_rank // plan.tp_size,
+                                                               part.mp_rank % plan.tp_size)[0], tag_dir, cache,
+                                            layouts, plan.stages)]
     else:
         jobs = _build_rank_jobs(plan, ckpt, tag_dir, cache)
     refuse_unloadable_fields(jobs, source=f"'{ckpt.tag_dir}'")
@@ -265,7 +308,7 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
 
 
 def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any,
-                     layouts: tuple[Any, Any] | None = None) -> list[tuple[Path, Any]]:
+                     layouts: tuple[Any, Any] | None = None, stages: Any = None) -> list[tuple[Path, Any]]:
     """``layouts``: the source's and the target's :class:`~dsckpt.parallel_layout.TpLayout` of a TP checkpoint."""
     jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
     if plan.autoep is not None:
@@ -280,6 +323,10 @@ def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, c
         from .common import retarget_tp_keys
 
         jobs = [(path, retarget_tp_keys(tree, plan, layouts)) for path, tree in jobs]
+    if stages is not None:
+        from .common import retarget_stage_keys
+
+        jobs = [(path, retarget_stage_keys(path.name, tree, plan, stages)) for path, tree in jobs]
     return jobs
 
 
@@ -338,5 +385,8 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
 
 
 def _copied(plan: LayoutPlan, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
-    """The plan's files rewritten unchanged (MoE expert files)."""
-    return [(tag_dir / src.name, dict(cache.tree(src))) for src in plan.copied_model_files]
+    """The plan's files rewritten unchanged (MoE expert files, pipeline layer files), their top-level mapping type
+    (a layer file's ``OrderedDict`` state dict) kept."""
+    import copy
+
+    return [(tag_dir / src.name, copy.copy(cache.tree(src))) for src in plan.copied_model_files]

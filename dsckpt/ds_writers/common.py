@@ -9,6 +9,7 @@ tensor leaves are source :class:`~dsckpt.tensor_ref.TensorRef` s (copied whole),
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "loss_scaler",
     "optimizer_scalars",
     "own_copy",
+    "retarget_stage_keys",
     "retarget_tp_keys",
     "shapes_tree",
     "stage0_scalars",
@@ -307,4 +309,21 @@ def retarget_tp_keys(tree: Any, plan: LayoutPlan, layouts: tuple[Any, Any] | Non
 
         assert layouts is not None, "a TP size change to TP > 1 plans both layouts"
         out["universal_checkpoint_info"] = record_at(out["universal_checkpoint_info"], *layouts)
+    return out
+
+
+def retarget_stage_keys(name: str, tree: Any, plan: LayoutPlan, stages: Any) -> Any:
+    """A pipeline stage's ``mp_rank_XX_model_states.pt`` with the keys that record the stage count rewritten for
+    ``stages`` (a :class:`dsckpt.pipeline_stages.StagePlan`): ``mp_world_size`` (stages x TP ranks, the
+    model-parallel world of ``PipeModelDataParallelTopology``), ``checkpoint_parallel_dimensions.pp_degree`` and the
+    stage's ``buffer_names``. Other files (optimizer states, layer files) record no stage count."""
+    if not isinstance(tree, Mapping) or not re.fullmatch(r"mp_rank_\d+_model_states\.pt", name):
+        return tree
+    out = dict(tree)
+    out["mp_world_size"] = stages.pp_size * plan.tp_size
+    dims = out.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, Mapping):
+        out["checkpoint_parallel_dimensions"] = {**dims, "pp_degree": stages.pp_size}
+    if "buffer_names" in out and plan.tp_size == 1:
+        out["buffer_names"] = list(stages.buffers[plan.mp_rank // plan.tp_size])
     return out

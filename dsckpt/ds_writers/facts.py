@@ -174,9 +174,12 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     problems = []
     if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
-    if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
+    if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and (ckpt.pipeline is None or ckpt.tp_world_size > 1):
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
+    if ckpt.pipeline is not None and source_layout_stage(ckpt) == 0:
+        problems.append("a pipeline run without ZeRO or BF16_Optimizer (its optimizer state sits in each stage's "
+                        "mp_rank_XX_model_states.pt, which dsckpt does not read yet)")
     if ckpt.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {ckpt.zero_stage}")
     if ckpt.layout.startswith("universal") and (ckpt.tensor_parallel is not None or ckpt.autoep is not None):

@@ -136,6 +136,7 @@ class Target:
     bf16_optimizer: bool | None = None
     tp_size: int | None = None  # tensor-parallel ranks (None: the source's); ``world_size`` is per TP rank
     ep_size: int | None = None  # expert-parallel size of an AutoEP checkpoint (None: the source's)
+    stages: Any = None  # a pipeline checkpoint's target stages (dsckpt.pipeline_stages.StagePlan)
 
 
 @dataclass(frozen=True)
@@ -167,24 +168,28 @@ class LayoutPlan:
     mp_rank: int = 0  # the model-parallel (TP) rank whose files ``ranks`` are: ``..._mp_rank_{mp_rank:02d}_...``
     source_tp_size: int = 1
     tp_size: int = 1
-    # TP > 1: one plan per target TP rank (each an ordinary data-parallel plan of that rank's local slices, see
-    # dsckpt.tensor_parallel.rank_view) and the layout they were cut by; this plan's own ``ranks`` are then empty.
-    tensor_ranks: tuple[LayoutPlan, ...] = ()
+    # TP > 1 or pipeline stages: one plan per target model-parallel rank m = stage * tp_size + TP rank (each an
+    # ordinary data-parallel plan of that rank's params and local slices, see dsckpt.ds_writers.mp_rank_view) and
+    # the layouts they were cut by; this plan's own ``ranks`` are then empty.
+    mp_ranks: tuple[LayoutPlan, ...] = ()
     autoep: Any = None  # AutoEP: the target's dsckpt.parallel_layout.AutoEpLayout (expert-parallel size, cuts)
     moe_ep_size: int | None = None  # native MoE written at another expert-parallel size than the source's
     tp_layout: Any = None  # a dsckpt.parallel_layout.TpLayout
+    source_pp_size: int = 1
+    pp_size: int = 1
+    stages: Any = None  # pipeline: the target's dsckpt.pipeline_stages.StagePlan
 
     def parts(self) -> tuple[LayoutPlan, ...]:
-        """The data-parallel plans to write: one per TP rank, or this plan itself."""
-        return self.tensor_ranks or (self,)
+        """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""
+        return self.mp_ranks or (self,)
 
     @property
     def total_world_size(self) -> int:
-        return self.world_size * self.tp_size
+        return self.world_size * self.tp_size * self.pp_size
 
     @property
     def source_total_world_size(self) -> int:
-        return self.source_world_size * self.source_tp_size
+        return self.source_world_size * self.source_tp_size * self.source_pp_size
 
     @property
     def from_stage(self) -> int:
@@ -201,12 +206,13 @@ class LayoutPlan:
 
     @property
     def has_work(self) -> bool:
-        return self.world_size != self.source_world_size or self.changes_layout or self.tp_size != self.source_tp_size
+        return (self.world_size != self.source_world_size or self.changes_layout or self.tp_size != self.source_tp_size
+                or self.pp_size != self.source_pp_size or (self.stages is not None and self.stages.target is not None))
 
     @property
     def copied_nbytes(self) -> int:
-        if self.tensor_ranks:
-            return sum(p.copied_nbytes for p in self.tensor_ranks)
+        if self.mp_ranks:
+            return sum(p.copied_nbytes for p in self.mp_ranks)
         total = 0
         for r in self.ranks:
             for g in r.groups:

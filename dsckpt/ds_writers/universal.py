@@ -157,7 +157,8 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     if ckpt.moe is not None:
         problems.append("Mixture-of-Experts layers")
     tp = ckpt.tensor_parallel
-    if ckpt.pp_world_size > 1 or ckpt.layout == "pipeline":
+    pipeline = ckpt.pipeline is not None and ckpt.tp_world_size <= 1
+    if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and not pipeline:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.tp_world_size > 1 and tp is None:
@@ -208,7 +209,9 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             if group is None or group.step is not None:  # SGD, Adagrad ... keep no step: nor does the folder
                 first = e.state_pieces[0].fragments[0]
                 steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
-    if not zero3:  # ds_to_universal.py:1201-1215: every other module tensor, upcast
+    # ds_to_universal.py:1201-1215: every other module tensor, upcast -- except in a pipeline run, whose model states
+    # hold no module ('module' None: the weights are in the layer files, which it neither reads nor copies)
+    if not zero3 and not pipeline:
         for e in ckpt.entries:
             if e.name in written:
                 continue

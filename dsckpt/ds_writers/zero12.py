@@ -141,7 +141,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     if round_robin and not bf16_optimizer:
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
                      "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
-    copied = copied_files(ckpt, stage0=False)
+    copied = (*common.get("copied_model_files", ()), *copied_files(ckpt, stage0=False))
     if ckpt.moe is not None and common.get("moe_ep_size") is None:
         notes.append(moe_note(ckpt, world, len(copied)))
     elif ckpt.moe is not None:
@@ -153,9 +153,9 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         ae, tgt = ckpt.autoep, common["autoep"]
         notes.append(f"AutoEP: expert-parallel size {ae.ep_size} -> {tgt.ep_size} (expert-data-parallel {ae.expert_dp} "
                      f"-> {tgt.expert_dp}); the {len(copied)} per-expert files are copied unchanged")
-    return LayoutPlan(**{**common, "notes": tuple(notes)}, param_shapes=tuple(param_shapes),
+    return LayoutPlan(**{**common, "notes": tuple(notes), "copied_model_files": copied}, param_shapes=tuple(param_shapes),
                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
-                      ranks=tuple(ranks), copied_model_files=copied)
+                      ranks=tuple(ranks))
 
 
 # --------------------------------------------------------------------------------------------

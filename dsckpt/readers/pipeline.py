@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..parallel_layout import PipelineLayer, PipelineRecord
 from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
 from .common import FileCache, is_floating, metadata_from_model_states, precision_of, step_of, whole
@@ -167,14 +168,53 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, not optim, (piece,))
     sample = next((r.dtype_name for _, _, r in layer_tensors.values() if is_floating(r.dtype_name)), None)
     ordered = [entries[n] for n in order if n in entries] + [e for n, e in entries.items() if n not in layer_tensors]
+    record = _record(files, cache, stages, layer_tensors, entries, buffer_names)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="pipeline",
         zero_stage=stage_number, precision=precision_of(meta0.ds_config, sample),
         dp_world_size=world, pp_world_size=len(stages), tp_world_size=1, ds_version=meta0.ds_version,
         global_steps=meta0.global_steps, global_samples=meta0.global_samples, optimizer_step=step,
         optimizer_wrapper=wrapper, entries=tuple(ordered), files=tuple(files.all_files()),
-        ds_config=meta0.ds_config,
+        ds_config=meta0.ds_config, pipeline=record,
     )
+
+
+def _record(files: CheckpointFiles, cache: FileCache, stages: list[int],
+            layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]], entries: dict[str, TensorEntry],
+            buffer_names: set[str]) -> PipelineRecord:
+    """The stage facts the files state (:class:`~dsckpt.parallel_layout.PipelineRecord`): which layers have a file
+    and the params each owns, the tied modules, and each stage's optimizer groups in flat order."""
+    import math
+
+    def trainable(n: str) -> bool:
+        e = entries.get(n)
+        return e is not None and e.kind is Kind.PARAM and e.trainable
+
+    def numel(n: str) -> int:
+        return math.prod(layer_tensors[n][2].shape) if n in layer_tensors else 0
+
+    orders = []
+    for s in stages:
+        shapes = cache.tree(files.mp_to_model_states[s]).get("param_shapes") or []
+        orders.append(tuple(tuple(str(n) for n in group) for group in shapes))
+    tied_keys: dict[str, list[str]] = {}
+    for n in (*layer_tensors, *(n for o in orders for g in o for n in g)):
+        if n.startswith("tied_modules.") and n not in buffer_names:
+            names = tied_keys.setdefault(n.split(".")[1], [])
+            if n not in names:
+                names.append(n)
+    layers = []
+    for (index, _), path in sorted(files.layer_files.items()):
+        own = [n for n, (p, _, _) in layer_tensors.items() if p == path and n not in buffer_names]
+        key = next((n.split(".")[1] for n in own if n.startswith("tied_modules.")), None)
+        if key is not None:
+            own = tied_keys[key]
+        layers.append(PipelineLayer(index, tuple(own), sum(numel(n) for n in own if trainable(n)), key))
+    tied = tuple((k, tuple(ns), sum(numel(n) for n in ns if trainable(n))) for k, ns in tied_keys.items())
+    stage_buffers = tuple(tuple(str(b) for b in metadata_from_model_states(
+        cache.tree(files.mp_to_model_states[s])).buffer_names) for s in stages)
+    return PipelineRecord(tuple(layers), tuple(orders), tuple(files.mp_to_model_states[s] for s in stages),
+                          tuple(p for _, p in sorted(files.layer_files.items())), tied, stage_buffers)
 
 
 def _with_stage_copy(first: TensorEntry, later: TensorEntry) -> TensorEntry:

@@ -149,6 +149,8 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         raise UnsupportedCheckpointError(f"{ms_path}: a native Mixture-of-Experts model; universal checkpoints of "
                                          "deepspeed.moe models are not supported (AutoEP ones are)")
     meta = metadata_from_model_states(ms)
+    if (meta.pp_degree > 1 or ms.get("module", {}) is None) and meta.tp_degree <= 1 and not zero3:
+        return _read_pipeline_universal(root, tag, tag_dir, files, opt, opt_path, meta, cache)
     if meta.pp_degree > 1 or ms.get("module", {}) is None:
         # ds_to_universal copies a pipeline run's mp_rank_{stage * tp + t} files (module None) but no layer files
         raise UnsupportedCheckpointError(
@@ -286,6 +288,76 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                "state only, not buffers or frozen params"),),
     )
 
+
+def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, opt: Mapping[str, Any], opt_path: Path,
+                             meta: Any, cache: FileCache) -> LogicalCheckpoint:
+    """The universal folder of a pipeline run without TP: ds_to_universal copies each stage's
+    ``mp_rank_{s}_model_states.pt`` (``module`` None, ``param_shapes`` of the stage) and writes ``zero/<name>/`` for
+    every trainable param (a tied module's once), but no layer files: so there are no buffers, frozen params or
+    16-bit copies, only the trainable params' fp32 masters and moments."""
+    entries: dict[str, TensorEntry] = {}
+    state_files: list[Path] = []
+    missing: list[str] = []
+    step_ref: TensorRef | None = None
+    for s in sorted(files.mp_to_model_states):
+        ms = cache.tree(files.mp_to_model_states[s])
+        shapes_groups = ms.get("param_shapes") if isinstance(ms, Mapping) else None
+        if not isinstance(shapes_groups, list) or not all(isinstance(g, Mapping) for g in shapes_groups):
+            raise CorruptCheckpointError(f"{files.mp_to_model_states[s]}: no 'param_shapes' list; not a ZeRO "
+                                         "model-states file")
+        for g, shapes in enumerate(shapes_groups):
+            for name, shp in shapes.items():
+                name = str(name)
+                if name in entries:
+                    continue
+                shape = tuple(int(x) for x in shp)
+                numel = math.prod(shape)
+                pdir = _param_dir(tag_dir, name)
+                pieces = []
+                for role, state_key, fname in STATE_FILES:
+                    path = pdir / fname
+                    if not path.is_file():
+                        missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
+                        continue
+                    key, ref = _state_key(path, cache, False)
+                    if ref.dtype_name != "float32" or ref.numel != numel:
+                        raise CorruptCheckpointError(
+                            f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} "
+                            f"needs float32[{numel}]; the file is damaged or belongs to another model")
+                    pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key))
+                    state_files.append(path)
+                step_path = pdir / STEP_FILE
+                if step_path.is_file():
+                    state_files.append(step_path)
+                    ref = cache.tree(step_path)
+                    if step_ref is None and isinstance(ref, TensorRef):
+                        step_ref = ref
+                else:
+                    missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
+                entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=g)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise IncompleteCheckpointError(
+            f"'{tag_dir}' is a universal checkpoint missing {len(missing)} state file(s): {shown}. The conversion "
+            "was probably interrupted; run ds_to_universal (or dsckpt reshard --universal) again")
+    zs = opt.get("zero_stage")
+    if isinstance(zs, DeepSpeedEnum):
+        stage, wrapper = int(zs.value), "DeepSpeedZeroOptimizer"
+    else:
+        stage, wrapper = int(((meta.ds_config or {}).get("zero_optimization") or {}).get("stage", 1)), "BF16_Optimizer"
+    extra_files = sorted(p for p in (tag_dir / UNIVERSAL_DIR).glob("*/*.pt") if p not in set(state_files))
+    pp = len(files.mp_to_model_states)
+    return LogicalCheckpoint(
+        root=root, tag=tag, tag_dir=tag_dir, layout=f"universal from zero{stage}", zero_stage=stage,
+        precision=precision_of(meta.ds_config, None), dp_world_size=meta.dp_world_size or 1, pp_world_size=pp,
+        tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
+        global_samples=meta.global_samples, optimizer_step=int_or_none(step_ref) if step_ref is not None else None,
+        optimizer_wrapper=wrapper, entries=tuple(entries.values()),
+        files=tuple(sorted({*files.all_files(), opt_path, *state_files, *extra_files})), ds_config=meta.ds_config,
+        notes=((f"DeepSpeed universal checkpoint of a {pp}-stage pipeline run: the trainable params' fp32 masters and "
+                "Adam state only (ds_to_universal copies no layer files, so no buffers, frozen params or 16-bit "
+                "copies); loads with \"checkpoint\": {\"load_universal\": true}"),),
+    )
 
 
 def _rank_module_entries(ms_path: Path, model_paths: list[Path], buffer_names: tuple[str, ...], zero3: bool,

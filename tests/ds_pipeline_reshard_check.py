@@ -1,0 +1,111 @@
+"""Load resharded pipeline checkpoints with real DeepSpeed (PipelineEngine) and check them against the source
+fixture's truth (issue 32).
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --master_port P tests/ds_pipeline_reshard_check.py \
+        --result out.json FIXTURE@ppN[@universal]=DIR [...]
+
+For each pair: the fixture's ``PipelineModule`` (fixture_models.pipeline_layers, partition_method uniform) built with
+N stages on this launch's ranks (data-parallel size world / N) from a different seed, ``deepspeed.initialize`` with the
+fixture's ds_config, plain ``engine.load_checkpoint(DIR)`` (``@universal``: ``"checkpoint": {"load_universal":
+true}``, DeepSpeed's own route from a ``ds_to_universal`` folder), then, on every rank for the params of its stage:
+fp32 master and Adam moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``) equal to the recorded
+truth bit for bit, frozen params and buffers equal to the saved ones (not for ``@universal``, whose loader restores
+the optimizer's params only), every optimizer step and ``global_steps`` as saved; then one more ``train_batch``
+runs with a finite loss. Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "fixtures"))
+sys.path.insert(0, HERE)
+import fixture_models as fm
+from ds_launch import gloo_only, report_checks
+
+p = argparse.ArgumentParser()
+p.add_argument("--result", default=None)
+p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))
+p.add_argument("pairs", nargs="+")
+args = p.parse_args()
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from safetensors.torch import load_file
+
+gloo_only()
+deepspeed.init_distributed("gloo")
+
+
+def check_one(label: str, ckpt_dir: str) -> list[str]:
+    name, *opts = label.split("@")
+    pp = int(next(o[2:] for o in opts if o.startswith("pp")))
+    universal = "universal" in opts
+    spec = fm.FIXTURES[name]
+    with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
+        meta = json.load(fh)
+    truth = load_file(os.path.join(HERE, "fixtures", name, "truth.safetensors"))
+    cfg = fm.ds_config(spec)
+    cfg.pop("train_batch_size", None)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    model = PipelineModule(layers=fm.pipeline_layers(), num_stages=pp, loss_fn=lambda x, t: F.cross_entropy(x, t),
+                           partition_method="uniform", seed_layers=True, base_seed=fm.SEED + 1)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                           model_parameters=[q for q in model.parameters() if q.requires_grad])
+    problems = []
+    load_path, _ = engine.load_checkpoint(ckpt_dir)
+    if load_path is None:
+        return [f"load_checkpoint({ckpt_dir}) found nothing to load"]
+    stage = engine.grid.get_stage_id()
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # DeepSpeed links the optimizer-state fragments of the fragment API lazily at the first step (the fixture
+        # generator and tests/ds_reshard_check.py do the same): before it, safe_get_full_optimizer_state fails
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    checked = 0
+    for n, q in engine.module.named_parameters():
+        if q.requires_grad:
+            got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+                   "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
+            for key, t in got.items():
+                want = truth[f"{key}/{n}"]
+                if t is None or t.shape != want.shape or not torch.equal(t.float(), want):
+                    problems.append(f"stage {stage}: {key} of {n} differs from the truth")
+                checked += 1
+        elif not universal:
+            want = truth.get(f"lowp/{n}", truth[f"param/{n}"])
+            if not torch.equal(q.detach().to(want.dtype), want):
+                problems.append(f"stage {stage}: frozen {n} differs from the saved value")
+    if not universal:
+        for n, b in engine.module.named_buffers():
+            want = truth.get(f"buffer/{n}")
+            if want is not None and not torch.equal(b.to(want.dtype), want):
+                problems.append(f"stage {stage}: buffer {n} differs from the saved value")
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    steps = {float(s["step"]) for s in base.state.values() if "step" in s}
+    if steps != {float(meta["optimizer_step"][0])}:
+        problems.append(f"stage {stage}: optimizer steps {sorted(steps)}, saved {meta['optimizer_step'][0]}")
+    if engine.global_steps != meta["global_steps"]:
+        problems.append(f"global_steps {engine.global_steps}, saved {meta['global_steps']}")
+    if checked == 0 and any(q.requires_grad for q in engine.module.parameters()):
+        problems.append(f"stage {stage}: nothing checked")
+    ids, tgt = fm.make_batch(fm.STEPS, engine.grid.get_data_parallel_rank())
+    loss = engine.train_batch(data_iter=iter([(ids, tgt)]))
+    if not math.isfinite(float(loss)):
+        problems.append(f"one more train_batch gave loss {float(loss)}")
+    dist.barrier()
+    return problems
+
+
+report_checks(args.pairs, check_one, args.result)

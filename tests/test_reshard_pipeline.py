@@ -1,0 +1,287 @@
+"""reshard of pipeline-parallel (PipelineModule) checkpoints (issue 32): another data-parallel size with the stages
+kept, another stage count with the boundaries DeepSpeed's partition method computes, checked against the recorded
+truth (safe_get_full_fp32_param / safe_get_full_optimizer_state) and against DeepSpeed's own files."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import all_fixtures, ids, tree_digest
+from test_reshard import _materialized, _same
+
+from dsckpt.cli import main
+from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.model import Role
+from dsckpt.parallel_layout import partition_balanced, partition_uniform, stage_parts
+from dsckpt.pipeline_stages import plan_stages
+from dsckpt.readers import FileCache, read_checkpoint
+from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
+
+PIPELINE = [f for f in all_fixtures() if f.meta.get("pp_size", 1) > 1 and (f.ckpt / f.meta["tag"]).is_dir()]
+# the fixtures' PipelineModule: 7 layers, the last a tied use with a forward_fn (no file), partition_method uniform
+UNIFORM = {"partition_method": "uniform", "num_layers": 7}
+LAYER_TYPES = ["Embedding[embed]", "Linear", "BatchNormPipe", "ReLU", "FrozenLinear", "Linear", "Embedding[embed]"]
+
+
+def _reshard(src: Path, out: Path, world_size: int, **kw):
+    cache = FileCache()
+    ckpt = read_checkpoint(src, cache=cache)
+    plan = plan_reshard(ckpt, world_size, facts=read_source_facts(ckpt, cache), **kw)
+    return plan, run_reshard(plan, out, cache=cache)
+
+
+def _fixture(name: str):
+    fx = [f for f in PIPELINE if f.name == name]
+    if not fx:
+        pytest.skip(f"no fixture {name}")
+    return fx[0]
+
+
+# ---------------------------------------------------------------------------------------------- partition arithmetic
+
+def test_partition_arithmetic_is_deepspeeds():
+    """dsckpt's pure copies of partition_uniform / partition_balanced give DeepSpeed's own boundaries (its
+    functions called in-process) on 300 layer lists: ties, zero weights, fewer layers than stages, huge counts."""
+    du = pytest.importorskip("deepspeed.runtime.utils")
+    rng = random.Random(32)
+    for _ in range(300):
+        n, parts = rng.randint(0, 20), rng.randint(1, 9)
+        kind = rng.choice(["small", "big", "binary", "zeros", "equal"])
+        w = [{"small": lambda: rng.randint(0, 4), "big": lambda: rng.randint(0, 10**10),
+              "binary": lambda: rng.randint(0, 1), "zeros": lambda: 0, "equal": lambda: 7}[kind]() for _ in range(n)]
+        assert partition_balanced(w, parts) == tuple(int(x) for x in du.partition_balanced(w, parts)), (w, parts)
+        assert partition_uniform(n, parts) == tuple(du.partition_uniform(n, parts)), (n, parts)
+
+
+def test_stage_parts_methods():
+    assert stage_parts("uniform", 2, [66, 49, 14, 0, 0, 36, 66]) == (0, 4, 7)
+    assert stage_parts("parameters", 2, [66, 49, 14, 0, 0, 36, 66]) == (0, 2, 7)
+    assert stage_parts("type:linear", 2, [0] * 4, ["Embedding", "Linear", "ReLU", "Linear"]) == (0, 3, 4)
+    with pytest.raises(ValueError, match="matches none"):
+        stage_parts("type:conv", 2, [0] * 2, ["Linear", "ReLU"])
+    with pytest.raises(ValueError, match="not one of DeepSpeed's"):
+        stage_parts("profile", 2, [1, 2])
+
+
+# ---------------------------------------------------------------------------------------------- plans (pure)
+
+@pytest.mark.parametrize("pp, parts, stage_params", [
+    (4, (0, 2, 4, 6, 7), [["tied_modules.embed.weight", "1.weight", "1.bias"], ["2.weight", "2.bias"],
+                          ["5.weight", "5.bias"], ["tied_modules.embed.weight"]]),
+    (1, (0, 7), [["tied_modules.embed.weight", "1.weight", "1.bias", "2.weight", "2.bias", "5.weight", "5.bias"]]),
+    (3, (0, 3, 5, 7), None),
+], ids=["2to4", "2to1", "2to3"])
+def test_plan_stages(pp, parts, stage_params):
+    fx = _fixture("pp2_fp32")
+    ckpt = read_checkpoint(fx.ckpt)
+    if pp == 3:  # stage 1 would hold layers 3-4 (ReLU, frozen Linear): no trainable param, refused
+        with pytest.raises(UnsupportedCheckpointError, match="stage 1 group 0 would hold no trainable params"):
+            plan_stages(ckpt, pp, method="uniform", num_layers=7)
+        return
+    stages = plan_stages(ckpt, pp, method="uniform", num_layers=7)
+    assert stages.target.parts == parts and stages.source.parts == (0, 4, 7)
+    assert [list(g[0]) for g in stages.group_orders] == stage_params
+    # the file-less layer 6 was read as the tied output head: the only reading that puts 'embed' on source stage 1
+    assert stages.source.layers[6].tied_key == "embed" and not stages.source.layers[6].has_file
+
+
+def test_plan_keeps_stages_for_a_data_parallel_change():
+    fx = _fixture("pp2_fp32")
+    ckpt = read_checkpoint(fx.ckpt)
+    plan = plan_reshard(ckpt, 4)
+    assert (plan.source_pp_size, plan.pp_size, plan.source_world_size, plan.world_size) == (2, 2, 1, 2)
+    assert [p.mp_rank for p in plan.parts()] == [0, 1]
+    assert [r.optim_file for r in plan.mp_ranks[1].ranks] == [
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
+    assert plan.stages.target is None and plan.has_work
+
+
+def test_source_stages_must_match_the_method():
+    fx = _fixture("pp2_fp32")
+    ckpt = read_checkpoint(fx.ckpt)
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        plan_reshard(ckpt, 4, pp_size=4, partition_method="parameters", num_layers=7)
+    msg = str(e.value)
+    assert "partition_method 'parameters' over 7 layers does not give the source's 2 stages" in msg
+    assert "it computes stage 0: layers 0-0, stage 1: layers 1-6" in msg
+    assert "the files show stage 0: layers [1, 2] and tied ['embed'], stage 1: layers [5] and tied ['embed']" in msg
+    with pytest.raises(UnsupportedCheckpointError, match="count them with --num-layers"):
+        plan_reshard(ckpt, 4, pp_size=4, partition_method="uniform")
+    with pytest.raises(UsageError, match="needs.*--layer-types|no checkpoint file stores"):
+        plan_reshard(ckpt, 4, pp_size=4, partition_method="type:Linear")
+    with pytest.raises(UsageError, match="not a multiple of the tensor-parallel size 1 times the pipeline size 4"):
+        plan_reshard(ckpt, 6, pp_size=4, **UNIFORM)
+
+
+# ---------------------------------------------------------------------------------------------- outputs vs truth
+
+def _check_truth(fx, out: Path, pp: int, dp: int):
+    """Every trainable param's fp32 master and Adam moments in ``out`` (re-read by dsckpt) equal DeepSpeed's own
+    full values recorded at generation (bit for bit), and the output has ``pp`` stages of ``dp`` ranks."""
+    cache = FileCache()
+    new = read_checkpoint(out, cache=cache)
+    assert (new.pp_world_size, new.dp_world_size) == (pp, dp)
+    assert new.optimizer_step == fx.meta["optimizer_step"][0] and new.global_steps == fx.meta["global_steps"]
+    truth = fx.truth()
+    from dsckpt.assemble import read_piece
+
+    checked = 0
+    for e in new.entries:
+        for key, piece in (("param", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+                           ("exp_avg_sq", e.state_piece("exp_avg_sq"))):
+            if f"{key}/{e.name}" not in truth or piece is None or not e.trainable:
+                continue
+            got = read_piece(piece, e.shape, cache, name=e.name)
+            want = truth[f"{key}/{e.name}"]
+            assert torch.equal(got, want.to(got.dtype)) and want.dtype == torch.float32, (e.name, key)
+            checked += 1
+    assert checked == 3 * len(fx.meta["trainable"])
+    return new
+
+
+CASES = [  # (fixture, --world-size, options, stages, data-parallel size)
+    ("pp2_fp32", 4, {}, 2, 2),
+    ("pp2_fp32", 4, {"pp_size": 4, **UNIFORM}, 4, 1),
+    ("pp2_fp32", 1, {"pp_size": 1, **UNIFORM}, 1, 1),
+    ("pp2_dp2_fp32", 2, {}, 2, 1),
+    ("pp2_dp2_fp32", 8, {"pp_size": 4, **UNIFORM}, 4, 2),
+    ("pp2_dp2_bf16", 4, {"pp_size": 4, **UNIFORM}, 4, 1),
+    ("pp2_bf16", 4, {}, 2, 2),
+]
+
+
+@pytest.mark.parametrize("name, world, kw, pp, dp", CASES, ids=[f"{c[0]}-w{c[1]}-pp{c[3]}" for c in CASES])
+def test_resharded_pipeline_matches_truth(name, world, kw, pp, dp, tmp_path):
+    fx = _fixture(name)
+    before = tree_digest(fx.ckpt)
+    _reshard(fx.ckpt, tmp_path / "out", world, **kw)
+    _check_truth(fx, tmp_path / "out", pp, dp)
+    layer_files = sorted(p.name for p in (fx.ckpt / fx.meta["tag"]).glob("layer_*"))
+    assert sorted(p.name for p in (tmp_path / "out" / fx.meta["tag"]).glob("layer_*")) == layer_files
+    for f in layer_files:  # layer files stay per layer, unchanged
+        _same(_materialized(fx.ckpt / fx.meta["tag"] / f), _materialized(tmp_path / "out" / fx.meta["tag"] / f), f)
+    assert tree_digest(fx.ckpt) == before
+
+
+@pytest.mark.parametrize("fx", PIPELINE, ids=ids(PIPELINE))
+def test_round_trips_give_deepspeeds_files_back(fx, tmp_path):
+    """Same size: every file is DeepSpeed's own. Another stage count (4, then 1) and data-parallel size, then back:
+    every file again DeepSpeed's own, value for value (the per-stage files are rebuilt from the other layout)."""
+    tag = fx.meta["tag"]
+    world, dp = fx.meta["world_size"], fx.meta["dp_world_size"]
+    _reshard(fx.ckpt, tmp_path / "same", world)
+    _reshard(fx.ckpt, tmp_path / "pp4", 4 * (dp + 1), pp_size=4, **UNIFORM)
+    _reshard(tmp_path / "pp4", tmp_path / "pp1", 1, pp_size=1, **UNIFORM)
+    with pytest.raises(UnsupportedCheckpointError, match=r"layer 6 a function: stage 0: layers 0-3, stage 1: layers "
+                       r"4-6; layer 6 a use of tied 'embed': stage 0: layers 0-3, stage 1: layers 4-6\); give the layer"):
+        _reshard(tmp_path / "pp1", tmp_path / "back", world, pp_size=2, **UNIFORM)  # one stage: layer 6 unknowable
+    _reshard(tmp_path / "pp1", tmp_path / "back", world, pp_size=2, partition_method="uniform",
+             layer_types=LAYER_TYPES)
+    for out in ("same", "back"):
+        written = sorted(p.name for p in (tmp_path / out / tag).glob("*.pt"))
+        assert written == sorted(p.name for p in (fx.ckpt / tag).glob("*.pt"))
+        for f in written:
+            _same(_materialized(fx.ckpt / tag / f), _materialized(tmp_path / out / tag / f), f"{out}/{f}")
+
+
+def test_cli_pipeline_reshard(tmp_path):
+    fx = _fixture("pp2_fp32")
+    runner = CliRunner()
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "4", "--pp-size", "4",
+                             "--partition-method", "uniform", "--num-layers", "7", "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert "pipeline stages 2 -> 4 (partition_method 'uniform', 7 layers): stage 0: layers 0-1" in r.stdout
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "4", "--pp-size", "4",
+                             "--partition-method", "parameters", "--num-layers", "7"])
+    assert r.exit_code == 3 and "does not give the source's 2 stages" in r.stderr
+    r = runner.invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "o"), "-n", "4"])
+    assert r.exit_code == 0, r.output
+    assert "from 2 to 4 ranks (PP 2 x DP 1 -> PP 2 x DP 2)" in r.stdout
+
+
+UNIVERSAL = [f for f in PIPELINE if (f.dir / "universal.json").exists()]
+
+
+@pytest.mark.parametrize("fx", UNIVERSAL, ids=ids(UNIVERSAL))
+def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
+    """``reshard --universal`` of a pipeline run writes what DeepSpeed's ``ds_to_universal --inject_missing_state``
+    wrote for it (recorded by tests/fixtures/record_pipeline_universal.py): the same files, and in every
+    ``zero/<param>/<state>.pt`` the same keys and the same values bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dsckpt.cli import main as cli
+
+    rec = json.loads((fx.dir / "universal.json").read_text())
+    assert rec["rc"] == 0, rec
+    r = CliRunner().invoke(cli, ["reshard", str(fx.ckpt), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "u" / f"{fx.meta['tag']}_universal"
+    written = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert written == rec["files"]
+    want = load_file(str(fx.dir / "universal_truth.safetensors"))
+    for key, t in want.items():
+        state, param = key.split("/", 1)
+        got = torch.load(folder / "zero" / param / f"{state}.pt", weights_only=False)
+        assert {k: repr(v) for k, v in got.items() if k != "param"} == rec["extra_keys"][key], key
+        assert got["param"].dtype == t.dtype and torch.equal(got["param"], t), key
+    for param, step in rec["step"].items():
+        assert float(torch.load(folder / "zero" / param / "step.pt", weights_only=False)) == step
+
+
+# ---------------------------------------------------------------------------------------------- live: real loads
+
+def _tamper(out: Path) -> str:
+    """One fp32 master element of stage 1's first rank changed; returns the param it belongs to."""
+    (f,) = (out / "global_step3").glob("zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    sd = torch.load(f, weights_only=False)
+    sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
+    torch.save(sd, f)
+    return next(iter(torch.load(out / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
+                     ["param_shapes"][0]))
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
+    """One 4-rank launch: DeepSpeed's PipelineEngine loads with plain load_checkpoint() what reshard wrote for
+    2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
+    BF16_Optimizer): masters, moments, steps, global steps bit for bit, and one more train_batch runs. A tampered
+    control fails. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
+    import subprocess
+    import sys
+
+    from ds_launch import DEEPSPEED, passed_except_controls, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    cases = [("pp2_dp2_fp32", 4, {"pp_size": 4, **UNIFORM}), ("pp2_dp2_fp32", 1, {"pp_size": 1, **UNIFORM}),
+             ("pp2_fp32", 2, {}), ("pp2_dp2_bf16", 4, {"pp_size": 4, **UNIFORM})]
+    known = {f.name for f in PIPELINE}
+    pairs = []
+    for name, pp, kw in cases:
+        if name in known:
+            out = tmp_path / f"{name}_pp{pp}"
+            _reshard(_fixture(name).ckpt, out, 4, **kw)
+            pairs.append(f"{name}@pp{pp}={out}")
+    _reshard(_fixture("pp2_dp2_fp32").ckpt, tmp_path / "tampered", 4, pp_size=4, **UNIFORM)
+    tampered = _tamper(tmp_path / "tampered")
+    pairs.append(f"pp2_dp2_fp32@pp4={tmp_path / 'tampered'}")
+    src = _fixture("pp2_dp2_fp32").ckpt
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        str(src / "global_step3"), "--output_folder", str(tmp_path / "ds_univ" / "global_step3"),
+                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                       capture_output=True, text=True,
+                       env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"}, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (tmp_path / "ds_univ" / "latest_universal").write_text("global_step3")
+    pairs.append(f"pp2_dp2_fp32@pp4@universal={tmp_path / 'ds_univ'}")
+    rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
+    results, controls = passed_except_controls(results, log)
+    assert len(results) == len(pairs) - 1 and rc == 1, log
+    assert len(controls) == 1 and f"param of {tampered} differs" in str(controls[0]["problems"]), controls
