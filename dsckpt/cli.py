@@ -419,6 +419,55 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
                     click.echo(f"dsckpt: warning: {o.reason}", err=True)
 
 
+@main.command("to-dcp")
+@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@tag_option
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="dtype of the trained params in the model state (from the fp32 masters). Frozen params, buffers "
+                   "and the optimizer state keep their stored dtype.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@distributed_option
+@handle_errors
+def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_run: bool, quiet: bool,
+           distributed: bool) -> None:
+    """Write the whole training state of CKPT as a PyTorch distributed checkpoint (DCP) folder OUT.
+
+    OUT holds {"model": M, "optim": O} as get_model_state_dict / get_optimizer_state_dict give them (FQN keys;
+    fp32 masters; Adam moments and step; DeepSpeed's param groups in order), so an FSDP2 (fully_shard) job on any
+    number of ranks, or a plain process, resumes with dcp.load + set_state_dict. Nothing is loaded whole: memory
+    stays at a few tensors.
+    """
+    from .checkpoint import open_checkpoint
+    from .convert import parse_dtype
+    from .dcp_writer import plan_to_dcp, run_to_dcp, run_to_dcp_distributed
+
+    group = _start_distributed(distributed)
+    ckpt, _ = _run_folder(ckpt)
+    c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
+    plan = plan_to_dcp(c.logical, out, dtype=parse_dtype(dtype))
+    n_state = len(plan.state_tensors)
+    what = (f"{len(plan.model_tensors)} model tensors, {n_state} optimizer state tensors ({plan.optimizer_class}, "
+            f"{len(plan.groups)} param group{'s' if len(plan.groups) != 1 else ''})")
+    if dry_run:
+        click.echo(f"would write {what}, {_human(plan.total_nbytes)}, as a DCP folder to {plan.output}")
+        for g in plan.groups:
+            click.echo(f"  param group {g.index}: {len(g.params)} params, "
+                       + ", ".join(f"{k} {v!r}" for k, v in g.hyperparams))
+        sys.exit(1 if plan.tensors else 0)
+    with _progress(plan.total_nbytes, "to-dcp", not quiet) as tick:
+        if group is not None:
+            result = run_to_dcp_distributed(plan, c.cache, group, force=force, on_tensor=tick)
+        else:
+            result = run_to_dcp(plan, c.cache, force=force, on_tensor=tick)
+    click.echo(f"wrote {what}, {_human(plan.total_nbytes)}, to {plan.output} ({len(result.files)} files)")
+    if plan.defaults_added and not quiet:
+        click.echo(f"dsckpt: note: the saved param groups lack {', '.join(plan.defaults_added)}; written with "
+                   f"torch.optim.{plan.optimizer_class}'s defaults", err=True)
+
+
 def _merge(c: Any, out: str, base_dir: str | None, dtype: str | None, max_shard_size: str | None, *,
            hf_files: bool, force: bool, dry_run: bool, quiet: bool) -> None:
     from .errors import UsageError
