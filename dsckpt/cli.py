@@ -135,6 +135,25 @@ def _run_folder(path: str, *, deepspeed_only: bool = False) -> tuple[str, dict[s
     return str(choice.checkpoint), choice.to_dict()
 
 
+def _open_any(path: str, tag: str | None) -> tuple[Any, Any, dict[str, Any] | None]:
+    """``(logical, cache, run folder choice)`` of a DeepSpeed checkpoint (or run folder), a torch state-dict file,
+    a safetensors file or folder, or a DCP folder."""
+    from .state_dict_files import TargetKind, detect_target
+
+    if os.path.exists(path) and detect_target(path) is not TargetKind.DEEPSPEED:
+        from .errors import UsageError
+        from .state_dict_files import open_state_dict
+
+        if tag is not None:
+            raise UsageError(f"--tag is for DeepSpeed checkpoints; '{path}' is a {detect_target(path).value} input")
+        return (*open_state_dict(path), None)
+    from .checkpoint import open_checkpoint
+
+    path, run = _run_folder(path)
+    c = open_checkpoint(path, tag=tag)
+    return c.logical, c.cache, run
+
+
 distributed_option = click.option(
     "--distributed", is_flag=True,
     help="Spread the work over the processes torchrun started, on one host or many: torchrun --nnodes N "
@@ -191,19 +210,20 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.argument("ckpt", type=click.Path(path_type=str))
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor.")
 @handle_errors
 def info(ckpt: str, tag: str | None, as_json: bool, show_tensors: bool) -> None:
-    """Describe a checkpoint: stage, dtype, world sizes, params, files, health."""
-    from .checkpoint import open_checkpoint
+    """Describe a checkpoint: stage, dtype, world sizes, params, files, health.
+
+    CKPT may also be a torch state-dict file, a .safetensors file or folder, or a PyTorch distributed
+    checkpoint (DCP) folder."""
     from .info import summarize
 
-    ckpt, run = _run_folder(ckpt)
-    c = open_checkpoint(ckpt, tag=tag)
-    s = summarize(c.logical, c.cache)
+    logical, cache, run = _open_any(ckpt, tag)
+    s = summarize(logical, cache)
     s["run_folder"] = run
     if as_json:
         click.echo(json.dumps(s, indent=2))
@@ -353,15 +373,13 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
     a model folder for AutoModelForCausalLM.from_pretrained(OUT). The raw state dict (PEFT's in-memory names):
     OUT ending in .safetensors, or --no-hf-files.
     """
-    from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32, run_to_fp32_distributed
     from .errors import UsageError
 
     if base_dir is not None and not merge:
         raise UsageError("--base is the base model to merge into; add --merge")
     group = _start_distributed(distributed)
-    ckpt, _ = _run_folder(ckpt)
-    c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
+    c = _open_for_export(ckpt, tag)
     if merge:
         if distributed or exclude_frozen or no_client_state or strict:
             raise UsageError("--merge does not combine with --distributed, --exclude-frozen, --no-client-state or "
@@ -466,6 +484,22 @@ def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_ru
     if plan.defaults_added and not quiet:
         click.echo(f"dsckpt: note: the saved param groups lack {', '.join(plan.defaults_added)}; written with "
                    f"torch.optim.{plan.optimizer_class}'s defaults", err=True)
+
+
+def _open_for_export(ckpt: str, tag: str | None) -> Any:
+    """The checkpoint ``to-fp32`` exports: a DeepSpeed checkpoint or run folder, or a DCP folder."""
+    from .checkpoint import Checkpoint, open_checkpoint
+    from .dcp_reader import is_dcp_folder
+
+    if is_dcp_folder(ckpt):
+        from .dcp_reader import read_dcp
+        from .errors import UsageError
+
+        if tag is not None:
+            raise UsageError(f"--tag is for DeepSpeed checkpoints; '{ckpt}' is a DCP folder")
+        return Checkpoint(*read_dcp(ckpt))
+    ckpt, _ = _run_folder(ckpt)
+    return open_checkpoint(ckpt, tag=tag, check_master_copies=True)
 
 
 def _merge(c: Any, out: str, base_dir: str | None, dtype: str | None, max_shard_size: str | None, *,
@@ -639,7 +673,7 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("ckpt", type=click.Path(exists=True, path_type=str))
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
@@ -658,7 +692,7 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
     from .verify import verify as run_verify
 
     group = _start_distributed(distributed)
-    ckpt, run = _run_folder(ckpt)
+    ckpt, run = _run_folder(ckpt, deepspeed_only=True)
     report = run_verify(ckpt, tag=tag, workers=workers, group=group)
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))

@@ -325,9 +325,12 @@ def _copy_label(side: DiffInput, piece: Piece) -> str:
 
 def _pick(side: DiffInput, entry: TensorEntry, role: Role | None) -> Piece | None:
     """The copy of ``entry`` to compare: ``role`` None means what to-fp32 exports. A state dict has
-    one copy per tensor, which stands for any role."""
-    if role is None or not side.is_deepspeed:
+    one copy per tensor, which stands for any role. A DCP folder holds the optimizer state too: its model tensor
+    of a trained param is the master, and its state tensors are the moments."""
+    if role is None or side.kind not in (TargetKind.DEEPSPEED, TargetKind.DCP):
         return entry.source_for_fp32()
+    if side.kind is TargetKind.DCP and role is Role.MASTER:
+        return entry.source_for_fp32() if entry.trainable else None
     return entry.piece(role)
 
 
