@@ -338,7 +338,7 @@ def _edit_dcp_metadata(edit: Callable[[Any, Path], Path | None]) -> Callable[[Pa
     def build(c: Path) -> Path:
         folder = _dcp_folder(c)
         md_path = folder / ".metadata"
-        md = pickle.loads(md_path.read_bytes())  # noqa: S301 - written a line above by torch itself
+        md = pickle.loads(md_path.read_bytes())  # the test's own file, written a line above by torch
         victim = edit(md, folder)
         md_path.write_bytes(pickle.dumps(md))
         return victim or md_path
