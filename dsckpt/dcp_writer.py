@@ -331,9 +331,11 @@ def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch
                 meta.checkpoint_id = str(plan.output)
             return meta
 
-    # thread_count 1: one writer thread, tensors produced in turn (the memory bound); sync_files: DCP fsyncs
-    # each file, atomic_dir fsyncs the folder and renames it into place
-    return _Writer(tmp, single_file_per_rank=True, sync_files=True, thread_count=1), _StreamingPlanner()
+    # thread_count 1: one writer thread, tensors produced in turn (the memory bound); per_thread_copy_ahead 0: DCP's
+    # serial loader even where CUDA is present (its overlapping one would start a CUDA context to copy CPU tensors);
+    # sync_files: DCP fsyncs each file, atomic_dir fsyncs the folder and renames it into place
+    return (_Writer(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0),
+            _StreamingPlanner())
 
 
 def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
