@@ -27,7 +27,13 @@ from dsckpt.model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Ro
 from dsckpt.parallel_layout import ParamCut, SplitKind, TpLayout
 from dsckpt.tensor_parallel import compose, rank_view
 
-ROLES = (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ)
+ROLES = ("master", "exp_avg", "exp_avg_sq")  # the optimizer-side copies: the master, then the optimizer states
+
+
+def _piece(copy: str, dtype: str, frags: tuple[Fragment, ...], replica: int = 0, same_as: int | None = None) -> Piece:
+    if copy in ("master", "module"):
+        return Piece(Role(copy), dtype, frags, replica, same_as)
+    return Piece(Role.OPTIM_STATE, dtype, frags, replica, same_as, state_key=copy)
 
 
 def llama_params(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int
@@ -64,7 +70,7 @@ def build(args: argparse.Namespace) -> tuple[LogicalCheckpoint, TpLayout]:
     tp, dp = args.tp, args.dp
     layout = TpLayout(tp, "autotp", {n: cut_of(n, s, k, tp) for n, s, k in params})
     tag = Path("/synthetic/global_step1")
-    frags: dict[str, dict[Role, list[Fragment]]] = {n: {r: [] for r in (*ROLES, Role.MODULE)} for n, _, _ in params}
+    frags: dict[str, dict[str, list[Fragment]]] = {n: {r: [] for r in (*ROLES, "module")} for n, _, _ in params}
     files: list[Path] = []
     for s in range(tp):
         model_file = tag / f"mp_rank_{s:02d}_model_states.pt"
@@ -77,25 +83,25 @@ def build(args: argparse.Namespace) -> tuple[LogicalCheckpoint, TpLayout]:
             cut = layout.name_to_cut[name]
             blocks = cut.rank_blocks(s)
             local = [Fragment(model_file, ("module", name), 0, n, 0)]
-            frags[name][Role.MODULE] += local if cut.kind is SplitKind.REPLICATED else \
+            frags[name]["module"] += local if cut.kind is SplitKind.REPLICATED else \
                 [g for f in local for g in compose(f, blocks)]
             pos = offset
             while pos < offset + n:  # this param's elements in each ZeRO partition
                 d = pos // part
                 end = min(offset + n, (d + 1) * part)
                 for r in ROLES:
-                    f = Fragment(optim[d], ("state", 0, r.value), pos - d * part, end - pos, pos - offset, d)
+                    f = Fragment(optim[d], ("state", 0, r), pos - d * part, end - pos, pos - offset, d)
                     frags[name][r] += [f] if cut.kind is SplitKind.REPLICATED else compose(f, blocks)
                 pos = end
             offset += n
     entries = []
     for name, shape, kind in params:
-        dtypes = {Role.MASTER: "float32", Role.EXP_AVG: "float32", Role.EXP_AVG_SQ: "float32", Role.MODULE: "bfloat16"}
+        dtypes = {"master": "float32", "exp_avg": "float32", "exp_avg_sq": "float32", "module": "bfloat16"}
         if kind is SplitKind.REPLICATED:  # one copy per TP rank, numbered as combine_tp_ranks numbers them
-            pieces = tuple(Piece(r, dtypes[r], (f,), s, 0 if s else None)
+            pieces = tuple(_piece(r, dtypes[r], (f,), s, 0 if s else None)
                            for r in dtypes for s, f in enumerate(frags[name][r]))
         else:
-            pieces = tuple(Piece(r, dtypes[r], tuple(frags[name][r])) for r in dtypes)
+            pieces = tuple(_piece(r, dtypes[r], tuple(frags[name][r])) for r in dtypes)
         entries.append(TensorEntry(name, shape, Kind.PARAM, True, pieces, group=0))
     ckpt = LogicalCheckpoint(Path("/synthetic"), "global_step1", tag, "zero2", 2, Precision.BF16, dp, 1, tp, "0.19.8",
                              1, 1, 1, "DeepSpeedZeroOptimizer", tuple(entries), tuple(files), tensor_parallel=layout)

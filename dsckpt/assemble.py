@@ -56,11 +56,16 @@ def _read_strided(frag: Fragment, ref: TensorRef, out: torch.Tensor) -> None:
     dst.copy_(tmp.as_strided((runs, r), (step, 1)))
 
 
-def read_entry(entry: TensorEntry, cache: FileCache, role: Role | None = None) -> torch.Tensor:
-    """The tensor of ``entry``: the copy with ``role``, by default the most precise one."""
-    piece = entry.source_for_fp32() if role is None else entry.piece(role)
+def read_entry(entry: TensorEntry, cache: FileCache, role: Role | None = None, *,
+               state: str | None = None) -> torch.Tensor:
+    """The tensor of ``entry``: the copy with ``role``, or the optimizer state ``state`` ("exp_avg", ...), by default
+    the most precise copy."""
+    if state is not None:
+        piece = entry.state_piece(state)
+    else:
+        piece = entry.source_for_fp32() if role is None else entry.piece(role)
     if piece is None:
-        raise KeyError(f"'{entry.name}' has no {role.value if role else ''} copy")
+        raise KeyError(f"'{entry.name}' has no {state or (role.value if role else '')} copy")
     return read_piece(piece, entry.shape, cache, name=entry.name)
 
 

@@ -146,7 +146,7 @@ def _fused(name: str, gate: TensorEntry, up: TensorEntry) -> TensorEntry:
     run = f * h
     pieces = []
     for pg in gate.pieces:
-        pu = next((p for p in up.pieces if (p.role, p.replica) == (pg.role, pg.replica)), None)
+        pu = next((p for p in up.pieces if p.same_copy(pg)), None)
         if pu is None or pu.dtype != pg.dtype:
             continue
         frags = []
@@ -157,6 +157,7 @@ def _fused(name: str, gate: TensorEntry, up: TensorEntry) -> TensorEntry:
                     # one contiguous fragment per expert half (runs of ffn * hidden elements): readers copy those
                     # straight from the mapped file, where a strided fragment is read a window at a time
                     frags.extend(x for g in compose(r, (block,)) for x in g.runs())
-        pieces.append(Piece(pg.role, pg.dtype, tuple(sorted(frags, key=lambda x: x.dst_offset)), pg.replica))
+        pieces.append(Piece(pg.role, pg.dtype, tuple(sorted(frags, key=lambda x: x.dst_offset)), pg.replica,
+                            state_key=pg.state_key))
     return TensorEntry(name, (e, 2 * f, h), gate.kind, gate.trainable and up.trainable, tuple(pieces),
                        group=gate.group)

@@ -32,11 +32,12 @@ class Checkpoint:
     def names(self) -> list[str]:
         return [e.name for e in self.logical.entries]
 
-    def tensor(self, name: str, *, role: Role | None = None) -> torch.Tensor:
-        """One tensor in its stored dtype: the fp32 master by default (else the module copy)."""
+    def tensor(self, name: str, *, role: Role | None = None, state: str | None = None) -> torch.Tensor:
+        """One tensor in its stored dtype: the fp32 master by default (else the module copy); the copy with
+        ``role``; or the optimizer state ``state`` ("exp_avg", "momentum_buffer", ...)."""
         from .assemble import read_entry
 
-        return read_entry(self.logical.entry(name), self._cache, role)
+        return read_entry(self.logical.entry(name), self._cache, role, state=state)
 
     def iter_tensors(self, *, dtype: torch.dtype | str | None = "float32",
                      exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -39,7 +39,7 @@ def check_numel(piece: Piece, shape: tuple[int, ...], name: str) -> int:
         numel *= s
     if piece.numel != numel:
         raise CorruptCheckpointError(
-            f"tensor '{name}': its {piece.role.value} copy has {piece.numel} elements in the files, "
+            f"tensor '{name}': its {piece.label} copy has {piece.numel} elements in the files, "
             f"the recorded shape {list(shape)} needs {numel}; the checkpoint metadata is inconsistent"
         )
     return numel
@@ -132,7 +132,7 @@ def check_tiling(piece: Piece, numel: int, name: str) -> None:
     :func:`check_numel`) cover its tensor once each."""
     why = tiling_problem(piece.fragments, numel)
     if why:
-        raise CorruptCheckpointError(f"tensor '{name}': its {piece.role.value} copy's fragments do not tile its "
+        raise CorruptCheckpointError(f"tensor '{name}': its {piece.label} copy's fragments do not tile its "
                                      f"{numel} elements ({why}); the checkpoint metadata is inconsistent")
 
 

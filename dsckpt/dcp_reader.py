@@ -235,13 +235,6 @@ def _fragment(item: _Item, ch: _Chunk) -> Fragment:
         "several dims; dsckpt reads DCP tensors cut along one dim")
 
 
-def _state_piece(key: str, dtype: str, frags: tuple[Fragment, ...]) -> Piece | None:
-    if hasattr(Role, "OPTIM_STATE"):
-        return Piece(Role.OPTIM_STATE, dtype, frags, state_key=key)  # type: ignore[attr-defined,call-arg]
-    role = {"exp_avg": getattr(Role, "EXP_AVG", None), "exp_avg_sq": getattr(Role, "EXP_AVG_SQ", None)}.get(key)
-    return None if role is None else Piece(role, dtype, frags)
-
-
 def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]:
     """The DCP folder at ``path`` as a logical checkpoint (see the module docstring); reads ``.metadata`` only."""
     folder = Path(path)
@@ -273,9 +266,8 @@ def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]
         for key, st in states.get(name, ()):
             if key == "step" or st.shape != it.shape:
                 continue
-            p = _state_piece(key, st.dtype, tuple(_fragment(st, ch) for ch in st.chunks))
-            if p is not None:
-                pieces.append(p)
+            pieces.append(Piece(Role.OPTIM_STATE, st.dtype, tuple(_fragment(st, ch) for ch in st.chunks),
+                                state_key=key))
         buffer = name.endswith(_BUFFER_SUFFIXES)
         trainable = name in states if states else not buffer
         entries.append(TensorEntry(name, it.shape, Kind.BUFFER if buffer else Kind.PARAM, trainable and not buffer,

@@ -152,19 +152,6 @@ class DcpResult:
 # plan
 
 
-def _state_items(entry: TensorEntry) -> list[tuple[str, Piece]]:
-    """``(state_key, piece)`` of each optimizer state tensor of ``entry``, in the optimizer's order."""
-    keys = getattr(entry, "state_keys", None)
-    if keys is not None:
-        return [(k, p) for k in keys if (p := entry.state_piece(k)) is not None]  # type: ignore[attr-defined]
-    out = []
-    for key in ("exp_avg", "exp_avg_sq"):
-        p = entry.piece(Role[key.upper()])
-        if p is not None:
-            out.append((key, p))
-    return out
-
-
 #: DeepSpeed optimizer ``type`` (lower case) -> the torch.optim class that ran (DeepSpeed 0.19 engine.py
 #: _configure_basic_optimizer: "Adam" with torch_adam is torch.optim.AdamW unless adam_w_mode is false).
 _DS_TYPE_TO_TORCH = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
@@ -246,7 +233,8 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
                 continue
             in_groups.add(fqn)
             entry = by_name.get(fqn)
-            items = _state_items(entry) if entry is not None else []
+            items = [(k, p) for k in entry.state_keys if (p := entry.state_piece(k)) is not None] \
+                if entry is not None else []
             if entry is None or not items:
                 missing_state.append(fqn)
                 continue

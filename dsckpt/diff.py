@@ -101,7 +101,7 @@ class Status(enum.Enum):
 
 
 _FAILING = (Status.DIFFERENT, Status.ONLY_IN_A, Status.ONLY_IN_B, Status.SHAPE_MISMATCH)
-_ROLE_ORDER = (Role.MASTER, Role.MODULE, Role.EXP_AVG, Role.EXP_AVG_SQ)
+_ROLE_ORDER = (Role.MASTER, Role.MODULE)  # then the optimizer states, in the optimizer's order
 
 
 @dataclass(frozen=True)
@@ -320,18 +320,21 @@ class DiffReport:
 
 
 def _copy_label(side: DiffInput, piece: Piece) -> str:
-    return piece.role.value if side.is_deepspeed else "stored"
+    return piece.label if side.is_deepspeed else "stored"
 
 
-def _pick(side: DiffInput, entry: TensorEntry, role: Role | None) -> Piece | None:
-    """The copy of ``entry`` to compare: ``role`` None means what to-fp32 exports. A state dict has
-    one copy per tensor, which stands for any role. A DCP folder holds the optimizer state too: its model tensor
-    of a trained param is the master, and its state tensors are the moments."""
-    if role is None or side.kind not in (TargetKind.DEEPSPEED, TargetKind.DCP):
+def _pick(side: DiffInput, entry: TensorEntry, copy: str | None) -> Piece | None:
+    """The copy of ``entry`` to compare: ``copy`` None means what to-fp32 exports, else "master", "module" or an
+    optimizer state key ("exp_avg", ...). A state dict has one copy per tensor, which stands for any role. A DCP
+    folder holds the optimizer state too: its model tensor of a trained param is the master, and its state tensors
+    are the optimizer's."""
+    if copy is None or side.kind not in (TargetKind.DEEPSPEED, TargetKind.DCP):
         return entry.source_for_fp32()
-    if side.kind is TargetKind.DCP and role is Role.MASTER:
+    if side.kind is TargetKind.DCP and copy == Role.MASTER.value:
         return entry.source_for_fp32() if entry.trainable else None
-    return entry.piece(role)
+    if copy in (Role.MASTER.value, Role.MODULE.value):
+        return entry.piece(Role(copy))
+    return entry.state_piece(copy)
 
 
 def _is_frozen(e: TensorEntry | None) -> bool:
@@ -390,13 +393,14 @@ def plan_diff(a: DiffInput, b: DiffInput, *, role: DiffRole | str = DiffRole.VAL
             order.append((name, role.value))
             continue
         if role is DiffRole.ALL:
-            have_a = {p.role for p in ea.pieces}
-            have_b = {p.role for p in eb.pieces}
-            wanted: list[Role | None] = [r for r in _ROLE_ORDER if r in have_a and r in have_b]
+            have_a = {p.label for p in ea.pieces}
+            have_b = {p.label for p in eb.pieces}
+            wanted: list[str | None] = [c for c in (*(r.value for r in _ROLE_ORDER), *ea.state_keys)
+                                        if c in have_a and c in have_b]
         else:
-            wanted = [None if role is DiffRole.VALUE else Role(role.value)]
+            wanted = [None if role is DiffRole.VALUE else role.value]
         for r in wanted:
-            label = role.value if r is None else r.value
+            label = role.value if r is None else r
             order.append((name, label))
             pa, pb = _pick(a, ea, r), _pick(b, eb, r)
             if pa is None or pb is None:
@@ -429,12 +433,12 @@ def _tiling_problem(entry: TensorEntry, piece: Piece) -> str | None:
         return str(e)
     if any(f.strided for f in piece.fragments):  # TP row slices: rectangles compared, not one run per row
         why = tiling_problem(piece.fragments, numel)
-        return None if why is None else (f"tensor '{entry.name}': the fragments of its {piece.role.value} copy do not "
+        return None if why is None else (f"tensor '{entry.name}': the fragments of its {piece.label} copy do not "
                                          f"tile its {numel} elements ({why})")
     expected = 0
     for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
         if f.dst_offset != expected or f.numel < 0 or f.src_offset < 0:
-            return (f"tensor '{entry.name}': the fragments of its {piece.role.value} copy leave a gap or overlap "
+            return (f"tensor '{entry.name}': the fragments of its {piece.label} copy leave a gap or overlap "
                     f"at element {expected}")
         expected += f.numel
     return None if expected == numel else f"tensor '{entry.name}': fragments end at {expected}, not {numel}"
@@ -484,7 +488,7 @@ class _PieceReader:
         have = ref.dtype_name if isinstance(ref, TensorRef) else str(ref.dtype).removeprefix("torch.")
         if have != self.piece.dtype:
             raise CorruptCheckpointError(f"{f.file}: tensor '{self.name}' is stored as {have}, its "
-                                         f"{self.piece.role.value} copy is recorded as {self.piece.dtype}")
+                                         f"{self.piece.label} copy is recorded as {self.piece.dtype}")
         return ref
 
 

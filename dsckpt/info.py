@@ -29,7 +29,7 @@ def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
             continue
         for piece in e.pieces:
             if piece.numel != e.numel:
-                problems.append(f"{e.name}: {piece.role.value} copy has {piece.numel} elements, shape "
+                problems.append(f"{e.name}: {piece.label} copy has {piece.numel} elements, shape "
                                 f"{list(e.shape)} needs {e.numel}")
                 continue
             for frag in piece.fragments:
@@ -39,7 +39,7 @@ def health_problems(ckpt: LogicalCheckpoint, cache: FileCache) -> list[str]:
                     problems.append(str(err))
                     continue
                 if frag.src_end > ref.numel:
-                    problems.append(f"{e.name}: {piece.role.value} fragment in {frag.file.name} ends at "
+                    problems.append(f"{e.name}: {piece.label} fragment in {frag.file.name} ends at "
                                     f"{frag.src_end}, the stored tensor has {ref.numel}")
     return problems
 
@@ -97,7 +97,7 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
             {"name": e.name, "kind": e.kind.value, "trainable": None if e.ambiguous else e.trainable,
              "shape": list(e.shape),
              "dtype": e.stored_dtype, "tied_to": e.tied_to,
-             "copies": sorted({p.role.value for p in e.pieces}),
+             "copies": sorted({p.label for p in e.pieces}),
              "tp_split": _tp_split(ckpt, e.name)}
             for e in ckpt.entries
         ],

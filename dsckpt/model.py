@@ -43,8 +43,8 @@ class Role(enum.Enum):
 
     MASTER = "master"  # fp32 master weights (optimizer side)
     MODULE = "module"  # the module's copy (16-bit under fp16/bf16, fp32 otherwise); buffers too
-    EXP_AVG = "exp_avg"
-    EXP_AVG_SQ = "exp_avg_sq"
+    # one per-element state tensor of the optimizer ("exp_avg", "momentum_buffer", "sum", ...): Piece.state_key
+    OPTIM_STATE = "optim_state"
 
 
 class Precision(enum.Enum):
@@ -165,7 +165,9 @@ class Piece:
 
     ``replica`` numbers copies of the same tensor (e.g. stage-3 buffers on every rank, which DP ranks may
     update apart). ``same_as``: the replica number of a copy this one must equal bit for bit (a param
-    replicated across tensor-parallel ranks); ``verify`` compares them.
+    replicated across tensor-parallel ranks); ``verify`` compares them. ``state_key``: for an
+    :attr:`Role.OPTIM_STATE` copy, the optimizer's own key of that state ("exp_avg", "exp_avg_sq",
+    "momentum_buffer", "sum", "max_exp_avg_sq", ...); None for every other role.
     """
 
     role: Role
@@ -173,10 +175,26 @@ class Piece:
     fragments: tuple[Fragment, ...]
     replica: int = 0
     same_as: int | None = None
+    state_key: str | None = None
 
     @property
     def numel(self) -> int:
         return sum(f.numel for f in self.fragments)
+
+    @property
+    def label(self) -> str:
+        """What this copy is, as messages and reports name it: the state key of an optimizer state
+        ("exp_avg"), else the role ("master", "module")."""
+        return self.state_key if self.role is Role.OPTIM_STATE and self.state_key else self.role.value
+
+    @property
+    def copy_id(self) -> tuple[Role, str | None, int]:
+        """``(role, state_key, replica)``: which stored copy of its tensor this is (unique within an entry)."""
+        return self.role, self.state_key, self.replica
+
+    def same_copy(self, other: Piece) -> bool:
+        """Whether ``other`` is the same stored copy (role, state key, replica) of a tensor, e.g. on another rank."""
+        return self.copy_id == other.copy_id
 
 
 @dataclass(frozen=True)
@@ -209,16 +227,36 @@ class TensorEntry:
     def padding_numel(self) -> int:
         return self.padding_rows * math.prod(self.shape[1:])
 
-    def padding_piece(self, role: Role, replica: int = 0) -> Piece | None:
-        """The padding values of the stored copy with ``role`` and ``replica``, or None."""
-        return next((p for p in self.padding if p.role is role and p.replica == replica), None)
+    def padding_piece(self, role: Role, replica: int = 0, state_key: str | None = None) -> Piece | None:
+        """The padding values of the stored copy with ``role``, ``replica`` (and ``state_key``), or None."""
+        return next((p for p in self.padding if p.copy_id == (role, state_key, replica)), None)
+
+    def padding_of(self, piece: Piece) -> Piece | None:
+        """The padding values of the same stored copy as ``piece``, or None."""
+        return next((p for p in self.padding if p.same_copy(piece)), None)
 
     def piece(self, role: Role) -> Piece | None:
-        """The primary copy with ``role`` (replica 0), or None."""
+        """The primary copy with ``role`` (replica 0), or None. For optimizer states use :meth:`state_piece`."""
         for p in self.pieces:
             if p.role is role and p.replica == 0:
                 return p
         return None
+
+    def state_piece(self, key: str, replica: int = 0) -> Piece | None:
+        """The copy of the optimizer state ``key`` ("exp_avg", "momentum_buffer", ...) with ``replica``, or None."""
+        return next((p for p in self.pieces
+                     if p.role is Role.OPTIM_STATE and p.state_key == key and p.replica == replica), None)
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys of this tensor's optimizer states, in the optimizer's order."""
+        return tuple(dict.fromkeys(p.state_key for p in self.pieces
+                                   if p.role is Role.OPTIM_STATE and p.state_key is not None))
+
+    @property
+    def state_pieces(self) -> tuple[Piece, ...]:
+        """The primary (replica 0) copy of each optimizer state, in the optimizer's order."""
+        return tuple(p for p in self.pieces if p.role is Role.OPTIM_STATE and p.replica == 0)
 
     @property
     def stored_dtype(self) -> str:

@@ -319,7 +319,7 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
     for name, d in damage.items():
         e = logical.entry(name)
         kind = stored_kind(e, Role.MODULE)
-        moment_bad = [e.pieces[i].role.value for i in d.piece_masks if e.pieces[i].role in (Role.EXP_AVG, Role.EXP_AVG_SQ)]
+        moment_bad = [e.pieces[i].label for i in d.piece_masks if e.pieces[i].role is Role.OPTIM_STATE]
         if moment_bad:
             problems.append(f"{name}: non-finite values in its {' and '.join(sorted(set(moment_bad)))}; no source "
                             "holds optimizer moments")

@@ -184,7 +184,7 @@ def plan_scan_items(plan: ScanPlan) -> tuple[ScanItem, ...]:
 def describe_scan_plan(plan: ScanPlan) -> dict[str, Any]:
     """What every rank must agree on (``Group.agree``): the plan's items, by name and size."""
     return {"target": str(plan.target), "checks": [c.value for c in plan.checks], "chunk": plan.chunk_numel,
-            "entries": [[e.name, e.numel, [[p.role.value if p.role else None, p.dtype, p.numel] for p in e.pieces]]
+            "entries": [[e.name, e.numel, [[p.label, p.dtype, p.numel] for p in e.pieces]]
                         for e in plan.entries],
             "raw": [[str(r.file), repr(r.key), r.start, r.numel, r.dtype] for r in plan.raw],
             "scalars": len(plan.scalars)}

@@ -279,7 +279,7 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
                 stored.add((f.file, f.key))
             if piece.numel != es.numel:
                 raise CorruptCheckpointError(
-                    f"tensor '{es.name}': its {piece.role.value} copy has {piece.numel} elements in the files, "
+                    f"tensor '{es.name}': its {piece.label} copy has {piece.numel} elements in the files, "
                     f"its shape needs {es.numel}; the checkpoint metadata is inconsistent")
         dtypes = tuple(p.dtype for p in es.pieces)
         for a in range(0, es.numel, chunk):

@@ -80,6 +80,7 @@ class StoredKind(enum.Enum):
     MASTER = "fp32 master"
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
+    OPTIM_STATE = "optimizer state"  # any other per-element optimizer state (momentum_buffer, sum, ...)
     OTHER = "other"
     CLIENT_STATE = "client state"  # reported apart, never a finding (see the module docstring)
 
@@ -99,15 +100,14 @@ def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     return int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
 
 
-def stored_kind(entry: TensorEntry | None, role: Role | None) -> StoredKind:
+def stored_kind(entry: TensorEntry | None, role: Role | None, state_key: str | None = None) -> StoredKind:
     if entry is None or role is None:
         return StoredKind.OTHER
     if role is Role.MASTER:
         return StoredKind.MASTER
-    if role is Role.EXP_AVG:
-        return StoredKind.EXP_AVG
-    if role is Role.EXP_AVG_SQ:
-        return StoredKind.EXP_AVG_SQ
+    if role is Role.OPTIM_STATE:
+        return {"exp_avg": StoredKind.EXP_AVG, "exp_avg_sq": StoredKind.EXP_AVG_SQ}.get(state_key or "",
+                                                                                      StoredKind.OPTIM_STATE)
     if entry.kind is Kind.BUFFER:
         return StoredKind.BUFFER
     return StoredKind.PARAM if entry.trainable else StoredKind.FROZEN
@@ -277,7 +277,7 @@ def plan_scan(logical: LogicalCheckpoint, trees: Mapping[Path, Any], refs: Calla
             pieces = _distinct_pieces(tuple(p for p in all_pieces if dtype_info(p.dtype).is_floating), refs)
             if not pieces:
                 continue
-            kinds = tuple(stored_kind(e, p.role) for p in pieces)
+            kinds = tuple(stored_kind(e, p.role, p.state_key) for p in pieces)
             overflow = tuple(i for i, p in enumerate(pieces)
                              if Check.FP16_OVERFLOW in checks and logical.precision is Precision.FP16
                              and p.role is Role.MASTER and p.dtype == "float32")

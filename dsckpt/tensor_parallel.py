@@ -308,12 +308,12 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
                     continue
                 frags = _local_fragments(p, blocks, e.name)
                 if pad_blocks:
-                    pad = e.padding_piece(p.role, p.replica)
+                    pad = e.padding_of(p)
                     if pad is None:
-                        no_padding.append(f"{e.name} ({p.role.value})")
+                        no_padding.append(f"{e.name} ({p.label})")
                         continue
                     frags += _local_fragments(pad, pad_blocks, f"{e.name} (vocabulary padding rows)")
-                out_pieces.append(Piece(p.role, p.dtype, frags, p.replica))
+                out_pieces.append(Piece(p.role, p.dtype, frags, p.replica, state_key=p.state_key))
             pieces = tuple(out_pieces)
         entries[e.name] = dataclasses.replace(e, shape=cut.rank_shapes[t], pieces=pieces, padding=(), padding_rows=0)
     if no_padding:
@@ -372,7 +372,7 @@ def _local_fragments(piece: Piece, blocks: Sequence[TpBlock], name: str) -> tupl
             i += 1
         if covered != b.numel:
             raise CorruptCheckpointError(
-                f"tensor '{name}': its {piece.role.value} copy covers {covered} of the {b.numel} full elements "
+                f"tensor '{name}': its {piece.label} copy covers {covered} of the {b.numel} full elements "
                 f"{'in runs of ' + str(r) + ' from ' if r else 'at '}[{lo}, {hi}); the checkpoint's fragments are "
                 "incomplete")
     out.sort(key=lambda f: f.dst_offset)

@@ -310,7 +310,7 @@ def replica_disagreements(ckpt: Any, cache: FileCache, *, workers: int | None = 
         for p in e.pieces:
             if p.same_as is None:
                 continue
-            primary = next((q for q in e.pieces if q.role is p.role and q.replica == p.same_as), None)
+            primary = next((q for q in e.pieces if q.copy_id == (p.role, p.state_key, p.same_as)), None)
             if primary is None or primary.dtype != p.dtype or primary.numel != p.numel:
                 continue
             for f in (*primary.fragments, *p.fragments):  # parse every file here: the workers only look up
@@ -352,7 +352,7 @@ def _replica_disagreement(name: str, primary: Any, p: Any, cache: FileCache) -> 
         return None
     runs = contiguous_fragments(p)  # name the file holding the first differing element
     file = next((f for f in runs if f.dst_offset <= first_index < f.dst_offset + f.numel), runs[0]).file.name
-    return (f"replica {p.replica} of its {p.role.value} copy ({file}) differs from replica {p.same_as} in "
+    return (f"replica {p.replica} of its {p.label} copy ({file}) differs from replica {p.same_as} in "
             f"{count} element(s), first at flat index {first_index}; copies that must be identical disagree")
 
 

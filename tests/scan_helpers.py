@@ -10,6 +10,29 @@ from dsckpt.checkpoint import open_checkpoint
 from dsckpt.model import Role
 from dsckpt.readers.common import lookup
 
+#: A stored copy as tests name it: a role (master, module) or an optimizer state key ("exp_avg", ...)
+Copy = Role | str
+
+
+def is_copy(piece, copy: Copy, replica: int | None = 0) -> bool:
+    """Whether ``piece`` is the stored copy ``copy`` (of ``replica``; any replica when None)."""
+    same = (piece.role is copy) if isinstance(copy, Role) else (piece.role is Role.OPTIM_STATE
+                                                                 and piece.state_key == copy)
+    return same and (replica is None or piece.replica == replica)
+
+
+def copy_of(entry, copy: Copy, replica: int = 0):
+    """The piece of ``entry`` that is the stored copy ``copy`` of ``replica``, or None."""
+    return next((p for p in entry.pieces if is_copy(p, copy, replica)), None)
+
+
+def read_copy(entry, cache, copy: Copy):
+    """The consolidated tensor of the stored copy ``copy`` of ``entry``."""
+    from dsckpt.assemble import read_entry
+
+    return read_entry(entry, cache, copy if isinstance(copy, Role) else None,
+                      state=copy if isinstance(copy, str) else None)
+
 
 def copy_fixture(fx, dest: Path) -> Path:
     ckpt = dest / "ckpt"
@@ -37,14 +60,14 @@ def copy_tp_fixture(fx: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def plant(ckpt: Path, name: str, role: Role, index: int, value: float, *, replica: int | None = 0) -> list[Path]:
+def plant(ckpt: Path, name: str, role: Copy, index: int, value: float, *, replica: int | None = 0) -> list[Path]:
     """Set logical element ``index`` of the ``role`` copy of ``name`` to ``value`` in the files (every
     replica when ``replica`` is None). Returns the files changed; legacy files stay legacy."""
     logical = open_checkpoint(ckpt).logical
     entry = logical.entry(name)
     changed = []
     for piece in entry.pieces:
-        if piece.role is not role or (replica is not None and piece.replica != replica):
+        if not is_copy(piece, role, replica):
             continue
         for f in piece.fragments:
             if f.dst_offset <= index < f.dst_offset + f.numel:

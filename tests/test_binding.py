@@ -119,13 +119,13 @@ def test_frozen_bias_next_to_layernorm_is_bound_by_proof(fx):
     assert c.logical.ambiguities == ()
     frozen = c.logical.entry("frozen.bias")
     assert not frozen.trainable and not frozen.ambiguous
-    assert frozen.piece(Role.MASTER) is None and frozen.piece(Role.EXP_AVG) is None
+    assert frozen.piece(Role.MASTER) is None and frozen.state_piece("exp_avg") is None
     for name in ("ln.weight", "ln.bias"):
         e = c.logical.entry(name)
         assert e.trainable
         assert torch.equal(c.tensor(name), truth[f"param/{name}"]), name
-        assert torch.equal(c.tensor(name, role=Role.EXP_AVG), truth[f"exp_avg/{name}"]), name
-        assert torch.equal(c.tensor(name, role=Role.EXP_AVG_SQ), truth[f"exp_avg_sq/{name}"]), name
+        assert torch.equal(c.tensor(name, state="exp_avg"), truth[f"exp_avg/{name}"]), name
+        assert torch.equal(c.tensor(name, state="exp_avg_sq"), truth[f"exp_avg_sq/{name}"]), name
     # the shift the shape-greedy reader made: frozen.bias and ln.weight really differ
     assert not torch.equal(truth["param/frozen.bias"], truth["param/ln.weight"])
 
@@ -178,9 +178,9 @@ def test_fp32_values_do_not_depend_on_the_binding_so_to_fp32_goes_on(tmp_path):
         if e.kind is not Kind.PARAM:
             continue
         if e.name in fx.expect_ambiguous:
-            assert e.ambiguous and e.piece(Role.EXP_AVG) is None
+            assert e.ambiguous and e.state_piece("exp_avg") is None
         elif e.name in fx.meta["trainable"]:
-            assert torch.equal(c.tensor(e.name, role=Role.EXP_AVG), truth[f"exp_avg/{e.name}"])
+            assert torch.equal(c.tensor(e.name, state="exp_avg"), truth[f"exp_avg/{e.name}"])
 
 
 def test_16bit_values_depend_on_the_binding_so_to_fp32_refuses(tmp_path):

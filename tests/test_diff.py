@@ -54,10 +54,13 @@ def _rekeyed_truth(fx, prefix: str, path: Path) -> Path:
 # Planning: pure, no files
 
 
-def _entry(name: str, shape: tuple[int, ...], roles: dict[Role, str], *, frozen: bool = False,
+def _entry(name: str, shape: tuple[int, ...], roles: dict[Role | str, str], *, frozen: bool = False,
            kind: Kind = Kind.PARAM) -> TensorEntry:
+    """``roles``: dtype per copy, a role or an optimizer state key."""
     n = math.prod(shape)
-    pieces = tuple(Piece(r, dt, (Fragment(Path(f"/nowhere/{r.value}.pt"), (name,), 0, n, 0),))
+    pieces = tuple(Piece(r if isinstance(r, Role) else Role.OPTIM_STATE, dt,
+                         (Fragment(Path(f"/nowhere/{getattr(r, 'value', r)}.pt"), (name,), 0, n, 0),),
+                         state_key=None if isinstance(r, Role) else r)
                    for r, dt in roles.items())
     return TensorEntry(name, shape, kind, not frozen, pieces)
 
@@ -69,14 +72,15 @@ def _side(kind: TargetKind, *entries: TensorEntry) -> DiffInput:
 
 
 def test_plan_pairs_names_and_roles_without_files():
-    full = {Role.MASTER: "float32", Role.MODULE: "bfloat16", Role.EXP_AVG: "float32", Role.EXP_AVG_SQ: "float32"}
+    full: dict[Role | str, str] = {Role.MASTER: "float32", Role.MODULE: "bfloat16", "exp_avg": "float32",
+                                   "exp_avg_sq": "float32"}
     a = _side(TargetKind.DEEPSPEED, _entry("w", (2, 3), full), _entry("gone", (4,), full),
               _entry("bn.running_var", (3,), {Role.MODULE: "float32"}, kind=Kind.BUFFER),
               _entry("frozen", (5,), {Role.MODULE: "bfloat16"}, frozen=True), _entry("reshaped", (6,), full))
     b = _side(TargetKind.DEEPSPEED, _entry("new", (1,), full), _entry("reshaped", (3, 2), full),
               _entry("frozen", (5,), {Role.MODULE: "bfloat16"}, frozen=True),
               _entry("bn.running_var", (3,), {Role.MODULE: "float32"}, kind=Kind.BUFFER),
-              _entry("w", (2, 3), {Role.MASTER: "float32", Role.EXP_AVG: "float32"}))
+              _entry("w", (2, 3), {Role.MASTER: "float32", "exp_avg": "float32"}))
     plan = plan_diff(a, b)
     assert [(p.name, p.copy_a, p.copy_b, p.piece_a.dtype) for p in plan.pairs] == [
         ("w", "master", "master", "float32"), ("bn.running_var", "module", "module", "float32"),
@@ -385,7 +389,8 @@ def test_missing_copies_are_skipped_not_different(fx):
     logical = open_checkpoint(fx.ckpt).logical
     for role in ("master", "module", "exp_avg"):
         report = diff(fx.ckpt, fx.ckpt, role=role)
-        want_skipped = {e.name for e in logical.entries if e.piece(Role(role)) is None}
+        want_skipped = {e.name for e in logical.entries
+                        if (e.state_piece(role) if role == "exp_avg" else e.piece(Role(role))) is None}
         assert {t.name for t in report.of(Status.SKIPPED)} == want_skipped
         assert all(t.reason == f"no {role} copy in A and B" for t in report.of(Status.SKIPPED))
         assert report.equal and len(report.of(Status.EQUAL)) == len(logical.entries) - len(want_skipped)

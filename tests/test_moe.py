@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import all_fixtures, ids
 from ds_launch import DEEPSPEED, run_check_script
 from safetensors.torch import load_file, save_file
-from scan_helpers import copy_fixture, plant
+from scan_helpers import copy_fixture, plant, read_copy
 
 from dsckpt.api import to_fp32
 from dsckpt.checkpoint import open_checkpoint
@@ -91,13 +91,13 @@ def test_info_of_dense_checkpoint_has_no_moe():
 # flat 64..72 (partition 0).
 SCAN_PLANTS = [
     (f"{EXPERT}3.weight", Role.MASTER, 5, StoredKind.MASTER, (1, 1)),
-    (f"{EXPERT}3.weight", Role.EXP_AVG_SQ, 5, StoredKind.EXP_AVG_SQ, (1, 1)),
-    (f"{EXPERT}0.bias", Role.EXP_AVG, 2, StoredKind.EXP_AVG, (0, 0)),
+    (f"{EXPERT}3.weight", "exp_avg_sq", 5, StoredKind.EXP_AVG_SQ, (1, 1)),
+    (f"{EXPERT}0.bias", "exp_avg", 2, StoredKind.EXP_AVG, (0, 0)),
     (f"{EXPERT}2.weight", Role.MODULE, 7, StoredKind.PARAM, None),
 ]
 
 
-@pytest.mark.parametrize("name,role,index,kind,owner", SCAN_PLANTS, ids=[f"{p[0][len(EXPERT):]}-{p[1].value}"
+@pytest.mark.parametrize("name,role,index,kind,owner", SCAN_PLANTS, ids=[f"{p[0][len(EXPERT):]}-{getattr(p[1], 'value', p[1])}"
                                                                          for p in SCAN_PLANTS])
 def test_scan_finds_planted_value_under_global_expert_name(tmp_path, name, role, index, kind, owner):
     fx = _fx("moe_s1_bf16_w4_ep2")
@@ -186,7 +186,7 @@ def test_stage0_expert_moment_found_in_its_expert_parallel_ranks_file(tmp_path):
     """No ZeRO: expert 3's Adam state lives in expp_rank_1 (expert-parallel rank 1 holds experts 2, 3)."""
     fx = _fx("moe_s0_fp32_w2_ep2")
     ckpt = copy_fixture(fx, tmp_path)
-    plant(ckpt, f"{EXPERT}3.bias", Role.EXP_AVG_SQ, 6, math.inf)
+    plant(ckpt, f"{EXPERT}3.bias", "exp_avg_sq", 6, math.inf)
     (f,) = scan(ckpt, nonfinite_only=True).findings
     assert (f.name, f.kind, f.file.name, f.posinf, f.first_indices) == (
         f"{EXPERT}3.bias", StoredKind.EXP_AVG_SQ, "expp_rank_1_mp_rank_00_optim_states.pt", 1, (6,))
@@ -241,9 +241,10 @@ def test_reshard_keeps_experts_moments_and_expert_parallel_size(fx, tmp_path):
     for path in (tmp_path / "up", tmp_path / "back"):
         c = open_checkpoint(path)
         for name in fx.meta["params"]:
-            for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), (Role.EXP_AVG, "exp_avg"),
-                              (Role.EXP_AVG_SQ, "exp_avg_sq"), (Role.MODULE, "lowp")):
-                assert torch.equal(c.tensor(name, role=role), truth[f"{key}/{name}"]), (path.name, name, role)
+            for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
+                              ("exp_avg_sq", "exp_avg_sq"), (Role.MODULE, "lowp")):
+                assert torch.equal(read_copy(c.logical.entry(name), c.cache, role), truth[f"{key}/{name}"]), \
+                    (path.name, name, role)
     if stage0:  # the expp_rank_{R} files belong to expert-parallel ranks: copied, one per ep rank
         tag = fx.meta["tag"]
         got = sorted(p.name for p in (tmp_path / "up" / tag).glob("expp_rank_*"))

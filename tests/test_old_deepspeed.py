@@ -169,7 +169,7 @@ def test_frozen_params_held_by_an_old_stage0_optimizer_have_masters(fx):
         # weight decay (0.01 x lr 1e-2) in the init step: the master is no longer the 16-bit value ...
         assert not torch.equal(master, lowp.float())
         assert torch.equal(master.to(lowp.dtype), lowp)  # ... but still rounds to it
-        assert torch.equal(c.tensor(name, role=Role.EXP_AVG), torch.zeros_like(master))
+        assert torch.equal(c.tensor(name, state="exp_avg"), torch.zeros_like(master))
 
 
 # ---------------------------------------------------------------- opt-in: load in the release that wrote them

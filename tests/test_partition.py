@@ -199,14 +199,15 @@ def _fake_zero12(world: int, numels: dict[str, int], *, groups: list[list[str]] 
 
             spans = split_by_partitions(off, numels[name], starts, [layout.partition_numel] * world)
             pieces = []
-            for role, key in ((Role.MASTER, ("optimizer_state_dict", "single_partition_of_fp32_groups", g)),
-                              (Role.EXP_AVG, ("optimizer_state_dict", "base_optimizer_state", "state", g,
-                                              "exp_avg")),
-                              (Role.EXP_AVG_SQ, ("optimizer_state_dict", "base_optimizer_state", "state", g,
-                                                 "exp_avg_sq"))):
+            for role, state, key in (
+                    (Role.MASTER, None, ("optimizer_state_dict", "single_partition_of_fp32_groups", g)),
+                    (Role.OPTIM_STATE, "exp_avg", ("optimizer_state_dict", "base_optimizer_state", "state", g,
+                                                   "exp_avg")),
+                    (Role.OPTIM_STATE, "exp_avg_sq", ("optimizer_state_dict", "base_optimizer_state", "state", g,
+                                                      "exp_avg_sq"))):
                 pieces.append(Piece(role, "float32", tuple(
                     Fragment(SRC / f"zero_pp_rank_{s.rank}_mp_rank_00_optim_states.pt", key, s.src_offset,
-                             s.numel, s.dst_offset, s.rank) for s in spans)))
+                             s.numel, s.dst_offset, s.rank) for s in spans), state_key=state))
             entries.append(TensorEntry(name, (numels[name],), Kind.PARAM, True, tuple(pieces), group=g))
     files = tuple([SRC / "mp_rank_00_model_states.pt"]
                   + [SRC / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)])
@@ -222,7 +223,8 @@ def _assemble(plan, role_attr: str, numel_total: int) -> dict[tuple, int]:
     out = {}
     for r in plan.ranks:
         for g in r.groups:
-            for c in getattr(g, role_attr).copies:
+            spec = g.master if role_attr == "master" else g.state_specs[role_attr]
+            for c in spec.copies:
                 for k in range(c.numel):
                     out[(r.rank, g.group, c.dst_offset + k)] = (c.file.name, c.src_offset + k)
     return out
@@ -241,7 +243,7 @@ def test_plan_zero12_moves_every_element_once(src, dst):
         (g,) = r.groups
         assert g.partition_numel == layout.partition_numel
         assert g.master.numel == layout.partition_numel - layout.rank_padding(r.rank)
-        assert g.exp_avg.numel == layout.partition_numel
+        assert g.state_specs["exp_avg"].numel == layout.partition_numel
         assert g.padding_numel == layout.rank_padding(r.rank)
         assert g.master.copied_numel == g.master.numel  # no alignment padding: all of it is params
     # every source element lands exactly once, at its flat position in the new layout

@@ -137,7 +137,7 @@ def test_no_source_value_refuses_listing_all_and_writes_nothing(tmp_path):
     fx = _fx("s2_fp32_w4")
     ckpt = copy_fixture(fx, tmp_path)
     plant(ckpt, "bn.running_var", Role.MODULE, 2, math.inf)
-    plant(ckpt, "fc1.bias", Role.EXP_AVG, 0, math.nan)
+    plant(ckpt, "fc1.bias", "exp_avg", 0, math.nan)
     sd = {k: v.contiguous() for k, v in fx.expected_fp32().items() if k != "bn.running_var"}
     save_file(sd, str(tmp_path / "partial.safetensors"))
     with pytest.raises(RepairError, match=r"cannot repair 2 tensor\(s\).*fc1.bias: non-finite values in its exp_avg; "

@@ -182,7 +182,8 @@ def _write_tampered(out: Path) -> None:
     ckpt = read_checkpoint(REPO / "tests" / "fixtures" / "s2_bf16_w2_2groups" / "ckpt", cache=cache)
     plan = plan_reshard(ckpt, 3, zero_stage=3, facts=read_source_facts(ckpt, cache))
     r0 = plan.ranks[0]
-    g0 = dataclasses.replace(r0.groups[0], exp_avg=r0.groups[0].exp_avg_sq, exp_avg_sq=r0.groups[0].exp_avg)
+    specs = r0.groups[0].state_specs
+    g0 = dataclasses.replace(r0.groups[0], states=(("exp_avg", specs["exp_avg_sq"]), ("exp_avg_sq", specs["exp_avg"])))
     r0 = dataclasses.replace(r0, groups=(g0, *r0.groups[1:]))
     run_reshard(dataclasses.replace(plan, ranks=(r0, *plan.ranks[1:])), out, cache=cache, verify="none")
 

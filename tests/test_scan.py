@@ -78,13 +78,13 @@ PLANTS = [
     ("s0_fp32_w1", "fc1.weight", Role.MODULE, 5, StoredKind.PARAM),
     ("s0_bf16_w2", "fc2.weight", Role.MASTER, 7, StoredKind.MASTER),
     ("s1_bf16_w3", "fc1.weight", Role.MASTER, 41, StoredKind.MASTER),
-    ("s2_fp32_w4", "embed.weight", Role.EXP_AVG, 65, StoredKind.EXP_AVG),
-    ("s2_bf16_w2_2groups", "bn.bias", Role.EXP_AVG_SQ, 6, StoredKind.EXP_AVG_SQ),
+    ("s2_fp32_w4", "embed.weight", "exp_avg", 65, StoredKind.EXP_AVG),
+    ("s2_bf16_w2_2groups", "bn.bias", "exp_avg_sq", 6, StoredKind.EXP_AVG_SQ),
     ("s2_fp32_w2_legacy", "frozen.weight", Role.MODULE, 3, StoredKind.FROZEN),
     ("s3_bf16_w3_subgroups", "fc2.weight", Role.MASTER, 29, StoredKind.MASTER),
     ("s3_fp32_w2", "bn.running_var", Role.MODULE, 6, StoredKind.BUFFER),
 ]
-PLANT_IDS = [f"{p[0]}-{p[1]}-{p[2].value}" for p in PLANTS]
+PLANT_IDS = [f"{p[0]}-{p[1]}-{getattr(p[2], 'value', p[2])}" for p in PLANTS]
 
 
 @pytest.mark.parametrize("fx_name,name,role,index,kind", PLANTS, ids=PLANT_IDS)

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scan_helpers import assert_scan_and_verify_clean, copy_tp_fixture
+from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, is_copy, read_copy
 from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, universal
 
 from dsckpt import parsed_tree, safe_load, safe_save
@@ -35,7 +35,7 @@ from dsckpt.scan import scan
 from dsckpt.parallel_layout import ParamCut, SplitKind
 from dsckpt.tensor_parallel import compose, tp_layout_from_record
 
-ROLE_KEY = {Role.MASTER: "fp32", Role.EXP_AVG: "exp_avg", Role.EXP_AVG_SQ: "exp_avg_sq"}
+ROLE_KEY = {Role.MASTER: "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_moments_and_16bit_copy_merge_exactly(fx):
         e = ckpt.entry(n)
         assert list(e.shape) == meta(fx)["full_shapes"][n]
         for role, key in ROLE_KEY.items():
-            assert torch.equal(read_entry(e, cache_, role), u[f"{key}/{n}"]), (role, n)
+            assert torch.equal(read_copy(e, cache_, role), u[f"{key}/{n}"]), (role, n)
         if meta(fx)["stage"] < 3:
             assert torch.equal(read_entry(e, cache_, Role.MODULE).float(), tr[f"lowp/{n}"].float()), n
     cache_.finish_checks()
@@ -265,12 +265,12 @@ def test_scan_and_verify_clean(fx):
     assert_scan_and_verify_clean(fx / "ckpt")
 
 
-def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float) -> None:
+def _set_local(ckpt: Path, tp_rank: int, name: str, role: Copy, local_index: int, value: float) -> None:
     """Set element ``local_index`` of TP rank ``tp_rank``'s local slice, located by the plain ZeRO-1/2 reader of
     that rank alone (no TP mapping involved)."""
     root, tag, tag_dir = find_tag_dir(ckpt, None)
     local = read_zero12(rank_files(classify_files(root, tag, tag_dir), tp_rank), FileCache())
-    piece = local.entry(name).piece(role)
+    piece = copy_of(local.entry(name), role)
     assert piece is not None
     f = next(f for f in piece.fragments if f.dst_offset <= local_index < f.dst_offset + f.numel)
     tree = parsed_tree.materialize(safe_load.load(f.file))
@@ -323,7 +323,7 @@ def test_scan_reads_a_row_slice_whole_and_names_full_indices_in_order(tmp_path, 
 
 @pytest.mark.parametrize("fx_name, role, kind", [
     ("megatron_z2_fp32_tp2_dp2", Role.MASTER, "fp32 master"),
-    ("megatron_z1_bf16_tp2_dp1", Role.EXP_AVG_SQ, "exp_avg_sq"),
+    ("megatron_z1_bf16_tp2_dp1", "exp_avg_sq", "exp_avg_sq"),
     ("megatron_z1_bf16_tp2_dp1", Role.MODULE, "param"),
 ])
 def test_scan_finds_inf_in_a_vocabulary_padding_row(tmp_path, fx_name, role, kind):
@@ -341,7 +341,7 @@ def test_scan_finds_inf_in_a_vocabulary_padding_row(tmp_path, fx_name, role, kin
     ckpt_logical = read_checkpoint(ckpt)
     e = ckpt_logical.entry("head.weight")
     assert (e.shape, e.padding_rows, e.padding_numel) == ((30, 8), 2, 16)
-    assert bool(torch.isfinite(read_entry(e, FileCache(), role)).all())
+    assert bool(torch.isfinite(read_copy(e, FileCache(), role)).all())
 
 
 FP16_TP = [TP_DIR / "autotp_z1_fp16_tp2_dp1_cpuforced", TP_DIR / "autotp_z3_fp16_tp2_dp1_cpuforced"]
@@ -500,7 +500,7 @@ def test_reads_ds_to_universal_output_of_tp_run(name, tmp_path):
     for n in meta(fx)["params"]:
         e = ckpt.entry(n)
         for role, key in ROLE_KEY.items():
-            assert torch.equal(read_entry(e, cache_, role), u[f"{key}/{n}"]), (role, n)
+            assert torch.equal(read_copy(e, cache_, role), u[f"{key}/{n}"]), (role, n)
         if meta(fx)["stage"] < 3:  # the 16-bit copies come from the copied TP-rank model-states files
             assert torch.equal(read_entry(e, cache_, Role.MODULE).float(), truth(fx)[f"lowp/{n}"].float()), n
     assert scan(out).findings == ()

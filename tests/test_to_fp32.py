@@ -66,11 +66,11 @@ def test_adam_moments_match_ground_truth(fx):
     truth = fx.truth()
     checked = 0
     for e in c.entries:
-        for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-            key = f"{role.value}/{e.name}"
+        for state in ("exp_avg", "exp_avg_sq"):
+            key = f"{state}/{e.name}"
             if key in truth:
-                assert e.piece(role) is not None, f"{key} not found by the reader"
-                assert torch.equal(c.tensor(e.name, role=role), truth[key]), key
+                assert e.state_piece(state) is not None, f"{key} not found by the reader"
+                assert torch.equal(c.tensor(e.name, state=state), truth[key]), key
                 checked += 1
     assert checked == sum(1 for k in truth if k.startswith(("exp_avg/", "exp_avg_sq/")))
 

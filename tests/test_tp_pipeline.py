@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from scan_helpers import assert_scan_and_verify_clean, copy_tp_fixture
+from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, is_copy, read_copy
 
 from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
@@ -28,7 +28,7 @@ FIX_DIR = Path(__file__).parent / "fixtures"
 PP_DIR = FIX_DIR / "tp_pipeline"
 FIXTURES = sorted(p.parent for p in PP_DIR.glob("*/truth.json"))
 IDS = [p.name for p in FIXTURES]
-ROLE_KEY = {Role.MASTER: "fp32", Role.EXP_AVG: "exp_avg", Role.EXP_AVG_SQ: "exp_avg_sq"}
+ROLE_KEY = {Role.MASTER: "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 TIED = "tied_modules.embed.word_embeddings.weight"
 FP32 = PP_DIR / "megatron_pp2_tp2_z1_fp32"
 BF16 = PP_DIR / "megatron_pp2_tp2_z1_bf16_bf16opt"
@@ -126,7 +126,7 @@ def test_moments_and_layer_file_copies_merge_exactly(fx):
         e = ckpt.entry(n)
         assert list(e.shape) == m["full_shapes"][n]
         for role, key in ROLE_KEY.items():
-            assert torch.equal(read_entry(e, cache_, role), u[f"{key}/{n}"]), (role, n)
+            assert torch.equal(read_copy(e, cache_, role), u[f"{key}/{n}"]), (role, n)
         lowp = _merge_local(n, [tr[f"tp{t}/lowp/{n}"] for t in range(2)])
         got = read_entry(e, cache_, Role.MODULE)
         assert got.dtype == lowp.dtype and torch.equal(got, lowp), n
@@ -187,7 +187,7 @@ def test_scan_and_verify_clean(fx):
     assert_scan_and_verify_clean(fx / "ckpt")
 
 
-def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int, value: float,
+def _set_local(ckpt: Path, tp_rank: int, name: str, role: Copy, local_index: int, value: float,
                replica: int = 0) -> Path:
     """Set element ``local_index`` of TP rank ``tp_rank``'s local slice (``replica`` 1: a tied param's stage-1 copy),
     located by the plain pipeline reader of that TP rank's files alone (no TP mapping involved); returns the file
@@ -195,7 +195,7 @@ def _set_local(ckpt: Path, tp_rank: int, name: str, role: Role, local_index: int
     root, tag, tag_dir = find_tag_dir(ckpt, None)
     local = read_stages(tp_rank_files(classify_files(root, tag, tag_dir), tp_rank, 2), FileCache())
     assert local.tp_world_size == 1 and local.pp_world_size == 2
-    piece = next(p for p in local.entry(name).pieces if p.role is role and p.replica == replica)
+    piece = next(p for p in local.entry(name).pieces if is_copy(p, role, replica))
     f = next(f for f in piece.fragments if f.dst_offset <= local_index < f.dst_offset + f.numel)
     tree = parsed_tree.materialize(safe_load.load(f.file))
     lookup(tree, f.key, f.file).view(-1)[f.src_offset + local_index - f.dst_offset] = value
@@ -237,9 +237,9 @@ def test_tied_embedding_copy_of_the_last_stage_is_checked(tmp_path):
     replicas of stage 0's. A stage-1 fp32 master that drifted makes verify fail naming the stage-1 / TP-1 file; an
     inf there is found by scan at its full index (TP rank 1's local row 2 is full row 16 + 2)."""
     e = read_checkpoint(FP32 / "ckpt").entry(TIED)
-    copies = sorted((p.role.value, p.replica, p.same_as) for p in e.pieces)
-    assert copies == sorted([(r.value, 0, None) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE)]
-                            + [(r.value, 1, 0) for r in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ)])
+    copies = sorted((p.label, p.replica, p.same_as) for p in e.pieces)
+    assert copies == sorted([(r, 0, None) for r in ("master", "exp_avg", "exp_avg_sq", "module")]
+                            + [(r, 1, 0) for r in ("master", "exp_avg", "exp_avg_sq")])
     ckpt = copy_tp_fixture(FP32, tmp_path / "drift")
     changed = _set_local(ckpt, 1, TIED, Role.MASTER, 2 * 8 + 3, 0.125, replica=1)
     assert changed.name == "zero_pp_rank_0_mp_rank_03_optim_states.pt"
@@ -252,7 +252,7 @@ def test_tied_embedding_copy_of_the_last_stage_is_checked(tmp_path):
     assert CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)]).exit_code == 0
     assert torch.equal(_load(out)[TIED], universal(FP32)[f"fp32/{TIED}"])
     ckpt = copy_tp_fixture(FP32, tmp_path / "inf")
-    _set_local(ckpt, 1, TIED, Role.EXP_AVG_SQ, 2 * 8 + 3, float("inf"), replica=1)
+    _set_local(ckpt, 1, TIED, "exp_avg_sq", 2 * 8 + 3, float("inf"), replica=1)
     hit = [f for f in scan(ckpt).findings if f.count and f.name == TIED]
     assert len(hit) == 1 and hit[0].first_indices == ((16 + 2) * 8 + 3,) and hit[0].file.name == changed.name, \
         [f.describe() for f in hit]

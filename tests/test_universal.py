@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FIXTURES, all_fixtures, assert_no_fsync_writes_the_same_bytes
+from scan_helpers import read_copy
 from safetensors.torch import load_file
 
 from dsckpt import parsed_tree, safe_load
@@ -93,8 +94,8 @@ def test_moments_equal_source_truth(name):
     checked = 0
     for e in ckpt.params:
         if e.trainable and e.tied_to is None:
-            for role, key in ((Role.MASTER, "param"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq")):
-                assert torch.equal(read_entry(e, cache, role), truth[f"{key}/{e.name}"]), (e.name, role)
+            for role, key in ((Role.MASTER, "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                assert torch.equal(read_copy(e, cache, role), truth[f"{key}/{e.name}"]), (e.name, role)
                 checked += 1
     assert checked == 21
 
@@ -311,14 +312,14 @@ def _logical(stage: int):
     o0, o1 = Path("/nowhere/zero_pp_rank_0_mp_rank_00_optim_states.pt"), Path("/nowhere/zero_pp_rank_1_mp_rank_00_optim_states.pt")
     ms = Path("/nowhere/mp_rank_00_model_states.pt")
 
-    def split(role, key):
-        return Piece(role, "float32", (Fragment(o0, (*key, role.value) if role is not Role.MASTER else key, 2, 4, 0, 0),
-                                        Fragment(o1, (*key, role.value) if role is not Role.MASTER else key, 0, 2, 4, 1)))
+    def split(role, key, state=None):
+        return Piece(role, "float32", (Fragment(o0, (*key, state) if state else key, 2, 4, 0, 0),
+                                        Fragment(o1, (*key, state) if state else key, 0, 2, 4, 1)), state_key=state)
 
     m_key = ("optimizer_state_dict", "single_partition_of_fp32_groups", 0)
     s_key = ("optimizer_state_dict", "base_optimizer_state", "state", 0)
-    w = TensorEntry("w", (2, 3), Kind.PARAM, True, (split(Role.MASTER, m_key), split(Role.EXP_AVG, s_key),
-                                                     split(Role.EXP_AVG_SQ, s_key),
+    w = TensorEntry("w", (2, 3), Kind.PARAM, True, (split(Role.MASTER, m_key), split(Role.OPTIM_STATE, s_key, "exp_avg"),
+                                                     split(Role.OPTIM_STATE, s_key, "exp_avg_sq"),
                                                      Piece(Role.MODULE, "bfloat16", (Fragment(ms, ("module", "w"), 0, 6, 0),))),
                     group=0)
     f = TensorEntry("f", (4,), Kind.PARAM, False, (Piece(Role.MODULE, "bfloat16", (Fragment(ms, ("module", "f"), 0, 4, 0),)),))

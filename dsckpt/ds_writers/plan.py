@@ -1,27 +1,28 @@
 """The records every DeepSpeed layout writer plans with, and the pure range arithmetic they share.
 
 A :class:`LayoutPlan` is the whole output: per target rank, which file, and for every flat tensor
-in it (fp32 master partition, Adam moments, stage-3 frozen fragments) which element ranges of which
+in it (fp32 master partition, optimizer states, stage-3 frozen fragments) which element ranges of which
 source tensors land where (:class:`RangeCopy`); zeros everywhere else. No tensor data, no I/O.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
-from ..model import Fragment, LogicalCheckpoint, Piece, Precision
+from ..model import Fragment, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
     "FlatSpec",
     "GroupPartition",
     "LayoutPlan",
+    "OptimizerCopies",
     "RangeCopy",
     "RankPlan",
     "SourceFacts",
@@ -72,14 +73,19 @@ class GroupPartition:
     """One target rank's share of one param group (stage 1/2) or fp32 sub-group (stage 3)."""
 
     group: int
-    partition_numel: int  # padded partition length: the Adam moments' length
+    partition_numel: int  # padded partition length: the optimizer states' length
     padding_numel: int  # the ``group_paddings`` entry written for this rank (stage 1/2)
     master: FlatSpec  # fp32 master as stored (ZeRO-1/2 strips the padding)
-    exp_avg: FlatSpec
-    exp_avg_sq: FlatSpec
+    # (state key, values) of each per-element optimizer state ("exp_avg", "momentum_buffer", ...), in the
+    # optimizer's order
+    states: tuple[tuple[str, FlatSpec], ...] = ()
     slice_mappings: tuple[tuple[str, int, int], ...] = ()  # (name, start, numel), stage 1/2
     ds_id: str | None = None  # stage 3: "<first ds_id>_<last ds_id>" of the sub-group
     partition_count: int | None = None  # MoE expert group: the expert-data-parallel size (else the world size)
+
+    @property
+    def state_specs(self) -> dict[str, FlatSpec]:
+        return dict(self.states)
 
 
 @dataclass(frozen=True)
@@ -203,10 +209,39 @@ class LayoutPlan:
         total = 0
         for r in self.ranks:
             for g in r.groups:
-                total += 4 * (g.master.numel + g.exp_avg.numel + g.exp_avg_sq.numel)
+                total += 4 * (g.master.numel + sum(spec.numel for _, spec in g.states))
             for _, spec in r.frozen_fragments:
                 total += 2 * spec.numel
         return total
+
+
+class OptimizerCopies:
+    """The range copies of one target partition's optimizer-side flat tensors: the fp32 master and each
+    per-element optimizer state of the group's params (their keys, in the optimizer's order: every param of the
+    group must have every one)."""
+
+    def __init__(self, ckpt: LogicalCheckpoint, entries: Iterable[TensorEntry]) -> None:
+        self.tag_dir = ckpt.tag_dir
+        self.keys = tuple(dict.fromkeys(k for e in entries for k in e.state_keys))
+        self.dtypes: dict[str, str] = {}
+        self.master: list[RangeCopy] = []
+        self.states: dict[str, list[RangeCopy]] = {k: [] for k in self.keys}
+
+    def add(self, name: str, entry: TensorEntry, elem_start: int, numel: int, dst_offset: int) -> None:
+        """Elements ``[elem_start, elem_start + numel)`` of param ``name`` land at ``dst_offset``."""
+        for key, lst in ((None, self.master), *self.states.items()):
+            piece = entry.piece(Role.MASTER) if key is None else entry.state_piece(key)
+            if piece is None:
+                raise CorruptCheckpointError(f"'{self.tag_dir}': param '{name}' has no {key or 'master'} values")
+            if key is not None:
+                self.dtypes.setdefault(key, piece.dtype)
+            lst.extend(range_copies(piece, elem_start, numel, dst_offset, name))
+
+    def master_spec(self, numel: int) -> FlatSpec:
+        return FlatSpec(numel, "float32", coalesce(self.master))
+
+    def state_specs(self, numel: int) -> tuple[tuple[str, FlatSpec], ...]:
+        return tuple((k, FlatSpec(numel, self.dtypes.get(k, "float32"), coalesce(c))) for k, c in self.states.items())
 
 
 def element_nbytes(precision: Precision) -> int:
@@ -230,7 +265,7 @@ def range_copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: i
     covered = sum(c.numel for c in out)
     if covered != numel:
         raise CorruptCheckpointError(
-            f"tensor '{name}': its {piece.role.value} copy covers {covered} of elements "
+            f"tensor '{name}': its {piece.label} copy covers {covered} of elements "
             f"[{elem_start}, {end}); the checkpoint's fragments are incomplete")
     if any(f.strided for f in piece.fragments):
         out.sort(key=lambda c: c.dst_offset)

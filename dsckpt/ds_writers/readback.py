@@ -71,9 +71,9 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
         if padding and n.padding_rows != e.padding_rows:
             problems.append(f"'{name}' has {n.padding_rows} vocabulary padding rows, expected {e.padding_rows}")
             continue
-        for role, a, b, what in [*((r, a, b, r.value) for r, a, b in _copies_to_compare(e, n)),
-                                 *((r, e.padding_piece(r), n.padding_piece(r), f"{r.value} padding rows")
-                                   for r in dict.fromkeys(p.role for p in e.padding) if padding)]:
+        for role, a, b, what in [*_copies_to_compare(e, n),
+                                 *((r, e.padding_piece(r, 0, k), n.padding_piece(r, 0, k), f"{k or r.value} padding rows")
+                                   for r, k in dict.fromkeys((p.role, p.state_key) for p in e.padding) if padding)]:
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
                     problems.append(f"'{name}' lost its {what} copy")
@@ -100,17 +100,22 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
     return checked
 
 
-def _copies_to_compare(e: Any, n: Any) -> list[tuple[Role, Piece | None, Piece | None]]:
-    """Per role, the primary copies of source ``e`` and output ``n``; and every further output copy that must
-    equal a source copy bit for bit (a param replicated on every tensor-parallel rank: ``same_as``), against
-    the source copy of the same replica number, or the source's primary where it has no such replica."""
-    out: list[tuple[Role, Piece | None, Piece | None]] = []
-    for role in (Role.MASTER, Role.EXP_AVG, Role.EXP_AVG_SQ, Role.MODULE):
-        out.append((role, e.piece(role), n.piece(role)))
-        src = {p.replica: p for p in e.pieces if p.role is role}
+def _copies_to_compare(e: Any, n: Any) -> list[tuple[Role, Piece | None, Piece | None, str]]:
+    """Per stored copy (master, each optimizer state, module), the primary copies of source ``e`` and output ``n``
+    and what they are; and every further output copy that must equal a source copy bit for bit (a param
+    replicated on every tensor-parallel rank: ``same_as``), against the source copy of the same replica number,
+    or the source's primary where it has no such replica."""
+    out: list[tuple[Role, Piece | None, Piece | None, str]] = []
+    keys = dict.fromkeys((*e.state_keys, *n.state_keys))
+    for role, key in ((Role.MASTER, None), *((Role.OPTIM_STATE, k) for k in keys), (Role.MODULE, None)):
+        def primary(entry: Any, role: Role = role, key: str | None = key) -> Piece | None:
+            return entry.state_piece(key) if key is not None else entry.piece(role)
+        what = key or role.value
+        out.append((role, primary(e), primary(n), what))
+        src = {p.replica: p for p in e.pieces if (p.role, p.state_key) == (role, key)}
         for p in n.pieces:
-            if p.role is role and p.same_as is not None:
-                out.append((role, src.get(p.replica, e.piece(role)), p))
+            if (p.role, p.state_key) == (role, key) and p.same_as is not None:
+                out.append((role, src.get(p.replica, primary(e)), p, what))
     return out
 
 

@@ -46,7 +46,7 @@ from .plan import FlatSpec, coalesce, range_copies, rank_of
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
            "universal_trees"]
 
-STATES = ((Role.MASTER, "fp32"), (Role.EXP_AVG, "exp_avg"), (Role.EXP_AVG_SQ, "exp_avg_sq"))
+MASTER_FILE = "fp32"  # zero/<param>/fp32.pt; each optimizer state goes to zero/<param>/<state key>.pt
 # ds_to_universal.py _save_optimizer_state: what a ZeRO-1/2 optimizer_state.pt leaves out
 SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
@@ -56,7 +56,7 @@ class StateFile:
     """``zero/<name>/<state>.pt``: one whole fp32 param state assembled from ``spec``'s ranges."""
 
     name: str
-    state: str  # "fp32", "exp_avg", "exp_avg_sq"
+    state: str  # "fp32", or the optimizer state key: "exp_avg", "exp_avg_sq", ...
     spec: FlatSpec
     shape: tuple[int, ...]  # as written: the param's shape (ZeRO-1/2 source) or flat (ZeRO-3 source)
     wrapped: bool  # {"cat_dim": 0, "param": t} (ZeRO-1/2 source) or the bare tensor (ZeRO-3 source)
@@ -178,10 +178,12 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     for e in ckpt.entries:
         if e.kind is not Kind.PARAM or not e.trainable or e.tied_to is not None:
             continue
-        for role, state in STATES:
-            piece = e.piece(role)
+        if not e.state_keys:
+            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no optimizer state values")
+        for state in (MASTER_FILE, *e.state_keys):
+            piece = e.piece(Role.MASTER) if state == MASTER_FILE else e.state_piece(state)
             if piece is None:
-                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {role.value} values")
+                raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {state} values")
             spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
             cut = ckpt.autoep.name_to_cut.get(e.name) if ckpt.autoep is not None else None
             if cut is not None:
@@ -195,9 +197,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                 states.append(StateFile(e.name, state, spec, (e.numel,) if zero3 else e.shape, not zero3))
         written.add(e.name)
         if not zero3:
-            moments = e.piece(Role.EXP_AVG)
-            assert moments is not None
-            first = moments.fragments[0]
+            first = e.state_pieces[0].fragments[0]
             steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
     if not zero3:  # ds_to_universal.py:1201-1215: every other module tensor, upcast
         for e in ckpt.entries:

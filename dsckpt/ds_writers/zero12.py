@@ -46,7 +46,7 @@ from .plan import (
     FlatSpec,
     GroupPartition,
     LayoutPlan,
-    RangeCopy,
+    OptimizerCopies,
     RankPlan,
     coalesce,
     element_nbytes,
@@ -115,17 +115,12 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
             p_start = k * p_numel
             padding = (bf16_optimizer_group_padding(layout, k) if bf16_optimizer else layout.rank_padding(k))
             stored = p_numel if bf16_optimizer else p_numel - layout.rank_padding(k)
-            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
+            copies = OptimizerCopies(ckpt, (entry_of(nm) for nm in flat))
             for nm, off, numel in zip(flat, layout.param_offsets, layout.param_numels):
                 lo, hi = max(off, p_start), min(off + numel, p_start + p_numel)
                 if lo >= hi:
                     continue
-                entry = entry_of(nm)
-                for role, lst in role_copies.items():
-                    piece = entry.piece(role)
-                    if piece is None:
-                        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
-                    lst.extend(range_copies(piece, lo - off, hi - lo, lo - p_start, nm))
+                copies.add(nm, entry_of(nm), lo - off, hi - lo, lo - p_start)
             offsets_by_name = dict(zip(flat, layout.param_offsets))
             orig_numels = [entry_of(nm).numel for nm in original]
             maps = zero12_param_slice_mappings(
@@ -133,9 +128,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 [offsets_by_name[nm] for nm in original] if any(pads) else None)
             groups.append(GroupPartition(
                 group=g, partition_numel=p_numel, padding_numel=padding,
-                master=FlatSpec(stored, "float32", coalesce(role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(p_numel, "float32", coalesce(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(p_numel, "float32", coalesce(role_copies[Role.EXP_AVG_SQ])),
+                master=copies.master_spec(stored), states=copies.state_specs(p_numel),
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
                 partition_count=layout.world_size if ep else None,
             ))
@@ -286,11 +279,9 @@ def zero12_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sc
     state: dict[Any, Any] = {}
     for g in r.groups:
         src_state = base0["state"][state_keys[g.group]]
-        new = {}
-        for k, v in src_state.items():
-            new[k] = (streamed(g.exp_avg, cache) if k == "exp_avg" else
-                      streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else own_copy(v))
-        state[state_keys[g.group]] = new
+        specs = g.state_specs
+        state[state_keys[g.group]] = {k: streamed(specs[k], cache) if k in specs else own_copy(v)
+                                      for k, v in src_state.items()}
     osd = dict(osd0)
     osd["base_optimizer_state"] = {**base0, "state": state}
     osd["single_partition_of_fp32_groups"] = [streamed(g.master, cache) for g in r.groups]

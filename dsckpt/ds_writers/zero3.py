@@ -32,9 +32,8 @@ from .plan import (
     FlatSpec,
     GroupPartition,
     LayoutPlan,
-    RangeCopy,
+    OptimizerCopies,
     RankPlan,
-    coalesce,
     model_file_name,
     optim_file_name,
     range_copies,
@@ -81,25 +80,19 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
         for t, names in enumerate(target_subgroups):
             offset = 0
             k, ents, count = entries_of(sub_to_group[t], r)
-            role_copies: dict[Role, list[RangeCopy]] = {Role.MASTER: [], Role.EXP_AVG: [], Role.EXP_AVG_SQ: []}
+            copies = OptimizerCopies(ckpt, (ents[nm] for nm in names))
             for nm in names:
                 e = ents[nm]
                 per = zero3_partition_numel(e.numel, count)
                 lo, hi = k * per, min((k + 1) * per, e.numel)
                 if lo < hi:
-                    for role, lst in role_copies.items():
-                        piece = e.piece(role)
-                        if piece is None:
-                            raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{nm}' has no {role.value} values")
-                        lst.extend(range_copies(piece, lo, hi - lo, offset, nm))
+                    copies.add(nm, e, lo, hi - lo, offset)
                 offset += per
             ds_id = (f"{param_ds_ids[names[0]]}_{param_ds_ids[names[-1]]}"
                      if names and names[0] in param_ds_ids and names[-1] in param_ds_ids else None)
             groups.append(GroupPartition(
                 group=t, partition_numel=offset, padding_numel=0,
-                master=FlatSpec(offset, "float32", coalesce(role_copies[Role.MASTER])),
-                exp_avg=FlatSpec(offset, "float32", coalesce(role_copies[Role.EXP_AVG])),
-                exp_avg_sq=FlatSpec(offset, "float32", coalesce(role_copies[Role.EXP_AVG_SQ])),
+                master=copies.master_spec(offset), states=copies.state_specs(offset),
                 ds_id=ds_id,
             ))
         frozen = []
@@ -179,11 +172,8 @@ def zero3_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sca
     first_state = src_state[sorted(src_state.keys())[0]] if src_state else {}
     state: dict[Any, Any] = {}
     for g in r.groups:
-        new = {}
-        for k, v in first_state.items():
-            new[k] = (streamed(g.exp_avg, cache) if k == "exp_avg" else
-                      streamed(g.exp_avg_sq, cache) if k == "exp_avg_sq" else own_copy(v))
-        state[g.group] = new
+        specs = g.state_specs
+        state[g.group] = {k: streamed(specs[k], cache) if k in specs else own_copy(v) for k, v in first_state.items()}
     param_groups = []
     for gi, pg in enumerate(inner0["param_groups"]):
         param_groups.append({**pg, "params": [t for t, owner in enumerate(plan.subgroup_to_group) if owner == gi]})

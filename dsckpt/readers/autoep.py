@@ -47,6 +47,7 @@ from ..partition import split_by_partitions, zero3_partition_numel, zero3_spans
 from ..tensor_parallel import affine_disagreement, compose
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     is_floating,
     metadata_from_model_states,
@@ -287,7 +288,7 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         owners: list[tuple[int | None, list[int]]] = (
             [(e, topo.expert_data_parallel_ranks(e)) for e in range(layout.ep_size)] if g in expert_groups
             else [(None, list(range(world)))])
-        frags: dict[str, dict[Role, list[Fragment]]] = {}
+        frags: dict[str, dict[tuple[Role, str | None], list[Fragment]]] = {}
         for ep_rank, ranks in owners:
             starts = [k * p_numel for k in range(len(ranks))]
             offset = 0
@@ -301,14 +302,15 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                         raise CorruptCheckpointError(
                             f"{optim_files[ranks[sp.rank]]}: param '{name}' needs elements up to "
                             f"{sp.src_offset + sp.numel} of fp32 group {g}, the rank stores {have}")
-                keys = {Role.MASTER: (OSD, "single_partition_of_fp32_groups", g)}
+                keys: dict[tuple[Role, str | None], tuple[Any, ...]] = {
+                    (Role.MASTER, None): (OSD, "single_partition_of_fp32_groups", g)}
                 mk = parts.moment_keys[g]
                 if mk is not None:
-                    keys.update({role: (*mk, role.value) for role in (Role.EXP_AVG, Role.EXP_AVG_SQ)})
-                for role, key in keys.items():
-                    local = [Fragment(optim_files[ranks[sp.rank]], key, sp.src_offset, sp.numel, sp.dst_offset,
+                    keys.update({(Role.OPTIM_STATE, sk): (*mk, sk) for sk in ADAM_STATE_KEYS})
+                for copy, kpath in keys.items():
+                    local = [Fragment(optim_files[ranks[sp.rank]], kpath, sp.src_offset, sp.numel, sp.dst_offset,
                                       ranks[sp.rank]) for sp in spans]
-                    frags.setdefault(name, {}).setdefault(role, []).extend(_full_fragments(local, cut, ep_rank))
+                    frags.setdefault(name, {}).setdefault(copy, []).extend(_full_fragments(local, cut, ep_rank))
                 offset += numel + pads[i]
             if offset > p_numel * len(ranks):
                 raise CorruptCheckpointError(
@@ -317,8 +319,8 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         for name, shape in names:
             cut = layout.name_to_cut.get(name)
             full_shape = cut.full_shape if cut is not None and g in expert_groups else shape
-            pieces = [Piece(role, "float32", tuple(sorted(fs, key=lambda f: f.dst_offset)))
-                      for role, fs in frags[name].items()]
+            pieces = [Piece(role, "float32", tuple(sorted(fs, key=lambda f: f.dst_offset)), state_key=sk)
+                      for (role, sk), fs in frags[name].items()]
             if g in expert_groups:
                 if name not in expert_copies:
                     raise CorruptCheckpointError(f"'{files.tag_dir}': no expert file holds '{name}'")
@@ -498,7 +500,7 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         if not expert and len(owners[None]) != world:
             raise CorruptCheckpointError(f"'{files.tag_dir}': dense sub-group {s} is partitioned over "
                                          f"{owners[None]}, not all {world} ranks")
-        frags: dict[str, dict[Role, list[Fragment]]] = {}
+        frags: dict[str, dict[tuple[Role, str | None], list[Fragment]]] = {}
         used: dict[int, int] = {}
         for ep_rank, ranks in owners.items():
             pc = len(ranks)
@@ -508,14 +510,15 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 numel = math.prod(int(x) for x in shape)
                 cut = layout.name_to_cut.get(name) if ep_rank is not None else None
                 spans = zero3_spans(numel, pc, offset)
-                keys = {Role.MASTER: (OSD, "fp32_flat_groups", s)}
+                keys: dict[tuple[Role, str | None], tuple[Any, ...]] = {
+                    (Role.MASTER, None): (OSD, "fp32_flat_groups", s)}
                 if s < len(state_keys):
-                    keys.update({role: (OSD, OSD, "state", state_keys[s], role.value)
-                                 for role in (Role.EXP_AVG, Role.EXP_AVG_SQ)})
-                for role, key in keys.items():
-                    local = [Fragment(optim_paths[ranks[sp.rank]], key, sp.src_offset, sp.numel, sp.dst_offset,
+                    keys.update({(Role.OPTIM_STATE, sk): (OSD, OSD, "state", state_keys[s], sk)
+                                 for sk in ADAM_STATE_KEYS})
+                for copy, kpath in keys.items():
+                    local = [Fragment(optim_paths[ranks[sp.rank]], kpath, sp.src_offset, sp.numel, sp.dst_offset,
                                       ranks[sp.rank]) for sp in spans]
-                    frags.setdefault(name, {}).setdefault(role, []).extend(_full_fragments(local, cut, ep_rank))
+                    frags.setdefault(name, {}).setdefault(copy, []).extend(_full_fragments(local, cut, ep_rank))
                 offset += zero3_partition_numel(numel, pc)
             for r in ranks:
                 used[r] = offset
@@ -531,8 +534,8 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             name = str(name)
             cut = layout.name_to_cut.get(name)
             full_shape = cut.full_shape if expert and cut is not None else tuple(int(x) for x in shape)
-            pieces = tuple(Piece(role, "float32", tuple(sorted(fs, key=lambda f: f.dst_offset)))
-                           for role, fs in frags[name].items())
+            pieces = tuple(Piece(role, "float32", tuple(sorted(fs, key=lambda f: f.dst_offset)), state_key=sk)
+                           for (role, sk), fs in frags[name].items())
             entries[name] = TensorEntry(name, full_shape, Kind.PARAM, True, pieces, group=s)
 
     entries.update(zero3_module_side_entries(ms0_path, ms0, model_paths, meta.buffer_names, entries, cache))

@@ -16,7 +16,10 @@ from ..stand_ins import DeepSpeedObject
 from ..tensor_ref import TensorRef
 from ..validate import validate_tree
 
-__all__ = ["FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
+__all__ = ["ADAM_STATE_KEYS", "FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
+
+#: the per-element state keys of DeepSpeed's Adam/AdamW, in the optimizer's order
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class FileCache:

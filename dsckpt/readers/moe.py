@@ -53,6 +53,7 @@ from ..parallel_layout import (
 from ..partition import split_by_partitions
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -189,10 +190,10 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                              sp.src_offset, sp.numel, sp.dst_offset, ranks[sp.rank]) for sp in spans))]
                 mk = parts.moment_keys[g]
                 if mk is not None:
-                    for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-                        pieces.append(Piece(role, "float32", tuple(
-                            Fragment(optim_files[ranks[sp.rank]], (*mk, role.value), sp.src_offset, sp.numel,
-                                     sp.dst_offset, ranks[sp.rank]) for sp in spans)))
+                    for sk in ADAM_STATE_KEYS:
+                        pieces.append(Piece(Role.OPTIM_STATE, "float32", tuple(
+                            Fragment(optim_files[ranks[sp.rank]], (*mk, sk), sp.src_offset, sp.numel,
+                                     sp.dst_offset, ranks[sp.rank]) for sp in spans), state_key=sk))
                 if ep_rank is None:
                     full = name
                     ref = (ms.get("module") or {}).get(name)

@@ -29,6 +29,7 @@ from ..layout import CheckpointFiles
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -64,10 +65,11 @@ def module_params_and_aliases(module: Mapping[str, Any], buffer_names: set[str])
 def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int) -> list[Piece]:
     pieces = []
     if isinstance(state, Mapping):
-        for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-            ref = state.get(role.value)
+        for sk in ADAM_STATE_KEYS:
+            ref = state.get(sk)
             if isinstance(ref, TensorRef) and src_offset + numel <= ref.numel:
-                pieces.append(Piece(role, "float32", (Fragment(path, (*state_key, role.value), src_offset, numel, 0),)))
+                pieces.append(Piece(Role.OPTIM_STATE, "float32", (Fragment(path, (*state_key, sk), src_offset, numel, 0),),
+                                    state_key=sk))
     return pieces
 
 

@@ -135,17 +135,17 @@ def _combine(name: str, per_rank: list[TensorEntry], cut: ParamCut) -> TensorEnt
         for p0 in e0.pieces:
             frags, pad_frags = [], []
             for t, e in enumerate(per_rank):
-                p = next((q for q in e.pieces if q.role is p0.role and q.replica == p0.replica), None)
+                p = next((q for q in e.pieces if q.same_copy(p0)), None)
                 if p is None or p.dtype != p0.dtype:
                     raise CorruptCheckpointError(
-                        f"tensor '{name}': TP rank {t} has no {p0.dtype} {p0.role.value} copy (replica {p0.replica}), "
+                        f"tensor '{name}': TP rank {t} has no {p0.dtype} {p0.label} copy (replica {p0.replica}), "
                         "TP rank 0 has; the files come from different runs")
                 blocks, pad_blocks = cut.rank_blocks(t), cut.padding_blocks(t)
                 frags += [g for f in p.fragments for g in compose(f, blocks)]
                 pad_frags += [g for f in p.fragments for g in compose(f, pad_blocks)]
-            pieces.append(Piece(p0.role, p0.dtype, tuple(frags), p0.replica, p0.same_as))
+            pieces.append(dataclasses.replace(p0, fragments=tuple(frags)))
             if cut.padding_rows:  # the vocabulary padding rows' values: kept apart from the tensor
-                padding.append(Piece(p0.role, p0.dtype, tuple(pad_frags), p0.replica))
+                padding.append(dataclasses.replace(p0, fragments=tuple(pad_frags), same_as=None))
     return TensorEntry(name, cut.full_shape, e0.kind, e0.trainable, tuple(pieces), group=e0.group,
                        ambiguous=e0.ambiguous, padding=tuple(padding), padding_rows=cut.padding_rows)
 

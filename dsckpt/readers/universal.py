@@ -49,7 +49,9 @@ from .zero12 import module_side_entries
 
 __all__ = ["STATE_FILES", "UNIVERSAL_KEYS", "read_universal"]
 
-STATE_FILES = {Role.MASTER: "fp32.pt", Role.EXP_AVG: "exp_avg.pt", Role.EXP_AVG_SQ: "exp_avg_sq.pt"}
+# (role, optimizer state key, file name) of the per-param files
+STATE_FILES = ((Role.MASTER, None, "fp32.pt"), (Role.OPTIM_STATE, "exp_avg", "exp_avg.pt"),
+               (Role.OPTIM_STATE, "exp_avg_sq", "exp_avg_sq.pt"))
 STEP_FILE = "step.pt"
 # Keys of a per-param state dict this reader understands. Others (is_expert_param ...) describe expert slicing
 # (universal_checkpoint.py). The tensor-parallel ones say how the loader re-cuts an already merged tensor; the
@@ -196,7 +198,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 shape, numel = cut.full_shape, math.prod(cut.full_shape)
             pdir = _param_dir(tag_dir, name)
             pieces = []
-            for role, fname in STATE_FILES.items():
+            for role, state_key, fname in STATE_FILES:
                 path = pdir / fname
                 if not path.is_file():
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
@@ -206,7 +208,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                     raise CorruptCheckpointError(
                         f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
                         f"float32[{numel}]; the file is damaged or belongs to another model")
-                pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),)))
+                pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key))
                 state_files.append(path)
             if not zero3:
                 step_path = pdir / STEP_FILE

@@ -22,6 +22,7 @@ from ..partition import split_by_partitions
 from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -217,10 +218,10 @@ def zero12_param_entries(
             pieces = [master]
             mk = parts.moment_keys[g]
             if mk is not None:
-                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-                    pieces.append(Piece(role, "float32", tuple(
-                        Fragment(optim_files[sp.rank], (*mk, role.value), sp.src_offset, sp.numel,
-                                 sp.dst_offset, sp.rank) for sp in spans)))
+                for sk in ADAM_STATE_KEYS:
+                    pieces.append(Piece(Role.OPTIM_STATE, "float32", tuple(
+                        Fragment(optim_files[sp.rank], (*mk, sk), sp.src_offset, sp.numel,
+                                 sp.dst_offset, sp.rank) for sp in spans), state_key=sk))
             full_name = name_prefix + name
             if module_names_to_refs is not None and full_name in module_names_to_refs:
                 path, key, ref = module_names_to_refs[full_name]

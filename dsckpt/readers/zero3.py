@@ -19,6 +19,7 @@ from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
 from ..tensor_ref import TensorRef
 from .common import (
+    ADAM_STATE_KEYS,
     FileCache,
     alias_entry,
     buffer_entries,
@@ -80,10 +81,10 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 Fragment(optim_paths[sp.rank], (OSD, "fp32_flat_groups", s), sp.src_offset, sp.numel,
                          sp.dst_offset, sp.rank) for sp in spans))]
             if s < len(state_keys):
-                for role in (Role.EXP_AVG, Role.EXP_AVG_SQ):
-                    pieces.append(Piece(role, "float32", tuple(
-                        Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], role.value),
-                                 sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans)))
+                for sk in ADAM_STATE_KEYS:
+                    pieces.append(Piece(Role.OPTIM_STATE, "float32", tuple(
+                        Fragment(optim_paths[sp.rank], (OSD, OSD, "state", state_keys[s], sk),
+                                 sp.src_offset, sp.numel, sp.dst_offset, sp.rank) for sp in spans), state_key=sk))
             entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=s)
             offset += zero3_partition_numel(numel, world)
         for rank, osd in enumerate(osds):
