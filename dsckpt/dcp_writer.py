@@ -40,7 +40,7 @@ from .atomic import atomic_dir, claim_output, refuse_overlap
 from .convert import parse_dtype
 from .dtypes import dtype_info
 from .errors import UnsupportedCheckpointError
-from .model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from .model import Kind, LogicalCheckpoint, Piece, Role
 from .readers import FileCache
 
 if TYPE_CHECKING:
