@@ -23,6 +23,7 @@ __all__ = [
     "Kind",
     "LogicalCheckpoint",
     "MoeLayout",
+    "OptimizerGroup",
     "Piece",
     "Precision",
     "Role",
@@ -272,6 +273,20 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class OptimizerGroup:
+    """One param group of the (inner) optimizer, as saved: which params it holds, its ``step`` and its
+    hyper-parameters. Readers of ZeRO-1/2/3, ``BF16_Optimizer`` and stage-0 checkpoints fill them."""
+
+    index: int  # DeepSpeed's param-group order
+    param_names: tuple[str, ...]  # logical names of the params in the group, in the optimizer's order
+    step: int | float | None  # the group's saved step as saved (None if the optimizer keeps none)
+    hyperparams: tuple[tuple[str, Any], ...]  # the saved param_group minus 'params', values as saved
+
+    def hyperparam(self, key: str, default: Any = None) -> Any:
+        return next((v for k, v in self.hyperparams if k == key), default)
+
+
+@dataclass(frozen=True)
 class LogicalCheckpoint:
     root: Path
     tag: str
@@ -300,6 +315,11 @@ class LogicalCheckpoint:
     # 'module'; ZeRO-3 keeps an empty placeholder, so there it has no entry)
     excluded_ties: tuple[tuple[str, str], ...] = ()
     autoep: AutoEpLayout | None = None  # DeepSpeed AutoEP (HF MoE models) only: how the experts are cut
+    # The optimizer's param groups as saved (ZeRO-1/2/3, BF16_Optimizer and stage-0 readers; () elsewhere)
+    optimizer_groups: tuple[OptimizerGroup, ...] = ()
+    # The optimizer as ds_config names it ("AdamW", "SGD", "RMSprop" ...); None when the config names none (a
+    # client optimizer object)
+    optimizer_type: str | None = None
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries)

@@ -26,6 +26,7 @@ __all__ = [
     "param_alignment_paddings",
     "round_robin_order",
     "split_by_partitions",
+    "undo_round_robin",
     "zero3_partition_numel",
     "zero3_spans",
     "zero3_sub_groups",
@@ -132,6 +133,15 @@ def round_robin_order(n_params: int, world_size: int) -> list[int]:
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     return [i for j in range(min(world_size, n_params)) for i in range(j, n_params, world_size)]
+
+
+def undo_round_robin(flat: Sequence[str], world_size: int) -> list[str]:
+    """A param group's names in the optimizer's own order, from their flat order under ``round_robin_gradients``
+    at ``world_size`` (the inverse of :func:`round_robin_order`)."""
+    original = [""] * len(flat)
+    for pos, idx in enumerate(round_robin_order(len(flat), world_size)):
+        original[idx] = flat[pos]
+    return original
 
 
 def param_alignment_paddings(numels: Sequence[int], element_nbytes: int, *, enabled: bool) -> list[int]:

@@ -46,7 +46,7 @@ from typing import Any
 
 from ..errors import UnsupportedCheckpointError, UsageError
 from ..model import LogicalCheckpoint, Precision
-from ..partition import DEFAULT_SUB_GROUP_SIZE, round_robin_order
+from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
 from .plan import (
     BF16_WRAPPER,
     ZERO3_WRAPPER,
@@ -223,10 +223,7 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
     out = []
     for src_flat in facts.group_flat_order:
         if facts.round_robin and not source_bf16_optimizer:
-            original = [""] * len(src_flat)
-            for pos, idx in enumerate(round_robin_order(len(src_flat), source_world)):
-                original[idx] = src_flat[pos]
-            out.append(original)
+            out.append(undo_round_robin(src_flat, source_world))
         else:
             out.append(list(src_flat))
     return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,12 +11,13 @@ from typing import Any
 from .. import crc, parsed_tree, safe_load
 from ..dtypes import dtype_info
 from ..errors import CorruptCheckpointError
-from ..model import Fragment, Kind, Piece, Precision, Role, TensorEntry
+from ..model import Fragment, Kind, OptimizerGroup, Piece, Precision, Role, TensorEntry
 from ..stand_ins import DeepSpeedObject
 from ..tensor_ref import TensorRef
 from ..validate import validate_tree
 
-__all__ = ["ADAM_STATE_KEYS", "FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states", "whole"]
+__all__ = ["ADAM_STATE_KEYS", "FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states",
+           "optimizer_groups", "optimizer_type", "saved_step", "whole"]
 
 #: the per-element state keys of DeepSpeed's Adam/AdamW, in the optimizer's order
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -136,6 +137,37 @@ def int_or_none(x: Any) -> int | None:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def saved_step(x: Any) -> int | float | None:
+    """An optimizer ``step`` as saved: a number, or a one-element tensor's value (torch keeps Adam's step as a
+    float tensor); None for anything else."""
+    if isinstance(x, TensorRef):
+        return x.item() if x.numel == 1 else None
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def optimizer_groups(param_groups: Any, names: Sequence[Sequence[str]],
+                     states: Sequence[Any]) -> tuple[OptimizerGroup, ...]:
+    """The saved ``param_groups`` as :class:`OptimizerGroup` s: group ``g`` holds ``names[g]`` (logical names,
+    in the optimizer's order) and its step is the ``step`` of ``states[g]`` (the state of one of its params or
+    flat partitions; None where the group has no state yet). () when the groups are not a list of mappings."""
+    if not isinstance(param_groups, list) or not all(isinstance(pg, Mapping) for pg in param_groups):
+        return ()
+    out = []
+    for g, pg in enumerate(param_groups):
+        st = states[g] if g < len(states) else None
+        step = saved_step(st.get("step")) if isinstance(st, Mapping) else None
+        out.append(OptimizerGroup(g, tuple(names[g]) if g < len(names) else (), step,
+                                  tuple((str(k), v) for k, v in pg.items() if k != "params")))
+    return tuple(out)
+
+
+def optimizer_type(ds_config: Any) -> str | None:
+    """The optimizer ``type`` the ds_config names (DeepSpeed's name or a ``torch.optim`` class name), or None."""
+    opt = ds_config.get("optimizer") if isinstance(ds_config, Mapping) else None
+    t = opt.get("type") if isinstance(opt, Mapping) else None
+    return str(t) if t is not None else None
 
 
 def metadata_from_model_states(tree: Mapping[str, Any]) -> CommonMeta:

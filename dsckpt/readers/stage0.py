@@ -26,7 +26,7 @@ from typing import Any
 from ..binding import Ambiguity, Slot, ambiguity_from, order_candidates, resolve
 from ..errors import CorruptCheckpointError
 from ..layout import CheckpointFiles
-from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..tensor_ref import TensorRef
 from .common import (
     ADAM_STATE_KEYS,
@@ -36,6 +36,8 @@ from .common import (
     is_floating,
     metadata_from_model_states,
     module_piece,
+    optimizer_groups,
+    optimizer_type,
     order_like_module,
     precision_of,
     step_of,
@@ -99,6 +101,8 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     for e in buffer_entries(ms_path, module, meta.buffer_names):
         entries[e.name] = e
     sample = next((module[n].dtype_name for n in unique if is_floating(module[n].dtype_name)), None)
+    inner = ((optimizer.get("optimizer_state_dict") if wrapper.startswith("FP16_") else optimizer)
+             if isinstance(optimizer, Mapping) else None)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="stage0", zero_stage=0,
         precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,
@@ -106,7 +110,33 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper=wrapper,
         entries=tuple(order_like_module(entries, list(module))), files=tuple(files.all_files()),
         ds_config=meta.ds_config, ambiguities=tuple(ambiguities),
+        optimizer_groups=_optimizer_groups(inner, entries, list(module)), optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def _optimizer_groups(inner: Any, entries: Mapping[str, TensorEntry],
+                      module_order: list[str]) -> tuple[OptimizerGroup, ...]:
+    """The torch optimizer's param groups (the inner one under FP16_Optimizer / FP16_UnfusedOptimizer): each
+    group's params (the entries bound to it) in the optimizer's order (where their stored copies sit: the
+    flat master's offset, the master's index, the optimizer state's index) and the step of its first param
+    that has a state."""
+    if not isinstance(inner, Mapping) or not isinstance(inner.get("param_groups"), list):
+        return ()
+    groups, state = inner["param_groups"], inner.get("state") or {}
+    position = {n: i for i, n in enumerate(module_order)}
+
+    def where(e: TensorEntry) -> tuple[Any, ...]:
+        p = e.piece(Role.MASTER) or next(iter(e.state_pieces), None)
+        f = p.fragments[0] if p is not None and p.fragments else None
+        return (0, f.key, f.src_offset, position.get(e.name, 0)) if f is not None else (1, position.get(e.name, 0))
+
+    names, states = [], []
+    for g, pg in enumerate(groups):
+        own = [e for e in entries.values() if e.group == g and e.tied_to is None and e.kind is Kind.PARAM]
+        names.append([e.name for e in sorted(own, key=where)])
+        params = pg.get("params") if isinstance(pg, Mapping) else None
+        states.append(next((state[i] for i in (params or []) if isinstance(state, Mapping) and i in state), None))
+    return optimizer_groups(groups, names, states)
 
 
 @dataclass(frozen=True)

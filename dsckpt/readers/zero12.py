@@ -17,8 +17,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
-from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
-from ..partition import split_by_partitions
+from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
+from ..partition import split_by_partitions, undo_round_robin
 from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
 from .common import (
@@ -29,6 +29,8 @@ from .common import (
     is_floating,
     metadata_from_model_states,
     module_piece,
+    optimizer_groups,
+    optimizer_type,
     order_like_module,
     precision_of,
     step_of,
@@ -322,7 +324,32 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         notes=tuple(n for g, shapes in enumerate(ms.get("param_shapes") or [])
                     if (n := flat_order_note(ms_path, g, shapes, module, _align(osd0, g))) is not None),
         excluded_ties=tuple(excluded_ties),
+        optimizer_groups=zero12_optimizer_groups(base, ms.get("param_shapes"), meta.ds_config, world,
+                                                 is_bf16_optimizer),
+        optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def zero12_optimizer_groups(base: Any, param_shapes: Any, ds_config: Any, world: int,
+                            bf16_optimizer: bool) -> tuple[OptimizerGroup, ...]:
+    """The ZeRO-1/2 (or ``BF16_Optimizer``) inner optimizer's param groups: group ``g`` is flat group ``g``
+    (``param_shapes[g]``, in flat order: round robin undone to give the optimizer's order) and keeps one state
+    per group (``state`` keyed by the group's one flat param)."""
+    if not isinstance(base, Mapping) or not isinstance(param_shapes, list):
+        return ()
+    z = (ds_config or {}).get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    round_robin = bool(z.get("round_robin_gradients", False)) if isinstance(z, Mapping) else False
+    names = [[str(n) for n in shapes] for shapes in param_shapes]
+    if round_robin and not bf16_optimizer:
+        names = [undo_round_robin(n, world) for n in names]
+    state = base.get("state") or {}
+    groups = base.get("param_groups")
+    states = []
+    for g, pg in enumerate(groups if isinstance(groups, list) else []):
+        params = pg.get("params") if isinstance(pg, Mapping) else None
+        first = params[0] if isinstance(params, list) and params else g
+        states.append(state.get(first) if isinstance(state, Mapping) else None)
+    return optimizer_groups(groups, names, states)
 
 
 def module_side_entries(ms_path: Path, ms: Mapping[str, Any], buffer_names: tuple[str, ...],

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
-from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..partition import zero3_partition_numel, zero3_spans
 from ..tensor_ref import TensorRef
 from .common import (
@@ -24,6 +24,8 @@ from .common import (
     alias_entry,
     buffer_entries,
     metadata_from_model_states,
+    optimizer_groups,
+    optimizer_type,
     order_like_module,
     precision_of,
     step_of,
@@ -118,7 +120,24 @@ def read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
         entries=tuple(order_like_module(entries, list(module0))),
         files=tuple(files.all_files()), ds_config=meta.ds_config, excluded_ties=tuple(excluded_ties),
+        optimizer_groups=zero3_optimizer_groups(inner, param_shapes), optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def zero3_optimizer_groups(inner: Mapping[str, Any], param_shapes: list[Any]) -> tuple[OptimizerGroup, ...]:
+    """The ZeRO-3 optimizer's param groups: each lists its fp32 sub-groups (``params``), whose params
+    (``param_shapes``) it holds in order; its step is its first sub-group's (every sub-group steps together)."""
+    groups = inner.get("param_groups")
+    state = inner.get("state") or {}
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return ()
+    names: list[list[str]] = []
+    states: list[Any] = []
+    for pg in groups:
+        subs = [s for s in (pg.get("params") or []) if isinstance(s, int) and 0 <= s < len(param_shapes)]
+        names.append([str(n) for s in subs for n in param_shapes[s]])
+        states.append(state.get(subs[0]) if subs else None)
+    return optimizer_groups(groups, names, states)
 
 
 def zero3_module_side_entries(ms0_path: Path, ms0: Mapping[str, Any], model_paths: list[Path],
