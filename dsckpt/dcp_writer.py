@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,7 @@ def _optimizer_class(ckpt: LogicalCheckpoint, saved: dict[str, Any]) -> str | No
     import torch
 
     cfg = (ckpt.ds_config or {}).get("optimizer") or {}
-    kind = str(getattr(ckpt, "optimizer_type", None) or cfg.get("type") or "").strip()
+    kind = str(ckpt.optimizer_type or cfg.get("type") or "").strip()
     params = cfg.get("params") or {}
     if hasattr(torch.optim, kind) and kind not in ("Adam", "AdamW"):
         return kind
@@ -206,7 +207,7 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
         want = dtype if trained and floating else piece.dtype
         tensors.append(DcpTensor((MODEL_KEY, e.name), want, e.shape, src.name, piece))
 
-    groups_in = tuple(getattr(ckpt, "optimizer_groups", ()) or ())
+    groups_in = ckpt.optimizer_groups
     if not groups_in:
         raise UnsupportedCheckpointError(
             f"'{ckpt.tag_dir}': dsckpt does not read the optimizer's param groups of this layout ({ckpt.layout}), so "
@@ -251,7 +252,7 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
             + "; get_optimizer_state_dict() has state for every trained param, so nothing was written")
     if cls is None:
         raise UnsupportedCheckpointError(
-            f"'{ckpt.tag_dir}': the optimizer ({getattr(ckpt, 'optimizer_type', None) or 'unknown'}) has no "
+            f"'{ckpt.tag_dir}': the optimizer ({ckpt.optimizer_type or 'unknown'}) has no "
             "torch.optim class to resume into; to-dcp writes torch optimizers' state")
     return DcpPlan(out, tuple(tensors), tuple(groups), cls, dtype, tuple(sorted(added)))
 
@@ -335,7 +336,9 @@ def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
     produce = _producer(plan, cache, on_tensor)
     with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), atomic_dir(plan.output) as tmp:
         writer, planner = _writer_and_planner(tmp, plan, produce)
-        dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
         cache.finish_checks()
         names = sorted(p.name for p in tmp.iterdir())
     return DcpResult(plan, tuple(plan.output / n for n in names))
