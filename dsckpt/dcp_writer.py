@@ -179,12 +179,26 @@ def _optimizer_class(ckpt: LogicalCheckpoint, saved: dict[str, Any]) -> str | No
 
 
 def _class_defaults(name: str) -> dict[str, Any]:
-    """The hyper-parameters of a group of this torch's ``torch.optim.<name>``, in its key order."""
+    """The hyper-parameters a group of this torch's ``torch.optim.<name>`` holds, with their defaults: the keyword
+    arguments of its ``__init__`` (and its Optimizer bases'), as the class puts them into ``defaults``. Read from the
+    signatures rather than by building one: the first optimizer built imports torch._dynamo (seconds)."""
+    import inspect
+
     import torch
 
     cls = getattr(torch.optim, name)
-    opt = cls([torch.nn.Parameter(torch.zeros(1))])
-    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)) \
+                or klass is torch.optim.Optimizer or "__init__" not in vars(klass):
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.name not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) \
+                    and p.default is not p.empty:
+                out[p.name] = p.default
+    if name == "AdamW" and issubclass(cls, torch.optim.Adam):
+        out["decoupled_weight_decay"] = True  # torch >= 2.6: AdamW is Adam(decoupled_weight_decay=True)
+    return out
 
 
 def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,

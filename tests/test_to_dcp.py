@@ -147,3 +147,15 @@ def test_fsdp2_resumes_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     for name in LIVE:
         assert f"{name}: ok" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD", "Adagrad", "RMSprop"])
+def test_group_defaults_read_from_signatures_are_the_optimizers_own(name: str) -> None:
+    """to-dcp fills a key the save lacks with torch's default, read from the class's signature (building an
+    optimizer imports torch._dynamo); the result is exactly the group a built one holds."""
+    import torch
+
+    from dsckpt.dcp_writer import _class_defaults
+
+    built = getattr(torch.optim, name)([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]
+    assert _class_defaults(name) == {k: v for k, v in built.items() if k != "params"}
