@@ -7,7 +7,8 @@ CKPT comes from bench/make_checkpoints.py (a ZeRO-3 run: the optimizer files hol
 moments, 12 bytes a parameter, which to-dcp writes out again). Steps, in this order (each result is appended to
 RESULTS_DIR/dcp.jsonl as soon as it is known, so a run cut short still reports what it measured):
 
-* ``to-dcp``: ``python -m dsckpt to-dcp -q CKPT WORK/dcp``, then the output is listed (bytes) and removed;
+* ``to-dcp``: ``python -m dsckpt to-dcp -q --workers N CKPT WORK/dcp`` for each N of ``--dcp-workers``, then the
+  output is listed (bytes, files) and removed;
 * ``dd``: ``dd bs=64M conv=fsync`` of each optimizer-state file of CKPT into WORK/dd (the bytes to-dcp reads for the
   masters and moments, which are the bytes it writes), one shell running them in turn; removed after;
 * ``ds_to_universal``: ``python -m deepspeed.checkpoint.ds_to_universal`` into WORK/univ;
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workers", type=int, default=8, help="ds_to_universal's extract and merge workers")
     ap.add_argument("--skip", nargs="*", default=[], help="steps to leave out")
+    ap.add_argument("--dcp-workers", nargs="+", type=int, default=[4], help="to-dcp --workers values, one run each")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each step (root; a "
                     "host of one's own only)")
     args = ap.parse_args()
@@ -97,12 +99,14 @@ def main() -> None:
            disk=shutil.disk_usage(args.work)._asdict())
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
 
-    if "to-dcp" not in args.skip:
+    for workers in [] if "to-dcp" in args.skip else args.dcp_workers:
         out = args.work / "dcp"
         cache = drop_caches()
-        wall, rss, code = run([PY, "-m", "dsckpt", "to-dcp", "-q", str(args.ckpt), str(out)], log, env)
-        record("to-dcp", wall_s=round(wall, 2), peak_rss=rss, code=code, cache=cache,
-               out_nbytes=tree_nbytes(out) if out.exists() else None)
+        wall, rss, code = run([PY, "-m", "dsckpt", "to-dcp", "-q", "--workers", str(workers), str(args.ckpt),
+                               str(out)], log, env)
+        record("to-dcp", workers=workers, wall_s=round(wall, 2), peak_rss=rss, code=code, cache=cache,
+               out_nbytes=tree_nbytes(out) if out.exists() else None,
+               out_files=sum(1 for _ in out.iterdir()) if out.exists() else None)
         shutil.rmtree(out, ignore_errors=True)
     if "dd" not in args.skip:
         dd = args.work / "dd"

@@ -447,10 +447,12 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Tensors written at once (DCP writer threads; one file each). Memory: about that many tensors.")
 @distributed_option
 @handle_errors
 def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_run: bool, quiet: bool,
-           distributed: bool) -> None:
+           workers: int, distributed: bool) -> None:
     """Write the whole training state of CKPT as a PyTorch distributed checkpoint (DCP) folder OUT.
 
     OUT holds {"model": M, "optim": O} as get_model_state_dict / get_optimizer_state_dict give them (FQN keys;
@@ -477,9 +479,9 @@ def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_ru
         sys.exit(1 if plan.tensors else 0)
     with _progress(plan.total_nbytes, "to-dcp", not quiet) as tick:
         if group is not None:
-            result = run_to_dcp_distributed(plan, c.cache, group, force=force, on_tensor=tick)
+            result = run_to_dcp_distributed(plan, c.cache, group, force=force, on_tensor=tick, workers=workers)
         else:
-            result = run_to_dcp(plan, c.cache, force=force, on_tensor=tick)
+            result = run_to_dcp(plan, c.cache, force=force, on_tensor=tick, workers=workers)
     click.echo(f"wrote {what}, {_human(plan.total_nbytes)}, to {plan.output} ({len(result.files)} files)")
     if plan.defaults_added and not quiet:
         click.echo(f"dsckpt: note: the saved param groups lack {', '.join(plan.defaults_added)}; written with "

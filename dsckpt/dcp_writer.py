@@ -21,7 +21,8 @@ plain process resume from::
 :func:`plan_to_dcp` decides every key, dtype and shape without reading tensor data; :func:`run_to_dcp` writes with
 DCP's own :class:`~torch.distributed.checkpoint.FileSystemWriter`. The planner hands DCP shape-only (``meta``)
 tensors, and produces each real tensor only when the writer asks for it (:meth:`_StreamingPlanner.resolve_data`),
-so memory stays at a few tensors whatever the model size, as in ``to-fp32``. The folder appears atomically
+one file per tensor and ``workers`` files at a time, so memory stays at a few tensors whatever the model size, as in
+``to-fp32``. The folder appears atomically
 (:func:`dsckpt.atomic.atomic_dir`; every file fsync'd). ``--distributed``: every rank plans the same state dict and
 DCP's own planner spreads the tensors over the ranks by bytes (its de-duplication of replicated items); rank 0
 writes ``.metadata`` and moves the folder into place.
@@ -310,7 +311,13 @@ def _producer(plan: DcpPlan, cache: FileCache,
     return produce
 
 
-def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch.Tensor]) -> tuple[Any, Any]:
+#: DCP writer threads by default: each holds one tensor at a time; together they overlap reading the checkpoint,
+#: torch.save's framing and each file's fsync.
+DEFAULT_WORKERS = 4
+
+
+def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch.Tensor],
+                        workers: int) -> tuple[Any, Any]:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -334,22 +341,26 @@ def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch
                 meta.checkpoint_id = str(plan.output)
             return meta
 
-    # thread_count 1: one writer thread, tensors produced in turn (the memory bound); per_thread_copy_ahead 0: DCP's
-    # serial loader even where CUDA is present (its overlapping one would start a CUDA context to copy CPU tensors);
-    # sync_files: DCP fsyncs each file, atomic_dir fsyncs the folder and renames it into place
-    return (_Writer(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0),
-            _StreamingPlanner())
+    # single_file_per_rank False: one .distcp file per item. DCP's writer keeps every tensor of a file referenced
+    # until the file is closed (torch 2.11-2.13 filesystem.py _write_files_from_queue, for its safetensors format),
+    # so one file per rank would hold the whole state in memory; one file per tensor holds one.
+    # thread_count ``workers``: that many files written at once, each thread producing its tensors in turn.
+    # per_thread_copy_ahead 0: DCP's serial loader even where CUDA is present (its overlapping one starts a CUDA
+    # context to copy CPU tensors). sync_files: each file fsync'd when written (while the other threads go on);
+    # atomic_dir fsyncs the folder and renames it into place.
+    return (_Writer(tmp, single_file_per_rank=False, sync_files=True, thread_count=max(1, workers),
+                    per_thread_copy_ahead=0), _StreamingPlanner())
 
 
 def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
-               on_tensor: Callable[[DcpTensor], None] | None = None) -> DcpResult:
-    """Write ``plan`` to its OUT folder atomically, one tensor at a time; every input record's CRC-32 is checked
-    before the folder is moved into place."""
+               on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS) -> DcpResult:
+    """Write ``plan`` to its OUT folder atomically, one file per tensor, ``workers`` tensors at a time (the memory
+    bound); every input record's CRC-32 is checked before the folder is moved into place."""
     import torch.distributed.checkpoint as dcp
 
     produce = _producer(plan, cache, on_tensor)
     with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), atomic_dir(plan.output) as tmp:
-        writer, planner = _writer_and_planner(tmp, plan, produce)
+        writer, planner = _writer_and_planner(tmp, plan, produce, workers)
         with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
@@ -359,7 +370,8 @@ def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
 
 
 def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force: bool = False,
-                           on_tensor: Callable[[DcpTensor], None] | None = None) -> DcpResult:
+                           on_tensor: Callable[[DcpTensor], None] | None = None,
+                           workers: int = DEFAULT_WORKERS) -> DcpResult:
     """:func:`run_to_dcp` over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): rank 0 claims OUT and
     makes a leased temp folder; every rank runs ``dcp.save`` on the default (gloo) process group with the same
     shape-only state dict, and DCP's planner gives each tensor to one rank, balancing bytes; each rank completes
@@ -380,7 +392,7 @@ def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force
         tmp = Path(group.step(claim, "claiming OUT")[0])
 
         def write() -> None:
-            writer, planner = _writer_and_planner(tmp, plan, produce)
+            writer, planner = _writer_and_planner(tmp, plan, produce, workers)
             dcp.save(plan.state_dict(), storage_writer=writer, planner=planner)
             cache.finish_checks()
 
