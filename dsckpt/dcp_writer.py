@@ -239,8 +239,8 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
     for g in groups_in:
         fqns = tuple(dict.fromkeys(alias_to_source.get(n, n) for n in g.param_names))
         saved = dict(g.hyperparams)
-        hyper = {**{k: saved.get(k, v) for k, v in defaults.items()},
-                 **{k: v for k, v in saved.items() if k not in defaults and k != "params"}}
+        hyper = {**{k: v for k, v in saved.items() if k != "params"},
+                 **{k: v for k, v in defaults.items() if k not in saved}}  # the saved order, then what it lacks
         added.update(k for k in defaults if k not in saved)
         groups.append(DcpGroup(g.index, fqns, tuple(hyper.items())))
         step = g.step if g.step is not None else ckpt.optimizer_step

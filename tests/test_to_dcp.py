@@ -159,3 +159,31 @@ def test_group_defaults_read_from_signatures_are_the_optimizers_own(name: str) -
 
     built = getattr(torch.optim, name)([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]
     assert _class_defaults(name) == {k: v for k, v in built.items() if k != "params"}
+
+
+@pytest.mark.live
+def test_distributed_writes_what_one_process_writes(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 dsckpt to-dcp ... --distributed``: DCP's planner spreads the tensors over both
+    ranks (each writes its own files), rank 0 writes .metadata; the folder holds the same keys, shapes and values as
+    the one-process output."""
+    import torch.distributed.checkpoint as dcp
+
+    name = "s2_bf16_w2_2groups"
+    one, two = tmp_path / "one", tmp_path / "two"
+    _to_dcp(name, one)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
+                        os.environ.get("DSCKPT_TEST_PORT_2", "29752"), "--no-python", "dsckpt", "to-dcp", "-q",
+                        str(FIXTURES / name / "ckpt"), str(two), "--distributed"],
+                       env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert {p.name.split("_")[2] for p in two.glob("__*.distcp")} == {"0", "1"}  # __{rank}_{n}.distcp: both wrote
+    md1 = dcp.FileSystemReader(str(one)).read_metadata().state_dict_metadata
+    md2 = dcp.FileSystemReader(str(two)).read_metadata().state_dict_metadata
+    assert md1.keys() == md2.keys()
+    model, opt = dcp_check.build(name)
+    groups = dcp_check.group_truth(opt)
+    dcp_check.load(model, opt, two)
+    assert dcp_check.compare(name, model, opt, groups) == []
