@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 def main() -> None:
     univ, out = Path(sys.argv[1]), Path(sys.argv[2])
     opt = torch.load(univ / "zero" / "optimizer_state.pt", weights_only=False)
-    ms = torch.load(sorted(univ.glob("*model_states.pt"))[0], weights_only=False)
+    ms = torch.load(min(univ.glob("*model_states.pt")), weights_only=False)
     shapes = ms["param_shapes"]
     shapes = shapes if isinstance(shapes, list) else [shapes]
     state0 = next(iter(opt["optimizer_state_dict"]["state"].values()))
