@@ -135,6 +135,25 @@ def _run_folder(path: str, *, deepspeed_only: bool = False) -> tuple[str, dict[s
     return str(choice.checkpoint), choice.to_dict()
 
 
+def _open_any(path: str, tag: str | None) -> tuple[Any, Any, dict[str, Any] | None]:
+    """``(logical, cache, run folder choice)`` of a DeepSpeed checkpoint (or run folder), a torch state-dict file,
+    a safetensors file or folder, or a DCP folder."""
+    from .state_dict_files import TargetKind, detect_target
+
+    if os.path.exists(path) and detect_target(path) is not TargetKind.DEEPSPEED:
+        from .errors import UsageError
+        from .state_dict_files import open_state_dict
+
+        if tag is not None:
+            raise UsageError(f"--tag is for DeepSpeed checkpoints; '{path}' is a {detect_target(path).value} input")
+        return (*open_state_dict(path), None)
+    from .checkpoint import open_checkpoint
+
+    path, run = _run_folder(path)
+    c = open_checkpoint(path, tag=tag)
+    return c.logical, c.cache, run
+
+
 distributed_option = click.option(
     "--distributed", is_flag=True,
     help="Spread the work over the processes torchrun started, on one host or many: torchrun --nnodes N "
@@ -191,19 +210,20 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.argument("ckpt", type=click.Path(path_type=str))
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor.")
 @handle_errors
 def info(ckpt: str, tag: str | None, as_json: bool, show_tensors: bool) -> None:
-    """Describe a checkpoint: stage, dtype, world sizes, params, files, health."""
-    from .checkpoint import open_checkpoint
+    """Describe a checkpoint: stage, dtype, world sizes, params, files, health.
+
+    CKPT may also be a torch state-dict file, a .safetensors file or folder, or a PyTorch distributed
+    checkpoint (DCP) folder."""
     from .info import summarize
 
-    ckpt, run = _run_folder(ckpt)
-    c = open_checkpoint(ckpt, tag=tag)
-    s = summarize(c.logical, c.cache)
+    logical, cache, run = _open_any(ckpt, tag)
+    s = summarize(logical, cache)
     s["run_folder"] = run
     if as_json:
         click.echo(json.dumps(s, indent=2))
@@ -356,15 +376,13 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
     a model folder for AutoModelForCausalLM.from_pretrained(OUT). The raw state dict (PEFT's in-memory names):
     OUT ending in .safetensors, or --no-hf-files.
     """
-    from .checkpoint import open_checkpoint
     from .convert import parse_dtype, plan_to_fp32, run_to_fp32, run_to_fp32_distributed
     from .errors import UsageError
 
     if base_dir is not None and not merge:
         raise UsageError("--base is the base model to merge into; add --merge")
     group = _start_distributed(distributed)
-    ckpt, _ = _run_folder(ckpt)
-    c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
+    c = _open_for_export(ckpt, tag)
     if merge:
         if distributed or exclude_frozen or no_client_state or strict:
             raise UsageError("--merge does not combine with --distributed, --exclude-frozen, --no-client-state or "
@@ -420,6 +438,73 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
             for o in plan.hf_files.left_out:
                 if o.source is None:
                     click.echo(f"dsckpt: warning: {o.reason}", err=True)
+
+
+@main.command("to-dcp")
+@click.argument("ckpt", type=click.Path(file_okay=False, path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@tag_option
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="dtype of the trained params in the model state (from the fp32 masters). Frozen params, buffers "
+                   "and the optimizer state keep their stored dtype.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Tensors written at once (DCP writer threads; one file each). Memory: about that many tensors.")
+@distributed_option
+@handle_errors
+def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_run: bool, quiet: bool,
+           workers: int, distributed: bool) -> None:
+    """Write the whole training state of CKPT as a PyTorch distributed checkpoint (DCP) folder OUT.
+
+    OUT holds {"model": M, "optim": O} as get_model_state_dict / get_optimizer_state_dict give them (FQN keys;
+    fp32 masters; Adam moments and step; DeepSpeed's param groups in order), so an FSDP2 (fully_shard) job on any
+    number of ranks, or a plain process, resumes with dcp.load + set_state_dict. Nothing is loaded whole: memory
+    stays at a few tensors.
+    """
+    from .checkpoint import open_checkpoint
+    from .convert import parse_dtype
+    from .dcp_writer import plan_to_dcp, run_to_dcp, run_to_dcp_distributed
+
+    group = _start_distributed(distributed)
+    ckpt, _ = _run_folder(ckpt)
+    c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
+    plan = plan_to_dcp(c.logical, out, dtype=parse_dtype(dtype))
+    n_state = len(plan.state_tensors)
+    what = (f"{len(plan.model_tensors)} model tensors, {n_state} optimizer state tensors ({plan.optimizer_class}, "
+            f"{len(plan.groups)} param group{'s' if len(plan.groups) != 1 else ''})")
+    if dry_run:
+        click.echo(f"would write {what}, {_human(plan.total_nbytes)}, as a DCP folder to {plan.output}")
+        for g in plan.groups:
+            click.echo(f"  param group {g.index}: {len(g.params)} params, "
+                       + ", ".join(f"{k} {v!r}" for k, v in g.hyperparams))
+        sys.exit(1 if plan.tensors else 0)
+    with _progress(plan.total_nbytes, "to-dcp", not quiet) as tick:
+        if group is not None:
+            result = run_to_dcp_distributed(plan, c.cache, group, force=force, on_tensor=tick, workers=workers)
+        else:
+            result = run_to_dcp(plan, c.cache, force=force, on_tensor=tick, workers=workers)
+    click.echo(f"wrote {what}, {_human(plan.total_nbytes)}, to {plan.output} ({len(result.files)} files)")
+    if plan.defaults_added and not quiet:
+        click.echo(f"dsckpt: note: the saved param groups lack {', '.join(plan.defaults_added)}; written with "
+                   f"torch.optim.{plan.optimizer_class}'s defaults", err=True)
+
+
+def _open_for_export(ckpt: str, tag: str | None) -> Any:
+    """The checkpoint ``to-fp32`` exports: a DeepSpeed checkpoint or run folder, or a DCP folder."""
+    from .checkpoint import Checkpoint, open_checkpoint
+    from .dcp_reader import is_dcp_folder
+
+    if is_dcp_folder(ckpt):
+        from .dcp_reader import read_dcp
+        from .errors import UsageError
+
+        if tag is not None:
+            raise UsageError(f"--tag is for DeepSpeed checkpoints; '{ckpt}' is a DCP folder")
+        return Checkpoint(*read_dcp(ckpt))
+    ckpt, _ = _run_folder(ckpt)
+    return open_checkpoint(ckpt, tag=tag, check_master_copies=True)
 
 
 def _merge(c: Any, out: str, base_dir: str | None, dtype: str | None, max_shard_size: str | None, *,
@@ -596,7 +681,7 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("ckpt", type=click.Path(exists=True, path_type=str))
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
@@ -615,7 +700,7 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
     from .verify import verify as run_verify
 
     group = _start_distributed(distributed)
-    ckpt, run = _run_folder(ckpt)
+    ckpt, run = _run_folder(ckpt, deepspeed_only=True)
     report = run_verify(ckpt, tag=tag, workers=workers, group=group)
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "run_folder": run}, indent=2))

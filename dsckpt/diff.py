@@ -325,9 +325,13 @@ def _copy_label(side: DiffInput, piece: Piece) -> str:
 
 def _pick(side: DiffInput, entry: TensorEntry, copy: str | None) -> Piece | None:
     """The copy of ``entry`` to compare: ``copy`` None means what to-fp32 exports, else "master", "module" or an
-    optimizer state key ("exp_avg", ...). A state dict has one copy per tensor, which stands for any role."""
-    if copy is None or not side.is_deepspeed:
+    optimizer state key ("exp_avg", ...). A state dict has one copy per tensor, which stands for any role. A DCP
+    folder holds the optimizer state too: its model tensor of a trained param is the master, and its state tensors
+    are the optimizer's."""
+    if copy is None or side.kind not in (TargetKind.DEEPSPEED, TargetKind.DCP):
         return entry.source_for_fp32()
+    if side.kind is TargetKind.DCP and copy == Role.MASTER.value:
+        return entry.source_for_fp32() if entry.trainable else None
     if copy in (Role.MASTER.value, Role.MODULE.value):
         return entry.piece(Role(copy))
     return entry.state_piece(copy)

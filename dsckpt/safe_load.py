@@ -53,7 +53,7 @@ from .tensor_ref import StorageRef, TensorRef
 if TYPE_CHECKING:
     pass
 
-__all__ = ["FileInfo", "load", "load_raw", "load_with_info"]
+__all__ = ["FileInfo", "load", "load_pickle", "load_raw", "load_window", "load_with_info"]
 
 # --------------------------------------------------------------------------------------------
 # Allow-listed globals
@@ -215,6 +215,18 @@ def _safe_np_reconstruct(real: Callable[..., Any]) -> Callable[..., Any]:
     return reconstruct
 
 
+def _layout_name(name: str) -> str:
+    if not isinstance(name, str) or len(name) > 64:
+        raise pickle.UnpicklingError("a torch layout is named by a short string")
+    return name
+
+
+def _path_text(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 4096:
+        raise pickle.UnpicklingError("a pickled path is made of a few strings")
+    return "/".join(parts)
+
+
 def _build_allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
@@ -242,6 +254,12 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
     allowed[("torch.storage", "UntypedStorage")] = _StorageType("uint8")
     for name in [*DTYPES, "float", "double", "half", "long", "int", "short", "cfloat", "cdouble"]:
         allowed[("torch", name)] = TorchDtype(dtype_info(name).name)
+    # DCP .metadata: TensorProperties pickles its layout as torch.serialization._get_layout("torch.strided")
+    allowed[("torch.serialization", "_get_layout")] = _layout_name
+    # ... and its StorageMeta.checkpoint_id is the path the writer was given: a pathlib path when it was one.
+    # It becomes its string (no pathlib object is built).
+    for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        allowed[("pathlib", cls)] = _path_text
     allowed.update(STAND_INS)
     allowed.update(ATTRIBUTE_DICTS)
     try:
@@ -315,6 +333,91 @@ def load(path: str | os.PathLike[str]) -> Any:
     return load_with_info(path)[0]
 
 
+def load_pickle(path: str | os.PathLike[str]) -> Any:
+    """Parse a plain pickle file (no storages: DCP's ``.metadata``) with the allow-listed unpickler, within
+    ``max_pickle_nbytes``; the same refusals as :func:`load`."""
+    p = Path(path)
+
+    def no_storage(args: tuple) -> StorageRef:
+        raise pickle.UnpicklingError("a plain pickle holds no tensor storages")
+
+    try:
+        size = limits.regular_file(p).st_size
+        if size > limits.current().max_pickle_nbytes:
+            raise limits.exceeded(p, f"a pickle of {size} bytes", None, "max_pickle_nbytes")
+        with os.fdopen(limits.open_regular(p), "rb") as f:
+            obj = _Unpickler(_BoundedReader(f, p, size), path=p, resolve_storage=no_storage).load()
+        check_tree(obj, p)
+        return obj
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except RecursionError as e:
+        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
+    except (pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError, KeyError, AttributeError,
+            IndexError, UnicodeDecodeError, NotImplementedError, OverflowError, MemoryError) as e:
+        raise CorruptCheckpointError(f"{p}: cannot be parsed as a pickle ({type(e).__name__}: "
+                                     f"{shorten(str(e), 200)}); it is truncated or corrupt") from e
+
+
+class _Window:
+    """``nbytes`` bytes of an open file from ``base``, as a file of its own (a ``torch.save`` stream stored inside
+    a bigger file, as DCP's ``.distcp`` files hold them): reads stop at the window's end."""
+
+    def __init__(self, f: Any, base: int, nbytes: int) -> None:
+        self._f, self._base, self._nbytes, self._pos = f, base, nbytes, 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        pos = {0: offset, 1: self._pos + offset, 2: self._nbytes + offset}[whence]
+        if pos < 0:
+            raise OSError(22, "seek before the start of the stored stream")
+        self._pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self._nbytes - self._pos)
+        n = left if n is None or n < 0 else min(n, left)
+        self._f.seek(self._base + self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return bytes(data)
+
+    def seekable(self) -> bool:
+        return True
+
+
+def load_window(path: str | os.PathLike[str], offset: int, nbytes: int) -> Any:
+    """Parse the ``torch.save`` stream stored at bytes ``[offset, offset + nbytes)`` of ``path`` (an item of a DCP
+    ``.distcp`` file) as :func:`load` parses a file: the allow-list, the budgets, CRC-32 checks; its tensors'
+    storages point at their absolute place in ``path``. A window past the end of the file is refused."""
+    p = Path(path)
+    try:
+        size = limits.regular_file(p).st_size
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise CorruptCheckpointError(f"{p}: an item at bytes [{offset}, {offset + nbytes}) runs past the end of "
+                                         f"the file ({size} bytes); the checkpoint is truncated or its .metadata "
+                                         "is wrong")
+        with os.fdopen(limits.open_regular(p), "rb") as f:
+            obj, _ = _load_zip(p, _Window(f, offset, nbytes), base=offset)
+        check_tree(obj, p)
+        return obj
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except RecursionError as e:
+        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError, TypeError, KeyError,
+            AttributeError, IndexError, UnicodeDecodeError, NotImplementedError, OverflowError, OSError) as e:
+        raise CorruptCheckpointError(
+            f"{p}: the item at bytes [{offset}, {offset + nbytes}) is not a readable torch.save stream "
+            f"({type(e).__name__}: {shorten(str(e), 200)}); the file is corrupt or its .metadata is wrong") from e
+
+
 @dataclass(frozen=True)
 class FileInfo:
     """What the container of a parsed file says about the file itself.
@@ -377,7 +480,8 @@ def load_raw(path: str | os.PathLike[str], dtype_name: str) -> tuple[TensorRef, 
     return TensorRef(storage, 0, (numel,), (1,)), FileInfo(None)
 
 
-def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:
+def _load_zip(path: Path, raw: Any, base: int = 0) -> tuple[Any, FileInfo]:
+    """``base``: where ``raw`` (a window, :class:`_Window`) starts in ``path``; storages get absolute offsets."""
     with zipfile.ZipFile(raw) as zf:
         names = zf.namelist()
         if len(set(names)) != len(names):
@@ -414,7 +518,10 @@ def _load_zip(path: Path, raw: Any) -> tuple[Any, FileInfo]:
         if not flags & 0x08 and local_crc != info.CRC:  # torch's writer leaves it 0 (bit 3: data descriptor)
             raise CorruptCheckpointError(crc.local_header_message(path, info.filename, info.CRC, local_crc))
         name_len, extra_len = struct.unpack("<HH", header[26:30])
-        offset = info.header_offset + 30 + name_len + extra_len
+        offset = base + info.header_offset + 30 + name_len + extra_len
+        if isinstance(raw, _Window) and offset - base + info.file_size > raw.nbytes:
+            raise CorruptCheckpointError(f"{path}: storage data/{key} runs past the end of its item; the file is "
+                                         "corrupt")
         dtype = storage_type.dtype
         count = int(numel) if numel is not None else info.file_size // DTYPES[dtype].itemsize
         check = crc.RecordCheck(path, info.filename, info.CRC, info.file_size, offset) if checked else None

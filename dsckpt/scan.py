@@ -121,7 +121,7 @@ def _report(plan: ScanPlan, found: list[Finding], stored_tensors: int, totals: t
 def open_target(target: str | os.PathLike[str], *, tag: str | None = None
                 ) -> tuple[LogicalCheckpoint, FileCache, TargetKind]:
     """Open anything ``scan`` accepts: a DeepSpeed checkpoint, a ``.safetensors`` file, a sharded
-    safetensors folder, or a torch state-dict file."""
+    safetensors folder, a torch state-dict file, or a DCP folder."""
     kind = detect_target(target)
     if kind is TargetKind.DEEPSPEED:
         from .checkpoint import open_checkpoint
@@ -137,7 +137,8 @@ def prepare_scan(target: str | os.PathLike[str], *, tag: str | None = None, nonf
     """Open ``target`` (see :func:`open_target`), parse its files' metadata and plan the scan."""
     logical, cache, kind = open_target(target, tag=tag)
     is_st = getattr(cache, "is_safetensors", lambda _f: False)
-    trees = {f: cache.tree(f) for f in logical.files if not is_st(f)}
+    # a DCP folder's files are read item by item (dsckpt.dcp_reader), never parsed whole
+    trees = {} if kind is TargetKind.DCP else {f: cache.tree(f) for f in logical.files if not is_st(f)}
     plan = plan_scan(logical, trees, cache.tensor, target=Path(target), target_kind=kind,
                      nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)
     return plan, cache

@@ -16,8 +16,8 @@ from . import limits
 if TYPE_CHECKING:
     pass
 
-__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "AttributeDictStandIn", "DeepSpeedEnum", "DeepSpeedObject", "TorchDevice",
-           "TorchDtype", "TorchSize", "stand_in_class", "to_torch_value", "torch_device", "torch_size"]
+__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "AttributeDictStandIn", "DcpKey", "DeepSpeedEnum", "DeepSpeedObject",
+           "TorchDevice", "TorchDtype", "TorchSize", "stand_in_class", "to_torch_value", "torch_device", "torch_size"]
 
 # --------------------------------------------------------------------------------------------
 # Stand-ins for DeepSpeed's pickled classes
@@ -76,6 +76,14 @@ class DeepSpeedEnum(DeepSpeedObject):
         return hash((self.ds_module, self.ds_name, self.value))
 
 
+class DcpKey(DeepSpeedObject):
+    """Stand-in for DCP's ``MetadataIndex`` (a frozen dataclass used as a dict key in ``.metadata``): hashable on
+    its fields."""
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, v if not isinstance(v, list) else tuple(v)) for k, v in self.__dict__.items())))
+
+
 class _ReadOnlyClass(type):
     """Stand-in classes are shared by every load: a pickle's BUILD must not set attributes on them."""
 
@@ -88,6 +96,8 @@ def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepS
     return cls  # type: ignore[return-value]
 
 
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+
 STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
     key: _stand_in(*key, base)
     for key, base in [
@@ -98,6 +108,13 @@ STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
         (("deepspeed.checkpoint.constants", "ZeroStageEnum"), DeepSpeedEnum),
         # Megatron-DeepSpeed stores its argparse namespace as client state.
         (("argparse", "Namespace"), DeepSpeedObject),
+        # A PyTorch distributed checkpoint's .metadata (torch.distributed.checkpoint, torch 2.x): dataclasses
+        # describing each item and where its bytes are (read by dsckpt.dcp_reader)
+        *(((_DCP_MD, n), DeepSpeedObject) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                    "ChunkStorageMetadata", "TensorProperties", "StorageMeta")),
+        ((_DCP_MD, "MetadataIndex"), DcpKey),
+        ((_DCP_MD, "_MEM_FORMAT_ENCODING"), DeepSpeedEnum),
+        (("torch.distributed.checkpoint.filesystem", "_StorageInfo"), DeepSpeedObject),
     ]
 }
 

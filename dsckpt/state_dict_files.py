@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import parsed_tree, safe_load
+from .dcp_reader import is_dcp_folder, read_dcp
 from .dtypes import DTYPES, dtype_info
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .limits import open_parsed, open_regular, read_small_file, remember_parsed
@@ -55,16 +56,19 @@ class TargetKind(enum.Enum):
     SAFETENSORS = "safetensors"
     SAFETENSORS_SHARDED = "safetensors-sharded"
     TORCH = "torch"
+    DCP = "dcp"  # a PyTorch distributed checkpoint folder (.metadata + *.distcp; dsckpt.dcp_reader)
 
 
 def detect_target(path: str | os.PathLike[str]) -> TargetKind:
-    """What ``path`` is: a ``.safetensors`` file, a folder of shards, a torch file, or a DeepSpeed
-    checkpoint (any other folder)."""
+    """What ``path`` is: a ``.safetensors`` file, a folder of shards, a torch file, a DCP folder (``.metadata``),
+    or a DeepSpeed checkpoint (any other folder)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"'{p}' does not exist")
     if p.is_file():
         return TargetKind.SAFETENSORS if p.suffix.lower() == ".safetensors" else TargetKind.TORCH
+    if is_dcp_folder(p):
+        return TargetKind.DCP
     if (p / INDEX_NAME).is_file():
         return TargetKind.SAFETENSORS_SHARDED
     if any(p.glob("*.safetensors")) and not (p / "latest").exists() and not any(p.glob("*model_states.pt")):
@@ -275,13 +279,16 @@ def _entry(name: str, file: Path, key: tuple[Any, ...], ref: Any) -> TensorEntry
     return TensorEntry(name, tuple(ref.shape), kind, kind is Kind.PARAM, (piece,))
 
 
-def open_state_dict(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, StateDictCache]:
+def open_state_dict(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, FileCache]:
     """A consolidated state dict as a logical checkpoint: one MODULE piece per tensor.
 
-    Tensors sharing one view in a torch file (tied weights) become alias entries.
+    Tensors sharing one view in a torch file (tied weights) become alias entries. A DCP folder: see
+    :func:`dsckpt.dcp_reader.read_dcp` (optimizer state tensors are attached to their params).
     """
     p = Path(path)
     kind = detect_target(p)
+    if kind is TargetKind.DCP:
+        return read_dcp(p)
     cache = StateDictCache()
     entries: list[TensorEntry] = []
     if kind is TargetKind.DEEPSPEED:

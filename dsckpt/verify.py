@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import UsageError
 from .readers import FileCache, read_checkpoint
 from .readers.same_save import file_facts, same_save_problems
 from .validate import is_pep440, unloadable_fields
@@ -180,8 +181,13 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     and audited by the one rank owning the file, from every rank's CRC-32 segments. Every rank returns
     the report the one-process run returns."""
     from .scan import Check, plan_scan, run_scan
-    from .state_dict_files import TargetKind
+    from .state_dict_files import TargetKind, detect_target
 
+    if detect_target(path) is not TargetKind.DEEPSPEED:
+        if group is not None:
+            raise UsageError("verify --distributed is for DeepSpeed checkpoints; verify a state dict or DCP folder "
+                             "in one process")
+        return _verify_state_dict(path, on_progress=on_progress, workers=workers)
     cache = FileCache()
     ckpt = read_checkpoint(path, tag=tag, cache=cache, allow_mixed_saves=True)
     problems: list[Problem] = []
@@ -218,6 +224,29 @@ def verify(path: str | os.PathLike[str], *, tag: str | None = None,
     return VerifyReport(ckpt.root, ckpt.tag, ckpt.files, audit.records_checked,
                         report.nbytes_read + audit.extra_nbytes, report.stored_tensors, tuple(problems), tuple(notes),
                         report.client_state)
+
+
+def _verify_state_dict(path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None,
+                       workers: int | None) -> VerifyReport:
+    """:func:`verify` of a torch state-dict file, a safetensors file or folder, or a DCP folder: one streaming pass
+    over every tensor (scan's checks), then every zip record read is CRC-checked (torch files, DCP items)."""
+    from .errors import CorruptCheckpointError
+    from .scan import open_target, plan_scan, run_scan
+    from .state_dict_files import TargetKind
+
+    logical, cache, kind = open_target(path)
+    trees = {f: cache.tree(f) for f in logical.files} if kind is TargetKind.TORCH else {}
+    plan = plan_scan(logical, trees, cache.tensor, target=Path(path), target_kind=kind)
+    report = run_scan(plan, cache, on_progress=on_progress, workers=workers)
+    problems = [Problem(Area.VALUES, f.name or f"{f.file.name} {f.key_str}", f"{f.check.value}: {f.describe()}")
+                for f in report.findings]
+    records = 0
+    try:
+        records = cache.finish_checks()
+    except CorruptCheckpointError as e:
+        problems.append(Problem(Area.RECORDS, _where(str(e)), str(e)))
+    return VerifyReport(logical.root, logical.tag or kind.value, logical.files, records, report.nbytes_read,
+                        report.stored_tensors, tuple(problems), (), report.client_state)
 
 
 def ds_version_problems(trees: dict[Path, Any], tag_dir: Path) -> list[tuple[str, str]]:

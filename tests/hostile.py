@@ -414,6 +414,79 @@ def _ds_version_in_optimizer_state(value: Any) -> Callable[[Path], Path]:
     return build
 
 
+def _dcp_folder(c: Path) -> Path:
+    """A real DCP folder written by ``torch.distributed.checkpoint`` (one process) beside the copied checkpoint:
+    ``{"model": ZeRO-3 fixture's params and buffers, "optim": {"state": {fc1.weight: exp_avg}}}``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    truth = load_file(str(FIXTURES / ZERO3 / "truth.safetensors"))
+    model = {k.split("/", 1)[1]: t for k, t in truth.items() if k.split("/", 1)[0] in ("param", "buffer")}
+    state = {"fc1.weight": {"exp_avg": truth["exp_avg/fc1.weight"], "step": torch.tensor(3.0)}}
+    dcp.save({"model": model, "optim": {"state": state}}, storage_writer=dcp.FileSystemWriter(c / "dcp"),
+             no_dist=True)
+    return c / "dcp"
+
+
+def _edit_dcp_metadata(edit: Callable[[Any, Path], Path | None]) -> Callable[[Path], Path]:
+    """Write the DCP folder, then change its ``.metadata`` (the test's own pickle: trusted) with ``edit(md,
+    folder)``; the damaged file is what ``edit`` returns, else ``.metadata``."""
+    def build(c: Path) -> Path:
+        folder = _dcp_folder(c)
+        md_path = folder / ".metadata"
+        md = pickle.loads(md_path.read_bytes())  # the test's own file, written a line above by torch
+        victim = edit(md, folder)
+        md_path.write_bytes(pickle.dumps(md))
+        return victim or md_path
+    return build
+
+
+def _storage_of(md: Any, fqn: str) -> Any:
+    return next(info for idx, info in md.storage_data.items() if idx.fqn == fqn)
+
+
+def _offset_past_end(md: Any, folder: Path) -> None:
+    info = _storage_of(md, "model.fc1.weight")
+    info.offset = (folder / info.relative_path).stat().st_size + 100
+
+
+def _size_lie(md: Any, folder: Path) -> None:
+    import torch
+
+    md.state_dict_metadata["model.fc1.weight"].size = torch.Size([7, 7])
+
+
+def _length_overlap(md: Any, folder: Path) -> None:
+    _storage_of(md, "model.fc1.weight").length += 64
+
+
+def _swapped_items(md: Any, folder: Path) -> Path:
+    a, b = _storage_of(md, "model.fc1.weight"), _storage_of(md, "model.embed.weight")
+    a.offset, a.length, b.offset, b.length = b.offset, b.length, a.offset, a.length
+    return folder / a.relative_path
+
+
+def _forbidden_global_metadata(c: Path) -> Path:
+    folder = _dcp_folder(c)
+    (folder / ".metadata").write_bytes(b"cos\nsystem\n(S'echo owned'\ntR.")
+    return folder / ".metadata"
+
+
+def _truncated_distcp(c: Path) -> Path:
+    folder = _dcp_folder(c)
+    victim = next(folder.glob("*.distcp"))
+    os.truncate(victim, victim.stat().st_size // 2)
+    return folder / ".metadata"  # the .metadata now points past the end of the file: it is what is named
+
+
+DCP_INFO = ("info", "{ckpt}/dcp")
+DCP_SCAN = ("scan", "-q", "{ckpt}/dcp")
+DCP_VERIFY = ("verify", "{ckpt}/dcp")
+DCP_DIFF = ("diff", "{ckpt}", "{ckpt}/dcp")
+DCP_TO_FP32 = ("to-fp32", "-q", "{ckpt}/dcp", "{out}/model.safetensors")
+
+
 def cases() -> list[Case]:
     """The corpus: one damage per case."""
     out: list[Case] = []
@@ -569,6 +642,21 @@ def cases() -> list[Case]:
                                                    + b"e" + _put(_MEMO + 1) + b"0](" + (_get(_MEMO) + _get(_MEMO + 1)
                                                                                         + b"\x85R") * 10_000 + b"e"),
         _refused(INFO, phrases=("max_parsed_nbytes",)), limited=True)
+    # ---- a PyTorch distributed checkpoint (DCP folder) as input (issue 33): .metadata is a pickle
+    add("dcp-forbidden-global", "internal", ZERO3, "a DCP .metadata that pickles os.system",
+        _forbidden_global_metadata, _refused(DCP_INFO, DCP_SCAN, DCP_TO_FP32, phrases=("os.system", "allow-list")))
+    add("dcp-offset-past-end", "message", ZERO3, "a DCP .metadata placing a tensor past the end of its .distcp "
+        "file", _edit_dcp_metadata(_offset_past_end),
+        _refused(DCP_INFO, DCP_VERIFY, DCP_DIFF, DCP_TO_FP32, phrases=("model.fc1.weight", "__0_0.distcp")))
+    add("dcp-truncated-distcp", "message", ZERO3, "a DCP folder whose .distcp file lost its second half",
+        _truncated_distcp, _refused(DCP_INFO, DCP_SCAN, phrases=(".distcp", "bytes")))
+    add("dcp-size-lie", "silent", ZERO3, "a DCP .metadata giving a tensor a size its chunks do not fill",
+        _edit_dcp_metadata(_size_lie), _refused(DCP_INFO, DCP_TO_FP32, phrases=("model.fc1.weight", "[7, 7]")))
+    add("dcp-overlapping-items", "silent", ZERO3, "a DCP .metadata whose byte ranges overlap",
+        _edit_dcp_metadata(_length_overlap), _refused(DCP_SCAN, DCP_TO_FP32, phrases=("overlap",)))
+    add("dcp-swapped-items", "silent", ZERO3, "a DCP .metadata pointing two tensors at each other's bytes",
+        _edit_dcp_metadata(_swapped_items),
+        _refused(DCP_VERIFY, DCP_DIFF, DCP_TO_FP32, phrases=("holds float32 [", "and .metadata says")))
     add("bad-limits-setting", "message", ZERO2, "DSCKPT_LIMITS naming no limit", lambda c: c,
         (Run(INFO, 2, ("DSCKPT_LIMITS", "max_depth")),), env=(("DSCKPT_LIMITS", "depth=5"),))
     return out

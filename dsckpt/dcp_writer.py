@@ -1,0 +1,402 @@
+"""``to-dcp``: the whole training state as a PyTorch distributed checkpoint (DCP) folder.
+
+OUT holds the state dict ``{"model": M, "optim": O}`` that FSDP2 (``fully_shard``), torchtitan-style loops and a
+plain process resume from::
+
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=OUT)
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+* M is what ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` lists: FQN keys in state-dict order;
+  the fp32 masters of trained params (``dtype`` to change that), frozen params and buffers as saved; a tied param
+  under every name ``model.state_dict()`` lists, each with the source's values.
+* O is what ``get_optimizer_state_dict`` gives: ``state`` keyed by FQN, trained params only, a tied param once under
+  its first name, every optimizer state tensor as stored (fp32) plus ``step`` as a 0-dim float32 tensor (what torch's
+  Adam/AdamW keep); ``param_groups`` one per DeepSpeed group in DeepSpeed's order (DCP loads them by position),
+  each with ``params`` (the FQNs, in the optimizer's order) and every key the optimizer's own groups have: the values
+  DeepSpeed saved, and torch's defaults for keys this torch's optimizer has and the save lacks (a strict load
+  fails on a missing key). A DeepSpeed "Adam" run with ``torch_adam`` is torch's AdamW (``decoupled_weight_decay``
+  True) and stays so.
+
+:func:`plan_to_dcp` decides every key, dtype and shape without reading tensor data; :func:`run_to_dcp` writes with
+DCP's own :class:`~torch.distributed.checkpoint.FileSystemWriter`. The planner hands DCP shape-only (``meta``)
+tensors, and produces each real tensor only when the writer asks for it (:meth:`_StreamingPlanner.resolve_data`),
+one file per tensor and ``workers`` files at a time, so memory stays at a few tensors whatever the model size, as in
+``to-fp32``. The folder appears atomically
+(:func:`dsckpt.atomic.atomic_dir`; every file fsync'd). ``--distributed``: every rank plans the same state dict and
+DCP's own planner spreads the tensors over the ranks by bytes (its de-duplication of replicated items); rank 0
+writes ``.metadata`` and moves the folder into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .atomic import atomic_dir, claim_output, refuse_overlap
+from .convert import parse_dtype
+from .dtypes import dtype_info
+from .errors import UnsupportedCheckpointError
+from .model import Kind, LogicalCheckpoint, Piece, Role
+from .readers import FileCache
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DcpGroup",
+    "DcpPlan",
+    "DcpResult",
+    "DcpTensor",
+    "describe_dcp_plan",
+    "plan_to_dcp",
+    "run_to_dcp",
+    "run_to_dcp_distributed",
+]
+
+logger = logging.getLogger("dsckpt")
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """One tensor of OUT: its path in the nested state dict (``("model", fqn)`` or
+    ``("optim", "state", fqn, state_key)``), dtype and shape, and where its values come from: ``piece`` of the
+    logical tensor ``name`` (cast to ``dtype``), or, for ``step``, the number ``value``."""
+
+    path: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    name: str
+    piece: Piece | None = None
+    value: float | None = None
+
+    @property
+    def fqn(self) -> str:
+        """The key DCP stores it under (its flattened path)."""
+        return ".".join(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_info(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class DcpGroup:
+    """One optimizer param group of O: DeepSpeed's ``index``, the FQNs of its params and every hyper-parameter
+    (name, value) in the optimizer's key order, ``params`` excluded."""
+
+    index: int
+    params: tuple[str, ...]
+    hyperparams: tuple[tuple[str, Any], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dict(self.hyperparams), "params": list(self.params)}
+
+
+@dataclass(frozen=True)
+class DcpPlan:
+    output: Path
+    tensors: tuple[DcpTensor, ...]
+    groups: tuple[DcpGroup, ...]
+    optimizer_class: str  # the torch.optim class O is for, e.g. "AdamW"
+    dtype: str  # of the trained params' masters in M
+    defaults_added: tuple[str, ...] = ()  # group keys the save lacks, filled with torch's defaults
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def output_nbytes_bound(self) -> int:
+        """At most this many bytes are written: tensor data plus each tensor's torch.save framing and metadata."""
+        return self.total_nbytes + 65536 + sum(2048 + 4 * len(t.fqn) for t in self.tensors)
+
+    @property
+    def model_tensors(self) -> tuple[DcpTensor, ...]:
+        return tuple(t for t in self.tensors if t.path[0] == MODEL_KEY)
+
+    @property
+    def state_tensors(self) -> tuple[DcpTensor, ...]:
+        return tuple(t for t in self.tensors if t.path[0] == OPTIM_KEY)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The nested state dict DCP plans from: shape-only (``meta``) tensors, the groups as plain values."""
+        import torch
+
+        root: dict[str, Any] = {MODEL_KEY: {}, OPTIM_KEY: {"state": {}, "param_groups": []}}
+        for t in self.tensors:
+            node = root
+            for k in t.path[:-1]:
+                node = node.setdefault(k, {})
+            node[t.path[-1]] = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
+        root[OPTIM_KEY]["param_groups"] = [g.as_dict() for g in self.groups]
+        return root
+
+
+@dataclass(frozen=True)
+class DcpResult:
+    plan: DcpPlan
+    files: tuple[Path, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# plan
+
+
+#: DeepSpeed optimizer ``type`` (lower case) -> the torch.optim class that ran (DeepSpeed 0.19 engine.py
+#: _configure_basic_optimizer: "Adam" with torch_adam is torch.optim.AdamW unless adam_w_mode is false).
+_DS_TYPE_TO_TORCH = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+
+
+def _optimizer_class(ckpt: LogicalCheckpoint, saved: dict[str, Any]) -> str | None:
+    """The torch.optim class whose groups O must match, or None when the run's optimizer has no torch twin."""
+    import torch
+
+    cfg = (ckpt.ds_config or {}).get("optimizer") or {}
+    kind = str(ckpt.optimizer_type or cfg.get("type") or "").strip()
+    params = cfg.get("params") or {}
+    if hasattr(torch.optim, kind) and kind not in ("Adam", "AdamW"):
+        return kind
+    name = _DS_TYPE_TO_TORCH.get(kind.lower())
+    if name == "AdamW" or kind in ("Adam", "AdamW") or "decoupled_weight_decay" in saved:
+        # the saved groups say which of the two ran; else the config (adam_w_mode defaults to true)
+        if "decoupled_weight_decay" in saved:
+            return "AdamW" if saved["decoupled_weight_decay"] else "Adam"
+        if kind.lower() == "adam" and params.get("adam_w_mode", True) is False:
+            return "Adam"
+        return "AdamW"
+    return name
+
+
+def _class_defaults(name: str) -> dict[str, Any]:
+    """The hyper-parameters a group of this torch's ``torch.optim.<name>`` holds, with their defaults: the keyword
+    arguments of its ``__init__`` (and its Optimizer bases'), as the class puts them into ``defaults``. Read from the
+    signatures rather than by building one: the first optimizer built imports torch._dynamo (seconds)."""
+    import inspect
+
+    import torch
+
+    cls = getattr(torch.optim, name)
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)) \
+                or klass is torch.optim.Optimizer or "__init__" not in vars(klass):
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.name not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) \
+                    and p.default is not p.empty:
+                out[p.name] = p.default
+    if name == "AdamW" and issubclass(cls, torch.optim.Adam):
+        out["decoupled_weight_decay"] = True  # torch >= 2.6: AdamW is Adam(decoupled_weight_decay=True)
+    return out
+
+
+def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
+                dtype: str | torch.dtype = "float32") -> DcpPlan:
+    """Decide every tensor and group of OUT (see the module docstring). Reads no tensor data, writes nothing.
+
+    Refuses (:class:`~dsckpt.errors.UnsupportedCheckpointError`) a checkpoint whose reader does not describe the
+    optimizer's param groups, a trained param without optimizer state, and optimizers with no torch class."""
+    out = Path(output)
+    refuse_overlap(out, ckpt.root, "write outside the checkpoint folder (and not onto the run folder holding it)")
+    dtype = parse_dtype(dtype)
+    ckpt.require_unambiguous("to-dcp", values=True, flags=True, moments=True)
+    by_name = {e.name: e for e in ckpt.entries}
+    tensors: list[DcpTensor] = []
+    for e in ckpt.entries:
+        src = by_name.get(e.tied_to, e) if e.tied_to is not None else e
+        piece = src.source_for_fp32()
+        trained = e.kind is Kind.PARAM and src.trainable and src.piece(Role.MASTER) is not None
+        floating = dtype_info(piece.dtype).is_floating
+        want = dtype if trained and floating else piece.dtype
+        tensors.append(DcpTensor((MODEL_KEY, e.name), want, e.shape, src.name, piece))
+
+    groups_in = ckpt.optimizer_groups
+    if not groups_in:
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.tag_dir}': dsckpt does not read the optimizer's param groups of this layout ({ckpt.layout}), so "
+            "it cannot write the optimizer state as get_optimizer_state_dict() does; 'dsckpt to-fp32' exports the "
+            "weights")
+    alias_to_source = {e.name: e.tied_to for e in ckpt.entries if e.tied_to is not None and e.tied_to in by_name}
+    groups: list[DcpGroup] = []
+    in_groups: set[str] = set()
+    missing_state: list[str] = []
+    saved0 = dict(groups_in[0].hyperparams)
+    cls = _optimizer_class(ckpt, saved0)
+    defaults = _class_defaults(cls) if cls is not None else {}
+    added: set[str] = set()
+    for g in groups_in:
+        fqns = tuple(dict.fromkeys(alias_to_source.get(n, n) for n in g.param_names))
+        saved = dict(g.hyperparams)
+        hyper = {**{k: v for k, v in saved.items() if k != "params"},
+                 **{k: v for k, v in defaults.items() if k not in saved}}  # the saved order, then what it lacks
+        added.update(k for k in defaults if k not in saved)
+        groups.append(DcpGroup(g.index, fqns, tuple(hyper.items())))
+        step = g.step if g.step is not None else ckpt.optimizer_step
+        for fqn in fqns:
+            if fqn in in_groups:
+                continue
+            in_groups.add(fqn)
+            entry = by_name.get(fqn)
+            items = [(k, p) for k in entry.state_keys if (p := entry.state_piece(k)) is not None] \
+                if entry is not None else []
+            if entry is None or not items:
+                missing_state.append(fqn)
+                continue
+            if step is None:
+                raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': the optimizer's step count is not saved; "
+                                                 "to-dcp needs it for the optimizer state")
+            tensors.append(DcpTensor((OPTIM_KEY, "state", fqn, "step"), "float32", (), fqn, None, float(step)))
+            for key, piece in items:
+                tensors.append(DcpTensor((OPTIM_KEY, "state", fqn, key), piece.dtype, entry.shape, fqn, piece))
+    if missing_state:
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.tag_dir}': no optimizer state for {', '.join(missing_state[:5])}"
+            + (f" (+{len(missing_state) - 5} more)" if len(missing_state) > 5 else "")
+            + "; get_optimizer_state_dict() has state for every trained param, so nothing was written")
+    if cls is None:
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.tag_dir}': the optimizer ({ckpt.optimizer_type or 'unknown'}) has no "
+            "torch.optim class to resume into; to-dcp writes torch optimizers' state")
+    return DcpPlan(out, tuple(tensors), tuple(groups), cls, dtype, tuple(sorted(added)))
+
+
+def describe_dcp_plan(plan: DcpPlan) -> dict[str, Any]:
+    """What every rank must agree on (``Group.agree``), and what ``--dry-run`` shows."""
+    return {"output": str(plan.output), "optimizer": plan.optimizer_class, "dtype": plan.dtype,
+            "tensors": [[t.fqn, t.dtype, list(t.shape)] for t in plan.tensors],
+            "param_groups": [[g.index, list(g.params), [[k, repr(v)] for k, v in g.hyperparams]] for g in plan.groups],
+            "defaults_added": list(plan.defaults_added)}
+
+
+# --------------------------------------------------------------------------------------------
+# do
+
+
+def _producer(plan: DcpPlan, cache: FileCache,
+              on_tensor: Callable[[DcpTensor], None] | None) -> Callable[[str], torch.Tensor]:
+    """``produce(fqn)``: the real tensor of ``fqn`` (read from its fragments, cast, checked against the plan)."""
+    import torch
+
+    from .assemble import read_piece
+
+    fqn_to_tensor = {t.fqn: t for t in plan.tensors}
+
+    def produce(fqn: str) -> torch.Tensor:
+        t = fqn_to_tensor[fqn]
+        want = getattr(torch, t.dtype)
+        if t.piece is None:
+            assert t.value is not None
+            out = torch.tensor(t.value, dtype=want)
+        else:
+            out = read_piece(t.piece, t.shape, cache, name=t.name)
+            if out.dtype != want:
+                out = out.to(want)
+        assert tuple(out.shape) == t.shape and out.dtype == want, f"{fqn}: produced {out.dtype} {tuple(out.shape)}"
+        if on_tensor is not None:
+            on_tensor(t)
+        return out
+
+    return produce
+
+
+#: DCP writer threads by default: each holds one tensor at a time; together they overlap reading the checkpoint,
+#: torch.save's framing and each file's fsync.
+DEFAULT_WORKERS = 4
+
+
+def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch.Tensor],
+                        workers: int) -> tuple[Any, Any]:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    class _StreamingPlanner(DefaultSavePlanner):
+        """DCP's default planner, but the tensors it plans from are shapes only: each real tensor is produced
+        when the writer asks for it, so one tensor at a time is in memory."""
+
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            return produce(write_item.index.fqn)
+
+    class _Writer(FileSystemWriter):
+        """DCP's writer into the temp folder; ``.metadata`` names OUT, not the temp folder, as its checkpoint id."""
+
+        def storage_meta(self) -> StorageMeta | None:
+            meta = super().storage_meta()
+            if meta is not None:
+                meta.checkpoint_id = str(plan.output)
+            return meta
+
+    # single_file_per_rank False: one .distcp file per item. DCP's writer keeps every tensor of a file referenced
+    # until the file is closed (torch 2.11-2.13 filesystem.py _write_files_from_queue, for its safetensors format),
+    # so one file per rank would hold the whole state in memory; one file per tensor holds one.
+    # thread_count ``workers``: that many files written at once, each thread producing its tensors in turn.
+    # per_thread_copy_ahead 0: DCP's serial loader even where CUDA is present (its overlapping one starts a CUDA
+    # context to copy CPU tensors). sync_files: each file fsync'd when written (while the other threads go on);
+    # atomic_dir fsyncs the folder and renames it into place.
+    return (_Writer(tmp, single_file_per_rank=False, sync_files=True, thread_count=max(1, workers),
+                    per_thread_copy_ahead=0), _StreamingPlanner())
+
+
+def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
+               on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS) -> DcpResult:
+    """Write ``plan`` to its OUT folder atomically, one file per tensor, ``workers`` tensors at a time (the memory
+    bound); every input record's CRC-32 is checked before the folder is moved into place."""
+    import torch.distributed.checkpoint as dcp
+
+    produce = _producer(plan, cache, on_tensor)
+    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), atomic_dir(plan.output) as tmp:
+        writer, planner = _writer_and_planner(tmp, plan, produce, workers)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
+        cache.finish_checks()
+        names = sorted(p.name for p in tmp.iterdir())
+    return DcpResult(plan, tuple(plan.output / n for n in names))
+
+
+def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force: bool = False,
+                           on_tensor: Callable[[DcpTensor], None] | None = None,
+                           workers: int = DEFAULT_WORKERS) -> DcpResult:
+    """:func:`run_to_dcp` over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): rank 0 claims OUT and
+    makes a leased temp folder; every rank runs ``dcp.save`` on the default (gloo) process group with the same
+    shape-only state dict, and DCP's planner gives each tensor to one rank, balancing bytes; each rank completes
+    the CRC-32 checks of what it read; rank 0 moves the folder into place once every rank succeeded."""
+    import contextlib
+
+    import torch.distributed.checkpoint as dcp
+
+    group.agree(describe_dcp_plan(plan), "the to-dcp plan")
+    produce = _producer(plan, cache, on_tensor)
+    with contextlib.ExitStack() as stack:
+        def claim() -> str | None:
+            if not group.is_root:
+                return None
+            stack.enter_context(claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound))
+            return str(stack.enter_context(atomic_dir(plan.output, leased=True)))
+
+        tmp = Path(group.step(claim, "claiming OUT")[0])
+
+        def write() -> None:
+            writer, planner = _writer_and_planner(tmp, plan, produce, workers)
+            dcp.save(plan.state_dict(), storage_writer=writer, planner=planner)
+            cache.finish_checks()
+
+        group.step(write, "writing the DCP folder")
+        names = sorted(p.name for p in tmp.iterdir()) if group.is_root else []
+    group.barrier()  # rank 0 has renamed the folder into place
+    return DcpResult(plan, tuple(plan.output / n for n in names))
