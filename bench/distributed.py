@@ -31,8 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import DSCKPT, PY, measure, remove, warm_cache  # noqa: E402
-from scale import free_port, generate, log  # noqa: E402
+from run import DSCKPT, PY, measure, remove, warm_cache
+from scale import free_port, generate, log
 
 PROCS = tuple(int(p) for p in os.environ.get("DIST_PROCS", "1,2,4,8").split(","))
 

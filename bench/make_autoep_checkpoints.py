@@ -32,13 +32,13 @@ p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK"
 args = p.parse_args()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import autoep_compat  # noqa: E402
+import autoep_compat
 
 autoep_compat.apply()
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from ds_launch import gloo_only  # noqa: E402
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+import deepspeed
+import torch.distributed as dist
+from ds_launch import gloo_only
+from transformers import MixtralConfig, MixtralForCausalLM
 
 gloo_only()
 deepspeed.init_distributed("gloo")

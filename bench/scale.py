@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import (  # noqa: E402
+from run import (
     DSCKPT,
     PY,
     Sample,

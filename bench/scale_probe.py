@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import DSCKPT, PY, measure, remove, warm_cache  # noqa: E402
+from run import DSCKPT, PY, measure, remove, warm_cache
 
 _TIMED_RESHARD = """
 import json, sys, time, contextlib

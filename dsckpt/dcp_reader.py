@@ -170,7 +170,7 @@ def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str]]:
     for fqn, meta in md.state_dict_metadata.items():
         try:
             if not isinstance(fqn, str):
-                raise ValueError(f"key {fqn!r} is not a string")  # noqa: TRY004 - a problem of the file
+                raise ValueError(f"key {fqn!r} is not a string")
             path = planner.get(fqn)
             path = tuple(str(k) for k in path) if isinstance(path, (tuple, list)) and path else (fqn,)
             if _is(meta, "BytesStorageMetadata"):

@@ -263,11 +263,12 @@ def prescan(data: bytes | bytearray | memoryview, where: object, *, dict_memo: b
             break
         else:  # _SKIP, _FRAME
             pos += nargs
-        if depth > high:  # noqa: PLR1730 (max() is a call: this runs for every opcode)
+        if depth > high:
             high = depth
         if pos >= check_at:
             check_at = pos + (1 << 16)
-            _check(where, objects, nbytes + _overhead(high + high_marks, memo_top, memo_count, dict_memo), max_objects, max_nbytes)
+            _check(where, objects, nbytes + _overhead(high + high_marks, memo_top, memo_count, dict_memo), max_objects,
+                   max_nbytes)
     total = nbytes + _overhead(high + high_marks, memo_top, memo_count, dict_memo)
     _check(where, objects, total, max_objects, max_nbytes)
     return total, stopped

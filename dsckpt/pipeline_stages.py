@@ -116,7 +116,8 @@ def _layouts(ckpt: LogicalCheckpoint, record: PipelineRecord, pp: int, method: s
         num_layers = len(layer_types)
     n = last if num_layers is None else num_layers
     if n < last:
-        raise UsageError(f"--num-layers {n} is less than the layers the checkpoint has files for (layer_{last - 1:02d})")
+        raise UsageError(f"--num-layers {n} is less than the layers the checkpoint has files for "
+                         f"(layer_{last - 1:02d})")
     if method.lower().startswith("type:") and layer_types is None:
         raise UsageError(f"partition method '{method}' matches layer class names, which no checkpoint file stores; "
                          "give them with --layer-types NAME,NAME,... (one per PipelineModule layer, in order)")
@@ -130,7 +131,8 @@ def _layouts(ckpt: LogicalCheckpoint, record: PipelineRecord, pp: int, method: s
         unknown = sorted({k for k in marks if k is not None and k not in tied_by_key})
         wrong = [i for i in by_index if by_index[i].tied_key != marks[i] and marks[i] is not None]
         if unknown or wrong:
-            raise UsageError(f"--layer-types: {'tied keys ' + str(unknown) + ' are not in the checkpoint' if unknown else ''}"
+            raise UsageError("--layer-types: "
+                             f"{'tied keys ' + str(unknown) + ' are not in the checkpoint' if unknown else ''}"
                              f"{'; ' if unknown and wrong else ''}"
                              f"{'layers ' + str(wrong) + ' are not uses of the tied module named' if wrong else ''}")
         choices = [[tied_by_key[marks[i]] if marks[i] is not None else None] for i in free]  # type: ignore[index]

@@ -109,8 +109,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     pipeline stages (default: the source's) times the data-parallel size, which is ``world_size / (tp_size *
     pp_size)``. Another stage count takes the stage boundaries ``PipelineModule`` computes with
     ``partition_method`` (default DeepSpeed's ``parameters``) over the layer list (``num_layers``, ``layer_types``:
-    what the files do not state; :func:`dsckpt.pipeline_stages.plan_stages`). A TP size other than the source's and 1 takes AutoTP's
-    widths at that size (:mod:`dsckpt.autotp_widths`), whose key/value head count is read from the HF
+    what the files do not state; :func:`dsckpt.pipeline_stages.plan_stages`). A TP size other than the source's and 1
+    takes AutoTP's widths at that size (:mod:`dsckpt.autotp_widths`), whose key/value head count is read from the HF
     ``config.json`` in ``ckpt.root`` unless ``facts.autotp_meta`` gives it.
 
     ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's

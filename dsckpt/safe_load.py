@@ -338,7 +338,7 @@ def load_pickle(path: str | os.PathLike[str]) -> Any:
     ``max_pickle_nbytes``; the same refusals as :func:`load`."""
     p = Path(path)
 
-    def no_storage(args: tuple) -> StorageRef:
+    def no_storage(args: tuple[Any, ...]) -> StorageRef:
         raise pickle.UnpicklingError("a plain pickle holds no tensor storages")
 
     try:

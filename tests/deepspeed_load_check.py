@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
-import fixture_models as fm  # noqa: E402
+import fixture_models as fm
 
 p = argparse.ArgumentParser()
 p.add_argument("--fixture", required=True)
@@ -35,9 +35,9 @@ if args.force_cpu_fp16:
     CPU_Accelerator.is_fp16_supported = lambda self: True
     CPU_Accelerator.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
 
-import deepspeed  # noqa: E402
-from ds_launch import gloo_only  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import deepspeed
+from ds_launch import gloo_only
+from safetensors.torch import load_file
 
 gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 

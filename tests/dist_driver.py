@@ -30,7 +30,7 @@ if os.environ.get("DIST_SLOW_FSYNC_RANK") == str(rank):
 
     os.fsync = slow
 
-from dsckpt.cli import main  # noqa: E402
+from dsckpt.cli import main
 
 jobs, results = json.load(open(sys.argv[1])), sys.argv[2]
 codes = []

@@ -34,7 +34,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 sys.path.insert(0, HERE)
-import autoep_models as am  # noqa: E402
+import autoep_models as am
 
 p = argparse.ArgumentParser()
 p.add_argument("pairs", nargs="+", help="FIXTURE_NAME=RESHARDED_SAVE_DIR")
@@ -43,13 +43,13 @@ p.add_argument("--result", default=None)
 p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures", "autoep"))
 args = p.parse_args()
 
-import autoep_compat  # noqa: E402
+import autoep_compat
 
 autoep_compat.apply()
-import deepspeed  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from ds_launch import gloo_only, logits_slack, report_checks  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from ds_launch import gloo_only, logits_slack, report_checks
+from safetensors.torch import load_file
 
 gloo_only()
 deepspeed.init_distributed("gloo")

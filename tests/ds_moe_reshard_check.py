@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
-import fixture_models as fm  # noqa: E402
-import moe_models as mm  # noqa: E402
+import fixture_models as fm
+import moe_models as mm
 
 p = argparse.ArgumentParser()
 p.add_argument("pairs", nargs="+", help="FIXTURE_NAME=RESHARDED_SAVE_DIR")
@@ -37,10 +37,10 @@ p.add_argument("--result", default=None)
 p.add_argument("--fixtures", default=os.path.join(HERE, "fixtures"))
 args = p.parse_args()
 
-import deepspeed  # noqa: E402
-from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from ds_launch import gloo_only, report_checks  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import deepspeed
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from ds_launch import gloo_only, report_checks
+from safetensors.torch import load_file
 
 gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
-import autotp_models as am  # noqa: E402
+import autotp_models as am
 
 p = argparse.ArgumentParser()
 p.add_argument("pairs", nargs="+", help="FIXTURE_NAME=RESHARDED_SAVE_DIR")
@@ -58,11 +58,11 @@ p.add_argument("--logits-atol", type=float, default=None,
 args = p.parse_args()
 
 
-import deepspeed  # noqa: E402
-from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # noqa: E402
-from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from ds_launch import gloo_only, logits_slack, report_checks  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import deepspeed
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from ds_launch import gloo_only, logits_slack, report_checks
+from safetensors.torch import load_file
 
 gloo_only()
 deepspeed.init_distributed("gloo")

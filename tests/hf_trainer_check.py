@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
-import hf_models as hm  # noqa: E402
-import peft_models as pm  # noqa: E402
+import hf_models as hm
+import peft_models as pm
 
 p = argparse.ArgumentParser()
 p.add_argument("--name", required=True, choices=sorted(hm.HF_FIXTURES) + sorted(pm.PEFT_FIXTURES))
@@ -30,10 +30,10 @@ p.add_argument("--micro-batch", type=int, default=hm.MICRO_BATCH)
 p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
 args = p.parse_args()
 
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from ds_launch import gloo_only, mark_rank_done  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from ds_launch import gloo_only, mark_rank_done
+from safetensors.torch import load_file
+from transformers import Trainer, TrainerCallback
 
 gloo_only()  # no JIT C++ build of DeepSpeed's shm op (see tests/ds_launch.py)
 

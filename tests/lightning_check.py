@@ -23,7 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))
-import lightning_models as lm  # noqa: E402
+import lightning_models as lm
 
 
 def load(result: Path, pairs: list[str]) -> None:

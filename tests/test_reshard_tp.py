@@ -440,7 +440,7 @@ def test_tp1_to_tp2_refused(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Real DeepSpeed (AutoTP on CPU ranks) loads the output with plain load_checkpoint()
 
-from ds_launch import DEEPSPEED, passed_except_controls, run_check_script  # noqa: E402
+from ds_launch import DEEPSPEED, passed_except_controls, run_check_script
 
 TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
 # (launch ranks, TP size, --zero-stage) -> fixtures resharded for it

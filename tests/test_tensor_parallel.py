@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, is_copy, read_copy
+from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, read_copy
 from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, universal
 
 from dsckpt import parsed_tree, safe_load, safe_save

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, is_copy, read_copy
+from scan_helpers import Copy, assert_scan_and_verify_clean, copy_tp_fixture, is_copy, read_copy
 
 from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry

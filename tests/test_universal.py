@@ -12,8 +12,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FIXTURES, all_fixtures, assert_no_fsync_writes_the_same_bytes
-from scan_helpers import read_copy
 from safetensors.torch import load_file
+from scan_helpers import read_copy
 
 from dsckpt import parsed_tree, safe_load
 from dsckpt.cli import main
@@ -85,7 +85,6 @@ def test_reader_logical_model(name):
 
 @pytest.mark.parametrize("name", UNIV, ids=UNIV)
 def test_moments_equal_source_truth(name):
-    from dsckpt.assemble import read_entry
     from dsckpt.model import Role
 
     truth = load_file(str(source(name).dir / "truth.safetensors"))

@@ -72,9 +72,10 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
         if padding and n.padding_rows != e.padding_rows:
             problems.append(f"'{name}' has {n.padding_rows} vocabulary padding rows, expected {e.padding_rows}")
             continue
+        padded = dict.fromkeys((p.role, p.state_key) for p in e.padding) if padding else {}
         for role, a, b, what in [*_copies_to_compare(e, n),
-                                 *((r, e.padding_piece(r, 0, k), n.padding_piece(r, 0, k), f"{k or r.value} padding rows")
-                                   for r, k in dict.fromkeys((p.role, p.state_key) for p in e.padding) if padding)]:
+                                 *((r, e.padding_piece(r, 0, k), n.padding_piece(r, 0, k),
+                                    f"{k or r.value} padding rows") for r, k in padded)]:
             if role is Role.MASTER and (a is None) != (b is None) and e.trainable:
                 # a stage-0 fp32 save keeps no master: its module weights are the master
                 side = e if a is None else n

@@ -13,7 +13,8 @@ from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
-__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees", "stage0_tree_from_zero"]
+__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
+           "stage0_tree_from_zero"]
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
@@ -134,7 +135,8 @@ def stage0_tree_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: An
         return streamed(FlatSpec(e.numel, "float32", range_copies(piece, 0, e.numel, 0, name)), cache, shape=e.shape)
 
     def state(name: str) -> dict[str, Any]:
-        return {"step": own_copy(scalars.step), **{k: whole(name, Role.OPTIM_STATE, k) for k in by_name[name].state_keys}}
+        return {"step": own_copy(scalars.step),
+                **{k: whole(name, Role.OPTIM_STATE, k) for k in by_name[name].state_keys}}
 
     orders = [[n for n, _ in group] for group in plan.param_shapes]
     optimizer: dict[str, Any]

@@ -153,7 +153,8 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         ae, tgt = ckpt.autoep, common["autoep"]
         notes.append(f"AutoEP: expert-parallel size {ae.ep_size} -> {tgt.ep_size} (expert-data-parallel {ae.expert_dp} "
                      f"-> {tgt.expert_dp}); the {len(copied)} per-expert files are copied unchanged")
-    return LayoutPlan(**{**common, "notes": tuple(notes), "copied_model_files": copied}, param_shapes=tuple(param_shapes),
+    return LayoutPlan(**{**common, "notes": tuple(notes), "copied_model_files": copied},
+                      param_shapes=tuple(param_shapes),
                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),
                       ranks=tuple(ranks))
 

@@ -13,7 +13,6 @@ params (``frozen_param_fragments``); ``shared_params`` is filled on rank 0 only 
 from __future__ import annotations
 
 import functools
-
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any

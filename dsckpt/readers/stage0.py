@@ -72,7 +72,8 @@ def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offse
     pieces = []
     if isinstance(state, Mapping):
         for sk, ref in state.items():
-            if isinstance(ref, TensorRef) and len(ref.shape) > 0 and ref.numel == owner and src_offset + numel <= ref.numel:
+            if (isinstance(ref, TensorRef) and len(ref.shape) > 0 and ref.numel == owner
+                    and src_offset + numel <= ref.numel):
                 pieces.append(Piece(Role.OPTIM_STATE, ref.dtype_name,
                                     (Fragment(path, (*state_key, sk), src_offset, numel, 0),), state_key=str(sk)))
     return pieces

@@ -333,8 +333,8 @@ def muon_piece(at: Mapping[tuple[int, str], int], g: int, rank: int, name: str, 
         raise CorruptCheckpointError(
             f"{path}: group {g}'s Muon {MUON_STATE} holds {have} elements, the whole params its partition meets "
             f"need {at[(rank, '')]}; the file is damaged or not a DeepSpeed 0.19.8 Muon save")
-    return Piece(Role.OPTIM_STATE, ref.dtype_name, (Fragment(path, (*mk, MUON_STATE), at[(rank, name)], numel, 0, rank),),
-                 state_key=MUON_STATE)
+    return Piece(Role.OPTIM_STATE, ref.dtype_name,
+                 (Fragment(path, (*mk, MUON_STATE), at[(rank, name)], numel, 0, rank),), state_key=MUON_STATE)
 
 
 def flat_order_note(path: Path, g: int, shapes: Mapping[str, Any], module: Any,
