@@ -229,7 +229,16 @@ def stage0_scalars(model_states: Mapping[str, Any]) -> OptimizerScalars:
         loss_scaler=loss_scaler(), dynamic_loss_scale=False, overflow=False, clip_grad=opt.get("clip_grad"),
         param_groups=groups, step=steps[0] if steps else None, ds_version=model_states.get("ds_version"),
         top={k: model_states[k] for k in ("ds_config", "ds_version") if k in model_states},
+        group_states=tuple(_scalar_state(st) for st in group_states(inner)),
     )
+
+
+def _scalar_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A param's (or flat group's) optimizer state without its per-element tensors: what a group of another layout
+    carries as saved (``step``, NAdam's ``mu_product`` ...); the writer adds the per-element tensors."""
+    from ..tensor_ref import TensorRef
+
+    return {k: v for k, v in state.items() if not (isinstance(v, TensorRef) and v.numel > 1)}
 
 
 def universal_scalars(ckpt: Any, cache: Any) -> OptimizerScalars:
@@ -251,6 +260,7 @@ def universal_scalars(ckpt: Any, cache: Any) -> OptimizerScalars:
         loss_scaler=opt["loss_scaler"] if "loss_scaler" in opt else loss_scaler(),
         dynamic_loss_scale=opt.get("dynamic_loss_scale", False), overflow=opt.get("overflow", False),
         clip_grad=opt.get("clip_grad"), param_groups=groups, step=steps[0] if steps else None,
+        group_states=tuple({"step": steps[0]} for _ in groups) if steps else (),
         ds_version=opt.get("ds_version", ckpt.ds_version),
         top={"ds_config": ckpt.ds_config, "ds_version": ckpt.ds_version, **ms_top},
     )
