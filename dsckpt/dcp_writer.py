@@ -223,6 +223,13 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
         tensors.append(DcpTensor((MODEL_KEY, e.name), want, e.shape, src.name, piece))
 
     groups_in = ckpt.optimizer_groups
+    if not groups_in and ckpt.pipeline is not None and ckpt.pipeline.stage_optimizer_groups:
+        from .readers.common import merge_stage_groups
+
+        _, why = merge_stage_groups(ckpt.pipeline.stage_optimizer_groups)
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.tag_dir}': the pipeline stages' optimizers cannot be one optimizer's param groups: {why}; "
+            "to-dcp merges group g of every stage into group g; 'dsckpt to-fp32' exports the weights")
     if not groups_in:
         raise UnsupportedCheckpointError(
             f"'{ckpt.tag_dir}': dsckpt does not read the optimizer's param groups of this layout ({ckpt.layout}), so "

@@ -60,10 +60,11 @@ from .common import (
     is_floating,
     metadata_from_model_states,
     module_piece,
+    optimizer_type,
     precision_of,
     step_of,
 )
-from .zero12 import OSD, read_expert_groups
+from .zero12 import OSD, read_expert_groups, zero12_optimizer_groups
 
 __all__ = ["PROOF_WINDOW_NUMEL", "read_moe", "read_moe_stage0", "read_moe_zero12"]
 
@@ -257,6 +258,13 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
+        # the groups under global expert names: an expert group holds every EP rank's experts (flat order per rank)
+        optimizer_groups=zero12_optimizer_groups(
+            osd0.get("base_optimizer_state"),
+            [[e.name for e in entries.values() if e.group == g and e.tied_to is None]
+             for g in range(len(param_shapes))],
+            meta.ds_config, world, False),
+        optimizer_type=optimizer_type(meta.ds_config),
     )
 
 
