@@ -212,6 +212,11 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
     refuse_overlap(out, ckpt.root, "write outside the checkpoint folder (and not onto the run folder holding it)")
     dtype = parse_dtype(dtype)
     ckpt.require_unambiguous("to-dcp", values=True, flags=True, moments=True)
+    if ckpt.autoep is not None:
+        # the FQNs of the HF model AutoEP wrapped (gate_up_proj, down_proj, gate), as to-fp32 writes them
+        from .autoep import hf_model_view
+
+        ckpt = hf_model_view(ckpt)
     by_name = {e.name: e for e in ckpt.entries}
     tensors: list[DcpTensor] = []
     for e in ckpt.entries:
