@@ -352,7 +352,8 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         ds_config=meta.ds_config,
         autoep=AutoEpLayout(layout.ep_size, layout.expert_dp, layout.preset, layout.layers, layout.name_to_cut,
                             tuple(sorted(files.layer_expert_to_files.values()))),
-        optimizer_groups=zero12_optimizer_groups(osd0.get("base_optimizer_state"), param_shapes, cfg, world, False),
+        # flat order (no ds_config: a round-robin reorder over all ranks is not the expert group's, see moe.py)
+        optimizer_groups=zero12_optimizer_groups(osd0.get("base_optimizer_state"), param_shapes, None, world, False),
         optimizer_type=optimizer_type(meta.ds_config),
     )
 

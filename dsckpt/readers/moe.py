@@ -258,12 +258,14 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
-        # the groups under global expert names: an expert group holds every EP rank's experts (flat order per rank)
+        # the groups under global expert names: an expert group holds every EP rank's experts, each rank's in flat
+        # order, as the entries were read (no ds_config: a round-robin reorder over all ranks is not an expert
+        # group's, whose partitions span the expert-data-parallel ranks only)
         optimizer_groups=zero12_optimizer_groups(
             osd0.get("base_optimizer_state"),
             [[e.name for e in entries.values() if e.group == g and e.tied_to is None]
              for g in range(len(param_shapes))],
-            meta.ds_config, world, False),
+            None, world, False),
         optimizer_type=optimizer_type(meta.ds_config),
     )
 
