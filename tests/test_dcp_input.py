@@ -128,3 +128,20 @@ def test_to_dcp_of_more_layouts_equals_the_checkpoint(rel: str, tmp_path: Path) 
         assert code == 0 and stdout.rstrip().splitlines()[-1].startswith("equal:"), (role, stdout)
 
 
+def test_diff_pairs_an_autoep_save_with_the_hf_names(tmp_path: Path) -> None:
+    """``to-fp32 OUT/`` of an AutoEP save writes the HF model's names; diff pairs the save with them (and says which
+    differ: a tampered gate_up_proj is caught)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt, out = str(FIXTURES / "autoep/autoep_mixtral_z2_fp32_ep2_dp2/ckpt"), tmp_path / "hf"
+    assert _cli("to-fp32", "-q", ckpt, str(out) + "/")[0] == 0
+    code, stdout, _ = _cli("diff", ckpt, str(out))
+    assert code == 0 and "only in A: 0, only in B: 0" in stdout, stdout
+    sd = load_file(str(out / "model.safetensors"))
+    sd["model.layers.1.mlp.experts.gate_up_proj"][0, -1, 0] += torch.tensor(1.0)
+    save_file(sd, str(out / "model.safetensors"))
+    code, stdout, _ = _cli("diff", ckpt, str(out))
+    assert code == 1 and "model.layers.1.mlp.experts.gate_up_proj" in stdout, stdout
+
+
