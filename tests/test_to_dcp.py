@@ -76,6 +76,7 @@ RECORDED = [
     "autoep/autoep_mixtral_z2_fp32_ep2_dp2",  # AutoEP: the HF model's names (gate_up_proj fused, gate)
     "autoep/autoep_qwen3_z3_fp32_ep2_dp2",
     "tp_pipeline/megatron_pp2_tp2_z1_fp32",  # TP 2 x pipeline 2, DeepSpeed's merge as truth
+    "tp_pipeline/megatron_pp2_tp2_z1_bf16_bf16opt",  # the same with BF16_Optimizer (padded flat groups)
 ]
 
 
