@@ -89,6 +89,7 @@ def hf_model_view(ckpt: LogicalCheckpoint, *, config_dir: Path | None = None) ->
     by_name = {e.name: e for e in ckpt.entries}
     out: list[TensorEntry] = []
     done: set[str] = set()
+    renamed: dict[str, str] = {}  # AutoEP name -> HF name (both halves of a fused tensor -> the fused one)
     layer_of = {n: la for la in ae.layers for n in la.param_names}
     for e in ckpt.entries:
         if e.name in done:
@@ -107,6 +108,7 @@ def hf_model_view(ckpt: LogicalCheckpoint, *, config_dir: Path | None = None) ->
                 raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': AutoEP router param '{e.name}' has no HF name in "
                                                  f"preset {preset}")
             out.append(dataclasses.replace(e, name=hf))
+            renamed[e.name] = hf
             continue
         w = e.name[len(la.expert_key_prefix) + 1:]
         hf_experts = f"{mp}.{names.experts}"
@@ -118,10 +120,16 @@ def hf_model_view(ckpt: LogicalCheckpoint, *, config_dir: Path | None = None) ->
             gate, up = by_name[f"{la.expert_key_prefix}.w1"], by_name[f"{la.expert_key_prefix}.w3"]
             out.append(_fused(f"{hf_experts}.{names.w1}", gate, up))
             done.update((gate.name, up.name))
+            renamed[gate.name] = out[-1].name
+            renamed[up.name] = out[-1].name
         else:
             raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': AutoEP expert param '{e.name}' has no HF name in "
                                              f"preset {preset}")
-    return dataclasses.replace(ckpt, entries=tuple(out))
+        renamed[e.name] = out[-1].name
+    # the optimizer's groups under the HF names (a fused tensor once, where its two halves were)
+    groups = tuple(dataclasses.replace(g, param_names=tuple(dict.fromkeys(renamed.get(n, n) for n in g.param_names)))
+                   for g in ckpt.optimizer_groups)
+    return dataclasses.replace(ckpt, entries=tuple(out), optimizer_groups=groups)
 
 
 def _router_hf_name(name: str, layers: tuple[AutoEpLayer, ...], names: HfExpertNames) -> str:

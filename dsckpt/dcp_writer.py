@@ -212,6 +212,11 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
     refuse_overlap(out, ckpt.root, "write outside the checkpoint folder (and not onto the run folder holding it)")
     dtype = parse_dtype(dtype)
     ckpt.require_unambiguous("to-dcp", values=True, flags=True, moments=True)
+    if ckpt.autoep is not None:
+        # the FQNs of the HF model AutoEP wrapped (gate_up_proj, down_proj, gate), as to-fp32 writes them
+        from .autoep import hf_model_view
+
+        ckpt = hf_model_view(ckpt)
     by_name = {e.name: e for e in ckpt.entries}
     tensors: list[DcpTensor] = []
     for e in ckpt.entries:
@@ -223,6 +228,13 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
         tensors.append(DcpTensor((MODEL_KEY, e.name), want, e.shape, src.name, piece))
 
     groups_in = ckpt.optimizer_groups
+    if not groups_in and ckpt.pipeline is not None and ckpt.pipeline.stage_optimizer_groups:
+        from .readers.common import merge_stage_groups
+
+        _, why = merge_stage_groups(ckpt.pipeline.stage_optimizer_groups)
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.tag_dir}': the pipeline stages' optimizers cannot be one optimizer's param groups: {why}; "
+            "to-dcp merges group g of every stage into group g; 'dsckpt to-fp32' exports the weights")
     if not groups_in:
         raise UnsupportedCheckpointError(
             f"'{ckpt.tag_dir}': dsckpt does not read the optimizer's param groups of this layout ({ckpt.layout}), so "

@@ -37,6 +37,7 @@ equal when no pair is different and no name is only on one side or differs in sh
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import math
 import os
@@ -337,6 +338,23 @@ def _pick(side: DiffInput, entry: TensorEntry, copy: str | None) -> Piece | None
     return entry.state_piece(copy)
 
 
+def _named_like(side: DiffInput, other: DiffInput) -> DiffInput:
+    """An AutoEP checkpoint under the Hugging Face model's names (:func:`dsckpt.autoep.hf_model_view`) when the other
+    side is a state dict that uses them (what ``to-fp32 OUT/`` and ``to-dcp`` write); ``side`` itself otherwise."""
+    if not side.is_deepspeed or other.is_deepspeed or side.logical.autoep is None:
+        return side
+    from .autoep import hf_model_view
+    from .errors import UnsupportedCheckpointError
+
+    try:
+        hf = hf_model_view(side.logical)
+    except UnsupportedCheckpointError:
+        return side
+    own, theirs = {e.name for e in side.logical.entries}, {e.name for e in other.logical.entries}
+    return dataclasses.replace(side, logical=hf) if any(e.name not in own and e.name in theirs
+                                                        for e in hf.entries) else side
+
+
 def _is_frozen(e: TensorEntry | None) -> bool:
     return e is not None and e.kind is Kind.PARAM and e.trainable is False
 
@@ -365,6 +383,7 @@ def plan_diff(a: DiffInput, b: DiffInput, *, role: DiffRole | str = DiffRole.VAL
             side.logical.require_unambiguous(
                 f"diff --role {role.value}", values=role is DiffRole.VALUE, flags=exclude_frozen,
                 moments=role in (DiffRole.MASTER, DiffRole.EXP_AVG, DiffRole.EXP_AVG_SQ, DiffRole.ALL))
+    a, b = _named_like(a, b), _named_like(b, a)
     a_by_name = {e.name: e for e in a.logical.entries}
     b_by_name = {e.name: e for e in b.logical.entries}
     names = list(a_by_name) + [n for n in b_by_name if n not in a_by_name]

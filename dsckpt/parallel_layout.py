@@ -53,6 +53,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import OptimizerGroup
 
 __all__ = [
     "EXPERT_NAME",
@@ -590,6 +594,9 @@ class PipelineRecord:
     layer_files: tuple[Path, ...]
     tied: tuple[tuple[str, tuple[str, ...], int], ...] = ()
     stage_buffers: tuple[tuple[str, ...], ...] = ()
+    #: per stage, its optimizer's param groups (:class:`dsckpt.model.OptimizerGroup`), () without optimizer files;
+    #: merged into the checkpoint's ``optimizer_groups`` by :func:`dsckpt.readers.common.merge_stage_groups`
+    stage_optimizer_groups: tuple[tuple[OptimizerGroup, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:

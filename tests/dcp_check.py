@@ -143,3 +143,118 @@ def one_more_step(name: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     optimizer.step()
     optimizer.zero_grad()
     return loss.item()
+
+
+# --------------------------------------------------------------------------------------------
+# families whose module cannot be built in one plain process (PipelineModule, DeepSpeed MoE, AutoEP's engine, a
+# Megatron-style TP x pipeline net): a module of the recorded state-dict names and shapes, built for the comparison
+
+
+class RecordedTruth:
+    """What a fixture recorded, under the FQNs to-dcp writes: ``model`` (every state-dict name -> value), ``params``
+    (the param names, the rest are buffers) and ``trainable``, ``state`` (trained param -> exp_avg, exp_avg_sq),
+    ``step``, ``groups`` (per param group: its params and the keys DeepSpeed's recipe adds) and the ds_config's
+    optimizer params."""
+
+    def __init__(self, model: dict[str, torch.Tensor], params: list[str], trainable: list[str],
+                 state: dict[str, dict[str, torch.Tensor]], step: float, groups: list[tuple[list[str], dict[str, Any]]],
+                 opt: dict[str, Any]) -> None:
+        self.model, self.params, self.trainable, self.state = model, params, trainable, state
+        self.step, self.groups, self.opt = step, groups, opt
+
+
+def recorded_truth(name: str) -> RecordedTruth:
+    """The truth of fixture ``name`` (a path under tests/fixtures): ``pp2_*`` and ``moe_*`` (generate.py /
+    generate_moe.py: ``param|buffer|exp_avg|exp_avg_sq/<name>``), ``autoep/*`` (generate_autoep.py: the HF model's
+    ``hf_fp32/<name>``, the moments under AutoEP's names, mapped as the HF model holds them: ``gate_up_proj`` is
+    ``cat([w1, w3], dim=1)``, ``down_proj`` is ``w2``, ``gate`` is ``router.gate``) and ``tp_pipeline/*``
+    (generate_tp_pipeline.py: DeepSpeed's own merge of the TP slices, ``ds_to_universal``'s ``fp32|exp_avg|
+    exp_avg_sq/<name>``)."""
+    from safetensors.torch import load_file
+
+    fx = FIXTURES / name
+    meta = json.loads((fx / "truth.json").read_text())
+    opt = meta["config"]["optimizer"]["params"]
+    if name.startswith("tp_pipeline/"):
+        u = load_file(str(fx / "universal_truth.safetensors"))
+        params = list(meta["params"])
+        model = {n: u[f"fp32/{n}"] for n in params}
+        state = {n: {k: u[f"{k}/{n}"] for k in ("exp_avg", "exp_avg_sq")} for n in params}
+        return RecordedTruth(model, params, params, state, float(meta["steps"]), [(params, {})], opt)
+    truth = load_file(str(fx / "truth.safetensors"))
+    if name.startswith("autoep/"):
+        hf = list(meta["hf_names"])
+        model = {n: truth[f"hf_fp32/{n}"] for n in hf}
+        experts = [n for n in hf if ".mlp.experts." in n]
+
+        def moment(key: str, n: str) -> torch.Tensor:
+            mlp = n.rsplit(".", 2)[0]
+            if n.endswith(".experts.gate_up_proj"):
+                return torch.cat([truth[f"{key}/{mlp}.experts.w1"], truth[f"{key}/{mlp}.experts.w3"]], dim=1)
+            if n.endswith(".experts.down_proj"):
+                return truth[f"{key}/{mlp}.experts.w2"]
+            if n.endswith(".mlp.gate.weight"):
+                return truth[f"{key}/{n.removesuffix('.gate.weight')}.router.gate.weight"]
+            return truth[f"{key}/{n}"]
+
+        state = {n: {k: moment(k, n) for k in ("exp_avg", "exp_avg_sq")} for n in hf}
+        # AutoEP's split of model.parameters() (deepspeed/moe/utils.py): the dense group, then the expert group
+        groups = [([n for n in hf if n not in experts], {"name": "dense-params"}),
+                  (experts, {"name": f"ep_size_{meta['ep_size']}", "moe": True})]
+        return RecordedTruth(model, hf, hf, state, float(meta["adam_step"][0]), groups, opt)
+    names = list(meta["state_dict_names"])
+    model = {n: truth.get(f"param/{n}", truth.get(f"buffer/{n}")) for n in names}
+    trained = [n for n in meta["trainable"] if n not in meta["tied"]]
+    state = {n: {k: truth[f"{k}/{n}"] for k in ("exp_avg", "exp_avg_sq")} for n in trained}
+    groups = [([n for n in g if n not in meta["tied"]], {}) for g in meta["param_groups"]]
+    if "moe" in meta:  # moe_models.moe_param_groups: DeepSpeed's split of the group {"name": "dense"}
+        groups = [(groups[0][0], {"name": "dense"}),
+                  (groups[1][0], {"name": meta["moe"]["expert_group_name"], "moe": True})]
+    return RecordedTruth(model, list(meta["params"]), list(meta["trainable"]), state,
+                         float(meta["optimizer_step"][0]), groups, opt)
+
+
+def build_from_truth(t: RecordedTruth) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A module holding a param (or buffer) of every recorded name and shape, zeros, and an AdamW over the recorded
+    groups with the ds_config's optimizer params and the group keys of DeepSpeed's recipe."""
+    root = torch.nn.Module()
+    made: dict[str, torch.nn.Parameter] = {}
+    for n, v in t.model.items():
+        *path, leaf = n.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        if n in t.params:
+            made[n] = torch.nn.Parameter(torch.zeros(v.shape, dtype=torch.float32), requires_grad=n in t.trainable)
+            mod.register_parameter(leaf, made[n])
+        else:
+            mod.register_buffer(leaf, torch.zeros(v.shape, dtype=v.dtype))
+    opts = {k: v for k, v in t.opt.items() if k in ("lr", "weight_decay", "betas", "eps")}
+    return root, torch.optim.AdamW([{"params": [made[n] for n in names], **extra} for names, extra in t.groups],
+                                   **opts)
+
+
+def compare_with_truth(t: RecordedTruth, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       groups_before: list[dict[str, Any]]) -> list[str]:
+    """Every difference between the loaded ``model``/``optimizer`` and the recorded truth, exactly."""
+    bad: list[str] = []
+    sd = model.state_dict()
+    for n, want in t.model.items():
+        if not _same(sd[n], want.to(sd[n].dtype)) or not _same(sd[n].to(want.dtype), want):
+            bad.append(f"model: {n} differs")
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for p, st in optimizer.state.items():
+        n = name_of[id(p)]
+        bad += [f"optim: {n}.{k} differs" for k, want in t.state[n].items() if not _same(st[k], want)]
+        if not (st["step"].dtype == torch.float32 and st["step"].dim() == 0 and float(st["step"]) == t.step):
+            bad.append(f"optim: {n}.step is {st['step']!r}, truth {t.step}")
+    if sorted(name_of[id(p)] for p in optimizer.state) != sorted(t.state):
+        bad.append(f"optim: state for {sorted(name_of[id(p)] for p in optimizer.state)}, expected {sorted(t.state)}")
+    for i, (g, want, (names, _)) in enumerate(zip(optimizer.param_groups, groups_before, t.groups)):
+        if {k: v for k, v in g.items() if k != "params"} != want:
+            bad.append(f"optim: group {i} hyper-parameters differ")
+        if [name_of[id(p)] for p in g["params"]] != names:
+            bad.append(f"optim: group {i} holds {[name_of[id(p)] for p in g['params']]}, truth {names}")
+    return bad

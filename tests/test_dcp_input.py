@@ -110,14 +110,17 @@ def test_verify_finds_damage_in_a_dcp_item(dcp_outs: dict[str, Path], tmp_path: 
 
 
 LAYOUTS = ["autotp/autotp_z2_fp32_tp2_dp2/ckpt", "autotp/autotp_z1_bf16_tp2_dp1/ckpt",
-           "peft/peft_gpt2_lora_z2_bf16_w2/ckpt", "hf_llama_z2_bf16_w2/ckpt", "accelerate_s2_bf16_w2/state"]
+           "peft/peft_gpt2_lora_z2_bf16_w2/ckpt", "hf_llama_z2_bf16_w2/ckpt", "accelerate_s2_bf16_w2/state",
+           # pipeline, native MoE and AutoEP (HF names: gate_up_proj's moments are w1's and w3's joined)
+           "pp2_fp32/ckpt", "moe_s2_fp32_w2_ep1/ckpt", "autoep/autoep_qwen3_z2_fp32_ep2_dp1/ckpt"]
 
 
 @pytest.mark.parametrize("rel", LAYOUTS, ids=[r.split("/")[-2] if r.endswith("ckpt") else r.split("/")[-1]
                                               for r in LAYOUTS])
 def test_to_dcp_of_more_layouts_equals_the_checkpoint(rel: str, tmp_path: Path) -> None:
     """Tensor parallel (AutoTP, the TP cuts joined), a PEFT run (its trained adapter params under the PeftModel's
-    names, the frozen base as saved), a Trainer and an Accelerate save: diff proves the masters and every moment."""
+    names, the frozen base as saved), a Trainer and an Accelerate save, a pipeline, a native-MoE and an AutoEP run
+    (under the HF model's names): diff proves the masters and every moment."""
     ckpt, out = str(FIXTURES / rel), str(tmp_path / "dcp")
     assert _cli("to-dcp", "-q", ckpt, out)[0] == 0
     for role in ("value", "exp_avg", "exp_avg_sq"):
@@ -125,9 +128,20 @@ def test_to_dcp_of_more_layouts_equals_the_checkpoint(rel: str, tmp_path: Path) 
         assert code == 0 and stdout.rstrip().splitlines()[-1].startswith("equal:"), (role, stdout)
 
 
-@pytest.mark.parametrize("rel", ["pp2_fp32/ckpt", "moe_s2_fp32_w2_ep1/ckpt", "autoep/autoep_qwen3_z2_fp32_ep2_dp1/ckpt"],
-                         ids=["pipeline", "moe", "autoep"])
-def test_to_dcp_refuses_layouts_whose_param_groups_are_not_read(rel: str, tmp_path: Path) -> None:
-    code, _, stderr = _cli("to-dcp", "-q", str(FIXTURES / rel), str(tmp_path / "dcp"))
-    assert code == 3 and "does not read the optimizer's param groups" in stderr and len(stderr.splitlines()) == 1
-    assert not (tmp_path / "dcp").exists()
+def test_diff_pairs_an_autoep_save_with_the_hf_names(tmp_path: Path) -> None:
+    """``to-fp32 OUT/`` of an AutoEP save writes the HF model's names; diff pairs the save with them (and says which
+    differ: a tampered gate_up_proj is caught)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt, out = str(FIXTURES / "autoep/autoep_mixtral_z2_fp32_ep2_dp2/ckpt"), tmp_path / "hf"
+    assert _cli("to-fp32", "-q", ckpt, str(out) + "/")[0] == 0
+    code, stdout, _ = _cli("diff", ckpt, str(out))
+    assert code == 0 and "only in A: 0, only in B: 0" in stdout, stdout
+    sd = load_file(str(out / "model.safetensors"))
+    sd["model.layers.1.mlp.experts.gate_up_proj"][0, -1, 0] += torch.tensor(1.0)
+    save_file(sd, str(out / "model.safetensors"))
+    code, stdout, _ = _cli("diff", ckpt, str(out))
+    assert code == 1 and "model.layers.1.mlp.experts.gate_up_proj" in stdout, stdout
+
+

@@ -63,6 +63,82 @@ def test_plain_process_resumes_with_the_recorded_truth(name: str, tmp_path: Path
     assert tree_digest(FIXTURES / name / "ckpt") == before
 
 
+#: Families whose module is not built in one plain process (a PipelineModule, DeepSpeed's MoE layer, AutoEP's
+#: engine, a Megatron-style TP x pipeline net): OUT is loaded with dcp.load + set_state_dict into a module of the
+#: recorded names and shapes (tests/dcp_check.py ``build_from_truth``) and compared with the recorded truth.
+RECORDED = [
+    "pp2_fp32",  # pipeline, 2 stages: one optimizer per stage, group 0 of both merged
+    "pp2_bf16",
+    "pp2_dp2_fp32",
+    "moe_s2_bf16_w2_ep2",  # native MoE: dense group + expert group under global expert names
+    "moe_s1_bf16_w4_ep2",
+    "moe_s0_fp32_w2_ep2",  # native MoE without ZeRO: every EP rank's torch optimizer, one group set
+    "autoep/autoep_mixtral_z2_fp32_ep2_dp2",  # AutoEP: the HF model's names (gate_up_proj fused, gate)
+    "autoep/autoep_qwen3_z3_fp32_ep2_dp2",
+    "tp_pipeline/megatron_pp2_tp2_z1_fp32",  # TP 2 x pipeline 2, DeepSpeed's merge as truth
+    "tp_pipeline/megatron_pp2_tp2_z1_bf16_bf16opt",  # the same with BF16_Optimizer (padded flat groups)
+]
+
+
+@pytest.mark.parametrize("name", RECORDED, ids=[n.rsplit("/", 1)[-1] for n in RECORDED])
+def test_other_layouts_resume_with_the_recorded_truth(name: str, tmp_path: Path) -> None:
+    """Pipeline, native-MoE, AutoEP and TP x pipeline runs: to-dcp, one plain process loads OUT (dcp.load +
+    set_state_dict), every value, moment, step and group equals the recorded truth exactly, and ``dsckpt diff CKPT
+    OUT`` reports equal."""
+    out = tmp_path / "dcp"
+    _to_dcp(name, out)
+    truth = dcp_check.recorded_truth(name)
+    model, opt = dcp_check.build_from_truth(truth)
+    groups = dcp_check.group_truth(opt)
+    dcp_check.load(model, opt, out)
+    assert dcp_check.compare_with_truth(truth, model, opt, groups) == []
+    r = CliRunner().invoke(main, ["diff", str(FIXTURES / name / "ckpt"), str(out)])
+    assert r.exit_code == 0 and "equal:" in r.stdout, r.output
+
+
+def test_recorded_truth_comparison_is_not_blind(tmp_path: Path) -> None:
+    """An AutoEP output whose fused gate_up_proj exp_avg is its exp_avg_sq, and a pipeline output with the wrong step,
+    each fail the comparison with the recorded truth."""
+    for name, key, want in (("autoep/autoep_mixtral_z2_fp32_ep2_dp2", "model.layers.1.mlp.experts.gate_up_proj",
+                             "optim: model.layers.1.mlp.experts.gate_up_proj.exp_avg differs"),
+                            ("pp2_fp32", None, "optim: 1.weight.step is tensor(2.), truth 3.0")):
+        c = open_checkpoint(FIXTURES / name / "ckpt", check_master_copies=True)
+        plan = plan_to_dcp(c.logical, tmp_path / "x")
+        by_fqn = {t.fqn: t for t in plan.tensors}
+        if key is not None:
+            ea, eas = by_fqn[f"optim.state.{key}.exp_avg"], by_fqn[f"optim.state.{key}.exp_avg_sq"]
+            tensors = tuple(dataclasses.replace(t, piece=eas.piece) if t is ea else t for t in plan.tensors)
+        else:
+            tensors = tuple(dataclasses.replace(t, value=2.0) if t.value is not None else t for t in plan.tensors)
+        out = tmp_path / name.replace("/", "_")
+        run_to_dcp(dataclasses.replace(plan, tensors=tensors, output=out), c.cache)
+        truth = dcp_check.recorded_truth(name)
+        model, opt = dcp_check.build_from_truth(truth)
+        groups = dcp_check.group_truth(opt)
+        dcp_check.load(model, opt, out)
+        assert want in dcp_check.compare_with_truth(truth, model, opt, groups)
+
+
+def test_pipeline_stages_with_different_groups_are_refused_by_name(tmp_path: Path) -> None:
+    """DeepSpeed keeps one optimizer per pipeline stage; to-dcp merges group g of every stage into DCP group g only
+    where the stages agree on the group's hyper-parameters and step, and names the first disagreement otherwise."""
+    from dsckpt.errors import UnsupportedCheckpointError
+    from dsckpt.readers.common import merge_stage_groups
+
+    ckpt = open_checkpoint(FIXTURES / "pp2_fp32" / "ckpt").logical
+    assert ckpt.pipeline is not None
+    s0, s1 = ckpt.pipeline.stage_optimizer_groups
+    assert [g.param_names for g in ckpt.optimizer_groups] == [s0[0].param_names + tuple(
+        n for n in s1[0].param_names if n not in s0[0].param_names)]
+    lr = tuple((k, 0.5 if k == "lr" else v) for k, v in s1[0].hyperparams)
+    bad = (s0, (dataclasses.replace(s1[0], hyperparams=lr),))
+    assert merge_stage_groups(bad)[1] == "param group 0 has lr=0.5 on stage 1 but 0.01 on stage 0"
+    tampered = dataclasses.replace(ckpt, optimizer_groups=(),
+                                   pipeline=dataclasses.replace(ckpt.pipeline, stage_optimizer_groups=bad))
+    with pytest.raises(UnsupportedCheckpointError, match="lr=0.5 on stage 1 but 0.01 on stage 0"):
+        plan_to_dcp(tampered, tmp_path / "x")
+
+
 def test_tampered_output_is_caught(tmp_path: Path) -> None:
     """The comparison is not blind: an output with fc1.weight's exp_avg_sq written as its exp_avg, and one with a
     wrong step and learning rate, each fail it."""

@@ -51,11 +51,12 @@ from .common import (
     FileCache,
     is_floating,
     metadata_from_model_states,
+    optimizer_type,
     precision_of,
     step_of,
 )
 from .moe import PROOF_WINDOW_NUMEL, _agreeing
-from .zero12 import module_side_entries, read_expert_groups
+from .zero12 import module_side_entries, read_expert_groups, zero12_optimizer_groups
 
 __all__ = ["autoep_layout_from_record", "entry_order", "is_autoep", "placeholder_router_aliases", "read_autoep",
            "router_aliases"]
@@ -351,6 +352,9 @@ def _read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         ds_config=meta.ds_config,
         autoep=AutoEpLayout(layout.ep_size, layout.expert_dp, layout.preset, layout.layers, layout.name_to_cut,
                             tuple(sorted(files.layer_expert_to_files.values()))),
+        # flat order (no ds_config: a round-robin reorder over all ranks is not the expert group's, see moe.py)
+        optimizer_groups=zero12_optimizer_groups(osd0.get("base_optimizer_state"), param_shapes, None, world, False),
+        optimizer_type=optimizer_type(meta.ds_config),
     )
 
 
@@ -433,7 +437,7 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     sub-groups, the ranks holding one EP rank's experts for an ``autoep_expert`` sub-group) and this rank's
     partition index. Each param of a sub-group is split into ``ceil(numel / partition_count)`` pieces as in plain
     ZeRO-3; an expert param's pieces are in the EP rank's local coordinates, placed by its cut."""
-    from .zero3 import zero3_module_side_entries
+    from .zero3 import zero3_module_side_entries, zero3_optimizer_groups
 
     ms_files = files.dp_mp_to_zero3_model_states
     ms0_path = ms_files[(0, 0)]
@@ -550,4 +554,5 @@ def _read_zero3(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         optimizer_step=step_of(inner.get("state")), optimizer_wrapper="DeepSpeedZeroOptimizer_Stage3",
         entries=tuple(entry_order(entries, list(module0), layout.layers)), files=tuple(files.all_files()),
         ds_config=meta.ds_config, autoep=layout,
+        optimizer_groups=zero3_optimizer_groups(inner, param_shapes), optimizer_type=optimizer_type(meta.ds_config),
     )

@@ -17,8 +17,8 @@ from ..stand_ins import DeepSpeedObject
 from ..tensor_ref import TensorRef
 from ..validate import validate_tree
 
-__all__ = ["ADAM_STATE_KEYS", "FileCache", "dtype_name", "int_or_none", "lookup", "metadata_from_model_states",
-           "optimizer_groups", "optimizer_type", "saved_step", "whole"]
+__all__ = ["ADAM_STATE_KEYS", "FileCache", "dtype_name", "int_or_none", "lookup", "merge_stage_groups",
+           "metadata_from_model_states", "optimizer_groups", "optimizer_type", "saved_step", "whole"]
 
 #: the per-element state keys of DeepSpeed's Adam/AdamW, in the optimizer's order
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -165,6 +165,33 @@ def optimizer_groups(param_groups: Any, names: Sequence[Sequence[str]],
         out.append(OptimizerGroup(g, tuple(names[g]) if g < len(names) else (), step,
                                   tuple((str(k), v) for k, v in pg.items() if k != "params")))
     return tuple(out)
+
+
+def merge_stage_groups(stage_groups: Sequence[Sequence[OptimizerGroup]]
+                       ) -> tuple[tuple[OptimizerGroup, ...], str | None]:
+    """One optimizer's groups from the groups of several pipeline stages (DeepSpeed keeps one optimizer per stage,
+    each built from the same param-group recipe over the stage's own params): group ``g`` of every stage becomes
+    group ``g``, holding the stages' params in stage order (a tied module's params, trained on several stages,
+    once). Only where every stage has the same number of groups and group ``g`` has the same hyper-parameters and
+    step on every stage; otherwise ``((), why)``, the first disagreement named."""
+    if not stage_groups or any(not groups for groups in stage_groups):
+        s = next((s for s, groups in enumerate(stage_groups) if not groups), 0)
+        return (), f"stage {s}'s optimizer param groups are not saved"
+    first = stage_groups[0]
+    for s, groups in enumerate(stage_groups[1:], start=1):
+        if len(groups) != len(first):
+            return (), f"stage {s} has {len(groups)} optimizer param groups, stage 0 has {len(first)}"
+        for g0, g in zip(first, groups):
+            h0, h = dict(g0.hyperparams), dict(g.hyperparams)
+            diff = next((k for k in (*h0, *h) if k not in h or k not in h0 or h[k] != h0[k]), None)
+            if diff is not None:
+                return (), (f"param group {g0.index} has {diff}={h.get(diff, '(absent)')!r} on stage {s} but "
+                            f"{h0.get(diff, '(absent)')!r} on stage 0")
+            if g.step != g0.step:
+                return (), f"param group {g0.index} has step {g.step} on stage {s} but {g0.step} on stage 0"
+    return tuple(OptimizerGroup(g0.index, tuple(dict.fromkeys(n for groups in stage_groups
+                                                              for n in groups[i].param_names)),
+                                g0.step, g0.hyperparams) for i, g0 in enumerate(first)), None
 
 
 def optimizer_type(ds_config: Any) -> str | None:

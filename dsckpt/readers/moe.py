@@ -60,10 +60,11 @@ from .common import (
     is_floating,
     metadata_from_model_states,
     module_piece,
+    optimizer_type,
     precision_of,
     step_of,
 )
-from .zero12 import OSD, read_expert_groups
+from .zero12 import OSD, read_expert_groups, zero12_optimizer_groups
 
 __all__ = ["PROOF_WINDOW_NUMEL", "read_moe", "read_moe_stage0", "read_moe_zero12"]
 
@@ -257,6 +258,15 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
+        # the groups under global expert names: an expert group holds every EP rank's experts, each rank's in flat
+        # order, as the entries were read (no ds_config: a round-robin reorder over all ranks is not an expert
+        # group's, whose partitions span the expert-data-parallel ranks only)
+        optimizer_groups=zero12_optimizer_groups(
+            osd0.get("base_optimizer_state"),
+            [[e.name for e in entries.values() if e.group == g and e.tied_to is None]
+             for g in range(len(param_shapes))],
+            None, world, False),
+        optimizer_type=optimizer_type(meta.ds_config),
     )
 
 
@@ -284,7 +294,7 @@ def _expert_files(files: CheckpointFiles, cache: FileCache
 def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     """fp32 MoE without ZeRO: dense params from ``mp_rank_00`` (moments from ``expp_rank_0``), expert
     params from their expert files under global names (moments from their expert-parallel rank's file)."""
-    from .stage0 import _plain, module_params_and_aliases
+    from .stage0 import _optimizer_groups, _plain, module_params_and_aliases
 
     ms_path = files.mp_to_model_states[0]
     ms = cache.tree(ms_path)
@@ -314,6 +324,7 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
     ambiguous: list[str] = []
     group_ep: list[int | None] = []
     step = None
+    optimizer0: Mapping[str, Any] = {}
     for r in range(ep):
         path = expp[(r, 0)]
         optimizer = cache.tree(path).get("optimizer")
@@ -321,6 +332,7 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
             raise refuse_moe_without_zero(files, f"whose {path.name} holds no plain torch optimizer state")
         groups = optimizer.get("param_groups") or []
         if r == 0:
+            optimizer0 = optimizer
             step = step_of(optimizer.get("state"))
             for pg in groups:
                 m = _GROUP_NAME.match(str(pg.get("name", ""))) if isinstance(pg, Mapping) else None
@@ -370,13 +382,17 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                     data_before_expert=bool(cfg.get("use_data_before_expert_parallelism", False)),
                     expert_files=tuple(sorted(files.layer_expert_to_files.values())),
                     expp_optim_files=tuple(expp[(r, 0)] for r in range(ep)))
+    ordered = _one_rank_order(entries, list(module), expert_order)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="moe-stage0", zero_stage=0,
         precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,
         pp_world_size=1, tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
         global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper="torch optimizer",
-        entries=tuple(_one_rank_order(entries, list(module), expert_order)),
-        files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
+        entries=tuple(ordered), files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
+        # every rank's torch optimizer has the same groups (rank 0's hyper-parameters and step): the dense group, and
+        # the expert group holding every EP rank's experts under global names, in global expert order
+        optimizer_groups=_optimizer_groups(optimizer0, entries, [e.name for e in ordered], by_module_order=True),
+        optimizer_type=optimizer_type(meta.ds_config),
     )
 
 

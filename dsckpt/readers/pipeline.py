@@ -25,12 +25,21 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import CheckpointFiles, expect_dp_ranks
-from ..model import Kind, LogicalCheckpoint, Piece, Role, TensorEntry
+from ..model import Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..parallel_layout import PipelineLayer, PipelineRecord
 from ..stand_ins import DeepSpeedEnum
 from ..tensor_ref import TensorRef
-from .common import FileCache, is_floating, metadata_from_model_states, precision_of, step_of, whole
-from .zero12 import OSD, zero12_param_entries
+from .common import (
+    FileCache,
+    is_floating,
+    merge_stage_groups,
+    metadata_from_model_states,
+    optimizer_type,
+    precision_of,
+    step_of,
+    whole,
+)
+from .zero12 import OSD, zero12_optimizer_groups, zero12_param_entries
 
 __all__ = ["read_pipeline", "read_stages", "tp_rank_files"]
 
@@ -135,6 +144,7 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     wrapper = "none (fp32 module weights are the master)"
     step = None
     stage_number = 0
+    stage_groups: list[tuple[OptimizerGroup, ...]] = []
     if optim:
         expect_dp_ranks(files, "optimizer-state", optim, world)
         for s in stages:
@@ -156,6 +166,10 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 entries[name] = entry if name not in entries else _with_stage_copy(entries[name], entry)
             base = osd0.get("base_optimizer_state")
             step = step if step is not None else step_of(base.get("state") if isinstance(base, dict) else None)
+            # each stage's own optimizer: its groups hold the stage's params (param_shapes of its model states)
+            stage_groups.append(zero12_optimizer_groups(
+                base, cache.tree(files.mp_to_model_states[s]).get("param_shapes"), meta0.ds_config, world,
+                keeps_padding))
     for name in order:
         if name in entries:
             continue
@@ -168,14 +182,17 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, not optim, (piece,))
     sample = next((r.dtype_name for _, _, r in layer_tensors.values() if is_floating(r.dtype_name)), None)
     ordered = [entries[n] for n in order if n in entries] + [e for n, e in entries.items() if n not in layer_tensors]
-    record = _record(files, cache, stages, layer_tensors, entries, buffer_names)
+    record = dataclasses.replace(_record(files, cache, stages, layer_tensors, entries, buffer_names),
+                                 stage_optimizer_groups=tuple(stage_groups))
+    groups, _ = merge_stage_groups(stage_groups)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="pipeline",
         zero_stage=stage_number, precision=precision_of(meta0.ds_config, sample),
         dp_world_size=world, pp_world_size=len(stages), tp_world_size=1, ds_version=meta0.ds_version,
         global_steps=meta0.global_steps, global_samples=meta0.global_samples, optimizer_step=step,
         optimizer_wrapper=wrapper, entries=tuple(ordered), files=tuple(files.all_files()),
-        ds_config=meta0.ds_config, pipeline=record,
+        ds_config=meta0.ds_config, pipeline=record, optimizer_groups=groups,
+        optimizer_type=optimizer_type(meta0.ds_config),
     )
 
 

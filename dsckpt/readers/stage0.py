@@ -127,10 +127,11 @@ def read_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
 
 
 def _optimizer_groups(inner: Any, entries: Mapping[str, TensorEntry],
-                      module_order: list[str]) -> tuple[OptimizerGroup, ...]:
+                      module_order: list[str], by_module_order: bool = False) -> tuple[OptimizerGroup, ...]:
     """The torch optimizer's param groups (the inner one under FP16_Optimizer / FP16_UnfusedOptimizer): each
     group's params (the entries bound to it) in the optimizer's order (where their stored copies sit: the
-    flat master's offset, the master's index, the optimizer state's index) and the step of its first param
+    flat master's offset, the master's index, the optimizer state's index; ``by_module_order``: in
+    ``module_order``, for groups gathered from several ranks' optimizers) and the step of its first param
     that has a state."""
     if not isinstance(inner, Mapping) or not isinstance(inner.get("param_groups"), list):
         return ()
@@ -140,7 +141,9 @@ def _optimizer_groups(inner: Any, entries: Mapping[str, TensorEntry],
     def where(e: TensorEntry) -> tuple[Any, ...]:
         p = e.piece(Role.MASTER) or next(iter(e.state_pieces), None)
         f = p.fragments[0] if p is not None and p.fragments else None
-        return (0, f.key, f.src_offset, position.get(e.name, 0)) if f is not None else (1, position.get(e.name, 0))
+        if by_module_order or f is None:
+            return (1, position.get(e.name, 0))
+        return (0, f.key, f.src_offset, position.get(e.name, 0))
 
     names, states = [], []
     for g, pg in enumerate(groups):
