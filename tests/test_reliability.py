@@ -400,7 +400,8 @@ def test_every_command_leaves_every_input_byte_identical(tmp_path, cmd, fixture)
     fx, _out, argv = _prepare(tmp_path, cmd, fixture)
     before = tree_digest(fx)
     res = CliRunner().invoke(main, argv)
-    assert res.exit_code in (0, 1, 3), res.output  # 3: a layout the command refuses
+    # 3: a layout the command refuses; 2: a world size the pipeline fixture's 2 stages do not divide
+    assert res.exit_code in (0, 1, 3) or (res.exit_code == 2 and "pipeline size" in res.output), res.output
     assert "Traceback" not in res.output
     assert tree_digest(fx) == before
 

@@ -342,7 +342,7 @@ def test_findings_do_not_depend_on_the_block_sizes(tmp_path, monkeypatch, worker
     master = fx.truth()["param/fc1.weight"].reshape(-1)
     plant(ckpt, "fc1.weight", Role.MASTER, 3, float(master[3]) * 2 + 1)  # a mismatch
     for i in (1, 5, 6, 17):
-        plant(ckpt, "fc1.weight", Role.EXP_AVG, i, math.nan)
+        plant(ckpt, "fc1.weight", "exp_avg", i, math.nan)
     plant(ckpt, "fc1.weight", Role.MASTER, 9, -math.inf)
     plant(ckpt, "fc1.weight", Role.MASTER, 11, 70000.0)
 

@@ -383,10 +383,10 @@ def test_rank_view_of_real_slices_reads_the_target_slices(src_tp, dst_tp):
             idx = torch.tensor([b.full_index(k) for b in cut.rank_blocks(t) for k in range(b.numel)])
             src = ckpt.entry(e.name)
             for p in e.pieces:
-                full = next(q for q in src.pieces if (q.role, q.replica) == (p.role, p.replica))
+                full = next(q for q in src.pieces if (q.role, q.replica, q.state_key) == (p.role, p.replica, p.state_key))
                 want = read_piece(full, src.shape, cache, name=e.name).reshape(-1)[idx]
                 src_strided += sum(f.src_strided for f in p.fragments)
-                assert read_piece(p, e.shape, cache, name=e.name).reshape(-1).equal(want), (e.name, t, p.role)
+                assert read_piece(p, e.shape, cache, name=e.name).reshape(-1).equal(want), (e.name, t, p.label)
                 reads = plan_piece_chunks(p, e.shape, cache, name=e.name, chunk_nbytes=64)
                 assert reads is not None
                 got = np.concatenate([a.copy() for _, a in read_chunks(reads, workers=0, chunk_nbytes=64)])

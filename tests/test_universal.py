@@ -178,10 +178,12 @@ def test_param_name_cannot_leave_the_folder(tmp_path):
 
 
 def test_unsafe_pickle_in_state_file_is_refused(tmp_path):
+    from fractions import Fraction
+
     from dsckpt.errors import UnsafeCheckpointError
 
     tag = _copy(tmp_path)
-    torch.save({"param": torch.zeros(6), "cat_dim": 0, "x": Path("a")}, tag / "zero" / "fc2.bias" / "fp32.pt")
+    torch.save({"param": torch.zeros(6), "cat_dim": 0, "x": Fraction(1, 3)}, tag / "zero" / "fc2.bias" / "fp32.pt")
     with pytest.raises(UnsafeCheckpointError, match="fc2.bias/fp32.pt"):
         read_checkpoint(tag)
 

@@ -90,7 +90,13 @@ def stage1_frozen(fx: str) -> list[str]:
     if not path.exists():  # Lightning / Accelerate fixtures: stage 2 and 3
         return []
     meta = json.loads(path.read_text())
-    return list(meta.get("frozen") or []) if meta.get("stage") == 1 else []
+    if meta.get("stage") != 1:
+        return []
+    if "frozen" in meta:
+        return list(meta["frozen"] or [])
+    # the optimizer fixtures (generate_optim.py) record the trained params only: the frozen ones are the others
+    trained, tied = set(meta.get("trainable") or ()), set(meta.get("tied") or ())
+    return [n for n in meta.get("params") or () if n not in trained and n not in tied]
 
 
 def excluded_tie_aliases(fx: str) -> set[str]:

@@ -144,9 +144,11 @@ def zero3_state_keys(optim_paths: list[Path], osds: list[Any], state_keys: list[
             if found is None:
                 found = got
             elif got != found:
+                numel = flat.numel if isinstance(flat, TensorRef) else 0
                 raise CorruptCheckpointError(
-                    f"{path}: sub-group {s}'s per-element optimizer states are {sorted(got)}, rank 0's "
-                    f"{sorted(found)}; the optimizer files come from different runs")
+                    f"{path}: fp32 sub-group {s} holds {numel} elements with per-element optimizer states "
+                    f"{sorted(got)}, rank 0's {sorted(found)}; the file is damaged or the optimizer files come from "
+                    "different runs")
         out.append(found if found is not None else swapped_keys)
     return out
 
