@@ -201,6 +201,9 @@ def offload_runs(tmp_path_factory):
 
 @pytest.mark.live
 @pytest.mark.deepspeed
+@pytest.mark.skipif(os.environ.get("DSCKPT_NVME_LIVE") != "1",
+                    reason="opt-in (DSCKPT_NVME_LIVE=1): needs libaio-dev and DeepSpeed's async_io op, whose JIT build "
+                    "did not finish in 20 min on the 2-core machine, so this launch has not run here yet")
 def test_deepspeed_resumes_offloaded_checkpoints(offload_runs):
     rc, results, log = offload_runs
     results, control = passed_except_controls(results, log)
