@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .optimizer_group import OptimizerGroup
+
 if TYPE_CHECKING:
     from .binding import Ambiguity
     from .parallel_layout import AutoEpLayout, MoeLayout, PipelineRecord, TpLayout
@@ -270,20 +272,6 @@ class TensorEntry:
         p = self.piece(Role.MASTER) or self.piece(Role.MODULE)
         assert p is not None, f"{self.name} has no readable copy"
         return p
-
-
-@dataclass(frozen=True)
-class OptimizerGroup:
-    """One param group of the (inner) optimizer, as saved: which params it holds, its ``step`` and its
-    hyper-parameters. Readers of ZeRO-1/2/3, ``BF16_Optimizer`` and stage-0 checkpoints fill them."""
-
-    index: int  # DeepSpeed's param-group order
-    param_names: tuple[str, ...]  # logical names of the params in the group, in the optimizer's order
-    step: int | float | None  # the group's saved step as saved (None if the optimizer keeps none)
-    hyperparams: tuple[tuple[str, Any], ...]  # the saved param_group minus 'params', values as saved
-
-    def hyperparam(self, key: str, default: Any = None) -> Any:
-        return next((v for k, v in self.hyperparams if k == key), default)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .model import OptimizerGroup
+    from .optimizer_group import OptimizerGroup
 
 __all__ = [
     "EXPERT_NAME",
