@@ -251,7 +251,8 @@ def test_distributed_writes_what_one_process_writes(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
                                                         os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
-                        os.environ.get("DSCKPT_TEST_PORT_2", "29752"), "--no-python", "dsckpt", "to-dcp", "-q",
+                        os.environ.get("DSCKPT_TEST_PORT_2", "29752"), "--no-python",
+                        str(Path(sys.executable).with_name("dsckpt")), "to-dcp", "-q",
                         str(FIXTURES / name / "ckpt"), str(two), "--distributed"],
                        env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
