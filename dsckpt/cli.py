@@ -186,6 +186,8 @@ def _start_distributed(enabled: bool) -> Any:
 
 
 def _close_quietly(group: Any) -> None:
+    if _saved_stderr is not None:  # a crash in teardown must not go unseen (the exit code alone says nothing)
+        os.dup2(_saved_stderr, 2)
     try:
         group.close()
     except Exception:  # noqa: BLE001 - a peer already gone; the exit code is set

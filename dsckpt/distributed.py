@@ -222,11 +222,31 @@ class Group:
     def barrier(self) -> None:
         self.all_gather(None)
 
-    def close(self) -> None:
-        import torch.distributed as dist
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Leave the process group, rank 0 last.
 
-        if dist.is_initialized():
+        Rank 0 hosts the rendezvous store (``MASTER_ADDR:MASTER_PORT``). Had it torn down first, a peer still
+        inside ``destroy_process_group`` could lose its connections mid-shutdown and abort (seen once in CI:
+        rank 1 of a ``to-dcp --distributed`` ended by SIGABRT after the output was in place). So every other
+        rank destroys its group first and then checks in on the store; rank 0 waits for all of them (at most
+        ``timeout_s``: a peer that died is not waited for) before destroying its own."""
+        import time
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        if not dist.is_initialized():
+            return
+        store = distributed_c10d._get_default_store()  # kept alive past destroy_process_group
+        key = "dsckpt/closed"
+        if not self.is_root:
             dist.destroy_process_group()
+            store.add(key, 1)
+            return
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < self.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dist.destroy_process_group()
 
 
 def _lost_peer(rank: int, e: BaseException) -> DistributedError:
