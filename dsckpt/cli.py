@@ -909,7 +909,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
     if plan.stages is not None:
-        stages = (f" (PP {plan.source_pp_size} x DP {plan.source_world_size} -> PP {plan.pp_size} x DP "
+        tp = (f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if plan.source_tp_size > 1 else ("", "")
+        stages = (f" (PP {plan.source_pp_size} x {tp[0]}DP {plan.source_world_size} -> PP {plan.pp_size} x {tp[1]}DP "
                   f"{plan.world_size})") + stages
     elif plan.tp_size > 1 or plan.source_tp_size > 1:
         stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
@@ -924,7 +925,9 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
     if plan.stages is not None and plan.stages.target is not None:
-        click.echo(f"resume with: PipelineModule(..., num_stages={plan.pp_size}, partition_method="
+        layout = (f"topology=PipeModelDataParallelTopology(num_pp={plan.pp_size}, num_mp={plan.tp_size}, "
+                  f"num_dp={plan.world_size})" if plan.tp_size > 1 else f"num_stages={plan.pp_size}")
+        click.echo(f"resume with: PipelineModule(..., {layout}, partition_method="
                    f"'{plan.stages.target.method}') on {plan.total_world_size} ranks")
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "

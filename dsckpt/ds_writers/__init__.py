@@ -140,14 +140,14 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     import dataclasses
 
     src_tp = max(1, ckpt.tp_world_size)
-    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
     stages = target.stages
     pp = stages.pp_size if stages is not None else 1
-    if stages is not None and layout is not None and (stages.target is not None or tp != src_tp):
+    if stages is not None and tp != src_tp:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' (pipeline {stages.source_pp_size} x tensor parallelism {src_tp}) to "
-            f"pipeline {pp} x tensor parallelism {tp}: a tensor x pipeline run is resharded to another data-parallel "
-            "size only (stages and TP size kept)")
+            f"tensor parallelism {tp}: a pipeline run keeps its TP size here (its data-parallel size and stage count "
+            "can change); its layer_XX-model_NN files hold each TP rank's module slices, which dsckpt does not re-cut")
+    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
     parts = []
     for s in range(pp):
         for t in range(tp):
@@ -201,6 +201,15 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
     import dataclasses
 
     view = ckpt
+    if stages is not None and layout is not None:  # tensor x pipeline, TP kept: TP rank t's slices, then its stage
+        from ..pipeline_stages import stage_view
+        from ..tensor_parallel import rank_view
+
+        assert ckpt.pipeline is not None and layout.tp_size == ckpt.tp_world_size
+        view = dataclasses.replace(rank_view(ckpt, layout, t), files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(t))
+        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
+                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
+        return stage_view(view, stages, stage), facts
     if stages is not None:
         from ..pipeline_stages import stage_view
 

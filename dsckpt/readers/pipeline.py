@@ -56,8 +56,12 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
     ranks = [read_stages(tp_rank_files(files, t, tp_size), cache) for t in range(tp_size)]
     record, where = agreed_record(cache, [files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)])
     ckpt = combine_tp_ranks(ranks, record, where=where)
+    assert ckpt.pipeline is not None
+    pipeline = dataclasses.replace(
+        ckpt.pipeline, tp_size=tp_size, layer_files=tuple(p for _, p in sorted(files.layer_files.items())),
+        mp_model_files=tuple(files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)))
     return dataclasses.replace(
-        ckpt, pp_world_size=pp_size, files=tuple(files.all_files()),
+        ckpt, pp_world_size=pp_size, files=tuple(files.all_files()), pipeline=pipeline,
         notes=(*ckpt.notes, (f"pipeline parallelism {pp_size} x tensor parallelism {tp_size}: model-parallel rank "
                              f"m = stage * {tp_size} + TP rank (PipeModelDataParallelTopology); "
                              f"{UNIVERSAL_CHECKPOINT_INFO} from client_state")))
