@@ -924,6 +924,12 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                f"wrote {len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
+    from .ds_writers import STAGE0_BF16_PIPELINE_NOTE
+
+    if STAGE0_BF16_PIPELINE_NOTE in plan.notes:
+        click.echo('resume with: "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"} '
+                   "(BF16_Optimizer, as the stage-0 run used; DeepSpeed 0.19.8 cannot resume a stage-0 bf16 pipeline "
+                   "save)")
     if plan.stages is not None and plan.stages.target is not None:
         layout = (f"topology=PipeModelDataParallelTopology(num_pp={plan.pp_size}, num_mp={plan.tp_size}, "
                   f"num_dp={plan.world_size})" if plan.tp_size > 1 else f"num_stages={plan.pp_size}")

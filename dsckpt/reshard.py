@@ -137,6 +137,11 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if ckpt.pipeline is not None:
         from .pipeline_stages import plan_stages
 
+        if zero_stage not in (None, 1):
+            raise UnsupportedCheckpointError(
+                f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage {zero_stage}: DeepSpeed's "
+                "PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"incompatible with pipeline parallelism\"), and dsckpt "
+                "writes pipeline runs at ZeRO stage 1 (DeepSpeedZeroOptimizer or BF16_Optimizer files) only")
         stages = plan_stages(ckpt, pp_size, method=partition_method, num_layers=num_layers, layer_types=layer_types)
     elif pp_size not in (None, 1) or partition_method is not None or num_layers is not None or layer_types:
         raise UsageError(f"--pp-size, --partition-method, --num-layers and --layer-types are for pipeline "

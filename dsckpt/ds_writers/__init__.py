@@ -67,6 +67,7 @@ from .plan import (
 )
 
 __all__ = [
+    "STAGE0_BF16_PIPELINE_NOTE",
     "FlatSpec",
     "GroupPartition",
     "LayoutPlan",
@@ -170,9 +171,21 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
         notes = (*notes, note)
     if stages is not None:
         notes = (*notes, stages.note())
+    if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
+        notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
                                hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
                                copied_model_files=())
+
+
+#: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
+#: pipeline), whose state is the same as at ZeRO-1 with fp32 gradient accumulation; DeepSpeed 0.19.8 cannot resume the
+#: stage-0 form, not even unchanged (``_load_checkpoint`` hands the model states' ``optimizer`` dict to
+#: ``BF16_Optimizer._load_legacy_checkpoint``, which indexes it by data-parallel rank: ``KeyError: 0``).
+STAGE0_BF16_PIPELINE_NOTE = (
+    "ZeRO stage 0 bf16 pipeline (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files, the same optimizer and state: "
+    "DeepSpeed 0.19.8 cannot resume the stage-0 form (KeyError in BF16_Optimizer._load_legacy_checkpoint); resume "
+    'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
 
 
 def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
