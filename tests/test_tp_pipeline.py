@@ -382,23 +382,39 @@ def test_reshard_changes_data_parallel_and_stages_with_tp_kept(fx, tmp_path):
             _same(_materialized(fx / "ckpt" / tag / f), _materialized(tmp_path / out_dir / tag / f), f"{out_dir}/{f}")
 
 
-@pytest.mark.parametrize("args, why", [
-    (["--world-size", "4", "--tp-size", "1"], "keeps its TP size"),
-    (["--universal"], "pipeline parallel size 2 x tensor parallel size 2"),
-], ids=["tp-change", "universal"])
-def test_reshard_refuses_what_a_tensor_x_pipeline_run_cannot_get(tmp_path, args, why):
+@pytest.mark.parametrize("args", [["--world-size", "4", "--tp-size", "1"], ["--world-size", "8", "--tp-size", "4"]],
+                         ids=["tp1", "tp4"])
+def test_reshard_refuses_a_tp_change_of_a_tensor_x_pipeline_run(tmp_path, args):
     r = CliRunner().invoke(main, ["reshard", str(FP32 / "ckpt"), str(tmp_path / "o"), *args])
     assert r.exit_code == 3, r.output
-    assert why in r.stderr
+    assert "a pipeline run keeps its TP size here" in r.stderr and "does not re-cut" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
+    """``reshard --universal`` of a TP x PP run writes what ds_to_universal wrote for it (tests/fixtures/
+    ds_to_universal_record.json: the same files, keys, dtypes, shapes and bytes), and that folder reads back (TP x PP
+    universal folders hold the merged tensors): to-fp32 of it equals DeepSpeed's merge bit for bit."""
+    from universal_record import ds_to_universal_differences
+
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    assert ds_to_universal_differences(fx, tmp_path / "u") == []
+    r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "u"), str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    got, u = _load(tmp_path / "m.safetensors"), universal(fx)
+    assert sorted(got) == sorted(meta(fx)["params"])
+    for n in got:
+        assert torch.equal(got[n], u[f"fp32/{n}"]), n
 
 
 @pytest.mark.live
 @pytest.mark.deepspeed
-def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_path):
-    """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) but
-    copies only the mp_rank_{stage * tp + t} files, not the layer files: reading that folder is refused, naming the
-    pipeline and tensor sizes, instead of taking the 4 model-parallel files for 4 TP ranks."""
+def test_universal_folder_of_a_tp_pipeline_run_reads_as_pipeline_x_tensor(tmp_path):
+    """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) and
+    copies only the mp_rank_{stage * tp + t} files, not the layer files: the folder reads as pipeline 2 x tensor 2
+    (not as 4 TP ranks), its trainable params' masters being DeepSpeed's merge."""
     pytest.importorskip("deepspeed")
     import subprocess
     import sys
@@ -411,7 +427,12 @@ def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(p.name for p in out.glob("*.pt")) == [f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
     r = CliRunner().invoke(main, ["info", str(out)])
-    assert r.exit_code == 3 and "pipeline 2 x tensor 2" in r.stderr and "not supported yet" in r.stderr
+    assert r.exit_code == 0 and "parallelism  data 1, pipeline 2, tensor 2" in r.stdout, r.output
+    r = CliRunner().invoke(main, ["to-fp32", str(out), str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    got = _load(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(meta(FP32)["params"])
+    assert all(torch.equal(got[n], universal(FP32)[f"fp32/{n}"]) for n in got)
 
 
 def test_repair_patches_a_layer_file_slice_from_its_master(tmp_path):
