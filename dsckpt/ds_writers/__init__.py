@@ -208,31 +208,25 @@ def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
 
 def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layout: Any, stage: int,
                  t: int) -> tuple[LogicalCheckpoint, SourceFacts]:
-    """Model-parallel rank (``stage``, ``t``) of the target as an ordinary data-parallel checkpoint and its facts:
-    the pipeline stage's cut of the params (:func:`dsckpt.pipeline_stages.stage_view`), then TP rank ``t``'s cut of
-    each (:func:`dsckpt.tensor_parallel.rank_view`). Pure."""
+    """Model-parallel rank (``stage``, ``t``) of the target as an ordinary data-parallel checkpoint and its facts: two
+    cuts composed, TP rank ``t``'s slices of every param (:func:`dsckpt.tensor_parallel.rank_view`; a pipeline's files
+    are then its TP rank ``t``'s, :meth:`~dsckpt.parallel_layout.PipelineRecord.tp_rank`), then the stage's params
+    (:func:`dsckpt.pipeline_stages.stage_view`), whose flat order the facts take. Pure."""
     import dataclasses
 
     view = ckpt
-    if stages is not None and layout is not None:  # tensor x pipeline, TP kept: TP rank t's slices, then its stage
-        from ..pipeline_stages import stage_view
-        from ..tensor_parallel import rank_view
-
-        assert ckpt.pipeline is not None and layout.tp_size == ckpt.tp_world_size
-        view = dataclasses.replace(rank_view(ckpt, layout, t), files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(t))
-        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
-                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
-        return stage_view(view, stages, stage), facts
-    if stages is not None:
-        from ..pipeline_stages import stage_view
-
-        view = stage_view(ckpt, stages, stage)
-        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
-                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
     if layout is not None:
         from ..tensor_parallel import rank_view
 
-        view = rank_view(view, layout, t)
+        view = rank_view(ckpt, layout, t)
+        if ckpt.pipeline is not None:  # a pipeline keeps its TP size (_plan_mp_ranks): TP rank t's own files
+            view = dataclasses.replace(view, files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(t))
+    if stages is not None:
+        from ..pipeline_stages import stage_view
+
+        view = stage_view(view, stages, stage)
+        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
+                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
     return view, facts
 
 
