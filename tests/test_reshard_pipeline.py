@@ -237,6 +237,40 @@ def test_stage0_bf16_pipeline_is_read_by_its_slice_mappings_and_written_as_zero1
         plan_reshard(read_checkpoint(_fixture("pp2_fp32").ckpt), 2, zero_stage=0)
 
 
+def test_stage0_bf16_slice_mappings_that_do_not_tile_are_refused(tmp_path):
+    """The flat order of a stage-0 bf16 pipeline is taken from param_slice_mappings only where they tile each flat
+    group from element 0; a gap (here: rank 1's first fragment moved by one element) is refused, naming the param."""
+    import shutil
+
+    src = _fixture("pp2_dp2_bf16_z0").ckpt
+    shutil.copytree(src, tmp_path / "c")
+    f = tmp_path / "c" / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    sd = torch.load(f, weights_only=False)
+    first = next(iter(sd["optimizer_state_dict"]["param_slice_mappings"][0].values()))
+    first.start += 1
+    torch.save(sd, f)
+    r = CliRunner().invoke(main, ["info", str(tmp_path / "c")])
+    assert r.exit_code == 3, r.output
+    assert "param_slice_mappings of group 0 put 'tied_modules.embed.weight' at flat element 53" in r.stderr
+
+
+def test_pipeline_record_tp_rank_is_pure_file_arithmetic():
+    """PipelineRecord.tp_rank(t): stage s's model states are model-parallel rank s * tp + t, the layer files those
+    of TP rank t; a record without TP is its own TP rank 0."""
+    from dsckpt.parallel_layout import PipelineRecord
+
+    tag = Path("/x/global_step1")
+    mp = tuple(tag / f"mp_rank_{m:02d}_model_states.pt" for m in range(6))
+    layers = tuple(tag / f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(3) for t in range(3))
+    rec = PipelineRecord((), ((("a",),), (("b",),)), mp[0::3], layers, tp_size=3, mp_model_files=mp)
+    one = rec.tp_rank(2)
+    assert [p.name for p in one.stage_model_files] == ["mp_rank_02_model_states.pt", "mp_rank_05_model_states.pt"]
+    assert [p.name for p in one.layer_files] == [f"layer_{i:02d}-model_02-model_states.pt" for i in range(3)]
+    assert one.tp_size == 1 and one.stage_group_orders == rec.stage_group_orders
+    plain = PipelineRecord((), ((("a",),),), mp[:1], layers[:1])
+    assert plain.tp_rank(0) is plain
+
+
 def test_fp32_pipeline_without_zero_is_refused_naming_why():
     """fp32 at stage 0: each stage's torch optimizer state_dict (params by index) sits in its model states and the
     layer files save the tied module under its layer index without its key; nothing binds either, so the reader
