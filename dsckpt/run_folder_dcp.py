@@ -156,7 +156,8 @@ def regroup(groups: tuple[DcpGroup, ...], target: tuple[tuple[str, ...], ...],
                                      ("in the resuming optimizer but not trained in the checkpoint", extra),
                                      ("in two groups of the resuming optimizer", doubled)) if names]
         raise UnsupportedCheckpointError(f"'{where}': the resuming optimizer's param groups do not hold the "
-                                         f"checkpoint's trained params ({'; '.join(parts)}); nothing was written")
+                                         f"checkpoint's trained params ({'; '.join(parts)}); nothing was written "
+                                         "(--plain writes one DCP folder in DeepSpeed's groups)")
     out: list[DcpGroup] = []
     sources: list[int] = []
     for k, fqns in enumerate(target):
