@@ -36,7 +36,6 @@ writes OUT atomically as one folder.
 from __future__ import annotations
 
 import enum
-import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -65,8 +64,6 @@ __all__ = [
     "run_run_folder_dcp",
     "trainer_param_groups",
 ]
-
-logger = logging.getLogger("dsckpt")
 
 #: accelerate 1.15 utils/constants.py: FSDP_MODEL_NAME, OPTIMIZER_NAME; index 0 (one model, one optimizer)
 MODEL_FOLDER = "pytorch_model_fsdp_0"
@@ -255,6 +252,12 @@ def plan_run_folder_dcp(ckpt: LogicalCheckpoint, cache: FileCache, output: str |
                                   optim_key=OPTIM_KEY, groups=groups)
     # DeepSpeed tag folders (another tag of the same save dir too): none is carried
     tag_dirs = frozenset(p.name for p in ckpt.root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt")))
+    tags = sorted(tag_dirs | {ckpt.tag})
+    if client is RunFolderClient.ACCELERATE and len(tags) > 1:
+        # save_state writes pytorch_model_{i} per prepared model and load_state reads pytorch_model_fsdp_{i} for each
+        raise UnsupportedCheckpointError(
+            f"'{ckpt.root}' holds {len(tags)} DeepSpeed tags ({', '.join(tags)}): several prepared models, and "
+            "to-dcp writes the FSDP2 folder of one; pass --plain --tag TAG to export each as a DCP folder")
     files = plan_resume_files(ckpt.root, ckpt.dp_world_size, tag=ckpt.tag, tag_dirs=tag_dirs | {ckpt.tag})
     assert files is not None, "run_folder_client() said this is a Trainer / Accelerate folder"
     scheduler = None

@@ -204,6 +204,17 @@ def test_regroup_refuses_to_merge_groups_that_differ():
         regroup(_groups(("a",), ("b",), wd=(0.01, 0.0)), (("a", "b"),), "ckpt")
 
 
+def test_an_accelerate_folder_of_several_models_is_refused(tmp_path: Path):
+    """save_state of two prepared models writes the tags pytorch_model and pytorch_model_1 (hand-built here by
+    copying the tag): one FSDP2 folder cannot hold both, so it is refused, naming --plain."""
+    src = tmp_path / "state"
+    shutil.copytree(ACC / "state", src)
+    shutil.copytree(src / "pytorch_model", src / "pytorch_model_1")
+    code, _, stderr = _cli("to-dcp", "-q", str(src), str(tmp_path / "o"))
+    assert code == 3 and "holds 2 DeepSpeed tags (pytorch_model, pytorch_model_1): several prepared models" in stderr
+    assert "--plain --tag TAG" in stderr and not (tmp_path / "o").exists()
+
+
 def test_a_deepspeed_config_scheduler_is_refused(tmp_path: Path):
     """A Trainer folder whose scheduler state is not a torch LR scheduler's (hand-built: a DeepSpeed WarmupLR state
     as scheduler.pt) is refused before anything is written."""
