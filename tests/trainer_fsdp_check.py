@@ -31,7 +31,10 @@ p.add_argument("--report", required=True)
 p.add_argument("pairs", nargs="+", help="NAME=OUT: a fixture name and the to-dcp folder to resume it from")
 args = p.parse_args()
 
-allow_fsdp_on_cpu()
+# DSCKPT_FSDP_DEVICE=cuda: on a GPU host, Accelerate's own FSDP path with no patch (tests/fsdp_cpu.py is for CPU ranks)
+ON_GPU = os.environ.get("DSCKPT_FSDP_DEVICE") == "cuda"
+if not ON_GPU:
+    allow_fsdp_on_cpu()
 from accelerate.state import AcceleratorState
 from ds_launch import mark_rank_done
 from safetensors.torch import load_file
@@ -58,7 +61,7 @@ class Probe(TrainerCallback):
             if n in meta["buffers"]:
                 continue
             checked += 1
-            if not torch.equal(msd[n].float(), truth[f"param/{n}"]):
+            if not torch.equal(msd[n].float().cpu(), truth[f"param/{n}"]):
                 mism.append(f"param/{n}")
         steps = set()
         for n in (n for n in meta["trainable"] if n not in meta["tied"]):  # a tied alias has its state under its source
@@ -68,7 +71,7 @@ class Probe(TrainerCallback):
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
                 checked += 1
-                if not torch.equal(st[key].float(), truth[f"{key}/{n}"]):
+                if not torch.equal(st[key].float().cpu(), truth[f"{key}/{n}"]):
                     mism.append(f"{key}/{n}")
             steps.add(float(st["step"]))
         self.report = {
@@ -87,7 +90,7 @@ def resume(name: str, ckpt: str, run_dir: str) -> dict:
     with open(os.path.join(HERE, "fixtures", name, "truth.json")) as f:
         meta = json.load(f)
     targs = TrainingArguments(
-        output_dir=run_dir, use_cpu=True, bf16=True, seed=hm.SEED, per_device_train_batch_size=hm.MICRO_BATCH,
+        output_dir=run_dir, use_cpu=not ON_GPU, bf16=True, seed=hm.SEED, per_device_train_batch_size=hm.MICRO_BATCH,
         max_steps=hm.SAVE_STEPS + 1, save_strategy="no", logging_steps=1, learning_rate=1e-2, weight_decay=0.01,
         lr_scheduler_type="linear", report_to=[], dataloader_num_workers=0, disable_tqdm=True,
         fsdp=True, fsdp_config={"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
