@@ -209,7 +209,8 @@ def _stage0_pipeline(plan: LayoutPlan, tree: Mapping[str, Any]) -> bool:
     which is written as ZeRO-1 BF16_Optimizer files (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``)."""
     z = (tree.get("ds_config") or {}).get("zero_optimization") if isinstance(tree.get("ds_config"), Mapping) else None
     stage = z.get("stage", 0) if isinstance(z, Mapping) else 0
-    return (plan.pp_size > 1 or plan.source_pp_size > 1) and stage != plan.zero_stage
+    pipeline = plan.pp_size > 1 or plan.source_pp_size > 1 or tree.get("module", {}) is None  # a 1-stage one too
+    return pipeline and stage != plan.zero_stage
 
 
 def _set_frozen(tree: dict[str, Any], plan: LayoutPlan, ckpt: LogicalCheckpoint, module: Mapping[str, Any]) -> None:
