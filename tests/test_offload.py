@@ -211,3 +211,16 @@ def test_deepspeed_resumes_offloaded_checkpoints(offload_runs):
     assert len(control) == 1 and not control[0]["ok"], log
     assert all("exp_avg" in p for p in control[0]["problems"]), control[0]["problems"]
     assert rc == 1, log
+
+
+def test_swapped_zero3_optimizer_files_are_not_taken_for_copies():
+    """DeepSpeed 0.19.8's ZeRO-3 NVMe save (offload_optimizer on nvme, 2 ranks): both ranks' optimizer files held the
+    same records, serialization id included (every partition swapped to offloaded_tensors/rankNN), and the copy check
+    refused the save as 'all but one are copies' — the live NVMe test's first run. Equal bytes prove a copy only where
+    a file holds partition data. (The records as they were; the live test reads the real save.)"""
+    from dsckpt.readers.same_save import _holds_partition_bytes
+
+    swapped = (("data.pkl", 0xC1EF09DF, 1631), (".format_version", 0x83DCEFB7, 1), ("data/0", 0xA7E1D189, 4),
+               ("data/1", 0, 0), ("data/2", 0, 0), ("data/3", 0, 0), ("version", 0x55679ED1, 2))
+    assert not _holds_partition_bytes(swapped)
+    assert _holds_partition_bytes(swapped[:3] + (("data/1", 0x1234, 1202176),))

@@ -172,6 +172,14 @@ def _digest(path: Path, nbytes: int | None = None) -> str:
     return h.hexdigest()
 
 
+def _holds_partition_bytes(records: tuple[tuple[str, int, int], ...]) -> bool:
+    """Whether a zip-format rank file holds tensor data beyond scalars (a step count, a loss scale). Equal bytes
+    prove a copy only then: a ZeRO-3 optimizer file whose partitions were all swapped to NVMe
+    (``offloaded_tensors/rankNN``) holds empty flat tensors and one-element steps, the same on every rank, down to
+    the ``.data/serialization_id`` (seen: DeepSpeed 0.19.8, ``offload_optimizer`` on nvme, 2 ranks)."""
+    return any(size > 8 for name, _, size in records if name.startswith("data/"))
+
+
 def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> list[str]:
     """Why some rank files are copies of others (empty: none are), each naming both files.
 
@@ -204,7 +212,8 @@ def rank_identity_problems(files: Iterable[Path], infos: Mapping[Path, Any]) -> 
         if family is None:
             continue
         if info.records:
-            by_records.setdefault((family, info.records), []).append(path)
+            if _holds_partition_bytes(info.records):
+                by_records.setdefault((family, info.records), []).append(path)
         else:
             legacy_by_size.setdefault((family, path.stat().st_size), []).append(path)
     groups = [(g, "hold the same bytes (every record has the same name, size and CRC-32)")
