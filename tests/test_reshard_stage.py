@@ -148,14 +148,20 @@ def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("OK")
 
 
-ZERO_TO_0 = [f for f in ZERO if f.meta["dtype"] != "fp16" and not f.name.startswith(("ds0", "moe"))
+ZERO_TO_0 = [f for f in ZERO if not f.name.startswith(("ds0", "moe"))
              and not (f.meta["dtype"] == "fp32" and len(f.meta["param_groups"]) > 1)]
+
+
+def _scaler_fields(tree) -> dict:
+    """The loss scale a ZeRO optimizer file holds (its pickled LossScaler / DynamicLossScaler's fields)."""
+    return dict(vars(tree["optimizer_state_dict"]["loss_scaler"]))
 
 
 @pytest.mark.parametrize("fx", ZERO_TO_0, ids=ids(ZERO_TO_0))
 def test_zero_to_stage0(fx, tmp_path):
     """ZeRO-1/2/3 -> stage 0: one model-states file with the full module and the stage-0 optimizer (fp32: a torch
-    state dict over model.parameters(); bf16: FP16_UnfusedOptimizer's fp32_groups), read back as the truth."""
+    state dict over model.parameters(); bf16/fp16 with torch_adam: FP16_UnfusedOptimizer's fp32_groups), read back as
+    the truth; an fp16 source's dynamic loss scale in the wrapper's fields."""
     _, result = convert(fx.ckpt, tmp_path / "out", 2, 0)
     assert result.verified_tensors > 0
     back = read_checkpoint(tmp_path / "out")
@@ -168,41 +174,53 @@ def test_zero_to_stage0(fx, tmp_path):
     assert sorted(got) == sorted(expected)
     for n, t in got.items():
         assert torch.equal(t, expected[n]), n
+    if fx.meta["dtype"] == "fp16":
+        opt = _tree(tmp_path / "out" / fx.meta["tag"] / "mp_rank_00_model_states.pt")["optimizer"]
+        src = _scaler_fields(_tree(next((fx.ckpt / fx.meta["tag"]).glob("zero_pp_rank_0_*optim_states.pt"))))
+        assert src["cur_scale"] == fx.meta["loss_scale"] == 256
+        assert {k: opt[k] for k in ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter",
+                                    "scale_factor", "scale_window")} == {
+            "dynamic_loss_scale": True, **{k: src[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter",
+                                                               "scale_factor", "scale_window")}}
 
 
-@pytest.mark.parametrize("name, why", [
-    ("s2_fp16_w2_cpuforced", "an fp16 target"),
-    ("s2_fp32_w2_legacy", None),
-])
-def test_zero_to_stage0_refusals(name, why):
-    fx = next(f for f in all_fixtures() if f.name == name)
+def test_zero_to_stage0_refusals(tmp_path):
+    fx = next(f for f in all_fixtures() if f.name == "s2_fp32_w2_legacy")
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    if why is None:  # fp32 with two param groups: which group a frozen param was given to is not recorded
-        import json as _json
-        cfg = _json.loads(_json.dumps(ckpt.ds_config))
-        two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
-        from dsckpt.ds_writers import plan_layout  # noqa: F401  (the refusal is the planner's)
-        from dsckpt.ds_writers.stage0 import plan_stage0_from_zero
-        with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
-            plan_stage0_from_zero(dataclasses.replace(ckpt, ds_config=cfg), [list(two[0]), list(two[1])], {})
-        return
-    with pytest.raises(UnsupportedCheckpointError, match=why):
-        plan_reshard(ckpt, 2, zero_stage=0, facts=read_source_facts(ckpt, cache))
+    # fp32 with two param groups: which group a frozen param was given to is not recorded
+    from dsckpt.ds_writers.stage0 import plan_stage0_from_zero, stage0_wrapper
+
+    two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
+    with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
+        plan_stage0_from_zero(ckpt, [list(two[0]), list(two[1])], {})
     with pytest.raises(UsageError, match="--zero-stage must be 0, 1, 2 or 3"):
         plan_reshard(ckpt, 2, zero_stage=4)
+    # 16-bit: FusedAdam (FP16_Optimizer) or not, from the ds_config, else from the param groups' keys
+    fp16 = read_checkpoint(next(f for f in all_fixtures() if f.name == "s2_fp16_w2_cpuforced").ckpt)
+    assert stage0_wrapper(fp16) == "FP16_UnfusedOptimizer"
+    cfg = {**fp16.ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    assert stage0_wrapper(dataclasses.replace(fp16, ds_config=cfg)) == "FP16_Optimizer"
+    no_opt = dataclasses.replace(fp16, ds_config={k: v for k, v in fp16.ds_config.items() if k != "optimizer"})
+    assert stage0_wrapper(no_opt) == "FP16_UnfusedOptimizer"  # torch's AdamW groups hold 'foreach'
+    bare = dataclasses.replace(no_opt, optimizer_groups=tuple(
+        dataclasses.replace(g, hyperparams=tuple((k, v) for k, v in g.hyperparams if k != "foreach"))
+        for g in fp16.optimizer_groups))
+    with pytest.raises(UnsupportedCheckpointError, match="names no optimizer"):
+        stage0_wrapper(bare)
 
 
-STAGE0 = [f for f in all_fixtures() if f.meta["stage"] == 0 and f.meta["dtype"] != "fp16"
-          and not f.name.startswith(("moe", "ds0"))]
+STAGE0 = [f for f in all_fixtures() if f.meta["stage"] == 0 and not f.name.startswith(("moe", "ds0"))]
 
 
 @pytest.mark.parametrize("fx", STAGE0, ids=ids(STAGE0))
 @pytest.mark.parametrize("world,stage", [(2, 1), (3, 2), (3, 3)])
 def test_stage0_to_zero(fx, world, stage, tmp_path):
-    """Stage 0 -> ZeRO-1/2/3 (fp32: the module is the master; bf16: FP16_UnfusedOptimizer's fp32_groups or
+    """Stage 0 -> ZeRO-1/2/3 (fp32: the module is the master; bf16/fp16: FP16_UnfusedOptimizer's fp32_groups or
     FP16_Optimizer's fp32_groups_flat): the output holds the recorded masters, moments, module weights and
-    buffers; its step and hyperparameters are the source's."""
+    buffers; its step and hyperparameters are the source's; fp16: the dynamic loss scale becomes ZeRO's
+    DynamicLossScaler, with what the stage-0 wrapper saved and the rest from the fp16 config (DeepSpeed's defaults
+    here), as DeepSpeed's own fp16 ZeRO files hold it (s2_fp16_w2_cpuforced)."""
     _, result = convert(fx.ckpt, tmp_path / "out", world, stage)
     assert result.verified_tensors > 0
     back = read_checkpoint(tmp_path / "out")
@@ -211,14 +229,57 @@ def test_stage0_to_zero(fx, world, stage, tmp_path):
     expected = fx.expected_fp32()
     names = [n for n, t in iter_tensors(back) if torch.equal(t, expected[n])]
     assert sorted(names) == sorted(expected)
+    optim = _tree(next((tmp_path / "out" / fx.meta["tag"]).glob("*zero_pp_rank_1_*optim_states.pt")))
+    scaler = _scaler_fields(optim)
+    if fx.meta["dtype"] == "fp16":
+        zero_fp16 = next(f for f in ZERO if f.name == "s2_fp16_w2_cpuforced")
+        want = _scaler_fields(_tree(zero_fp16.ckpt / zero_fp16.meta["tag"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        assert scaler == want  # both runs: 3 steps from 2**8 without overflow
+        assert type(optim["optimizer_state_dict"]["loss_scaler"]).__name__ == "DynamicLossScaler"
+    else:
+        assert scaler == {"cur_scale": 1.0, "dynamic": False}
 
 
-def test_stage0_fp16_to_zero_is_refused_by_name():
-    fx = next(f for f in all_fixtures() if f.name == "s0_fp16_w1_adapter_cpuforced")
-    cache = FileCache()
-    ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    with pytest.raises(UnsupportedCheckpointError, match="fp16 stage-0 save keeps its dynamic loss scale"):
-        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
+STAGE0_16BIT = [f for f in STAGE0 if f.meta["dtype"] != "fp32"]
+
+
+@pytest.mark.parametrize("fx", STAGE0_16BIT, ids=ids(STAGE0_16BIT))
+@pytest.mark.parametrize("via", [2, 3])
+def test_stage0_through_zero_and_back_is_the_same_file(fx, via, tmp_path):
+    """Stage 0 (FP16_Optimizer or FP16_UnfusedOptimizer, fp16 or bf16) -> ZeRO-``via`` on 3 ranks -> stage 0 on the
+    source's rank count gives back the model-states tree DeepSpeed wrote: every key in its order, every scalar (the
+    loss scale, FusedAdam's int step), every tensor bit for bit, and the fused module's params as views into one
+    flat 16-bit buffer per group at the recorded offsets."""
+    convert(fx.ckpt, tmp_path / "zero", 3, via)
+    convert(tmp_path / "zero", tmp_path / "back", fx.meta["dp_world_size"], 0)
+    name = "mp_rank_00_model_states.pt"
+    want, got = _tree(fx.ckpt / fx.meta["tag"] / name), _tree(tmp_path / "back" / fx.meta["tag"] / name)
+    assert _tree_differences(want, got) == []
+
+
+def _tree_differences(a, b, path="") -> list[str]:
+    """Where two parsed trees differ: keys and their order, scalar values (pickled objects by their fields), tensor
+    dtypes, shapes, values and, for views, storage offset and storage size."""
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(a) != list(b):
+            return [f"{path}: keys {list(a)} != {list(b) if isinstance(b, dict) else type(b).__name__}"]
+        return [d for k in a for d in _tree_differences(a[k], b[k], f"{path}[{k!r}]")]
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{path}: {type(a).__name__} of {len(a)} != {b!r:.60}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _tree_differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape) != (b.dtype, b.shape):
+            return [f"{path}: {a.dtype} {tuple(a.shape)} != {b!r:.60}"]
+        if not torch.equal(a.cpu(), b.cpu()):
+            return [f"{path}: values differ"]
+        if (a.storage_offset(), a.untyped_storage().nbytes()) != (b.storage_offset(), b.untyped_storage().nbytes()):
+            return [f"{path}: view at {a.storage_offset()} of {a.untyped_storage().nbytes()} bytes != "
+                    f"{b.storage_offset()} of {b.untyped_storage().nbytes()}"]
+        return []
+    if type(a) is not type(b) or (vars(a) != vars(b) if hasattr(a, "__dict__") else a != b):
+        return [f"{path}: {a!r:.60} != {b!r:.60}"]
+    return []
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------
