@@ -4,6 +4,7 @@ written and read back on every fixture, and resumed by real DeepSpeed on CPU ran
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +369,77 @@ def test_deepspeed_resumes_stage_converted_checkpoints(ds_stage_runs, case):
     assert {r["fixture"] for r in results} == ({n.removeprefix("universal/") for n in DS_STAGE_CASES[case]}
                                                & {f.name for f in all_fixtures()})
     assert all(r["world_size"] == case[0] for r in results)
+
+
+# --- fp16 stage 0 <-> ZeRO (and the fused FP16_Optimizer target), real DeepSpeed: one launch on 2 ranks ----------
+# (fixture, target stage, stage passed through on the way or None). The check script runs each pair at its own
+# target stage (FIXTURE@STAGE=DIR), fp16 forced on the CPU ranks as the *_cpuforced fixtures were made, and compares
+# the loss scaler's whole state (--scale-state) besides masters, moments, module, buffers and counters.
+FP16_STAGE_CASES = [
+    ("s0_fp16_w1_adapter_cpuforced", 2, None),  # FP16_UnfusedOptimizer -> ZeRO-2
+    ("s0_fp16_w1_bnoverflow", 3, None),  # FP16_UnfusedOptimizer (made on a GPU, BN inf) -> ZeRO-3
+    ("s1_fp16_w3_cpuforced", 0, None),  # ZeRO-1 -> FP16_UnfusedOptimizer
+    ("s3_fp16_w2_cpuforced", 0, None),  # ZeRO-3 -> FP16_UnfusedOptimizer
+]
+# FusedAdam: the stage-0 FP16_Optimizer, and FusedAdam inside ZeRO. DeepSpeed JIT-builds its CPU fused_adam op on
+# first use (minutes on a 2-core machine), so these run where the op is built, or with DSCKPT_FUSED_LIVE=1.
+FP16_FUSED_CASES = [
+    ("s0_fp16_w1_adapter_fused_cpuforced", 1, None),  # FP16_Optimizer -> ZeRO-1
+    ("s0_fp16_w1_fused", 0, 3),  # FP16_Optimizer (made on a GPU) -> ZeRO-3 -> FP16_Optimizer
+    ("s0_bf16_w1_adapter_fused", 0, 2),  # bf16 FP16_Optimizer -> ZeRO-2 -> FP16_Optimizer
+]
+FP16_TAMPERED = "s2_fp16_w2_cpuforced"  # -> stage 0 with cur_scale 128 and cur_iter 2: the check must see both
+
+
+def _fused_adam_built() -> bool:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return os.environ.get("DSCKPT_FUSED_LIVE") == "1" or any(root.glob("*/fused_adam/fused_adam.so"))
+
+
+def _write_fp16_scale_tampered(out: Path) -> None:
+    convert(REPO / "tests" / "fixtures" / FP16_TAMPERED / "ckpt", out, 2, 0)
+    path = next(out.glob("*/mp_rank_00_model_states.pt"))
+    tree = torch.load(path, weights_only=False)  # a control written by this test: trusted
+    tree["optimizer"].update(cur_scale=128, cur_iter=2)
+    torch.save(tree, path)
+
+
+@pytest.fixture(scope="module")
+def ds_fp16_stage_run(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_fp16_stage")
+    cases = FP16_STAGE_CASES + (FP16_FUSED_CASES if _fused_adam_built() else [])
+    pairs = []
+    for name, stage, via in cases:
+        src = REPO / "tests" / "fixtures" / name / "ckpt"
+        if via is not None:
+            convert(src, base / f"{name}_via{via}", 3, via)
+            src = base / f"{name}_via{via}"
+        convert(src, base / f"{name}_s{stage}", 2, stage)
+        pairs.append(f"{name}@{stage}={base / f'{name}_s{stage}'}")
+    _write_fp16_scale_tampered(base / "tampered")
+    pairs.append(f"{FP16_TAMPERED}@0={base / 'tampered'}")
+    return cases, run_check_script("ds_reshard_check.py", pairs, args=["--force-cpu-fp16", "--scale-state"], world=2,
+                                   cwd=base, timeout=1500)
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_fp16_stage_changes(ds_fp16_stage_run):
+    """fp16 stage 0 <-> ZeRO: DeepSpeed's plain load_checkpoint at the new stage restores the fp32 masters, Adam
+    moments and step, module weights, buffers, counters and the whole loss-scaler state exactly, and one more step
+    runs; the control with a tampered loss scale fails on exactly that."""
+    cases, (rc, results, log) = ds_fp16_stage_run
+    results, control = passed_except_controls(results, log)
+    assert len(control) == 1 and not control[0]["ok"], log
+    assert sorted({p.split(": ", 1)[1] for p in control[0]["problems"]}) == [
+        "loss scale 128.0 != 256.0",
+        "loss scaler state {'cur_iter': 2, 'last_overflow_iter': -1, 'scale_window': 1000, 'scale_factor': 2.0, "
+        "'dynamic': True} != {'cur_iter': 3, 'last_overflow_iter': -1, 'scale_window': 1000, 'scale_factor': 2.0, "
+        "'dynamic': True}"], control[0]["problems"]
+    assert rc == 1, log
+    assert [r["fixture"] for r in results] == [f"{n}@{s}" for n, s, _ in cases]
+    if not any(n == FP16_FUSED_CASES[0][0] for n, _, _ in cases):
+        pytest.skip("the FusedAdam cases need DeepSpeed's CPU fused_adam op built (DSCKPT_FUSED_LIVE=1 builds it); "
+                    "the others passed")
