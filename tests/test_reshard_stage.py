@@ -4,7 +4,6 @@ written and read back on every fixture, and resumed by real DeepSpeed on CPU ran
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import all_fixtures, ids, tree_digest
-from ds_launch import DEEPSPEED, REPO, passed_except_controls, run_check_script
+from conftest import all_fixtures, ids, tree_differences, tree_digest
+from ds_launch import DEEPSPEED, REPO, jit_op_built, passed_except_controls, run_check_script
 
 from dsckpt import parsed_tree, safe_load
 from dsckpt.assemble import iter_tensors
@@ -255,32 +254,7 @@ def test_stage0_through_zero_and_back_is_the_same_file(fx, via, tmp_path):
     convert(tmp_path / "zero", tmp_path / "back", fx.meta["dp_world_size"], 0)
     name = "mp_rank_00_model_states.pt"
     want, got = _tree(fx.ckpt / fx.meta["tag"] / name), _tree(tmp_path / "back" / fx.meta["tag"] / name)
-    assert _tree_differences(want, got) == []
-
-
-def _tree_differences(a, b, path="") -> list[str]:
-    """Where two parsed trees differ: keys and their order, scalar values (pickled objects by their fields), tensor
-    dtypes, shapes, values and, for views, storage offset and storage size."""
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or list(a) != list(b):
-            return [f"{path}: keys {list(a)} != {list(b) if isinstance(b, dict) else type(b).__name__}"]
-        return [d for k in a for d in _tree_differences(a[k], b[k], f"{path}[{k!r}]")]
-    if isinstance(a, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return [f"{path}: {type(a).__name__} of {len(a)} != {b!r:.60}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _tree_differences(x, y, f"{path}[{i}]")]
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape) != (b.dtype, b.shape):
-            return [f"{path}: {a.dtype} {tuple(a.shape)} != {b!r:.60}"]
-        if not torch.equal(a.cpu(), b.cpu()):
-            return [f"{path}: values differ"]
-        if (a.storage_offset(), a.untyped_storage().nbytes()) != (b.storage_offset(), b.untyped_storage().nbytes()):
-            return [f"{path}: view at {a.storage_offset()} of {a.untyped_storage().nbytes()} bytes != "
-                    f"{b.storage_offset()} of {b.untyped_storage().nbytes()}"]
-        return []
-    if type(a) is not type(b) or (vars(a) != vars(b) if hasattr(a, "__dict__") else a != b):
-        return [f"{path}: {a!r:.60} != {b!r:.60}"]
-    return []
+    assert tree_differences(want, got) == []
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------
@@ -382,18 +356,13 @@ FP16_STAGE_CASES = [
     ("s3_fp16_w2_cpuforced", 0, None),  # ZeRO-3 -> FP16_UnfusedOptimizer
 ]
 # FusedAdam: the stage-0 FP16_Optimizer, and FusedAdam inside ZeRO. DeepSpeed JIT-builds its CPU fused_adam op on
-# first use (minutes on a 2-core machine), so these run where the op is built, or with DSCKPT_FUSED_LIVE=1.
+# first use (minutes on a 2-core machine), so these run where the op is built, or with DSCKPT_JIT_LIVE=1.
 FP16_FUSED_CASES = [
     ("s0_fp16_w1_adapter_fused_cpuforced", 1, None),  # FP16_Optimizer -> ZeRO-1
     ("s0_fp16_w1_fused", 0, 3),  # FP16_Optimizer (made on a GPU) -> ZeRO-3 -> FP16_Optimizer
     ("s0_bf16_w1_adapter_fused", 0, 2),  # bf16 FP16_Optimizer -> ZeRO-2 -> FP16_Optimizer
 ]
 FP16_TAMPERED = "s2_fp16_w2_cpuforced"  # -> stage 0 with cur_scale 128 and cur_iter 2: the check must see both
-
-
-def _fused_adam_built() -> bool:
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    return os.environ.get("DSCKPT_FUSED_LIVE") == "1" or any(root.glob("*/fused_adam/fused_adam.so"))
 
 
 def _write_fp16_scale_tampered(out: Path) -> None:
@@ -409,7 +378,7 @@ def ds_fp16_stage_run(tmp_path_factory):
     if not DEEPSPEED.exists():
         pytest.skip("deepspeed launcher not installed")
     base = tmp_path_factory.mktemp("ds_fp16_stage")
-    cases = FP16_STAGE_CASES + (FP16_FUSED_CASES if _fused_adam_built() else [])
+    cases = FP16_STAGE_CASES + (FP16_FUSED_CASES if jit_op_built("fused_adam") else [])
     pairs = []
     for name, stage, via in cases:
         src = REPO / "tests" / "fixtures" / name / "ckpt"
@@ -441,5 +410,5 @@ def test_deepspeed_resumes_fp16_stage_changes(ds_fp16_stage_run):
     assert rc == 1, log
     assert [r["fixture"] for r in results] == [f"{n}@{s}" for n, s, _ in cases]
     if not any(n == FP16_FUSED_CASES[0][0] for n, _, _ in cases):
-        pytest.skip("the FusedAdam cases need DeepSpeed's CPU fused_adam op built (DSCKPT_FUSED_LIVE=1 builds it); "
+        pytest.skip("the FusedAdam cases need DeepSpeed's CPU fused_adam op built (DSCKPT_JIT_LIVE=1 builds it); "
                     "the others passed")
