@@ -454,24 +454,42 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
               help="Tensors written at once (DCP writer threads; one file each). Memory: about that many tensors.")
+@click.option("--plain", is_flag=True,
+              help="For a Trainer or Accelerate folder too, write one DCP folder {model, optim} instead of the "
+                   "folder the Trainer / Accelerate resumes from under FSDP2.")
 @distributed_option
 @handle_errors
 def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_run: bool, quiet: bool,
-           workers: int, distributed: bool) -> None:
+           workers: int, plain: bool, distributed: bool) -> None:
     """Write the whole training state of CKPT as a PyTorch distributed checkpoint (DCP) folder OUT.
 
     OUT holds {"model": M, "optim": O} as get_model_state_dict / get_optimizer_state_dict give them (FQN keys;
     fp32 masters; Adam moments and step; DeepSpeed's param groups in order), so an FSDP2 (fully_shard) job on any
     number of ranks, or a plain process, resumes with dcp.load + set_state_dict. Nothing is loaded whole: memory
     stays at a few tensors.
+
+    CKPT a Trainer checkpoint-N/ or an Accelerate save_state folder: OUT is the folder that client resumes from
+    under FSDP2 (pytorch_model_fsdp_0/, optimizer_0/, scheduler and RNG files, trainer_state.json, the model-side
+    files), unless --plain.
     """
     from .checkpoint import open_checkpoint
     from .convert import parse_dtype
     from .dcp_writer import plan_to_dcp, run_to_dcp, run_to_dcp_distributed
+    from .run_folder_dcp import run_folder_client
 
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
     c = open_checkpoint(ckpt, tag=tag, check_master_copies=True)
+    client = None if plain else run_folder_client(c.logical.root)
+    if client is not None:
+        if group is not None:
+            from .errors import UsageError
+
+            raise UsageError(f"--distributed writes one DCP folder; '{c.logical.root}' is a {client.value} folder, "
+                             "whose FSDP2 folder is written by one process (or pass --plain)")
+        _to_dcp_run_folder(c, out, client, parse_dtype(dtype), force=force, dry_run=dry_run, quiet=quiet,
+                           workers=workers)
+        return
     plan = plan_to_dcp(c.logical, out, dtype=parse_dtype(dtype))
     n_state = len(plan.state_tensors)
     what = (f"{len(plan.model_tensors)} model tensors, {n_state} optimizer state tensors ({plan.optimizer_class}, "
@@ -491,6 +509,34 @@ def to_dcp(ckpt: str, out: str, tag: str | None, dtype: str, force: bool, dry_ru
     if plan.defaults_added and not quiet:
         click.echo(f"dsckpt: note: the saved param groups lack {', '.join(plan.defaults_added)}; written with "
                    f"torch.optim.{plan.optimizer_class}'s defaults", err=True)
+
+
+def _to_dcp_run_folder(c: Any, out: str, client: Any, dtype: Any, *, force: bool, dry_run: bool, quiet: bool,
+                       workers: int) -> None:
+    from .run_folder_dcp import RunFolderClient, plan_run_folder_dcp, run_run_folder_dcp, trainer_param_groups
+
+    target = None
+    if client is RunFolderClient.TRAINER:
+        trained = frozenset(f for t in c.logical.optimizer_groups for f in t.param_names)
+        target = trainer_param_groups(c.logical.root, trained)
+    plan = plan_run_folder_dcp(c.logical, c.cache, out, client=client, dtype=dtype, target_groups=target)
+    what = (f"{len(plan.model.tensors)} model tensors, {len(plan.optim.state_tensors)} optimizer state tensors "
+            f"({plan.optim.optimizer_class}, {len(plan.optim.groups)} param group"
+            f"{'s' if len(plan.optim.groups) != 1 else ''}"
+            + (f", the Trainer's, from DeepSpeed's {len(c.logical.optimizer_groups)}" if plan.regrouped else "") + ")")
+    if dry_run:
+        article = "an" if client.value[0] in "AEIOU" else "a"
+        click.echo(f"would write {what}, {_human(plan.total_nbytes)}, as {article} {client.value} FSDP2 folder to "
+                   f"{plan.output}")
+        click.echo("\n".join(plan.describe()))
+        sys.exit(1)
+    with _progress(plan.total_nbytes, "to-dcp", not quiet) as tick:
+        written = run_run_folder_dcp(plan, c.cache, force=force, on_tensor=tick, workers=workers)
+    click.echo(f"wrote {what}, {_human(plan.total_nbytes)}, to {plan.output} ({client.value} FSDP2 folder: "
+               f"{', '.join(p.name for p in written)})")
+    if plan.optim.defaults_added and not quiet:
+        click.echo(f"dsckpt: note: the saved param groups lack {', '.join(plan.optim.defaults_added)}; written with "
+                   f"torch.optim.{plan.optim.optimizer_class}'s defaults", err=True)
 
 
 def _open_for_export(ckpt: str, tag: str | None) -> Any:
@@ -909,7 +955,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
     if plan.stages is not None:
-        stages = (f" (PP {plan.source_pp_size} x DP {plan.source_world_size} -> PP {plan.pp_size} x DP "
+        tp = (f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if plan.source_tp_size > 1 else ("", "")
+        stages = (f" (PP {plan.source_pp_size} x {tp[0]}DP {plan.source_world_size} -> PP {plan.pp_size} x {tp[1]}DP "
                   f"{plan.world_size})") + stages
     elif plan.tp_size > 1 or plan.source_tp_size > 1:
         stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
@@ -923,8 +970,16 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                f"wrote {len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
     if plan.changes_layout:
         click.echo("resume with: " + describe_target_config(plan))
+    from .ds_writers import STAGE0_BF16_PIPELINE_NOTE
+
+    if STAGE0_BF16_PIPELINE_NOTE in plan.notes:
+        click.echo('resume with: "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"} '
+                   "(BF16_Optimizer, as the stage-0 run used; DeepSpeed 0.19.8 cannot resume a stage-0 bf16 pipeline "
+                   "save)")
     if plan.stages is not None and plan.stages.target is not None:
-        click.echo(f"resume with: PipelineModule(..., num_stages={plan.pp_size}, partition_method="
+        layout = (f"topology=PipeModelDataParallelTopology(num_pp={plan.pp_size}, num_mp={plan.tp_size}, "
+                  f"num_dp={plan.world_size})" if plan.tp_size > 1 else f"num_stages={plan.pp_size}")
+        click.echo(f"resume with: PipelineModule(..., {layout}, partition_method="
                    f"'{plan.stages.target.method}') on {plan.total_world_size} ranks")
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "

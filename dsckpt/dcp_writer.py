@@ -34,7 +34,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,8 @@ __all__ = [
     "plan_to_dcp",
     "run_to_dcp",
     "run_to_dcp_distributed",
+    "save_dcp_into",
+    "split_dcp_plan",
 ]
 
 logger = logging.getLogger("dsckpt")
@@ -112,6 +114,10 @@ class DcpPlan:
     optimizer_class: str  # the torch.optim class O is for, e.g. "AdamW"
     dtype: str  # of the trained params' masters in M
     defaults_added: tuple[str, ...] = ()  # group keys the save lacks, filled with torch's defaults
+    # the top-level keys of M and O; None: that part is not in this folder (a Trainer / Accelerate FSDP2 save keeps
+    # {"model": M} and {"optimizer": O} in two folders, see dsckpt.run_folder_dcp)
+    model_key: str | None = MODEL_KEY
+    optim_key: str | None = OPTIM_KEY
 
     @property
     def total_nbytes(self) -> int:
@@ -124,23 +130,28 @@ class DcpPlan:
 
     @property
     def model_tensors(self) -> tuple[DcpTensor, ...]:
-        return tuple(t for t in self.tensors if t.path[0] == MODEL_KEY)
+        return tuple(t for t in self.tensors if t.path[0] == self.model_key)
 
     @property
     def state_tensors(self) -> tuple[DcpTensor, ...]:
-        return tuple(t for t in self.tensors if t.path[0] == OPTIM_KEY)
+        return tuple(t for t in self.tensors if t.path[0] == self.optim_key)
 
     def state_dict(self) -> dict[str, Any]:
         """The nested state dict DCP plans from: shape-only (``meta``) tensors, the groups as plain values."""
         import torch
 
-        root: dict[str, Any] = {MODEL_KEY: {}, OPTIM_KEY: {"state": {}, "param_groups": []}}
+        root: dict[str, Any] = {}
+        if self.model_key is not None:
+            root[self.model_key] = {}
+        if self.optim_key is not None:
+            root[self.optim_key] = {"state": {}, "param_groups": []}
         for t in self.tensors:
             node = root
             for k in t.path[:-1]:
                 node = node.setdefault(k, {})
             node[t.path[-1]] = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
-        root[OPTIM_KEY]["param_groups"] = [g.as_dict() for g in self.groups]
+        if self.optim_key is not None:
+            root[self.optim_key]["param_groups"] = [g.as_dict() for g in self.groups]
         return root
 
 
@@ -292,6 +303,23 @@ def describe_dcp_plan(plan: DcpPlan) -> dict[str, Any]:
             "defaults_added": list(plan.defaults_added)}
 
 
+def split_dcp_plan(plan: DcpPlan, model_output: Path, optim_output: Path, *, model_key: str, optim_key: str,
+                   groups: tuple[DcpGroup, ...] | None = None) -> tuple[DcpPlan, DcpPlan]:
+    """``plan`` as two DCP folders, ``{model_key: M}`` at ``model_output`` and ``{optim_key: O}`` at
+    ``optim_output`` (what Accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write); ``groups`` replaces
+    O's param groups (same params, regrouped). Pure."""
+    assert plan.model_key is not None and plan.optim_key is not None, "split a plan of both parts"
+
+    def reroot(t: DcpTensor, key: str) -> DcpTensor:
+        return replace(t, path=(key, *t.path[1:]))
+
+    model = replace(plan, output=Path(model_output), tensors=tuple(reroot(t, model_key) for t in plan.model_tensors),
+                    groups=(), model_key=model_key, optim_key=None)
+    optim = replace(plan, output=Path(optim_output), tensors=tuple(reroot(t, optim_key) for t in plan.state_tensors),
+                    groups=plan.groups if groups is None else groups, model_key=None, optim_key=optim_key)
+    return model, optim
+
+
 # --------------------------------------------------------------------------------------------
 # do
 
@@ -368,17 +396,23 @@ def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
                on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS) -> DcpResult:
     """Write ``plan`` to its OUT folder atomically, one file per tensor, ``workers`` tensors at a time (the memory
     bound); every input record's CRC-32 is checked before the folder is moved into place."""
-    import torch.distributed.checkpoint as dcp
-
-    produce = _producer(plan, cache, on_tensor)
     with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), atomic_dir(plan.output) as tmp:
-        writer, planner = _writer_and_planner(tmp, plan, produce, workers)
-        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
+        save_dcp_into(tmp, plan, cache, on_tensor=on_tensor, workers=workers)
         cache.finish_checks()
         names = sorted(p.name for p in tmp.iterdir())
     return DcpResult(plan, tuple(plan.output / n for n in names))
+
+
+def save_dcp_into(folder: Path, plan: DcpPlan, cache: FileCache, *,
+                  on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS) -> None:
+    """Write ``plan``'s DCP files into ``folder``, an empty folder inside the caller's atomic output (``.metadata``
+    names ``plan.output``), in this process alone. The caller completes ``cache``'s CRC checks."""
+    import torch.distributed.checkpoint as dcp
+
+    writer, planner = _writer_and_planner(folder, plan, _producer(plan, cache, on_tensor), workers)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
 
 
 def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force: bool = False,

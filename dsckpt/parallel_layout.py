@@ -47,6 +47,7 @@ TP-strided expert groups, or AutoEP folding tables; ``use_data_before_expert_par
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
@@ -597,10 +598,26 @@ class PipelineRecord:
     #: per stage, its optimizer's param groups (:class:`dsckpt.model.OptimizerGroup`), () without optimizer files;
     #: merged into the checkpoint's ``optimizer_groups`` by :func:`dsckpt.readers.common.merge_stage_groups`
     stage_optimizer_groups: tuple[tuple[OptimizerGroup, ...], ...] = ()
+    #: with tensor parallelism (Megatron-DeepSpeed's ``PipeModelDataParallelTopology``): the TP size, and every
+    #: model-parallel rank's ``mp_rank_{m:02d}_model_states.pt`` in rank order, ``m = stage * tp_size + t``; the fields
+    #: above are then TP rank 0's (its ``layer_XX-model_00-...`` files among ``layer_files``, which lists every TP
+    #: rank's) and :meth:`tp_rank` gives another TP rank's
+    tp_size: int = 1
+    mp_model_files: tuple[Path, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_group_orders)
+
+    def tp_rank(self, t: int) -> PipelineRecord:
+        """TP rank ``t``'s record: its stages' model-states files and its layer files (``-model_{t:02d}-``); the
+        stages hold the same params on every TP rank (local slices of them)."""
+        if self.tp_size == 1:
+            return self
+        mark = f"-model_{t:02d}-"
+        return dataclasses.replace(
+            self, stage_model_files=tuple(self.mp_model_files[s * self.tp_size + t] for s in range(self.num_stages)),
+            layer_files=tuple(p for p in self.layer_files if mark in p.name), tp_size=1, mp_model_files=())
 
     def stage_params(self, stage: int) -> tuple[str, ...]:
         return tuple(n for g in self.stage_group_orders[stage] for n in g)

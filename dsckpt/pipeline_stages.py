@@ -244,8 +244,9 @@ def stage_view(ckpt: LogicalCheckpoint, stages: StagePlan, stage: int) -> Logica
     for n in names:
         e = by_name[n]
         entries.append(dataclasses.replace(e, pieces=tuple(p for p in e.pieces if p.replica == 0)))
-    t = stages.templates[stage]
-    mark = f"mp_rank_{t:02d}_"
-    files = tuple(p for p in ckpt.files if mark in p.name or p.name == record.stage_model_files[t].name)
+    # the template stage's model-states file and its optimizer files: "mp_rank_XX_" (XX the model-parallel rank,
+    # stage * TP size + TP rank with tensor parallelism: see PipelineRecord.tp_rank)
+    mark = record.stage_model_files[stages.templates[stage]].name.removesuffix("model_states.pt")
+    files = tuple(p for p in ckpt.files if mark in p.name)
     assert all(e.piece(Role.MASTER) is not None for e in entries), "pipeline stage params without a master copy"
     return dataclasses.replace(ckpt, entries=tuple(entries), files=files, pp_world_size=1, pipeline=None)

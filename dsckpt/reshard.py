@@ -137,6 +137,11 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if ckpt.pipeline is not None:
         from .pipeline_stages import plan_stages
 
+        if zero_stage not in (None, 1):
+            raise UnsupportedCheckpointError(
+                f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage {zero_stage}: DeepSpeed's "
+                "PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"incompatible with pipeline parallelism\"), and dsckpt "
+                "writes pipeline runs at ZeRO stage 1 (DeepSpeedZeroOptimizer or BF16_Optimizer files) only")
         stages = plan_stages(ckpt, pp_size, method=partition_method, num_layers=num_layers, layer_types=layer_types)
     elif pp_size not in (None, 1) or partition_method is not None or num_layers is not None or layer_types:
         raise UsageError(f"--pp-size, --partition-method, --num-layers and --layer-types are for pipeline "
@@ -185,11 +190,14 @@ def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | No
 
 def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
     """Human-readable lines: per target rank and group, sizes, padding and source ranges."""
+    sizes = [(k, a, b) for k, a, b in (("PP", plan.source_pp_size, plan.pp_size), ("TP", plan.source_tp_size,
+                                                                                     plan.tp_size)) if a > 1 or b > 1]
+    sizes.append(("DP", plan.source_world_size, plan.world_size))
     lines = [
         f"reshard {plan.source_tag_dir} (ZeRO stage {plan.from_stage}, {plan.precision.value}, "
         f"{plan.from_wrapper}) from {plan.source_total_world_size} to {plan.total_world_size} ranks"
-        + (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP {plan.world_size})"
-           if plan.tp_size > 1 or plan.source_tp_size > 1 else "")
+        + (f" ({' x '.join(f'{k} {v}' for k, v, _ in sizes)} -> {' x '.join(f'{k} {v}' for k, _, v in sizes)})"
+           if len(sizes) > 1 else "")
         + (f", to ZeRO stage {plan.zero_stage} ({plan.optimizer_wrapper})" if plan.changes_layout else "")
         + f", tag '{plan.tag}'",
     ]

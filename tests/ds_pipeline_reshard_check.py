@@ -2,7 +2,8 @@
 fixture's truth (issue 32).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --master_port P tests/ds_pipeline_reshard_check.py \
-        --result out.json FIXTURE@ppN[@universal]=DIR [...]
+        --result out.json FIXTURE@ppN[@universal|@z1]=DIR [...]
+        tp_pipeline/MEGATRON_FIXTURE@ppN=DIR   # a tensor x pipeline fixture (check_megatron)
 
 For each pair: the fixture's ``PipelineModule`` (fixture_models.pipeline_layers, partition_method uniform) built with
 N stages on this launch's ranks (data-parallel size world / N) from a different seed, ``deepspeed.initialize`` with the
@@ -11,7 +12,8 @@ true}``, DeepSpeed's own route from a ``ds_to_universal`` folder), then, on ever
 fp32 master and Adam moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``) equal to the recorded
 truth bit for bit, frozen params and buffers equal to the saved ones (not for ``@universal``, whose loader restores
 the optimizer's params only), every optimizer step and ``global_steps`` as saved; then one more ``train_batch``
-runs with a finite loss. Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
+runs with a finite loss. ``@z1``: a stage-0 bf16 fixture's output, loaded at ZeRO-1 with fp32 gradient
+accumulation (BF16_Optimizer, as reshard writes it). Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
 """
 import argparse
 import json
@@ -47,6 +49,8 @@ deepspeed.init_distributed("gloo")
 def check_one(label: str, ckpt_dir: str) -> list[str]:
     name, *opts = label.split("@")
     pp = int(next(o[2:] for o in opts if o.startswith("pp")))
+    if name.startswith("tp_pipeline/"):
+        return check_megatron(name, pp, ckpt_dir)
     universal = "universal" in opts
     spec = fm.FIXTURES[name]
     with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
@@ -54,6 +58,9 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     truth = load_file(os.path.join(HERE, "fixtures", name, "truth.safetensors"))
     cfg = fm.ds_config(spec)
     cfg.pop("train_batch_size", None)
+    if "z1" in opts:  # a stage-0 bf16 pipeline run resharded as ZeRO-1 BF16_Optimizer files (same optimizer)
+        cfg["zero_optimization"] = {"stage": 1}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     model = PipelineModule(layers=fm.pipeline_layers(), num_stages=pp, loss_fn=lambda x, t: F.cross_entropy(x, t),
@@ -72,10 +79,16 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     checked = 0
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
     for n, q in engine.module.named_parameters():
         if q.requires_grad:
-            got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
-                   "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
+            if engine.optimizer is base:  # fp32 without ZeRO: the module weights are the master
+                got = {"param": q.data, **{k: base.state[q].get(k) for k in ("exp_avg", "exp_avg_sq")}}
+            else:
+                got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+                       "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
             for key, t in got.items():
                 want = truth[f"{key}/{n}"]
                 if t is None or t.shape != want.shape or not torch.equal(t.float(), want):
@@ -90,9 +103,6 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
             want = truth.get(f"buffer/{n}")
             if want is not None and not torch.equal(b.to(want.dtype), want):
                 problems.append(f"stage {stage}: buffer {n} differs from the saved value")
-    base = engine.optimizer
-    while hasattr(base, "optimizer"):
-        base = base.optimizer
     steps = {float(s["step"]) for s in base.state.values() if "step" in s}
     if steps != {float(meta["optimizer_step"][0])}:
         problems.append(f"stage {stage}: optimizer steps {sorted(steps)}, saved {meta['optimizer_step'][0]}")
@@ -102,6 +112,74 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
         problems.append(f"stage {stage}: nothing checked")
     ids, tgt = fm.make_batch(fm.STEPS, engine.grid.get_data_parallel_rank())
     loss = engine.train_batch(data_iter=iter([(ids, tgt)]))
+    if not math.isfinite(float(loss)):
+        problems.append(f"one more train_batch gave loss {float(loss)}")
+    dist.barrier()
+    return problems
+
+
+def check_megatron(name: str, pp: int, ckpt_dir: str) -> list[str]:
+    """A Megatron-DeepSpeed-style TP x pipeline fixture (tests/fixtures/generate_tp_pipeline.py), rebuilt as it was
+    made -- ``PipeModelDataParallelTopology(num_pp=pp, num_mp=2, num_dp=world / (2 pp))``, the topology's ``model``
+    axis as TP groups, ``partition_method="type:BlockPipe"`` -- loaded with plain ``load_checkpoint``; on every rank
+    each param's fp32 master, Adam moments and 16-bit module slice equal the source's slice of the same TP rank
+    (``tp{t}/...`` in truth.safetensors) bit for bit, the optimizer step and global steps as saved; then one more
+    ``train_batch`` (two micro-batches) gives a finite loss."""
+    import autotp_models as am
+    import tp_megatron_models as mm
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    fdir = os.path.join(HERE, "fixtures", name)
+    with open(os.path.join(fdir, "truth.json")) as fh:
+        meta = json.load(fh)
+    truth = load_file(os.path.join(fdir, "truth.safetensors"))
+    tp = meta["tp_size"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
+    tp_group = None
+    for ranks in topo.get_axis_comm_lists("model"):  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = g
+    coord = topo.get_coord(rank)
+    mm.set_pipe_tp(tp_group, coord.model, tp)
+    model = PipelineModule(layers=mm.pipe_layer_specs(), topology=topo, loss_fn=mm.pipe_loss,
+                           partition_method="type:BlockPipe")
+    engine, _, _, _ = deepspeed.initialize(model=model, config=dict(meta["config"]),
+                                           model_parameters=[q for q in model.parameters() if q.requires_grad])
+    load_path, _ = engine.load_checkpoint(ckpt_dir)
+    if load_path is None:
+        return [f"load_checkpoint({ckpt_dir}) found nothing to load"]
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    stage, t = engine.grid.get_stage_id(), engine.grid.get_slice_parallel_rank()
+    problems = []
+    checked = 0
+    for n, q in engine.module.named_parameters():
+        got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+               "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
+        for key, x in got.items():
+            want = truth[f"tp{t}/{key}/{n}"]
+            if x is None or x.shape != want.shape or x.dtype != (want.dtype if key == "lowp" else x.dtype) or \
+                    not torch.equal(x.to(want.dtype), want):
+                problems.append(f"stage {stage} TP rank {t}: {key} of {n} differs from the truth")
+            checked += 1
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    steps = {float(st["step"]) for st in base.state.values() if "step" in st}
+    if steps != {float(meta["steps"])}:
+        problems.append(f"stage {stage} TP rank {t}: optimizer steps {sorted(steps)}, saved {meta['steps']}")
+    if engine.global_steps != meta["global_steps"]:
+        problems.append(f"global_steps {engine.global_steps}, saved {meta['global_steps']}")
+    if checked == 0:
+        problems.append(f"stage {stage} TP rank {t}: nothing checked")
+    dp_rank = engine.grid.get_data_parallel_rank()
+    micro = engine.gradient_accumulation_steps()
+    batches = [am.make_batch(am.STEPS * micro + m, dp_rank, mm.VOCAB) for m in range(micro)]
+    loss = engine.train_batch(data_iter=iter([(ids, ids.clone()) for ids in batches]))
     if not math.isfinite(float(loss)):
         problems.append(f"one more train_batch gave loss {float(loss)}")
     dist.barrier()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import all_fixtures, ids, tree_digest
-from ds_launch import DEEPSPEED, REPO, passed_except_controls, run_check_script
+from ds_launch import DEEPSPEED, REPO, free_port, passed_except_controls, run_check_script
 
 from dsckpt import nvme_swap
 from dsckpt.assemble import iter_tensors, read_piece
@@ -165,7 +165,7 @@ def _generate_nvme(base: Path) -> Path:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DSCKPT_NVME_PATH": str(base / "nvme_gen"),
            "PYTHONPATH": str(REPO)}
     out = base / "fixtures"
-    log = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", "29651",
+    log = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
                           str(REPO / "tests" / "fixtures" / "generate.py"), "--name", NVME_FIXTURE, "--out", str(out)],
                          cwd=base, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert log.returncode == 0, log.stdout[-4000:] + log.stderr[-4000:]

@@ -151,6 +151,9 @@ CASES = [  # (fixture, --world-size, options, stages, data-parallel size)
     ("pp2_dp2_fp32", 8, {"pp_size": 4, **UNIFORM}, 4, 2),
     ("pp2_dp2_bf16", 4, {"pp_size": 4, **UNIFORM}, 4, 1),
     ("pp2_bf16", 4, {}, 2, 2),
+    # stage-0 bf16 (BF16_Optimizer, param_shapes None) -> ZeRO-1 BF16_Optimizer files
+    ("pp2_dp2_bf16_z0", 2, {}, 2, 1),
+    ("pp2_dp2_bf16_z0", 4, {"pp_size": 4, **UNIFORM}, 4, 1),
 ]
 
 
@@ -167,7 +170,10 @@ def test_resharded_pipeline_matches_truth(name, world, kw, pp, dp, tmp_path):
     assert tree_digest(fx.ckpt) == before
 
 
-@pytest.mark.parametrize("fx", PIPELINE, ids=ids(PIPELINE))
+ZERO1 = [f for f in PIPELINE if f.meta["stage"] == 1]
+
+
+@pytest.mark.parametrize("fx", ZERO1, ids=ids(ZERO1))
 def test_round_trips_give_deepspeeds_files_back(fx, tmp_path):
     """Same size: every file is DeepSpeed's own. Another stage count (4, then 1) and data-parallel size, then back:
     every file again DeepSpeed's own, value for value (the per-stage files are rebuilt from the other layout)."""
@@ -186,6 +192,94 @@ def test_round_trips_give_deepspeeds_files_back(fx, tmp_path):
         assert written == sorted(p.name for p in (fx.ckpt / tag).glob("*.pt"))
         for f in written:
             _same(_materialized(fx.ckpt / tag / f), _materialized(tmp_path / out / tag / f), f"{out}/{f}")
+
+
+def test_stage0_bf16_pipeline_is_read_by_its_slice_mappings_and_written_as_zero1(tmp_path):
+    """A bf16 pipeline run without ZeRO (BF16_Optimizer) saves param_shapes None: its optimizer files' per-rank
+    param_slice_mappings name the flat order (tied module included), the layer files give the shapes; every stored
+    copy equals DeepSpeed's own values. reshard writes the same optimizer as ZeRO-1 BF16_Optimizer files (DeepSpeed
+    0.19.8 cannot resume the stage-0 form): no optimizer state left in the model states, ds_config stage 1, and a
+    second reshard at the same sizes gives those files back unchanged."""
+    from dsckpt.assemble import read_piece
+    from dsckpt.model import Kind
+
+    fx = _fixture("pp2_dp2_bf16_z0")
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache)
+    assert (ckpt.zero_stage, ckpt.optimizer_wrapper, ckpt.optimizer_step) == (0, "BF16_Optimizer", 3)
+    assert ckpt.pipeline.stage_group_orders == ((("tied_modules.embed.weight", "1.weight", "1.bias", "2.weight",
+                                                  "2.bias"),), (("tied_modules.embed.weight", "5.weight", "5.bias"),))
+    truth = fx.truth()
+    checked = 0
+    for e in ckpt.entries:
+        low = "buffer" if e.kind is Kind.BUFFER else "lowp"
+        for key, piece in (("param", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+                           ("exp_avg_sq", e.state_piece("exp_avg_sq")), (low, e.piece(Role.MODULE))):
+            if piece is not None:
+                got = read_piece(piece, e.shape, cache, name=e.name)
+                assert torch.equal(got, truth[f"{key}/{e.name}"].to(got.dtype)), (key, e.name)
+                checked += 1
+    assert checked == 4 * len(fx.meta["trainable"]) + 2 + 3  # frozen 4.weight/4.bias, 3 buffers
+    r = CliRunner().invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "a"), "-n", "2"])
+    assert r.exit_code == 0, r.output
+    assert '"zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}' in r.stdout
+    ms = _materialized(tmp_path / "a" / "global_step3" / "mp_rank_01_model_states.pt")
+    assert ms["optimizer"] is None and ms["ds_config"]["zero_optimization"]["stage"] == 1
+    assert list(ms["param_shapes"][0]) == ["tied_modules.embed.weight", "5.weight", "5.bias"]
+    back = read_checkpoint(tmp_path / "a")
+    assert (back.zero_stage, back.optimizer_wrapper, back.dp_world_size) == (1, "BF16_Optimizer", 1)
+    _reshard(tmp_path / "a", tmp_path / "b", 2)
+    for f in sorted(p.name for p in (tmp_path / "a" / "global_step3").glob("*.pt")):
+        _same(_materialized(tmp_path / "a" / "global_step3" / f), _materialized(tmp_path / "b" / "global_step3" / f), f)
+    with pytest.raises(UnsupportedCheckpointError, match="refuses ZeRO-2 and ZeRO-3"):
+        plan_reshard(ckpt, 2, zero_stage=2)
+    with pytest.raises(UnsupportedCheckpointError, match="at ZeRO stage 1 .* only"):
+        plan_reshard(read_checkpoint(_fixture("pp2_fp32").ckpt), 2, zero_stage=0)
+
+
+def test_stage0_bf16_slice_mappings_that_do_not_tile_are_refused(tmp_path):
+    """The flat order of a stage-0 bf16 pipeline is taken from param_slice_mappings only where they tile each flat
+    group from element 0; a gap (here: rank 1's first fragment moved by one element) is refused, naming the param."""
+    import shutil
+
+    src = _fixture("pp2_dp2_bf16_z0").ckpt
+    shutil.copytree(src, tmp_path / "c")
+    f = tmp_path / "c" / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    sd = torch.load(f, weights_only=False)
+    first = next(iter(sd["optimizer_state_dict"]["param_slice_mappings"][0].values()))
+    first.start += 1
+    torch.save(sd, f)
+    r = CliRunner().invoke(main, ["info", str(tmp_path / "c")])
+    assert r.exit_code == 3, r.output
+    assert "param_slice_mappings of group 0 put 'tied_modules.embed.weight' at flat element 53" in r.stderr
+
+
+def test_pipeline_record_tp_rank_is_pure_file_arithmetic():
+    """PipelineRecord.tp_rank(t): stage s's model states are model-parallel rank s * tp + t, the layer files those
+    of TP rank t; a record without TP is its own TP rank 0."""
+    from dsckpt.parallel_layout import PipelineRecord
+
+    tag = Path("/x/global_step1")
+    mp = tuple(tag / f"mp_rank_{m:02d}_model_states.pt" for m in range(6))
+    layers = tuple(tag / f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(3) for t in range(3))
+    rec = PipelineRecord((), ((("a",),), (("b",),)), mp[0::3], layers, tp_size=3, mp_model_files=mp)
+    one = rec.tp_rank(2)
+    assert [p.name for p in one.stage_model_files] == ["mp_rank_02_model_states.pt", "mp_rank_05_model_states.pt"]
+    assert [p.name for p in one.layer_files] == [f"layer_{i:02d}-model_02-model_states.pt" for i in range(3)]
+    assert one.tp_size == 1 and one.stage_group_orders == rec.stage_group_orders
+    plain = PipelineRecord((), ((("a",),),), mp[:1], layers[:1])
+    assert plain.tp_rank(0) is plain
+
+
+def test_fp32_pipeline_without_zero_is_refused_naming_why():
+    """fp32 at stage 0: each stage's torch optimizer state_dict (params by index) sits in its model states and the
+    layer files save the tied module under its layer index without its key; nothing binds either, so the reader
+    refuses instead of guessing (the fixture's truth names tied_modules.embed.weight, which no file states)."""
+    fx = Path(__file__).parent / "fixtures" / "pp2_fp32_z0"
+    r = CliRunner().invoke(main, ["info", str(fx / "ckpt")])
+    assert r.exit_code == 3, r.output
+    assert "pipeline run without ZeRO" in r.stderr and "names its params by index only" in r.stderr
+    assert "tied_modules.<key> names are stated nowhere" in r.stderr
 
 
 def test_cli_pipeline_reshard(tmp_path):
@@ -236,14 +330,15 @@ def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- live: real loads
 
-def _tamper(out: Path) -> str:
-    """One fp32 master element of stage 1's first rank changed; returns the param it belongs to."""
-    (f,) = (out / "global_step3").glob("zero_pp_rank_0_mp_rank_01_optim_states.pt")
+def _tamper(out: Path, name: str = "zero_pp_rank_0_mp_rank_01_optim_states.pt") -> str:
+    """One fp32 master element of file ``name`` (stage 1's first rank; a TP run's model-parallel rank 1) changed;
+    returns the param it belongs to (the first of the flat group that rank's partition starts in)."""
+    (f,) = (out / "global_step3").glob(name)
     sd = torch.load(f, weights_only=False)
     sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1.0
     torch.save(sd, f)
-    return next(iter(torch.load(out / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
-                     ["param_shapes"][0]))
+    mappings = sd["optimizer_state_dict"]["param_slice_mappings"][0]
+    return next(n for n, a in mappings.items() if a.start == 0)
 
 
 @pytest.mark.live
@@ -251,8 +346,11 @@ def _tamper(out: Path) -> str:
 def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     """One 4-rank launch: DeepSpeed's PipelineEngine loads with plain load_checkpoint() what reshard wrote for
     2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
-    BF16_Optimizer): masters, moments, steps, global steps bit for bit, and one more train_batch runs. A tampered
-    control fails. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
+    BF16_Optimizer), a stage-0 bf16 run (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files at 2 x 2 and 1 x 4,
+    DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed; dsckpt refuses to read it),
+    and the Megatron-style tensor x pipeline fixtures at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (their TP-local
+    slices): masters, moments, steps, global steps bit for bit, and one more train_batch runs. Two tampered controls
+    fail. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
     import subprocess
     import sys
 
@@ -269,9 +367,26 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
             out = tmp_path / f"{name}_pp{pp}"
             _reshard(_fixture(name).ckpt, out, 4, **kw)
             pairs.append(f"{name}@pp{pp}={out}")
+    for pp, kw in ((2, {}), (1, {"pp_size": 1, **UNIFORM})):
+        if "pp2_dp2_bf16_z0" in known:  # loaded at ZeRO-1 with fp32 gradient accumulation (@z1)
+            out = tmp_path / f"bf16_z0_pp{pp}"
+            _reshard(_fixture("pp2_dp2_bf16_z0").ckpt, out, 4, **kw)
+            pairs.append(f"pp2_dp2_bf16_z0@pp{pp}@z1={out}")
+    # DeepSpeed's own fp32 stage-0 pipeline save (which dsckpt refuses to read) loads unchanged at DP 1 -> 2
+    pairs.append(f"pp2_fp32_z0@pp2={Path(__file__).parent / 'fixtures' / 'pp2_fp32_z0' / 'ckpt'}")
+    megatron = Path(__file__).parent / "fixtures" / "tp_pipeline"
+    typed = {"pp_size": 1, "partition_method": "type:BlockPipe",
+             "layer_types": ["EmbeddingPipe[embed]", "BlockPipe", "BlockPipe", "FinalLayerNorm", "EmbeddingPipe[embed]"]}
+    for name in ("megatron_pp2_tp2_z1_fp32", "megatron_pp2_tp2_z1_bf16_bf16opt"):
+        out = tmp_path / f"{name}_pp1"
+        _reshard(megatron / name / "ckpt", out, 4, **typed)
+        pairs.append(f"tp_pipeline/{name}@pp1={out}")
     _reshard(_fixture("pp2_dp2_fp32").ckpt, tmp_path / "tampered", 4, pp_size=4, **UNIFORM)
     tampered = _tamper(tmp_path / "tampered")
     pairs.append(f"pp2_dp2_fp32@pp4={tmp_path / 'tampered'}")
+    _reshard(megatron / "megatron_pp2_tp2_z1_fp32" / "ckpt", tmp_path / "tp_tampered", 4, **typed)
+    tp_tampered = _tamper(tmp_path / "tp_tampered", "zero_pp_rank_1_mp_rank_01_optim_states.pt")
+    pairs.append(f"tp_pipeline/megatron_pp2_tp2_z1_fp32@pp1={tmp_path / 'tp_tampered'}")
     src = _fixture("pp2_dp2_fp32").ckpt
     r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                         str(src / "global_step3"), "--output_folder", str(tmp_path / "ds_univ" / "global_step3"),
@@ -283,5 +398,6 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     pairs.append(f"pp2_dp2_fp32@pp4@universal={tmp_path / 'ds_univ'}")
     rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
     results, controls = passed_except_controls(results, log)
-    assert len(results) == len(pairs) - 1 and rc == 1, log
-    assert len(controls) == 1 and f"param of {tampered} differs" in str(controls[0]["problems"]), controls
+    assert len(results) == len(pairs) - 2 and rc == 1, log
+    assert len(controls) == 2 and f"param of {tampered} differs" in str(controls[0]["problems"]), controls
+    assert f"TP rank 1: param of {tp_tampered} differs" in str(controls[1]["problems"]), controls

@@ -19,6 +19,7 @@ import dcp_check
 import pytest
 from click.testing import CliRunner
 from conftest import FIXTURES, tree_digest
+from ds_launch import free_port
 
 from dsckpt.checkpoint import open_checkpoint
 from dsckpt.cli import main
@@ -216,8 +217,7 @@ def test_fsdp2_resumes_on_two_cpu_ranks(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
                                                         os.environ.get("PYTHONPATH", "")]))
     torchrun = Path(sys.executable).with_name("torchrun")
-    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", os.environ.get("DSCKPT_TEST_PORT",
-                                                                                                 "29751"),
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
                         str(Path(__file__).parent / "dcp_fsdp_check.py"), str(tmp_path), *LIVE],
                        env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -250,8 +250,7 @@ def test_distributed_writes_what_one_process_writes(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
                                                         os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
-                        os.environ.get("DSCKPT_TEST_PORT_2", "29752"), "--no-python",
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python",
                         str(Path(sys.executable).with_name("dsckpt")), "to-dcp", "-q",
                         str(FIXTURES / name / "ckpt"), str(two), "--distributed"],
                        env=env, capture_output=True, text=True, timeout=600, check=False)

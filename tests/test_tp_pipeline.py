@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from scan_helpers import Copy, assert_scan_and_verify_clean, copy_tp_fixture, is_copy, read_copy
+from test_reshard import _materialized, _same
 
 from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
@@ -314,20 +315,106 @@ def test_missing_file_of_one_model_parallel_rank_is_named(tmp_path, gone, named)
     assert r.exit_code == 3 and named in r.stderr and "interrupted" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("args", [["--world-size", "1"], ["--universal"]], ids=["world-size", "universal"])
-def test_reshard_refuses_pipeline_times_tensor_parallel(tmp_path, args):
+# ---------------------------------------------------------------------------------------------- reshard (issue 32)
+
+# the Megatron fixture's PipelineModule: embedding (tied), 2 blocks, final LayerNorm, the tied output head (a
+# forward_fn, no file); partition_method type:BlockPipe
+LAYER_TYPES = "EmbeddingPipe[embed],BlockPipe,BlockPipe,FinalLayerNorm,EmbeddingPipe[embed]"
+TYPED = ["--partition-method", "type:BlockPipe", "--layer-types", LAYER_TYPES]
+
+
+def _reshard_cli(src: Path, out: Path, *args: str) -> str:
+    r = CliRunner().invoke(main, ["reshard", str(src), str(out), "--verify", "full", *args])
+    assert r.exit_code == 0, r.output
+    return r.stdout
+
+
+def _tp_local_truth(out: Path, fx: Path, pp: int, dp: int) -> int:
+    """Every TP rank's files of ``out`` (read as a plain pipeline checkpoint of local slices) hold the source engine's
+    TP-local fp32 masters, Adam moments and 16-bit slices (truth ``tp{t}/...``) bit for bit, at ``pp`` stages x
+    ``dp`` ranks."""
+    from dsckpt.assemble import read_piece
+
+    cache_ = FileCache()
+    files = classify_files(*find_tag_dir(out, None))
+    tr = truth(fx)
+    checked = 0
+    for t in range(2):
+        ckpt = read_stages(tp_rank_files(files, t, 2), cache_)
+        assert (ckpt.pp_world_size, ckpt.dp_world_size, ckpt.optimizer_step) == (pp, dp, 3)
+        for e in ckpt.entries:
+            for key, piece in (("param", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+                               ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))):
+                want = tr[f"tp{t}/{key}/{e.name}"]
+                got = read_piece(piece, e.shape, cache_, name=e.name)
+                assert got.dtype == (want.dtype if key == "lowp" else torch.float32), (t, key, e.name)
+                assert torch.equal(got, want), (t, key, e.name)
+                checked += 1
+    cache_.finish_checks()
+    return checked
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_reshard_changes_data_parallel_and_stages_with_tp_kept(fx, tmp_path):
+    """PP 2 x TP 2 x DP 1 -> DP 2 (8 ranks) and -> 1 stage x DP 2: every TP rank's slices, masters and moments equal
+    the source engine's (truth), the layer files (one per layer and TP rank) are copied unchanged; and back to the
+    source's sizes, every file is DeepSpeed's own, value for value."""
+    tag = "global_step3"
+    out = _reshard_cli(fx / "ckpt", tmp_path / "dp2", "-n", "8")
+    assert "from 4 to 8 ranks (PP 2 x TP 2 x DP 1 -> PP 2 x TP 2 x DP 2)" in out
+    assert _tp_local_truth(tmp_path / "dp2", fx, 2, 2) == 2 * 4 * 13
+    out = _reshard_cli(fx / "ckpt", tmp_path / "pp1", "-n", "4", "--pp-size", "1", *TYPED)
+    assert "(PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2)" in out
+    assert "PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2), partition_method='type:BlockPipe'" in out
+    assert _tp_local_truth(tmp_path / "pp1", fx, 1, 2) == 2 * 4 * 13
+    layer_files = sorted(p.name for p in (fx / "ckpt" / tag).glob("layer_*"))
+    assert len(layer_files) == 8
+    for out_dir in ("dp2", "pp1"):
+        assert sorted(p.name for p in (tmp_path / out_dir / tag).glob("layer_*")) == layer_files
+        for f in layer_files:
+            _same(_materialized(fx / "ckpt" / tag / f), _materialized(tmp_path / out_dir / tag / f), f)
+    _reshard_cli(tmp_path / "dp2", tmp_path / "back_dp", "-n", "4")
+    _reshard_cli(tmp_path / "pp1", tmp_path / "back_pp", "-n", "4", "--pp-size", "2", *TYPED)
+    want = sorted(p.name for p in (fx / "ckpt" / tag).glob("*.pt"))
+    for out_dir in ("back_dp", "back_pp"):
+        assert sorted(p.name for p in (tmp_path / out_dir / tag).glob("*.pt")) == want
+        for f in want:
+            _same(_materialized(fx / "ckpt" / tag / f), _materialized(tmp_path / out_dir / tag / f), f"{out_dir}/{f}")
+
+
+@pytest.mark.parametrize("args", [["--world-size", "4", "--tp-size", "1"], ["--world-size", "8", "--tp-size", "4"]],
+                         ids=["tp1", "tp4"])
+def test_reshard_refuses_a_tp_change_of_a_tensor_x_pipeline_run(tmp_path, args):
     r = CliRunner().invoke(main, ["reshard", str(FP32 / "ckpt"), str(tmp_path / "o"), *args])
     assert r.exit_code == 3, r.output
-    assert "pipeline parallel size 2 x tensor parallel size 2" in r.stderr
+    assert "a pipeline run keeps its TP size here" in r.stderr and "does not re-cut" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
+    """``reshard --universal`` of a TP x PP run writes what ds_to_universal wrote for it (tests/fixtures/
+    ds_to_universal_record.json: the same files, keys, dtypes, shapes and bytes), and that folder reads back (TP x PP
+    universal folders hold the merged tensors): to-fp32 of it equals DeepSpeed's merge bit for bit."""
+    from universal_record import ds_to_universal_differences
+
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    assert ds_to_universal_differences(fx, tmp_path / "u") == []
+    r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "u"), str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    got, u = _load(tmp_path / "m.safetensors"), universal(fx)
+    assert sorted(got) == sorted(meta(fx)["params"])
+    for n in got:
+        assert torch.equal(got[n], u[f"fp32/{n}"]), n
 
 
 @pytest.mark.live
 @pytest.mark.deepspeed
-def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_path):
-    """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) but
-    copies only the mp_rank_{stage * tp + t} files, not the layer files: reading that folder is refused, naming the
-    pipeline and tensor sizes, instead of taking the 4 model-parallel files for 4 TP ranks."""
+def test_universal_folder_of_a_tp_pipeline_run_reads_as_pipeline_x_tensor(tmp_path):
+    """ds_to_universal converts a TP x PP run (its zero/ holds the merged tensors this suite's truth comes from) and
+    copies only the mp_rank_{stage * tp + t} files, not the layer files: the folder reads as pipeline 2 x tensor 2
+    (not as 4 TP ranks), its trainable params' masters being DeepSpeed's merge."""
     pytest.importorskip("deepspeed")
     import subprocess
     import sys
@@ -340,7 +427,12 @@ def test_universal_folder_of_a_tp_pipeline_run_is_refused_naming_both_sizes(tmp_
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(p.name for p in out.glob("*.pt")) == [f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
     r = CliRunner().invoke(main, ["info", str(out)])
-    assert r.exit_code == 3 and "pipeline 2 x tensor 2" in r.stderr and "not supported yet" in r.stderr
+    assert r.exit_code == 0 and "parallelism  data 1, pipeline 2, tensor 2" in r.stdout, r.output
+    r = CliRunner().invoke(main, ["to-fp32", str(out), str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    got = _load(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(meta(FP32)["params"])
+    assert all(torch.equal(got[n], universal(FP32)[f"fp32/{n}"]) for n in got)
 
 
 def test_repair_patches_a_layer_file_slice_from_its_master(tmp_path):

@@ -67,6 +67,7 @@ from .plan import (
 )
 
 __all__ = [
+    "STAGE0_BF16_PIPELINE_NOTE",
     "FlatSpec",
     "GroupPartition",
     "LayoutPlan",
@@ -140,14 +141,14 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     import dataclasses
 
     src_tp = max(1, ckpt.tp_world_size)
-    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
     stages = target.stages
     pp = stages.pp_size if stages is not None else 1
-    if stages is not None and layout is not None and (stages.target is not None or tp != src_tp):
+    if stages is not None and tp != src_tp:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' (pipeline {stages.source_pp_size} x tensor parallelism {src_tp}) to "
-            f"pipeline {pp} x tensor parallelism {tp}: a tensor x pipeline run is resharded to another data-parallel "
-            "size only (stages and TP size kept)")
+            f"tensor parallelism {tp}: a pipeline run keeps its TP size here (its data-parallel size and stage count "
+            "can change); its layer_XX-model_NN files hold each TP rank's module slices, which dsckpt does not re-cut")
+    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
     parts = []
     for s in range(pp):
         for t in range(tp):
@@ -170,9 +171,21 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
         notes = (*notes, note)
     if stages is not None:
         notes = (*notes, stages.note())
+    if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
+        notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
                                hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
                                copied_model_files=())
+
+
+#: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
+#: pipeline), whose state is the same as at ZeRO-1 with fp32 gradient accumulation; DeepSpeed 0.19.8 cannot resume the
+#: stage-0 form, not even unchanged (``_load_checkpoint`` hands the model states' ``optimizer`` dict to
+#: ``BF16_Optimizer._load_legacy_checkpoint``, which indexes it by data-parallel rank: ``KeyError: 0``).
+STAGE0_BF16_PIPELINE_NOTE = (
+    "ZeRO stage 0 bf16 pipeline (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files, the same optimizer and state: "
+    "DeepSpeed 0.19.8 cannot resume the stage-0 form (KeyError in BF16_Optimizer._load_legacy_checkpoint); resume "
+    'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
 
 
 def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
@@ -195,22 +208,25 @@ def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
 
 def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layout: Any, stage: int,
                  t: int) -> tuple[LogicalCheckpoint, SourceFacts]:
-    """Model-parallel rank (``stage``, ``t``) of the target as an ordinary data-parallel checkpoint and its facts:
-    the pipeline stage's cut of the params (:func:`dsckpt.pipeline_stages.stage_view`), then TP rank ``t``'s cut of
-    each (:func:`dsckpt.tensor_parallel.rank_view`). Pure."""
+    """Model-parallel rank (``stage``, ``t``) of the target as an ordinary data-parallel checkpoint and its facts: two
+    cuts composed, TP rank ``t``'s slices of every param (:func:`dsckpt.tensor_parallel.rank_view`; a pipeline's files
+    are then its TP rank ``t``'s, :meth:`~dsckpt.parallel_layout.PipelineRecord.tp_rank`), then the stage's params
+    (:func:`dsckpt.pipeline_stages.stage_view`), whose flat order the facts take. Pure."""
     import dataclasses
 
     view = ckpt
-    if stages is not None:
-        from ..pipeline_stages import stage_view
-
-        view = stage_view(ckpt, stages, stage)
-        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
-                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
     if layout is not None:
         from ..tensor_parallel import rank_view
 
-        view = rank_view(view, layout, t)
+        view = rank_view(ckpt, layout, t)
+        if ckpt.pipeline is not None:  # a pipeline keeps its TP size (_plan_mp_ranks): TP rank t's own files
+            view = dataclasses.replace(view, files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(t))
+    if stages is not None:
+        from ..pipeline_stages import stage_view
+
+        view = stage_view(view, stages, stage)
+        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
+                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
     return view, facts
 
 

@@ -388,6 +388,6 @@ def retarget_stage_keys(name: str, tree: Any, plan: LayoutPlan, stages: Any) -> 
     dims = out.get("checkpoint_parallel_dimensions")
     if isinstance(dims, Mapping):
         out["checkpoint_parallel_dimensions"] = {**dims, "pp_degree": stages.pp_size}
-    if "buffer_names" in out and plan.tp_size == 1:
+    if "buffer_names" in out:
         out["buffer_names"] = list(stages.buffers[plan.mp_rank // plan.tp_size])
     return out

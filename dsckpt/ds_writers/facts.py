@@ -174,7 +174,7 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     problems = []
     if ckpt.tp_world_size > 1 and ckpt.tensor_parallel is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
-    if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and (ckpt.pipeline is None or ckpt.tp_world_size > 1):
+    if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and ckpt.pipeline is None:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.pipeline is not None and source_layout_stage(ckpt) == 0:

@@ -157,12 +157,16 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     if ckpt.moe is not None:
         problems.append("Mixture-of-Experts layers")
     tp = ckpt.tensor_parallel
-    pipeline = ckpt.pipeline is not None and ckpt.tp_world_size <= 1
+    pipeline = ckpt.pipeline is not None
     if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and not pipeline:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.tp_world_size > 1 and tp is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
+    if pipeline and ckpt.zero_stage == 0:
+        problems.append("a pipeline run without ZeRO, whose model states save param_shapes None (ds_to_universal "
+                        "fails on it: \"param_shapes must contain dictionaries\"); reshard it first (it is written as "
+                        "ZeRO-1 BF16_Optimizer files) and convert that")
     sub_params = [c.name for c in tp.name_to_cut.values() if universal_tp_keys(c, tp.source) is None] if tp else []
     if sub_params:
         problems.append(f"params with sub-params of varying shapes ({', '.join(sub_params[:5])}) in a Megatron-style "

@@ -177,6 +177,10 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
         if plan.from_stage != plan.zero_stage:
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
+        if _stage0_pipeline(plan, tree):
+            # its optimizer state is kept here too; in the ZeRO-1 layout it is in the optimizer files only
+            tree["optimizer"] = None
+            tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
     if plan.from_stage == 0:  # the full module is there already (16-bit, or fp32 = the master)
         from .common import zero_keys_from_stage0
@@ -198,6 +202,15 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
     tree["dp_world_size"] = plan.world_size
     tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
     return name, tree
+
+
+def _stage0_pipeline(plan: LayoutPlan, tree: Mapping[str, Any]) -> bool:
+    """Whether ``tree`` is a file of a bf16 pipeline run without ZeRO (BF16_Optimizer; its ds_config says stage 0),
+    which is written as ZeRO-1 BF16_Optimizer files (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``)."""
+    z = (tree.get("ds_config") or {}).get("zero_optimization") if isinstance(tree.get("ds_config"), Mapping) else None
+    stage = z.get("stage", 0) if isinstance(z, Mapping) else 0
+    pipeline = plan.pp_size > 1 or plan.source_pp_size > 1 or tree.get("module", {}) is None  # a 1-stage one too
+    return pipeline and stage != plan.zero_stage
 
 
 def _set_frozen(tree: dict[str, Any], plan: LayoutPlan, ckpt: LogicalCheckpoint, module: Mapping[str, Any]) -> None:
@@ -307,6 +320,8 @@ def zero12_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sc
                                                for n, start, numel in g.slice_mappings) for g in r.groups]
     if scalars is None and plan.from_stage != plan.zero_stage:  # ZeRO-1 <-> ZeRO-2: same files but the stage
         osd["zero_stage"] = zero_stage_enum(plan.zero_stage)
+        return {**src0, OSD: osd, "ds_config": target_ds_config(src0.get("ds_config"), plan.zero_stage, None)}
+    if _stage0_pipeline(plan, src0):
         return {**src0, OSD: osd, "ds_config": target_ds_config(src0.get("ds_config"), plan.zero_stage, None)}
     return {**src0, OSD: osd}
 

@@ -20,11 +20,12 @@ Megatron-DeepSpeed saves in ``client_state``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..layout import CheckpointFiles, expect_dp_ranks
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..parallel_layout import PipelineLayer, PipelineRecord
 from ..stand_ins import DeepSpeedEnum
@@ -39,7 +40,7 @@ from .common import (
     step_of,
     whole,
 )
-from .zero12 import OSD, zero12_optimizer_groups, zero12_param_entries
+from .zero12 import zero12_optimizer_groups, zero12_param_entries
 
 __all__ = ["read_pipeline", "read_stages", "tp_rank_files"]
 
@@ -56,8 +57,12 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint
     ranks = [read_stages(tp_rank_files(files, t, tp_size), cache) for t in range(tp_size)]
     record, where = agreed_record(cache, [files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)])
     ckpt = combine_tp_ranks(ranks, record, where=where)
+    assert ckpt.pipeline is not None
+    pipeline = dataclasses.replace(
+        ckpt.pipeline, tp_size=tp_size, layer_files=tuple(p for _, p in sorted(files.layer_files.items())),
+        mp_model_files=tuple(files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)))
     return dataclasses.replace(
-        ckpt, pp_world_size=pp_size, files=tuple(files.all_files()),
+        ckpt, pp_world_size=pp_size, files=tuple(files.all_files()), pipeline=pipeline,
         notes=(*ckpt.notes, (f"pipeline parallelism {pp_size} x tensor parallelism {tp_size}: model-parallel rank "
                              f"m = stage * {tp_size} + TP rank (PipeModelDataParallelTopology); "
                              f"{UNIVERSAL_CHECKPOINT_INFO} from client_state")))
@@ -123,7 +128,17 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     meta0 = metas[stages[0]]
     buffer_names = {b for m in metas.values() for b in m.buffer_names}
 
-    known = _param_names(files, cache, stages)
+    optim = files.dp_mp_to_optim_states
+    world = meta0.dp_world_size or max(files.optim_dp_world_size, 1)
+    if optim:
+        expect_dp_ranks(files, "optimizer-state", optim, world)
+    else:
+        _refuse_unnamed_optimizer_state(files, cache, stages)
+    # BF16_Optimizer without ZeRO (bf16 pipeline at stage 0) saves param_shapes None: its optimizer files name the
+    # params of each partition (param_slice_mappings), which give the flat order; the layer files give the shapes
+    flat_names = {s: _slice_mapping_order([optim[(d, s)] for d in range(world)], cache) for s in stages
+                  if optim and cache.tree(files.mp_to_model_states[s]).get("param_shapes") is None}
+    known = _param_names(files, cache, stages) | {n for order in flat_names.values() for g in order for n, _ in g}
     tied_names = [n for n in known if n.startswith("tied_modules.")]
     # name -> (file, key, ref) for every tensor of every layer file
     layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]] = {}
@@ -138,15 +153,15 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 layer_tensors[name] = (path, (key,), ref)
                 order.append(name)
 
+    shapes_of = {s: cache.tree(files.mp_to_model_states[s]).get("param_shapes") for s in stages}
+    shapes_of.update({s: _shapes_from_layers(order, layer_tensors, files.mp_to_model_states[s])
+                      for s, order in flat_names.items()})
     entries: dict[str, TensorEntry] = {}
-    optim = files.dp_mp_to_optim_states
-    world = meta0.dp_world_size or max(files.optim_dp_world_size, 1)
     wrapper = "none (fp32 module weights are the master)"
     step = None
     stage_number = 0
     stage_groups: list[tuple[OptimizerGroup, ...]] = []
     if optim:
-        expect_dp_ranks(files, "optimizer-state", optim, world)
         for s in stages:
             optim_files = [optim[(d, s)] for d in range(world)]
             osd0 = cache.tree(optim_files[0]).get(OSD) or {}
@@ -158,7 +173,7 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                 ((meta0.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
             stage_entries = zero12_param_entries(
                 model_states=files.mp_to_model_states[s], optim_files=optim_files, cache=cache,
-                keeps_padding=keeps_padding, module_names_to_refs=layer_tensors)
+                keeps_padding=keeps_padding, module_names_to_refs=layer_tensors, param_shapes=shapes_of[s])
             # Tied modules are trained on every stage that uses them (kept equal by an all-reduce of their
             # grads): the first stage's copy stands for all, the later stages' optimizer copies are replicas
             # that must equal it (verify compares them, scan checks them).
@@ -168,8 +183,7 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             step = step if step is not None else step_of(base.get("state") if isinstance(base, dict) else None)
             # each stage's own optimizer: its groups hold the stage's params (param_shapes of its model states)
             stage_groups.append(zero12_optimizer_groups(
-                base, cache.tree(files.mp_to_model_states[s]).get("param_shapes"), meta0.ds_config, world,
-                keeps_padding))
+                base, shapes_of[s], meta0.ds_config, world, keeps_padding))
     for name in order:
         if name in entries:
             continue
@@ -182,7 +196,7 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, not optim, (piece,))
     sample = next((r.dtype_name for _, _, r in layer_tensors.values() if is_floating(r.dtype_name)), None)
     ordered = [entries[n] for n in order if n in entries] + [e for n, e in entries.items() if n not in layer_tensors]
-    record = dataclasses.replace(_record(files, cache, stages, layer_tensors, entries, buffer_names),
+    record = dataclasses.replace(_record(files, cache, stages, layer_tensors, entries, buffer_names, shapes_of),
                                  stage_optimizer_groups=tuple(stage_groups))
     groups, _ = merge_stage_groups(stage_groups)
     return LogicalCheckpoint(
@@ -198,7 +212,7 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
 
 def _record(files: CheckpointFiles, cache: FileCache, stages: list[int],
             layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]], entries: dict[str, TensorEntry],
-            buffer_names: set[str]) -> PipelineRecord:
+            buffer_names: set[str], shapes_of: dict[int, Any]) -> PipelineRecord:
     """The stage facts the files state (:class:`~dsckpt.parallel_layout.PipelineRecord`): which layers have a file
     and the params each owns, the tied modules, and each stage's optimizer groups in flat order."""
     import math
@@ -212,7 +226,7 @@ def _record(files: CheckpointFiles, cache: FileCache, stages: list[int],
 
     orders = []
     for s in stages:
-        shapes = cache.tree(files.mp_to_model_states[s]).get("param_shapes") or []
+        shapes = shapes_of[s] or []
         orders.append(tuple(tuple(str(n) for n in group) for group in shapes))
     tied_keys: dict[str, list[str]] = {}
     for n in (*layer_tensors, *(n for o in orders for g in o for n in g)):
@@ -241,6 +255,88 @@ def _with_stage_copy(first: TensorEntry, later: TensorEntry) -> TensorEntry:
     extra = tuple(dataclasses.replace(p, replica=replica, same_as=0) for p in later.pieces
                   if p.role is not Role.MODULE and p.replica == 0)
     return dataclasses.replace(first, pieces=first.pieces + extra) if extra else first
+
+
+def _refuse_unnamed_optimizer_state(files: CheckpointFiles, cache: FileCache, stages: list[int]) -> None:
+    """An fp32 pipeline run without ZeRO keeps each stage's torch optimizer ``state_dict()`` in its
+    ``mp_rank_XX_model_states.pt`` (DeepSpeed 0.19.8, seen): params by index only, ``param_shapes`` None, and the
+    layer files save a ``TiedLayerSpec`` module under its layer index without its key. Which param each state
+    belongs to, which params are frozen, which stages hold a tied module and the ``tied_modules.<key>`` names are
+    stated nowhere; rather than bind them by shape (a guess), the checkpoint is refused."""
+    held = [s for s in stages if isinstance(opt := cache.tree(files.mp_to_model_states[s]).get("optimizer"), Mapping)
+            and (opt.get("state") or opt.get("param_groups"))]
+    if held:
+        raise UnsupportedCheckpointError(
+            f"'{files.tag_dir}' is a pipeline run without ZeRO whose optimizer state (stage(s) {held}) sits in "
+            "mp_rank_XX_model_states.pt as a torch state_dict that names its params by index only, and whose layer "
+            "files save tied modules (TiedLayerSpec) under their layer index without their key: which param each "
+            "state belongs to, which params are frozen and the tied_modules.<key> names are stated nowhere, and "
+            "dsckpt does not guess them. DeepSpeed 0.19.8 loads such a save unchanged at another data-parallel size "
+            "(its stage-0 state is not partitioned); dsckpt reads and reshards pipeline runs saved with ZeRO-1 or "
+            "BF16_Optimizer")
+
+
+def _slice_mapping_order(optim_files: list[Path], cache: FileCache) -> list[list[tuple[str, int]]]:
+    """Per optimizer group, its params ``(name, numel)`` in flat order, from every data-parallel rank's
+    ``param_slice_mappings`` (``{name: fragment_address(numel, start)}`` for the params meeting the rank's partition;
+    ``BF16_Optimizer`` keeps each partition's padding, so rank ``r``'s element ``start`` is flat element ``r *
+    partition + start``). The fragments must tile the flat group from element 0 without a gap, as
+    ``BF16_Optimizer``'s flat buffer does (padding at its end only); otherwise the files are refused."""
+    groups: list[dict[str, list[tuple[int, int]]]] = []
+    for r, path in enumerate(optim_files):
+        osd = cache.tree(path).get(OSD)
+        maps = osd.get("param_slice_mappings") if isinstance(osd, Mapping) else None
+        parts = osd.get("single_partition_of_fp32_groups") if isinstance(osd, Mapping) else None
+        if not isinstance(maps, list) or not isinstance(parts, list) or len(maps) != len(parts) or not all(
+                isinstance(p, TensorRef) for p in parts):
+            raise CorruptCheckpointError(
+                f"{path}: its model states save no param_shapes, and it has no param_slice_mappings with one entry "
+                "per fp32 group to name the params by; the file is damaged or not a BF16_Optimizer file")
+        while len(groups) < len(maps):
+            groups.append({})
+        for g, (mapping, part) in enumerate(zip(maps, parts)):
+            for name, addr in (mapping.items() if isinstance(mapping, Mapping) else ()):
+                start, numel = getattr(addr, "start", None), getattr(addr, "numel", None)
+                if not isinstance(start, int) or not isinstance(numel, int) or start < 0 or numel < 1 \
+                        or start + numel > part.numel:
+                    raise CorruptCheckpointError(f"{path}: param_slice_mappings[{g}]['{name}'] is not a range of the "
+                                                 f"rank's {part.numel}-element fp32 partition; the file is damaged")
+                groups[g].setdefault(str(name), []).append((r * part.numel + start, numel))
+    out = []
+    for g, by_name in enumerate(groups):
+        pos = 0
+        order = []
+        for name, frags in sorted(by_name.items(), key=lambda kv: min(kv[1])):
+            for offset, numel in sorted(frags):
+                if offset != pos:
+                    raise CorruptCheckpointError(
+                        f"'{optim_files[0].parent}': param_slice_mappings of group {g} put '{name}' at flat element "
+                        f"{offset}, where element {pos} was expected; the optimizer files do not tile the flat group "
+                        "(damaged, or from different runs)")
+                pos += numel
+            order.append((name, sum(n for _, n in frags)))
+        out.append(order)
+    return out
+
+
+def _shapes_from_layers(order: list[list[tuple[str, int]]],
+                        layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]],
+                        model_states: Path) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes`` rebuilt: each param of the flat order with the shape of its layer-file tensor, whose element
+    count must be the one the optimizer files map."""
+    out = []
+    for g, group in enumerate(order):
+        shapes = {}
+        for name, numel in group:
+            ref = layer_tensors.get(name, (None, None, None))[2]
+            if ref is None or ref.numel != numel:
+                have = f"a {list(ref.shape)} tensor" if ref is not None else "no tensor"
+                raise CorruptCheckpointError(
+                    f"{model_states}: the optimizer files map {numel} elements of group {g} to '{name}', and the "
+                    f"layer files hold {have} of that name; the files come from different runs")
+            shapes[name] = tuple(ref.shape)
+        out.append(shapes)
+    return out
 
 
 def _param_names(files: CheckpointFiles, cache: FileCache, stages: list[int]) -> set[str]:

@@ -149,7 +149,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         raise UnsupportedCheckpointError(f"{ms_path}: a native Mixture-of-Experts model; universal checkpoints of "
                                          "deepspeed.moe models are not supported (AutoEP ones are)")
     meta = metadata_from_model_states(ms)
-    if (meta.pp_degree > 1 or ms.get("module", {}) is None) and meta.tp_degree <= 1 and not zero3:
+    if (meta.pp_degree > 1 or ms.get("module", {}) is None) and not zero3:
         return _read_pipeline_universal(root, tag, tag_dir, files, opt, opt_path, meta, cache)
     if meta.pp_degree > 1 or ms.get("module", {}) is None:
         # ds_to_universal copies a pipeline run's mp_rank_{stage * tp + t} files (module None) but no layer files
@@ -291,10 +291,13 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
 
 def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, opt: Mapping[str, Any], opt_path: Path,
                              meta: Any, cache: FileCache) -> LogicalCheckpoint:
-    """The universal folder of a pipeline run without TP: ds_to_universal copies each stage's
+    """The universal folder of a pipeline run: ds_to_universal copies each stage's
     ``mp_rank_{s}_model_states.pt`` (``module`` None, ``param_shapes`` of the stage) and writes ``zero/<name>/`` for
     every trainable param (a tied module's once), but no layer files: so there are no buffers, frozen params or
-    16-bit copies, only the trainable params' fp32 masters and moments."""
+    16-bit copies, only the trainable params' fp32 masters and moments. With tensor parallelism (Megatron-DeepSpeed,
+    model-parallel rank ``stage * tp + t``) the copied files' ``param_shapes`` are TP-local and each state file holds
+    the merged tensor (vocabulary padding cut) with its TP keys: its shape is the file's."""
+    tp = max(1, meta.tp_degree)
     entries: dict[str, TensorEntry] = {}
     state_files: list[Path] = []
     missing: list[str] = []
@@ -311,15 +314,17 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
                 if name in entries:
                     continue
                 shape = tuple(int(x) for x in shp)
-                numel = math.prod(shape)
                 pdir = _param_dir(tag_dir, name)
+                if tp > 1 and (pdir / STATE_FILES[0][2]).is_file():
+                    shape = tuple(_state_key(pdir / STATE_FILES[0][2], cache, True)[1].shape)
+                numel = math.prod(shape)
                 pieces = []
                 for role, state_key, fname in STATE_FILES:
                     path = pdir / fname
                     if not path.is_file():
                         missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
                         continue
-                    key, ref = _state_key(path, cache, False)
+                    key, ref = _state_key(path, cache, tp > 1)
                     if ref.dtype_name != "float32" or ref.numel != numel:
                         raise CorruptCheckpointError(
                             f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} "
@@ -346,15 +351,17 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
     else:
         stage, wrapper = int(((meta.ds_config or {}).get("zero_optimization") or {}).get("stage", 1)), "BF16_Optimizer"
     extra_files = sorted(p for p in (tag_dir / UNIVERSAL_DIR).glob("*/*.pt") if p not in set(state_files))
-    pp = len(files.mp_to_model_states)
+    pp = len(files.mp_to_model_states) // tp
     return LogicalCheckpoint(
         root=root, tag=tag, tag_dir=tag_dir, layout=f"universal from zero{stage}", zero_stage=stage,
         precision=precision_of(meta.ds_config, None), dp_world_size=meta.dp_world_size or 1, pp_world_size=pp,
-        tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
+        tp_world_size=tp, ds_version=meta.ds_version, global_steps=meta.global_steps,
         global_samples=meta.global_samples, optimizer_step=int_or_none(step_ref) if step_ref is not None else None,
         optimizer_wrapper=wrapper, entries=tuple(entries.values()),
         files=tuple(sorted({*files.all_files(), opt_path, *state_files, *extra_files})), ds_config=meta.ds_config,
-        notes=((f"DeepSpeed universal checkpoint of a {pp}-stage pipeline run: the trainable params' fp32 masters and "
+        notes=((f"DeepSpeed universal checkpoint of a {pp}-stage pipeline run"
+                + (f" with tensor parallelism {tp} (merged tensors)" if tp > 1 else "")
+                + ": the trainable params' fp32 masters and "
                 "Adam state only (ds_to_universal copies no layer files, so no buffers, frozen params or 16-bit "
                 "copies); loads with \"checkpoint\": {\"load_universal\": true}"),),
     )

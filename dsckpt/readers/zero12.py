@@ -214,14 +214,17 @@ def zero12_param_entries(
     keeps_padding: bool,
     name_prefix: str = "",
     module_names_to_refs: Mapping[str, tuple[Path, tuple[Any, ...], TensorRef]] | None = None,
+    param_shapes: list[Any] | None = None,
 ) -> dict[str, TensorEntry]:
     """Entries for every trainable param of a stage-1/2 (or BF16_Optimizer) rank set.
 
     ``module_names_to_refs`` gives each param's module copy (file, key, ref); by default the
-    ``module`` of ``model_states``.
+    ``module`` of ``model_states``. ``param_shapes``: the flat order where the model states do not hold it
+    (``BF16_Optimizer`` without ZeRO saves ``None``: :mod:`.pipeline` rebuilds it).
     """
     ms = cache.tree(model_states)
-    param_shapes = ms.get("param_shapes")
+    if param_shapes is None:
+        param_shapes = ms.get("param_shapes")
     if not isinstance(param_shapes, list):
         raise CorruptCheckpointError(f"{model_states}: no 'param_shapes'; not a ZeRO-1/2 model-states file")
     parts = group_partitions(optim_files, cache, keeps_padding)
