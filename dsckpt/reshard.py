@@ -446,6 +446,11 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
     if plan.from_stage == 3 and plan.zero_stage != 3:  # the module is rebuilt in full: at most fp32 per element
         model_nbytes += 4 * sum(math.prod(shape) for group in plan.param_shapes for _, shape in group)
+    if plan.zero_stage == 0 and plan.from_stage != 0:  # the optimizer state moves into the model states and (native
+        # MoE) into one expp_rank_* file per expert-parallel rank, fewer than the expert files: master and up to 4
+        # states, fp32, per element
+        files = 1 + len(plan.copied_model_files)
+        model_nbytes += 20 * files * sum(math.prod(shape) for group in plan.param_shapes for _, shape in group)
         model_nbytes += sum(4 * spec.numel * plan.source_world_size for _, spec in plan.ranks[0].frozen_fragments) \
             if plan.ranks else 0
     scripts = sum(size(plan.source_root / s) for s in ZERO_TO_FP32_SCRIPTS)

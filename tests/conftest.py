@@ -96,6 +96,40 @@ def tree_digest(path: Path) -> dict[str, str]:
     return out
 
 
+def parsed_file(path: Path):
+    """A .pt file as dsckpt parses it, tensors materialized (safe_load: no DeepSpeed import)."""
+    from dsckpt import parsed_tree, safe_load
+
+    return parsed_tree.materialize(safe_load.load(path))
+
+
+def tree_differences(a, b, path: str = "") -> list[str]:
+    """Where two parsed trees (:func:`parsed_file`) differ: keys and their order, scalar values (pickled objects by
+    their fields), tensor dtypes, shapes, values and, for views, storage offset and storage size. ``[]``: the same."""
+    import torch
+
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(a) != list(b):
+            return [f"{path}: keys {list(a)} != {list(b) if isinstance(b, dict) else type(b).__name__}"]
+        return [d for k in a for d in tree_differences(a[k], b[k], f"{path}[{k!r}]")]
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{path}: {type(a).__name__} of {len(a)} != {b!r:.60}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in tree_differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape) != (b.dtype, b.shape):
+            return [f"{path}: {a.dtype} {tuple(a.shape)} != {b!r:.60}"]
+        if not torch.equal(a.cpu(), b.cpu()):
+            return [f"{path}: values differ"]
+        if (a.storage_offset(), a.untyped_storage().nbytes()) != (b.storage_offset(), b.untyped_storage().nbytes()):
+            return [f"{path}: view at {a.storage_offset()} of {a.untyped_storage().nbytes()} bytes != "
+                    f"{b.storage_offset()} of {b.untyped_storage().nbytes()}"]
+        return []
+    if type(a) is not type(b) or (vars(a) != vars(b) if hasattr(a, "__dict__") else a != b):
+        return [f"{path}: {a!r:.60} != {b!r:.60}"]
+    return []
+
+
 def ids(fixtures: list[Fixture]) -> list[str]:
     return [f.name for f in fixtures]
 

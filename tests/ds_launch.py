@@ -48,6 +48,15 @@ def gloo_only() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
+def jit_op_built(name: str) -> bool:
+    """Whether DeepSpeed's JIT-compiled CPU op ``name`` (``fused_adam`` for FusedAdam, ``cpu_lion`` for
+    DeepSpeedCPULion) is already built under ``TORCH_EXTENSIONS_DIR``, or ``DSCKPT_JIT_LIVE=1`` lets a launch build it
+    on first use (8-10 minutes each on the shared 2-core machine, under a file lock): the live tests that need such an
+    op run only then."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return os.environ.get("DSCKPT_JIT_LIVE") == "1" or any(root.glob(f"*/{name}/{name}.so"))
+
+
 def logits_slack(max_abs_logit: float, dtype: str) -> float:
     """How far logits the engine computes on this CPU may be from the recorded ones: fp32 kernels sum in another
     order (1e-5 for logits below ~3); bf16 / fp16 logits may land one rounding step either way (two ulps: 7 / 10

@@ -2,6 +2,7 @@
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus N --master_port P tests/ds_moe_reshard_check.py \
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
+    ... tests/ds_moe_reshard_check.py FIXTURE@STAGE=DIR ...   # written for ZeRO stage STAGE (0, 1, 2)
 
 The MoE twin of ``ds_reshard_check.py`` (``moe_*`` fixtures, ``moe_models.MoENet``): rebuild the model for
 this rank's expert-parallel rank with the ep_size the resharded save was written for (its expert group's name) and DeepSpeed's own MoE param groups
@@ -67,7 +68,10 @@ def saved_ep_size(ckpt_dir):
 
 def check_one(name, ckpt_dir):
     problems = []
+    name, _, target_stage = name.partition("@")
     spec = dict(fm.FIXTURES[name])
+    if target_stage:  # reshard --zero-stage: the fixture's run at another stage
+        spec["stage"] = int(target_stage)
     cfg = fm.ds_config(spec)
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     ep = saved_ep_size(ckpt_dir) or spec["ep_size"]  # reshard --ep-size writes another one

@@ -4,6 +4,7 @@
         --result out.json FIXTURE=RESHARDED_DIR [FIXTURE=RESHARDED_DIR ...]
     deepspeed --num_gpus N tests/ds_reshard_check.py --device cuda ...   # fp16 (see tests/gpu/)
     ... tests/ds_reshard_check.py --zero-stage 3 [--sub-group-size 40] ...  # a stage-converted checkpoint
+    ... tests/ds_reshard_check.py FIXTURE@0=DIR ...   # this pair's target ZeRO stage (overrides --zero-stage)
 
 For each pair: rebuild the fixture's model, param groups and ds_config (train_batch_size adapted to
 N ranks; with ``--zero-stage`` the ZeRO stage, and ``--sub-group-size``, replaced by the target's),
@@ -48,6 +49,9 @@ p.add_argument("--sub-group-size", type=int, default=None, help="ZeRO-3 sub_grou
 p.add_argument("--force-cpu-fp16", action="store_true",
                help="let DeepSpeed's CPU accelerator run fp16 (as tests/fixtures/generate.py does for *_cpuforced)")
 p.add_argument("--universal", action="store_true", help="the directories are universal checkpoints (load_universal)")
+p.add_argument("--scale-state", action="store_true",
+               help="fp16: also compare the loss scaler's whole state (dynamic, iteration, last overflow, window, "
+                    "factor) with what 3 steps without overflow leave")
 args = p.parse_args()
 FROZEN_SENTINEL = 0.25  # exact in bf16/fp16; never a trained value
 
@@ -102,12 +106,12 @@ def use_gloo_safe_all_gather(stage):
     ds_comm.cdb.all_gather_function = None if fallback else NATIVE_ALL_GATHER
 
 
-def build(name):
+def build(name, zero_stage=None):
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
-    if args.zero_stage is not None:
-        spec["stage"] = args.zero_stage
-        cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": args.zero_stage}
+    if zero_stage is not None:
+        spec["stage"] = zero_stage
+        cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": zero_stage}
     if args.sub_group_size is not None:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     use_gloo_safe_all_gather(spec["stage"])
@@ -302,7 +306,8 @@ def check_one(name, ckpt_dir):
     if name.startswith("optim/"):
         return check_optim(name, ckpt_dir)
     problems = []
-    spec, cfg, engine = build(name)
+    name, _, pair_stage = name.partition("@")
+    spec, cfg, engine = build(name, int(pair_stage) if pair_stage else args.zero_stage)
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))
     truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
     stage = spec["stage"]
@@ -409,6 +414,16 @@ def check_one(name, ckpt_dir):
         scale = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
         if scale != float(meta["loss_scale"]):
             problems.append(f"loss scale {scale} != {meta['loss_scale']}")
+        if args.scale_state:
+            # ZeRO keeps a DynamicLossScaler, the stage-0 wrappers a LossScaleConfig: the same fields
+            scaler = getattr(opt, "loss_scaler", None) or opt.loss_scale_config
+            got = {k: getattr(scaler, k, None) for k in ("cur_iter", "last_overflow_iter", "scale_window",
+                                                         "scale_factor")}
+            got["dynamic"] = bool(getattr(scaler, "dynamic", getattr(scaler, "dynamic_loss_scale", False)))
+            want = {"cur_iter": meta["global_steps"], "last_overflow_iter": -1, "scale_window": 1000,
+                    "scale_factor": 2.0, "dynamic": True}  # 3 steps from 2**8, no overflow (skipped_steps 0)
+            if got != want:
+                problems.append(f"loss scaler state {got} != {want}")
     if engine.lr_scheduler is not None or client.get("lr_scheduler") is not None:
         problems.append("unexpected lr scheduler state")
     lrs = sorted({g["lr"] for g in base.param_groups})

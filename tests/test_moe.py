@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import all_fixtures, ids
+from conftest import all_fixtures, ids, parsed_file, tree_differences
 from ds_launch import DEEPSPEED, run_check_script
 from safetensors.torch import load_file, save_file
 from scan_helpers import copy_fixture, plant, read_copy
@@ -323,6 +323,87 @@ def test_zero3_autoep_checkpoint_is_refused(tmp_path):
     assert "\n" not in err and "no 'ds_zero_partition_groups' record per sub-group (AutoEP ZeRO-3 writes one)" in err
 
 
+# --- ZeRO stage changes (issue 32) -----------------------------------------------------------------
+
+
+def _convert(src: Path, out: Path, world_size: int, stage: int, ep_size: int | None = None):
+    cache = FileCache()
+    ckpt = read_checkpoint(src, cache=cache)
+    plan = plan_reshard(ckpt, world_size, zero_stage=stage, ep_size=ep_size, facts=read_source_facts(ckpt, cache))
+    return plan, run_reshard(plan, out, cache=cache, verify="full")
+
+
+def _assert_every_role_is_the_truth(path: Path, fx) -> None:
+    """Every param's master (the module weight at stage 0 fp32), both moments and 16-bit copy, read back from
+    ``path`` under global expert names, equal ``fx``'s truth bit for bit."""
+    truth = fx.truth()
+    c = open_checkpoint(path)
+    stage0 = c.logical.zero_stage == 0
+    for name in fx.meta["params"]:
+        for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
+                          ("exp_avg_sq", "exp_avg_sq"), (Role.MODULE, "lowp")):
+            assert torch.equal(read_copy(c.logical.entry(name), c.cache, role), truth[f"{key}/{name}"]), (name, role)
+
+
+STAGE_CHANGES = [(f, s) for f in MOE for s in (0, 1, 2)
+                 if s != f.meta["stage"] and (s != 0 or f.meta["dtype"] == "fp32")]
+
+
+@pytest.mark.parametrize("fx,stage", STAGE_CHANGES, ids=[f"{f.name}-to-stage{s}" for f, s in STAGE_CHANGES])
+def test_moe_stage_change(fx, stage, tmp_path):
+    """Native MoE written for another of ZeRO-0/1/2 at twice its size: every role of every expert and dense param
+    is the truth, the expert-parallel size is kept, and the files are the target stage's (stage 0: one
+    expp_rank_* optimizer file per expert-parallel rank; ZeRO: one optimizer file per rank)."""
+    ep, world = fx.ep_size, 2 * fx.meta["dp_world_size"]
+    plan, result = _convert(fx.ckpt, tmp_path / "out", world, stage)
+    assert result.verified_tensors > 0 and plan.changes_layout
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.dp_world_size, back.moe.ep_sizes) == (stage, world, (ep,))
+    assert back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    _assert_every_role_is_the_truth(tmp_path / "out", fx)
+    names = sorted(p.name for p in (tmp_path / "out" / fx.meta["tag"]).iterdir())
+    experts = [f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(fx.meta["moe"]["num_experts"])]
+    if stage == 0:
+        optim = [f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep)]
+    else:
+        optim = sorted(_optim_file(tmp_path / "out", fx, r).name for r in range(world))
+    assert names == sorted([*optim, *experts, "mp_rank_00_model_states.pt"])
+
+
+def test_moe_stage0_through_zero_and_back_is_the_same_files(tmp_path):
+    """Stage-0 MoE (fp32, ep 2) -> ZeRO-2 on 4 ranks (expert-data-parallel 2) -> stage 0 on 2 ranks gives back the
+    files DeepSpeed wrote, every one, key for key and bit for bit: the expp_rank_* optimizer files with each rank's
+    experts under local names, mp_rank_00 with rank 0's optimizer, the expert files."""
+    fx = _fx("moe_s0_fp32_w2_ep2")
+    _convert(fx.ckpt, tmp_path / "zero", 4, 2)
+    _convert(tmp_path / "zero", tmp_path / "back", 2, 0)
+    tag = fx.meta["tag"]
+    names = sorted(p.name for p in (fx.ckpt / tag).iterdir())
+    assert sorted(p.name for p in (tmp_path / "back" / tag).iterdir()) == names
+    for n in names:
+        assert tree_differences(parsed_file(fx.ckpt / tag / n), parsed_file(tmp_path / "back" / tag / n)) == [], n
+
+
+def test_moe_stage_change_with_another_expert_parallel_size(tmp_path):
+    fx = _fx("moe_s1_bf16_w4_ep2")
+    _convert(fx.ckpt, tmp_path / "out", 4, 2, ep_size=4)
+    back = read_checkpoint(tmp_path / "out")
+    assert (back.zero_stage, back.moe.ep_sizes) == (2, (4,))
+    _assert_every_role_is_the_truth(tmp_path / "out", fx)
+
+
+@pytest.mark.parametrize("name,stage,why", [
+    ("moe_s2_bf16_w2_ep2", 3, "DeepSpeed 0.19.8 has no native MoE at ZeRO-3"),
+    ("moe_s0_fp32_w2_ep2", 3, "DeepSpeed 0.19.8 has no native MoE at ZeRO-3"),
+    ("moe_s2_bf16_w2_ep2", 0, "in 16-bit keeps FP16_Optimizer / FP16_UnfusedOptimizer state in its expp_rank_"),
+])
+def test_moe_stage_changes_refused_by_name(name, stage, why):
+    cache = FileCache()
+    ckpt = read_checkpoint(_fx(name).ckpt, cache=cache)
+    with pytest.raises(UnsupportedCheckpointError, match=why):
+        plan_reshard(ckpt, 4, zero_stage=stage, facts=read_source_facts(ckpt, cache))
+
+
 # --- real DeepSpeed --------------------------------------------------------------------------------
 
 # target world size -> (fixture, chain of world sizes before it); one launch per target size.
@@ -408,3 +489,61 @@ def test_wrong_expert_rank_arithmetic_is_refused_not_exported(tmp_path):
     assert "\n" not in err and "use_data_before_expert_parallelism=True) does not fit" in err
     assert f"'{EXPERT}2.weight' (expert-parallel rank 1, layer_0_expert_2" in err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# One launch on 4 CPU ranks: native MoE written for another ZeRO stage (target stage per pair, FIXTURE@STAGE),
+# resumed by plain load_checkpoint, every rank's masters, moments and weights the truth, one more step.
+# (fixture, target stage, stage on the way or None, --ep-size or None). The order matters: DeepSpeed 0.19.8 keeps
+# expert groups process-wide (groups._EXPERT_PARALLEL_GROUP), and a stage-0 engine loads the expp_rank_* file of
+# the largest expert-parallel size created so far in the process (engine.py _load_checkpoint:
+# groups._get_max_expert_size_name()), not its own; so the stage-0 targets come first, by growing ep size.
+DS_MOE_STAGE_CASES = [
+    ("moe_s2_fp32_w2_ep1", 0, None, None),  # ZeRO-2 -> stage 0, one expp_rank file for 4 ranks
+    ("moe_s0_fp32_w2_ep2", 0, 2, None),  # stage 0 -> ZeRO-2 -> stage 0: each expp_rank file serves 2 ranks
+    ("moe_s0_fp32_w2_ep2", 2, None, None),  # stage 0 -> ZeRO-2, expert-data-parallel 1 -> 2
+    ("moe_s2_bf16_w2_ep2", 1, None, None),  # ZeRO-2 -> ZeRO-1
+    ("moe_s1_bf16_w4_ep2", 2, None, 4),  # ZeRO-1 -> ZeRO-2 and expert-parallel size 2 -> 4 (last: see above)
+]
+STAGE_NEGATIVE = f"{EXPERT}2.weight"  # its exp_avg planted into the stage-0 expp_rank_1 file: the check must see it
+
+
+@pytest.fixture(scope="module")
+def ds_moe_stage_run(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_moe_stage")
+    pairs = []
+    for i, (name, stage, via, ep) in enumerate(DS_MOE_STAGE_CASES):
+        src = _fx(name).ckpt
+        if via is not None:
+            _convert(src, base / f"{i}_via", 4, via)
+            src = base / f"{i}_via"
+        _convert(src, base / f"{i}_{name}", 4, stage, ep_size=ep)
+        pairs.append(f"{name}@{stage}={base / f'{i}_{name}'}")
+    bad = base / "negative"  # a stage-0 target at ep 2: right after the others (see DS_MOE_STAGE_CASES)
+    _convert(_fx("moe_s0_fp32_w2_ep2").ckpt, bad, 4, 0)
+    assert [p.name for p in plant(bad, STAGE_NEGATIVE, "exp_avg", 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
+    pairs.insert(2, f"moe_s0_fp32_w2_ep2@0={bad}")
+    return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=1500)
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_moe_stage_changes(ds_moe_stage_run):
+    """Native MoE at another of ZeRO-0/1/2 (and another expert-parallel size): plain ``engine.load_checkpoint()``
+    on 4 CPU ranks at the new stage; every rank's masters, moments and weights equal the truth under global expert
+    ids, and one more step trains. The control with one expert moment changed fails on exactly that, on the two
+    ranks of expert-parallel rank 1."""
+    rc, results, log = ds_moe_stage_run
+    assert results, log
+    good = [r for r in results if not r["ckpt"].endswith("negative")]
+    failed = [r for r in good if not r["ok"]]
+    assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
+    assert [r["fixture"] for r in good] == [f"{n}@{s}" for n, s, _, _ in DS_MOE_STAGE_CASES]
+    (neg,) = [r for r in results if r["ckpt"].endswith("negative")]
+    # global expert 2 is local expert 0 of expert-parallel rank 1: ranks 1 and 3 of 4 (ep 2, default topology)
+    assert not neg["ok"] and neg["problems"] == [
+        f"rank {r}: exp_avg of '{EXPERT}0.weight' (global '{STAGE_NEGATIVE}') differs from the source (fragment API)"
+        for r in (1, 3)], neg
+    assert rc == 1, log
+

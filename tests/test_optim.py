@@ -167,7 +167,11 @@ def test_deepspeed_resumes_every_optimizer_resharded(tmp_path):
 
     if not DEEPSPEED.exists():
         pytest.skip("deepspeed launcher not installed")
-    cpu = [f for f in OK if f.meta.get("device", "cpu") == "cpu"]
+    from ds_launch import jit_op_built
+
+    # DeepSpeedCPULion runs DeepSpeed's JIT-built cpu_lion op: only where it is built (or DSCKPT_JIT_LIVE=1)
+    cpu = [f for f in OK if f.meta.get("device", "cpu") == "cpu"
+           and (f.meta.get("base_optimizer") != "DeepSpeedCPULion" or jit_op_built("cpu_lion"))]
     if not cpu:
         pytest.skip("no optimizer fixture")
     pairs = [f"optim/{fx.name}={_reshard(fx.ckpt, tmp_path / fx.name, LIVE_WORLD)}" for fx in cpu]
@@ -204,7 +208,9 @@ def test_state_not_per_element_refused_by_name(tmp_path, key, why):
     assert not (tmp_path / "out").exists()
 
 
-UNIVERSAL_OK = [f for f in OK if not f.name.startswith(("muon", "lamb"))]
+# FusedLamb and DeepSpeedCPULion keep each group's step as a Python int (test_int_step_refused_for_universal)
+INT_STEP = [f for f in OK if f.name.startswith(("lamb", "lion"))]
+UNIVERSAL_OK = [f for f in OK if f not in INT_STEP and not f.name.startswith("muon")]
 
 
 @pytest.mark.parametrize("fx", UNIVERSAL_OK, ids=[f.name for f in UNIVERSAL_OK])
@@ -247,17 +253,15 @@ def test_muon_refused_where_no_rewrite_exists(tmp_path):
         plan_universal_reshard(ckpt, facts)
 
 
-def test_lamb_int_step_refused_for_universal(tmp_path):
-    """FusedLamb keeps its step as a Python int; a universal folder holds a tensor per step.pt: refused, nothing
-    written (its ZeRO reshard keeps the int as saved: test_reshard_keeps_every_state_tensor)."""
+@pytest.mark.parametrize("fx", INT_STEP, ids=[f.name for f in INT_STEP])
+def test_int_step_refused_for_universal(fx, tmp_path):
+    """FusedLamb and DeepSpeedCPULion keep their step as a Python int; a universal folder holds a tensor per step.pt:
+    refused, nothing written (their ZeRO reshard keeps the int as saved: test_reshard_keeps_every_state_tensor)."""
     from dsckpt.reshard import plan_universal_reshard, run_universal
 
-    fx = next((f for f in OK if f.name.startswith("lamb")), None)
-    if fx is None:
-        pytest.skip("no Lamb fixture")
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
     plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache))
-    with pytest.raises(UnsupportedCheckpointError, match="Python int .FusedLamb keeps it so."):
+    with pytest.raises(UnsupportedCheckpointError, match="is a Python int .DeepSpeed's FusedLamb and DeepSpeedCPULion"):
         run_universal(plan, tmp_path / "u", cache=cache)
     assert not (tmp_path / "u").exists()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import all_fixtures, ids, tree_digest
-from ds_launch import DEEPSPEED, REPO, passed_except_controls, run_check_script
+from conftest import all_fixtures, ids, tree_differences, tree_digest
+from ds_launch import DEEPSPEED, REPO, jit_op_built, passed_except_controls, run_check_script
 
 from dsckpt import parsed_tree, safe_load
 from dsckpt.assemble import iter_tensors
@@ -148,14 +148,20 @@ def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("OK")
 
 
-ZERO_TO_0 = [f for f in ZERO if f.meta["dtype"] != "fp16" and not f.name.startswith(("ds0", "moe"))
+ZERO_TO_0 = [f for f in ZERO if not f.name.startswith(("ds0", "moe"))
              and not (f.meta["dtype"] == "fp32" and len(f.meta["param_groups"]) > 1)]
+
+
+def _scaler_fields(tree) -> dict:
+    """The loss scale a ZeRO optimizer file holds (its pickled LossScaler / DynamicLossScaler's fields)."""
+    return dict(vars(tree["optimizer_state_dict"]["loss_scaler"]))
 
 
 @pytest.mark.parametrize("fx", ZERO_TO_0, ids=ids(ZERO_TO_0))
 def test_zero_to_stage0(fx, tmp_path):
     """ZeRO-1/2/3 -> stage 0: one model-states file with the full module and the stage-0 optimizer (fp32: a torch
-    state dict over model.parameters(); bf16: FP16_UnfusedOptimizer's fp32_groups), read back as the truth."""
+    state dict over model.parameters(); bf16/fp16 with torch_adam: FP16_UnfusedOptimizer's fp32_groups), read back as
+    the truth; an fp16 source's dynamic loss scale in the wrapper's fields."""
     _, result = convert(fx.ckpt, tmp_path / "out", 2, 0)
     assert result.verified_tensors > 0
     back = read_checkpoint(tmp_path / "out")
@@ -168,41 +174,54 @@ def test_zero_to_stage0(fx, tmp_path):
     assert sorted(got) == sorted(expected)
     for n, t in got.items():
         assert torch.equal(t, expected[n]), n
+    if fx.meta["dtype"] == "fp16":
+        opt = _tree(tmp_path / "out" / fx.meta["tag"] / "mp_rank_00_model_states.pt")["optimizer"]
+        src = _scaler_fields(_tree(next((fx.ckpt / fx.meta["tag"]).glob("zero_pp_rank_0_*optim_states.pt"))))
+        assert src["cur_scale"] == fx.meta["loss_scale"] == 256
+        assert {k: opt[k] for k in ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter",
+                                    "scale_factor", "scale_window")} == {
+            "dynamic_loss_scale": True, **{k: src[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter",
+                                                               "scale_factor", "scale_window")}}
 
 
-@pytest.mark.parametrize("name, why", [
-    ("s2_fp16_w2_cpuforced", "an fp16 target"),
-    ("s2_fp32_w2_legacy", None),
-])
-def test_zero_to_stage0_refusals(name, why):
-    fx = next(f for f in all_fixtures() if f.name == name)
+def test_zero_to_stage0_refusals(tmp_path):
+    fx = next(f for f in all_fixtures() if f.name == "s2_fp32_w2_legacy")
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    if why is None:  # fp32 with two param groups: which group a frozen param was given to is not recorded
-        import json as _json
-        cfg = _json.loads(_json.dumps(ckpt.ds_config))
-        two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
-        from dsckpt.ds_writers import plan_layout  # noqa: F401  (the refusal is the planner's)
-        from dsckpt.ds_writers.stage0 import plan_stage0_from_zero
-        with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
-            plan_stage0_from_zero(dataclasses.replace(ckpt, ds_config=cfg), [list(two[0]), list(two[1])], {})
-        return
-    with pytest.raises(UnsupportedCheckpointError, match=why):
-        plan_reshard(ckpt, 2, zero_stage=0, facts=read_source_facts(ckpt, cache))
+    # fp32 with two param groups: which group a frozen param was given to is not recorded
+    from dsckpt.ds_writers.stage0 import plan_stage0_from_zero, stage0_wrapper
+
+    two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
+    with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
+        plan_stage0_from_zero(ckpt, [list(two[0]), list(two[1])], {})
     with pytest.raises(UsageError, match="--zero-stage must be 0, 1, 2 or 3"):
         plan_reshard(ckpt, 2, zero_stage=4)
+    # 16-bit: FusedAdam (FP16_Optimizer) or not, from the ds_config, else from the param groups' keys
+    fp16 = read_checkpoint(next(f for f in all_fixtures() if f.name == "s2_fp16_w2_cpuforced").ckpt)
+    assert stage0_wrapper(fp16) == "FP16_UnfusedOptimizer"
+    cfg = {**fp16.ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    assert stage0_wrapper(dataclasses.replace(fp16, ds_config=cfg)) == "FP16_Optimizer"
+    no_opt = dataclasses.replace(fp16, ds_config={k: v for k, v in fp16.ds_config.items() if k != "optimizer"})
+    assert stage0_wrapper(no_opt) == "FP16_UnfusedOptimizer"  # torch's AdamW groups hold 'foreach'
+    bare = dataclasses.replace(no_opt, optimizer_groups=tuple(
+        dataclasses.replace(g, hyperparams=tuple((k, v) for k, v in g.hyperparams if k != "foreach"))
+        for g in fp16.optimizer_groups))
+    with pytest.raises(UnsupportedCheckpointError, match="names no optimizer"):
+        stage0_wrapper(bare)
 
 
-STAGE0 = [f for f in all_fixtures() if f.meta["stage"] == 0 and f.meta["dtype"] != "fp16"
-          and not f.name.startswith(("moe", "ds0")) and f.meta.get("pp_size", 1) == 1]  # pipelines: ZeRO-1 only
+STAGE0 = [f for f in all_fixtures() if f.meta["stage"] == 0 and not f.name.startswith(("moe", "ds0"))
+          and f.meta.get("pp_size", 1) == 1]  # pipelines: ZeRO-1 only
 
 
 @pytest.mark.parametrize("fx", STAGE0, ids=ids(STAGE0))
 @pytest.mark.parametrize("world,stage", [(2, 1), (3, 2), (3, 3)])
 def test_stage0_to_zero(fx, world, stage, tmp_path):
-    """Stage 0 -> ZeRO-1/2/3 (fp32: the module is the master; bf16: FP16_UnfusedOptimizer's fp32_groups or
+    """Stage 0 -> ZeRO-1/2/3 (fp32: the module is the master; bf16/fp16: FP16_UnfusedOptimizer's fp32_groups or
     FP16_Optimizer's fp32_groups_flat): the output holds the recorded masters, moments, module weights and
-    buffers; its step and hyperparameters are the source's."""
+    buffers; its step and hyperparameters are the source's; fp16: the dynamic loss scale becomes ZeRO's
+    DynamicLossScaler, with what the stage-0 wrapper saved and the rest from the fp16 config (DeepSpeed's defaults
+    here), as DeepSpeed's own fp16 ZeRO files hold it (s2_fp16_w2_cpuforced)."""
     _, result = convert(fx.ckpt, tmp_path / "out", world, stage)
     assert result.verified_tensors > 0
     back = read_checkpoint(tmp_path / "out")
@@ -211,14 +230,32 @@ def test_stage0_to_zero(fx, world, stage, tmp_path):
     expected = fx.expected_fp32()
     names = [n for n, t in iter_tensors(back) if torch.equal(t, expected[n])]
     assert sorted(names) == sorted(expected)
+    optim = _tree(next((tmp_path / "out" / fx.meta["tag"]).glob("*zero_pp_rank_1_*optim_states.pt")))
+    scaler = _scaler_fields(optim)
+    if fx.meta["dtype"] == "fp16":
+        zero_fp16 = next(f for f in ZERO if f.name == "s2_fp16_w2_cpuforced")
+        want = _scaler_fields(_tree(zero_fp16.ckpt / zero_fp16.meta["tag"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        assert scaler == want  # both runs: 3 steps from 2**8 without overflow
+        assert type(optim["optimizer_state_dict"]["loss_scaler"]).__name__ == "DynamicLossScaler"
+    else:
+        assert scaler == {"cur_scale": 1.0, "dynamic": False}
 
 
-def test_stage0_fp16_to_zero_is_refused_by_name():
-    fx = next(f for f in all_fixtures() if f.name == "s0_fp16_w1_adapter_cpuforced")
-    cache = FileCache()
-    ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    with pytest.raises(UnsupportedCheckpointError, match="fp16 stage-0 save keeps its dynamic loss scale"):
-        plan_reshard(ckpt, 2, zero_stage=2, facts=read_source_facts(ckpt, cache))
+STAGE0_16BIT = [f for f in STAGE0 if f.meta["dtype"] != "fp32"]
+
+
+@pytest.mark.parametrize("fx", STAGE0_16BIT, ids=ids(STAGE0_16BIT))
+@pytest.mark.parametrize("via", [2, 3])
+def test_stage0_through_zero_and_back_is_the_same_file(fx, via, tmp_path):
+    """Stage 0 (FP16_Optimizer or FP16_UnfusedOptimizer, fp16 or bf16) -> ZeRO-``via`` on 3 ranks -> stage 0 on the
+    source's rank count gives back the model-states tree DeepSpeed wrote: every key in its order, every scalar (the
+    loss scale, FusedAdam's int step), every tensor bit for bit, and the fused module's params as views into one
+    flat 16-bit buffer per group at the recorded offsets."""
+    convert(fx.ckpt, tmp_path / "zero", 3, via)
+    convert(tmp_path / "zero", tmp_path / "back", fx.meta["dp_world_size"], 0)
+    name = "mp_rank_00_model_states.pt"
+    want, got = _tree(fx.ckpt / fx.meta["tag"] / name), _tree(tmp_path / "back" / fx.meta["tag"] / name)
+    assert tree_differences(want, got) == []
 
 
 # --- real DeepSpeed --------------------------------------------------------------------------------
@@ -307,3 +344,72 @@ def test_deepspeed_resumes_stage_converted_checkpoints(ds_stage_runs, case):
     assert {r["fixture"] for r in results} == ({n.removeprefix("universal/") for n in DS_STAGE_CASES[case]}
                                                & {f.name for f in all_fixtures()})
     assert all(r["world_size"] == case[0] for r in results)
+
+
+# --- fp16 stage 0 <-> ZeRO (and the fused FP16_Optimizer target), real DeepSpeed: one launch on 2 ranks ----------
+# (fixture, target stage, stage passed through on the way or None). The check script runs each pair at its own
+# target stage (FIXTURE@STAGE=DIR), fp16 forced on the CPU ranks as the *_cpuforced fixtures were made, and compares
+# the loss scaler's whole state (--scale-state) besides masters, moments, module, buffers and counters.
+FP16_STAGE_CASES = [
+    ("s0_fp16_w1_adapter_cpuforced", 2, None),  # FP16_UnfusedOptimizer -> ZeRO-2
+    ("s0_fp16_w1_bnoverflow", 3, None),  # FP16_UnfusedOptimizer (made on a GPU, BN inf) -> ZeRO-3
+    ("s1_fp16_w3_cpuforced", 0, None),  # ZeRO-1 -> FP16_UnfusedOptimizer
+    ("s3_fp16_w2_cpuforced", 0, None),  # ZeRO-3 -> FP16_UnfusedOptimizer
+]
+# FusedAdam: the stage-0 FP16_Optimizer, and FusedAdam inside ZeRO. DeepSpeed JIT-builds its CPU fused_adam op on
+# first use (minutes on a 2-core machine), so these run where the op is built, or with DSCKPT_JIT_LIVE=1.
+FP16_FUSED_CASES = [
+    ("s0_fp16_w1_adapter_fused_cpuforced", 1, None),  # FP16_Optimizer -> ZeRO-1
+    ("s0_fp16_w1_fused", 0, 3),  # FP16_Optimizer (made on a GPU) -> ZeRO-3 -> FP16_Optimizer
+    ("s0_bf16_w1_adapter_fused", 0, 2),  # bf16 FP16_Optimizer -> ZeRO-2 -> FP16_Optimizer
+]
+FP16_TAMPERED = "s2_fp16_w2_cpuforced"  # -> stage 0 with cur_scale 128 and cur_iter 2: the check must see both
+
+
+def _write_fp16_scale_tampered(out: Path) -> None:
+    convert(REPO / "tests" / "fixtures" / FP16_TAMPERED / "ckpt", out, 2, 0)
+    path = next(out.glob("*/mp_rank_00_model_states.pt"))
+    tree = torch.load(path, weights_only=False)  # a control written by this test: trusted
+    tree["optimizer"].update(cur_scale=128, cur_iter=2)
+    torch.save(tree, path)
+
+
+@pytest.fixture(scope="module")
+def ds_fp16_stage_run(tmp_path_factory):
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_fp16_stage")
+    cases = FP16_STAGE_CASES + (FP16_FUSED_CASES if jit_op_built("fused_adam") else [])
+    pairs = []
+    for name, stage, via in cases:
+        src = REPO / "tests" / "fixtures" / name / "ckpt"
+        if via is not None:
+            convert(src, base / f"{name}_via{via}", 3, via)
+            src = base / f"{name}_via{via}"
+        convert(src, base / f"{name}_s{stage}", 2, stage)
+        pairs.append(f"{name}@{stage}={base / f'{name}_s{stage}'}")
+    _write_fp16_scale_tampered(base / "tampered")
+    pairs.append(f"{FP16_TAMPERED}@0={base / 'tampered'}")
+    return cases, run_check_script("ds_reshard_check.py", pairs, args=["--force-cpu-fp16", "--scale-state"], world=2,
+                                   cwd=base, timeout=1500)
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_fp16_stage_changes(ds_fp16_stage_run):
+    """fp16 stage 0 <-> ZeRO: DeepSpeed's plain load_checkpoint at the new stage restores the fp32 masters, Adam
+    moments and step, module weights, buffers, counters and the whole loss-scaler state exactly, and one more step
+    runs; the control with a tampered loss scale fails on exactly that."""
+    cases, (rc, results, log) = ds_fp16_stage_run
+    results, control = passed_except_controls(results, log)
+    assert len(control) == 1 and not control[0]["ok"], log
+    assert sorted({p.split(": ", 1)[1] for p in control[0]["problems"]}) == [
+        "loss scale 128.0 != 256.0",
+        "loss scaler state {'cur_iter': 2, 'last_overflow_iter': -1, 'scale_window': 1000, 'scale_factor': 2.0, "
+        "'dynamic': True} != {'cur_iter': 3, 'last_overflow_iter': -1, 'scale_window': 1000, 'scale_factor': 2.0, "
+        "'dynamic': True}"], control[0]["problems"]
+    assert rc == 1, log
+    assert [r["fixture"] for r in results] == [f"{n}@{s}" for n, s, _ in cases]
+    if not any(n == FP16_FUSED_CASES[0][0] for n, _, _ in cases):
+        pytest.skip("the FusedAdam cases need DeepSpeed's CPU fused_adam op built (DSCKPT_JIT_LIVE=1 builds it); "
+                    "the others passed")

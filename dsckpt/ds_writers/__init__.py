@@ -240,11 +240,11 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
-    if ckpt.moe is not None and target.zero_stage != src_stage:
+    if ckpt.moe is not None and target.zero_stage != src_stage and 3 in (src_stage, target.zero_stage):
         raise UnsupportedCheckpointError(
             f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
-            f"{target.zero_stage}: stage changes of MoE checkpoints are not supported (DeepSpeed 0.19.8 has no "
-            "native MoE at ZeRO-3); reshard it at its own stage")
+            f"{target.zero_stage}: DeepSpeed 0.19.8 has no native MoE at ZeRO-3 (\"Native DeepSpeed MoE is not "
+            "supported with ZeRO Stage 3\"); pick stage 0, 1 or 2")
     if target.zero_stage in (0, 3) and any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
         raise UnsupportedCheckpointError(
             f"cannot convert '{ckpt.tag_dir}' (Muon) from ZeRO stage {src_stage} to stage {target.zero_stage}: "
@@ -352,10 +352,11 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     jobs: list[tuple[Path, Any]] = []
     if plan.zero_stage == 0 and plan.from_stage != 0:
         from .common import optimizer_scalars
-        from .stage0 import stage0_tree_from_zero
+        from .stage0 import stage0_trees_from_zero
 
         zero_scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
-        return [(tag_dir / "mp_rank_00_model_states.pt", stage0_tree_from_zero(plan, ckpt, zero_scalars, cache))]
+        return [*((tag_dir / name, tree) for name, tree in stage0_trees_from_zero(plan, ckpt, zero_scalars, cache)),
+                *_copied(plan, tag_dir, cache)]
     if plan.zero_stage == 0:
         from .stage0 import stage0_model_trees
 

@@ -25,6 +25,7 @@ __all__ = [
     "OptimizerScalars",
     "fmt_key",
     "fragment_address",
+    "dynamic_loss_scaler_from_stage0",
     "loss_scaler",
     "optimizer_scalars",
     "own_copy",
@@ -32,6 +33,7 @@ __all__ = [
     "retarget_tp_keys",
     "shapes_tree",
     "stage0_scalars",
+    "stage0_scale_fields",
     "streamed",
     "target_ds_config",
     "universal_scalars",
@@ -127,13 +129,56 @@ def zero_stage_enum(stage: int) -> Any:
     return _stand_in("deepspeed.runtime.zero.config", "ZeroStageEnum")(stage)
 
 
-def loss_scaler() -> Any:
-    """The static ``LossScaler(1.0)`` DeepSpeed 0.19.8 pickles in fp32 and bf16 ZeRO optimizer files
-    (``BF16_Optimizer`` files have none)."""
+def loss_scaler(cur_scale: Any = 1.0) -> Any:
+    """The static ``LossScaler`` DeepSpeed 0.19.8 pickles in ZeRO optimizer files: ``LossScaler(1.0)`` in fp32 and
+    bf16 ones (``BF16_Optimizer`` files have none), ``LossScaler(fp16.loss_scale)`` with a static fp16 scale."""
     cls = _stand_in("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
     obj = cls.__new__(cls)
-    obj.__dict__.update(cur_scale=1.0, dynamic=False)
+    obj.__dict__.update(cur_scale=cur_scale, dynamic=False)
     return obj
+
+
+# The stage-0 FP16_Optimizer / FP16_UnfusedOptimizer loss-scale fields (fused_optimizer.py and unfused_optimizer.py
+# ``state_dict``, DeepSpeed 0.19.8): what they keep of the dynamic scaler. ZeRO pickles the whole DynamicLossScaler.
+STAGE0_SCALE_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter")
+STAGE0_DYNAMIC_KEYS = ("last_overflow_iter", "scale_factor", "scale_window")
+
+
+def dynamic_loss_scaler_from_stage0(opt: Mapping[str, Any], ds_config: Any) -> Any:
+    """ZeRO's pickled ``DynamicLossScaler`` (loss_scaler.py:219-239) for the dynamic scale a stage-0 fp16 save keeps
+    in its optimizer's fields: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``, ``scale_factor``,
+    ``scale_window`` as saved. The rest is configuration, not state, and comes from the recorded ds_config's ``fp16``
+    section with DeepSpeed's defaults (precision_config.py ``dynamic_loss_scale_args``): ``min_scale``
+    (``min_loss_scale``, 1), ``delayed_shift`` (``hysteresis``, 2), ``consecutive_hysteresis`` (False). The stage-0
+    optimizers have no hysteresis, so ``cur_hysteresis`` is the full ``delayed_shift`` a ZeRO run starts with."""
+    from ..stand_ins import TorchDtype
+
+    fp16 = ds_config.get("fp16") if isinstance(ds_config, Mapping) else None
+    fp16 = fp16 if isinstance(fp16, Mapping) else {}
+    hysteresis = fp16.get("hysteresis", 2)
+    cls = _stand_in("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
+    obj = cls.__new__(cls)
+    obj.__dict__.update(
+        cur_scale=opt["cur_scale"], cur_iter=opt["cur_iter"], last_overflow_iter=opt["last_overflow_iter"],
+        scale_factor=opt["scale_factor"], scale_window=opt["scale_window"],
+        min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
+        consecutive_hysteresis=fp16.get("consecutive_hysteresis", False), raise_error_at_min_scale=True,
+        dynamic=True, dtype=TorchDtype("float16"))
+    return obj
+
+
+def stage0_scale_fields(scaler: Any, *, fp16: bool, cur_iter: int) -> dict[str, Any]:
+    """The loss-scale fields of a stage-0 ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` state dict for the ZeRO
+    ``scaler`` (the source's pickled ``LossScaler`` / ``DynamicLossScaler``): what those optimizers load back
+    (``load_state_dict``). A static scaler keeps no iteration count; ``cur_iter`` stands in for it (the stage-0
+    optimizers count every step, as ``global_steps`` does). ``cur_hysteresis`` has no stage-0 counterpart (those
+    optimizers lower the scale at the first overflow)."""
+    state = getattr(scaler, "__dict__", {})
+    if not fp16:  # bf16: no scaling (LossScaleConfig.use_grad_scaling is False); what 0.19.8 saves for it
+        return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": cur_iter}
+    if state.get("dynamic"):
+        return {"dynamic_loss_scale": True, **{k: state[k] for k in ("cur_scale", "cur_iter", *STAGE0_DYNAMIC_KEYS)}}
+    return {"dynamic_loss_scale": False, "cur_scale": state.get("cur_scale", 1.0), "cur_iter": cur_iter}
 
 
 def shapes_tree(plan: LayoutPlan, like: Any = None) -> list[OrderedDict[str, Any]]:
@@ -217,16 +262,25 @@ def group_state_tree(group_state: Mapping[str, Any], specs: Mapping[str, FlatSpe
 def stage0_scalars(model_states: Mapping[str, Any]) -> OptimizerScalars:
     """The scalars of a stage-0 save (``mp_rank_00_model_states.pt``'s ``optimizer``: a torch optimizer's state
     dict, or ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``'s around one, fp16/fused_optimizer.py and
-    unfused_optimizer.py ``state_dict``). fp32 and bf16 ZeRO files hold a static ``LossScaler(1.0)``; a dynamic
-    fp16 scaler has no counterpart written here and is refused before planning."""
+    unfused_optimizer.py ``state_dict``). fp32 and bf16 ZeRO files hold a static ``LossScaler(1.0)``; fp16 ones the
+    static scale or the ``DynamicLossScaler`` built from the stage-0 fields
+    (:func:`dynamic_loss_scaler_from_stage0`)."""
     opt = model_states.get("optimizer")
     if not isinstance(opt, Mapping):
         raise CorruptCheckpointError("the stage-0 model states hold no optimizer state")
     inner: Mapping[str, Any] = opt[OSD] if isinstance(opt.get(OSD), Mapping) else opt
     groups = tuple({k: v for k, v in pg.items() if k != "params"} for pg in inner.get("param_groups") or [])
     steps = [st["step"] for st in (inner.get("state") or {}).values() if isinstance(st, Mapping) and "step" in st]
+    dynamic = inner is not opt and bool(opt.get("dynamic_loss_scale"))
+    if dynamic:
+        missing = [k for k in STAGE0_SCALE_KEYS + STAGE0_DYNAMIC_KEYS if k not in opt]
+        if missing:
+            raise CorruptCheckpointError(f"the stage-0 optimizer has a dynamic loss scale but no {', '.join(missing)}")
+        scaler = dynamic_loss_scaler_from_stage0(opt, model_states.get("ds_config"))
+    else:  # a static scale (fp16 "loss_scale" > 0), or none (fp32, bf16): LossScaler(cur_scale)
+        scaler = loss_scaler(opt.get("cur_scale", 1.0) if inner is not opt else 1.0)
     return OptimizerScalars(
-        loss_scaler=loss_scaler(), dynamic_loss_scale=False, overflow=False, clip_grad=opt.get("clip_grad"),
+        loss_scaler=scaler, dynamic_loss_scale=dynamic, overflow=False, clip_grad=opt.get("clip_grad"),
         param_groups=groups, step=steps[0] if steps else None, ds_version=model_states.get("ds_version"),
         top={k: model_states[k] for k in ("ds_config", "ds_version") if k in model_states},
         group_states=tuple(_scalar_state(st) for st in group_states(inner)),

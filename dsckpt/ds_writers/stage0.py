@@ -8,13 +8,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
 __all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
-           "stage0_tree_from_zero"]
+           "stage0_trees_from_zero", "stage0_wrapper"]
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
@@ -43,19 +43,15 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
     params in the optimizer's order (the order of ``fp32_groups[g]``, of the offsets in ``fp32_groups_flat[g]``,
     or of the torch state indices, whichever the save has).
 
-    Refuses fp16 (``FP16_Optimizer``'s dynamic loss scaler would have to become ZeRO's ``DynamicLossScaler``
-    object, which no writer here builds) and MoE (expert-parallel optimizer files)."""
+    fp16: the loss scale the wrapper keeps in its own fields becomes ZeRO's ``DynamicLossScaler``
+    (:func:`~.common.stage0_scalars`). MoE (fp32, ``expp_rank_*`` files): an expert group's order is expert-parallel
+    rank 0's, under the local names ZeRO's ``param_shapes`` list (its experts' global names are those); the other
+    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`)."""
     import dataclasses
 
-    if ckpt.precision is Precision.FP16:
-        raise UnsupportedCheckpointError(
-            f"cannot convert '{ckpt.tag_dir}' from stage 0 to ZeRO: an fp16 stage-0 save keeps its dynamic loss "
-            "scale in FP16_Optimizer's own fields, and dsckpt does not build ZeRO's DynamicLossScaler from them; "
-            "reshard it at stage 0, or write --universal (DeepSpeed's universal loader starts a fresh loss scale)")
-    if ckpt.moe is not None:
-        raise UnsupportedCheckpointError(
-            f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from stage 0 to ZeRO: its expert-parallel "
-            "optimizer files (expp_rank_*) are not converted; reshard it at stage 0")
+    from .moe import held_by_ep_rank_0
+
+    expert_groups = {g for g, ep in enumerate(ckpt.moe.group_ep_sizes) if ep is not None} if ckpt.moe else set()
     entries = []
     members: dict[int, list[tuple[tuple[object, ...], str]]] = {}
     for e in ckpt.entries:
@@ -72,54 +68,102 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
             where = (e.state_piece("exp_avg") if ckpt.optimizer_wrapper == "torch optimizer" else master) or master
             f = where.fragments[0]
             key = tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in f.key)
-            members.setdefault(e.group if e.group is not None else 0, []).append(((*key, f.src_offset), e.name))
+            group = e.group if e.group is not None else 0
+            if group not in expert_groups or held_by_ep_rank_0(ckpt, e.name):
+                members.setdefault(group, []).append(((*key, f.src_offset), e.name))
         entries.append(e)
     orders = [[n for _, n in sorted(members[g], key=lambda m: m[0])] for g in sorted(members)]
     return dataclasses.replace(ckpt, entries=tuple(entries)), orders
 
 
+def stage0_wrapper(ckpt: LogicalCheckpoint) -> str:
+    """The wrapper DeepSpeed 0.19.8's stage-0 engine puts around the optimizer of ``ckpt``'s run, as the readers name
+    it: none at fp32 (``"torch optimizer"``); at fp16/bf16 ``FP16_Optimizer`` when the inner optimizer is
+    ``FusedAdam`` (engine.py ``_configure_fp16_optimizer``: ``isinstance(optimizer, FusedAdam)``), which DeepSpeed
+    builds for ``"type": "Adam"``/``"AdamW"`` unless ``torch_adam`` (``_configure_basic_optimizer``; a ZeRO-Offload
+    run's DeepSpeedCPUAdam is FusedAdam too once there is no ZeRO to offload with), else ``FP16_UnfusedOptimizer``.
+    Without an ``optimizer`` section (a client optimizer) the param groups tell: FusedAdam's hold ``bias_correction``
+    and no ``foreach``, torch's ``foreach``."""
+    if ckpt.precision is Precision.FP32:
+        return "torch optimizer"
+    cfg = ckpt.ds_config or {}
+    opt = cfg.get("optimizer") if isinstance(cfg, Mapping) else None
+    if isinstance(opt, Mapping) and opt.get("type") is not None:
+        params: Mapping[str, Any] = opt["params"] if isinstance(opt.get("params"), Mapping) else {}
+        fused = str(opt["type"]).lower() in ("adam", "adamw") and not params.get("torch_adam", False)
+        return "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"
+    keys = {k for g in ckpt.optimizer_groups for k, _ in g.hyperparams}
+    if "foreach" in keys:
+        return "FP16_UnfusedOptimizer"
+    if "bias_correction" in keys:
+        return "FP16_Optimizer"
+    raise UnsupportedCheckpointError(
+        f"cannot convert '{ckpt.tag_dir}' to stage 0: its ds_config names no optimizer and its param groups do not "
+        "say whether it was DeepSpeed's FusedAdam (stage 0 then uses FP16_Optimizer) or another optimizer "
+        "(FP16_UnfusedOptimizer); write it as ZeRO-1 instead (--zero-stage 1: the full module on every rank)")
+
+
 def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], common: Mapping[str, Any]) -> LayoutPlan:
     """ZeRO-1/2/3 -> stage 0: one ``mp_rank_00_model_states.pt`` holding the full module and the optimizer state
-    DeepSpeed 0.19.8's stage-0 engine loads (engine.py ``_load_checkpoint``: ``optimizer.load_state_dict``):
+    DeepSpeed 0.19.8's stage-0 engine loads (engine.py ``_load_checkpoint``: ``optimizer.load_state_dict``), for the
+    wrapper :func:`stage0_wrapper` names:
 
     * fp32: a plain torch optimizer state dict. Its indices count ``model.parameters()`` in module order, frozen
       params included (they hold no state), as the engine builds the optimizer from the params it is given; so
       one param group only, and the run must pass ``model.parameters()`` (torch refuses a group of another size);
-    * bf16 with ``torch_adam``: ``FP16_UnfusedOptimizer``'s (fp16/unfused_optimizer.py ``state_dict``): per group
-      its trainable params' fp32 masters (``fp32_groups``), the inner state indexed over them, a static scale.
-
-    Refused (not written yet): fp16 (its dynamic loss scaler), and bf16 without ``torch_adam`` (the fused
-    ``FP16_Optimizer`` with ``fp32_groups_flat``)."""
-    cfg = ckpt.ds_config or {}
-    opt_params = ((cfg.get("optimizer") or {}).get("params") or {}) if isinstance(cfg.get("optimizer"), Mapping) else {}
+    * ``FP16_UnfusedOptimizer`` (fp16/unfused_optimizer.py ``state_dict``): per group its trainable params' fp32
+      masters (``fp32_groups``), the inner state indexed over them;
+    * ``FP16_Optimizer`` (fp16/fused_optimizer.py ``state_dict``): per group one flat fp32 master
+      (``fp32_groups_flat``, the group's params in order, unpadded), the inner state per group, ``clip_grad``; the
+      module's params of a group are views into one 16-bit flat buffer at the same offsets, as DeepSpeed saves them;
+    * fp16: the loss scale as those wrappers keep it (``cur_scale``, ``cur_iter`` and, dynamic, ``last_overflow_iter``,
+      ``scale_factor``, ``scale_window``; :func:`~.common.stage0_scale_fields`). They have no hysteresis: the ZeRO
+      scaler's ``cur_hysteresis`` has nowhere to go (a stage-0 run lowers the scale at the first overflow)."""
     why = None
-    if ckpt.precision is Precision.FP16:
-        why = "an fp16 target (its dynamic loss scaler in FP16_Optimizer's fields) is not written yet"
-    elif ckpt.precision is Precision.BF16 and not opt_params.get("torch_adam"):
-        why = ("a bf16 stage-0 run without torch_adam uses the fused FP16_Optimizer (fp32_groups_flat), which is not "
-               "written yet; with \"torch_adam\": true in the optimizer params it is FP16_UnfusedOptimizer, which is")
-    elif ckpt.precision is Precision.FP32 and len(orders) != 1:
-        why = (f"{len(orders)} param groups: at fp32 the stage-0 optimizer numbers every param it is given, frozen "
-               "ones too, and the files do not say which group a frozen param was given to")
-    elif ckpt.moe is not None or ckpt.autoep is not None:
-        why = "Mixture-of-Experts layouts are not converted to stage 0"
+    frozen = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None]
+    if ckpt.precision is Precision.FP32 and len(orders) != 1 and frozen:
+        why = (f"{len(orders)} param groups and frozen params ({', '.join(frozen[:3])}): at fp32 the stage-0 optimizer "
+               "numbers every param it is given, frozen ones too, and the files do not say which group a frozen param "
+               "was given to")
+    elif ckpt.autoep is not None:
+        why = "AutoEP layouts are not converted to stage 0"
+    elif ckpt.moe is not None and ckpt.precision is not Precision.FP32:
+        why = ("a native MoE run without ZeRO in 16-bit keeps FP16_Optimizer / FP16_UnfusedOptimizer state in its "
+               "expp_rank_* files, which dsckpt does not read, so it could not check what it wrote")
+    elif ckpt.moe is not None and len(ckpt.moe.ep_sizes) != 1:
+        why = (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
+               "keeps one expp_rank_* optimizer file per rank of one of them")
+    if ckpt.moe is not None and why is None:
+        expert_group_sizes(ckpt, common["world_size"])  # the expert-parallel size must divide the world size
     if why is not None:
         raise UnsupportedCheckpointError(f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {ckpt.zero_stage} to "
                                          f"stage 0: {why}; write it as ZeRO-1 instead (--zero-stage 1: the full "
                                          "module on every rank, as at stage 0)")
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
-    wrapper = "torch optimizer" if ckpt.precision is Precision.FP32 else "FP16_UnfusedOptimizer"  # as readers name it
+    wrapper = stage0_wrapper(ckpt)
+    notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
+             + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params too)"
+                if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
+    copied: tuple[Path, ...] = ()
+    if ckpt.moe is not None:
+        copied = copied_files(ckpt, stage0=False)
+        ep = ckpt.moe.ep_sizes[0]
+        notes.append(f"Mixture of Experts: expert-parallel size kept at {ep}; one expp_rank_* optimizer file per "
+                     f"expert-parallel rank (the dense groups and that rank's experts); the {len(copied)} expert "
+                     "files are copied unchanged")
     return LayoutPlan(**{**common, "optimizer_wrapper": wrapper}, param_shapes=shapes, subgroup_to_group=(),
-                      alignment_paddings=(), ranks=(),
-                      notes=("stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
-                             + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers "
-                                "frozen params too)" if ckpt.precision is Precision.FP32 else ""),))
+                      alignment_paddings=(), ranks=(), notes=tuple(notes), copied_model_files=copied)
 
 
-def stage0_tree_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any, cache: Any) -> dict[str, Any]:
-    """The ``mp_rank_00_model_states.pt`` tree of :func:`plan_stage0_from_zero`'s plan."""
-    from .common import own_copy, streamed, target_ds_config
+def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any,
+                           cache: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The files of :func:`plan_stage0_from_zero`'s plan besides the copied ones: ``mp_rank_00_model_states.pt``,
+    and for native MoE one ``expp_rank_{R}_mp_rank_00_optim_states.pt`` per expert-parallel rank ``R``
+    (engine.py ``_save_moe_checkpoint``: ``{"optimizer": optimizer.state_dict()}`` of that rank, whose expert groups
+    hold its experts under local names; ``mp_rank_00`` carries expert-parallel rank 0's, as DeepSpeed's rank 0
+    saves its own)."""
+    from .common import own_copy, stage0_scale_fields, streamed, target_ds_config
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module
 
@@ -138,26 +182,118 @@ def stage0_tree_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: An
         return {"step": own_copy(scalars.step),
                 **{k: whole(name, Role.OPTIM_STATE, k) for k in by_name[name].state_keys}}
 
+    def torch_state_dict(groups: list[list[str]], trained: set[str]) -> dict[str, Any]:
+        """A torch optimizer's state dict over ``groups`` of params (numbered across groups, as torch does); a
+        state for the ``trained`` ones."""
+        k, out_state, out_groups = 0, {}, []
+        for g, names in enumerate(groups):
+            out_groups.append({**scalars.param_groups[g], "params": list(range(k, k + len(names)))})
+            for n in names:
+                if n in trained:
+                    out_state[k] = state(n)
+                k += 1
+        return {"state": out_state, "param_groups": out_groups}
+
     orders = [[n for n, _ in group] for group in plan.param_shapes]
     optimizer: dict[str, Any]
-    if ckpt.precision is Precision.FP32:
+    fp16 = ckpt.precision is Precision.FP16
+    scale = stage0_scale_fields(scalars.loss_scaler, fp16=fp16, cur_iter=ckpt.global_steps or 0)
+    expp: list[tuple[str, dict[str, Any]]] = []
+    if ckpt.precision is Precision.FP32 and ckpt.moe is not None:
+        for r in range(ckpt.moe.ep_sizes[0]):
+            groups = [[_on_ep_rank(ckpt, n, r) if ckpt.moe.group_ep_sizes[g] else n for n in names]
+                      for g, names in enumerate(orders)]
+            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt",
+                         {"optimizer": torch_state_dict(groups, {n for names in groups for n in names})}))
+        optimizer = expp[0][1]["optimizer"]
+    elif ckpt.precision is Precision.FP32 and len(orders) == 1:
+        # one group: every param the engine was given (model.parameters(), frozen ones too) in module order
         params = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
-        trained = set(orders[0])
-        optimizer = {"state": {i: state(n) for i, n in enumerate(params) if n in trained},
-                     "param_groups": [{**scalars.param_groups[0], "params": list(range(len(params)))}]}
+        optimizer = torch_state_dict([params], set(orders[0]))
+    elif ckpt.precision is Precision.FP32:  # several groups and no frozen param (plan_stage0_from_zero)
+        optimizer = torch_state_dict(orders, {n for names in orders for n in names})
+    elif plan.optimizer_wrapper == "FP16_Optimizer":
+        optimizer, module = _fused_optimizer(plan, ckpt, scalars, module, orders, cache)
+        # FP16_Optimizer.state_dict saves the scale only where it scales (LossScaleConfig.use_grad_scaling: fp16)
+        optimizer = {**(scale if fp16 else {}), **optimizer}
     else:
-        k = 0
-        inner_state: dict[int, Any] = {}
-        groups = []
-        for g, names in enumerate(orders):
-            groups.append({**scalars.param_groups[g], "params": list(range(k, k + len(names)))})
-            for n in names:
-                inner_state[k] = state(n)
-                k += 1
-        optimizer = {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": ckpt.global_steps or 0,
-                     "optimizer_state_dict": {"state": inner_state, "param_groups": groups},
+        inner = torch_state_dict(orders, {n for names in orders for n in names})
+        optimizer = {**scale, "optimizer_state_dict": inner,
                      "fp32_groups": [[whole(n, Role.MASTER) for n in names] for names in orders]}
     src.update(module=module, optimizer=optimizer, param_shapes=None, frozen_param_shapes=None,
                frozen_param_fragments=None, shared_params=None, dp_world_size=plan.world_size,
                ds_config=target_ds_config(src.get("ds_config"), 0, None))
-    return src
+    return [("mp_rank_00_model_states.pt", src), *expp]
+
+
+def _on_ep_rank(ckpt: LogicalCheckpoint, local: str, ep_rank: int) -> str:
+    """The global name of expert param ``local`` (as ``param_shapes`` names it) on expert-parallel rank ``ep_rank``."""
+    from ..parallel_layout import EXPERT_NAME, global_expert_name
+
+    assert ckpt.moe is not None
+    m = EXPERT_NAME.match(local)
+    if m is None:
+        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{local}' sits in an expert group but is no expert param")
+    return global_expert_name(local, ep_rank, ckpt.moe.expert_cut(m["prefix"]))
+
+
+def _fused_optimizer(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any, module: Mapping[str, Any],
+                     orders: list[list[str]], cache: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``FP16_Optimizer``'s state dict (without the loss-scale fields) and the module to save beside it.
+
+    Per group ``g``: ``fp32_groups_flat[g]`` and the inner (FusedAdam) state ``g`` hold the group's params one after
+    the other, unpadded (``_flatten_dense_tensors``, fused_optimizer.py:89-103); the state keeps the source's scalars
+    (FusedAdam's int ``step``) as saved. The module's params of group ``g`` become views into one new 16-bit flat
+    buffer laid out the same way, as DeepSpeed's saved module is (its tensors are views into ``fp16_groups_flat``):
+    from each param's 16-bit copy, or, from a ZeRO-3 source, the module :func:`~.zero12.full_module` cast from the
+    masters. ``clip_grad``: the source's, else (ZeRO-3 files store none) the recorded ``gradient_clipping`` or
+    DeepSpeed's default 1.0 -- ``FP16_Optimizer.load_state_dict`` requires it and adopts it."""
+    from ..writers.torch_stream import TensorView, dtype_name
+    from .common import group_state_tree, streamed
+    from .plan import FlatSpec, OptimizerCopies, coalesce, range_copies
+
+    by_name = {e.name: e for e in ckpt.entries}
+    out = dict(module)
+    flats, inner_state, groups = [], {}, []
+    lowp = "float16" if ckpt.precision is Precision.FP16 else "bfloat16"
+    for g, names in enumerate(orders):
+        entries = [by_name[n] for n in names]
+        copies = OptimizerCopies(ckpt, entries)
+        offsets, total = [], 0
+        for e in entries:
+            copies.add(e.name, e, 0, e.numel, total)
+            offsets.append(total)
+            total += e.numel
+        flats.append(streamed(copies.master_spec(total), cache))
+        specs = dict(copies.state_specs(total))
+        inner_state[g] = group_state_tree(scalars.group_states[g] if g < len(scalars.group_states) else {}, specs,
+                                          cache)
+        groups.append({**scalars.param_groups[g], "params": [g]})
+        base: Any
+        if plan.from_stage == 3:  # the 16-bit params exist only as the masters cast (full_module): one flat tensor
+            import torch
+
+            base = torch.cat([module[n].reshape(-1) for n in names]) if names else torch.empty(0)
+            if dtype_name(base) != lowp:
+                base = base.to(getattr(torch, lowp))
+        else:
+            lowp_copies: list[Any] = []
+            for e, off in zip(entries, offsets):
+                piece = e.piece(Role.MODULE)
+                if piece is None:
+                    raise UnsupportedCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no 16-bit module copy")
+                lowp_copies.extend(range_copies(piece, 0, e.numel, off, e.name))
+            base = streamed(FlatSpec(total, lowp, coalesce(lowp_copies)), cache)
+        for e, off in zip(entries, offsets):
+            out[e.name] = TensorView(base, off, tuple(e.shape))
+    for name in list(out):  # tied aliases: the very view of their source, as state_dict() gives them
+        alias = by_name.get(name)
+        if alias is not None and alias.tied_to is not None and alias.tied_to in out:
+            out[name] = out[alias.tied_to]
+    clip = scalars.clip_grad
+    if clip is None:
+        cfg = ckpt.ds_config if isinstance(ckpt.ds_config, Mapping) else {}
+        clip = cfg.get("gradient_clipping", 1.0)
+    optimizer = {"optimizer_state_dict": {"state": inner_state, "param_groups": groups}, "fp32_groups_flat": flats,
+                 "clip_grad": clip}
+    return optimizer, out

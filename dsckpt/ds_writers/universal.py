@@ -285,11 +285,12 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
             yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
     for s in plan.step_files:
         step = lookup(cache.tree(s.file), s.key, s.file)
-        if not isinstance(step, TensorRef):  # FusedLamb keeps its step as a Python int
+        if not isinstance(step, TensorRef):  # FusedLamb and DeepSpeedCPULion keep their step as a Python int
             raise UnsupportedCheckpointError(
                 f"cannot write a universal checkpoint of '{plan.source_tag_dir}': the step of '{s.name}''s param group "
-                f"is a Python {type(step).__name__} (FusedLamb keeps it so), and a universal folder holds each step as "
-                "a tensor (zero/<param>/step.pt); reshard it as ZeRO files instead (reshard -n N)")
+                f"is a Python {type(step).__name__} (DeepSpeed's FusedLamb and DeepSpeedCPULion keep it so), and a "
+                "universal folder holds each step as a tensor (zero/<param>/step.pt); reshard it as ZeRO files "
+                "instead (reshard -n N)")
         yield s.path, own_copy(step)
     for c in plan.cast_files:
         yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}

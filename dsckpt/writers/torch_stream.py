@@ -56,8 +56,8 @@ from ..errors import CorruptCheckpointError, DsckptError
 if TYPE_CHECKING:
     from .safetensors import TensorSpec
 
-__all__ = ["CastTensor", "ChunkedTensor", "Extent", "Size", "StreamedTensor", "dtype_name", "element_nbytes",
-           "verify_torch_file", "write_torch_tree"]
+__all__ = ["CastTensor", "ChunkedTensor", "Extent", "Size", "StreamedTensor", "TensorView", "dtype_name",
+           "element_nbytes", "verify_torch_file", "write_torch_tree"]
 
 # Small buffers on purpose: the CRC pass and the write then read bytes that are still in the CPU's
 # cache. On the 2-core bench machine (1 MiB L2 per core) 4 x 512 KiB copied zero2-200m in 1.4-1.8 s,
@@ -184,6 +184,17 @@ class ChunkedTensor:
         return self.numel * element_nbytes(self.dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class TensorView:
+    """A contiguous view of ``shape`` at element ``offset`` of ``base`` (a 1-D :class:`StreamedTensor` or a
+    contiguous CPU ``torch.Tensor``): views of one base share one storage in the file, as a state dict's params that
+    live in one flat buffer do (DeepSpeed's stage-0 ``FP16_Optimizer`` module)."""
+
+    base: Any
+    offset: int
+    shape: tuple[int, ...]
+
+
 class Size(tuple):  # type: ignore[type-arg]
     """A ``torch.Size`` for trees written by :func:`write_torch_tree` without importing torch."""
 
@@ -284,6 +295,14 @@ class _TreePickler(_PurePickler):
         if isinstance(obj, StreamedTensor):
             st = self._storage(("new", id(obj)), obj.dtype, obj.numel, obj.extents)
             return _rebuild(st, 0, obj.shape, _contiguous_stride(obj.shape), False, obj.attrs)
+        if isinstance(obj, TensorView):
+            base = obj.base
+            if isinstance(base, StreamedTensor):
+                st = self._storage(("new", id(base)), base.dtype, base.numel, base.extents)
+            else:  # a torch.Tensor
+                assert base.device.type == "cpu" and base.is_contiguous(), "a view's torch base is contiguous on CPU"
+                st = self._storage(("tensor", id(base)), dtype_name(base.dtype), base.numel(), None, base)
+            return _rebuild(st, obj.offset, obj.shape, _contiguous_stride(obj.shape), False, None)
         storage = getattr(obj, "storage", None)
         if storage is not None and hasattr(storage, "file_offset") and hasattr(obj, "storage_offset"):
             dtype = dtype_name(storage)
