@@ -137,13 +137,13 @@ def run_check_script(script: str, pairs: Sequence[str], *, world: int, cwd: Path
     """Test side: run a check script (one that ends in :func:`report_checks`) on ``FIXTURE=DIR`` pairs.
 
     Returns its verdict (:func:`launch_verdict`: 0 all passed, 1 a check failed, else the launcher's status when
-    the results are incomplete), its JSON result list (empty if it wrote none) and a log: the PASS/FAIL lines,
-    or the end of its output when there are none, plus a note when the launcher's status was overruled.
+    the results are incomplete), its JSON result list (empty if it wrote none) and a log: the PASS/FAIL lines and
+    the ``*-EVIDENCE`` lines a script prints, or the end of its output when there are none, plus a note when the launcher's status was overruled.
     """
     result = Path(cwd) / f"result_{world}.json"
     proc = run_deepspeed(script, ["--result", str(result), *args, *pairs], world=world, cwd=cwd, timeout=timeout,
                          launcher=launcher, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL")) or "-EVIDENCE " in ln]
     results = json.loads(result.read_text()) if result.exists() else []
     complete = ([r["fixture"] for r in results] == [p.split("=", 1)[0] for p in pairs]
                 and all(r["world_size"] == world for r in results) and not ranks_done(result, world))
