@@ -244,17 +244,30 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+_STATE_DICT_LAYOUTS = {"dcp": "PyTorch distributed checkpoint (dcp)", "safetensors": "safetensors file",
+                       "safetensors-sharded": "safetensors shards (index or folder)", "torch": "torch file"}
+
+
 def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
     p = s["params"]
-    lines = [
-        f"checkpoint   {s['path']}",
-        f"tag          {s['tag']}" + (f"   (available: {', '.join(s['tags'])})" if len(s["tags"]) > 1 else ""),
-        f"layout       ZeRO stage {s['zero_stage']} ({s['layout']}), {s['precision']}, "
-        f"optimizer wrapper {s['optimizer_wrapper']}",
-        f"parallelism  data {s['dp_world_size']}, pipeline {s['pp_world_size']}, tensor {s['tp_world_size']}",
+    def known(v: Any) -> Any:
+        return "unknown" if v is None else v
+
+    # a state-dict file or folder has no tag, ZeRO stage or world sizes of its own: none is made up for it
+    other = _STATE_DICT_LAYOUTS.get(s["layout"])
+    lines = [f"checkpoint   {s['path']}"]
+    if s["tag"]:
+        lines.append(f"tag          {s['tag']}" + (f"   (available: {', '.join(s['tags'])})" if len(s["tags"]) > 1
+                                                   else ""))
+    lines += [
+        (f"layout       {other}, {s['precision']}, " if other else
+         f"layout       ZeRO stage {s['zero_stage']} ({s['layout']}), {s['precision']}, ")
+        + f"optimizer wrapper {s['optimizer_wrapper']}",
+        *([] if other else
+          [f"parallelism  data {s['dp_world_size']}, pipeline {s['pp_world_size']}, tensor {s['tp_world_size']}"]),
         f"deepspeed    {s['deepspeed_version'] or 'unknown'}",
-        f"progress     global step {s['global_steps']}, samples {s['global_samples']}, "
-        f"optimizer step {s['optimizer_step']}",
+        f"progress     global step {known(s['global_steps'])}, samples {known(s['global_samples'])}, "
+        f"optimizer step {known(s['optimizer_step'])}",
         f"params       {p['count']} tensors, {p['numel_total']:,} elements "
         f"({p['numel_trainable']:,} trainable, {p['numel_frozen']:,} frozen"
         + (f", {p['numel_undetermined']:,} undetermined" if p["numel_undetermined"] else "") + ")",

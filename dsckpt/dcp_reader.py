@@ -120,8 +120,9 @@ def _properties_dtype(props: Any) -> Any:
     return getattr(props, "dtype", None)
 
 
-def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str]]:
-    """The tensor items of ``.metadata`` (checked), and the keys of its bytes items."""
+def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str], list[Path]]:
+    """The tensor items of ``.metadata`` (checked), the keys of its bytes items, and every data file either
+    kind is stored in."""
     md_path = folder / METADATA_NAME
     if not _is(md, "Metadata") or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(md, "storage_data", None), dict):
@@ -210,7 +211,7 @@ def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str]]:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CorruptCheckpointError(f"{md_path}: {'; '.join(problems[:3])}{more}; the .metadata does not match "
                                      "the folder — it is corrupt, or the save did not finish")
-    return items, byte_keys
+    return items, byte_keys, sorted(spans)
 
 
 def _fragment(item: _Item, ch: _Chunk) -> Fragment:
@@ -239,7 +240,7 @@ def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]
     """The DCP folder at ``path`` as a logical checkpoint (see the module docstring); reads ``.metadata`` only."""
     folder = Path(path)
     md = safe_load.load_pickle(folder / METADATA_NAME)
-    items, _ = _parse(folder, md)
+    items, _, data_files = _parse(folder, md)
     cache = DcpCache()
     for it in items:
         for ch in it.chunks:
@@ -275,7 +276,7 @@ def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]
     dtypes = {e.stored_dtype for e in entries}
     precision = (Precision.FP16 if "float16" in dtypes else Precision.BF16 if "bfloat16" in dtypes
                  else Precision.FP32)
-    files = tuple(sorted({ch.file for it in items for ch in it.chunks}))
+    files = tuple(data_files)  # the optimizer's param groups sit in files of bytes items of their own
     logical = LogicalCheckpoint(
         root=folder, tag="", tag_dir=folder, layout="dcp", zero_stage=0, precision=precision, dp_world_size=1,
         pp_world_size=1, tp_world_size=1, ds_version=None, global_steps=None, global_samples=None,

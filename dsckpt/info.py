@@ -69,7 +69,9 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
     except DsckptError as err:
         problems.append(str(err))
     return {
-        "path": str(ckpt.root),
+        # a single file is named itself (its root is the folder it sits in)
+        "path": str(ckpt.files[0]) if ckpt.layout in ("safetensors", "torch") and len(ckpt.files) == 1
+        else str(ckpt.root),
         "tag": ckpt.tag,
         "tags": list_tags(ckpt.root),
         "layout": ckpt.layout,

@@ -67,6 +67,12 @@ def test_info_scan_verify_read_a_dcp_folder(dcp_outs: dict[str, Path]) -> None:
     out = str(dcp_outs["s2_bf16_w2_2groups"])
     code, stdout, _ = _cli("info", out)
     assert code == 0 and "health       ok" in stdout and "__0_0.distcp" in stdout and ".metadata" in stdout, stdout
+    # every file of the folder is listed (the param groups' bytes items have files of their own); no ZeRO stage,
+    # tag or world sizes are made up for a DCP folder, and what it does not record is "unknown"
+    assert f"files        {len(list(Path(out).iterdir()))} files," in stdout, stdout
+    assert "layout       PyTorch distributed checkpoint (dcp)" in stdout and "ZeRO stage" not in stdout, stdout
+    assert "\ntag " not in stdout and "parallelism" not in stdout, stdout
+    assert "progress     global step unknown, samples unknown, optimizer step unknown" in stdout, stdout
     code, stdout, _ = _cli("scan", out)
     assert code == 0 and "(dcp)" in stdout and "clean: nothing found" in stdout, stdout
     code, stdout, _ = _cli("verify", out)
@@ -84,6 +90,8 @@ def test_info_and_verify_take_single_files(tmp_path: Path) -> None:
         assert _cli("to-fp32", "-q", ckpt, str(f))[0] == 0
         code, stdout, stderr = _cli("info", str(f))
         assert code == 0 and "health       ok" in stdout, stdout + stderr
+        kind = "safetensors file" if name.endswith(".safetensors") else "torch file"
+        assert stdout.startswith(f"checkpoint   {f}\nlayout       {kind}, fp32,"), stdout
         code, stdout, stderr = _cli("verify", str(f))
         assert code == 0 and "all values finite" in stdout, stdout + stderr
 
