@@ -138,7 +138,8 @@ def target_layout(layout: TpLayout, tp: int, meta: AutoTpMeta | None) -> TpLayou
     if layout.source != "autotp":
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size of a Megatron-style TP record from {src} to {tp} is not supported: "
-            "its widths are the training code's, not DeepSpeed AutoTP's; keep the TP size, or write TP 1")
+            "its widths are the training code's, not DeepSpeed AutoTP's (dsckpt.tensor_parallel.megatron_layout cuts "
+            "it in Megatron's equal parts)")
     if meta is None:
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size from {src} to {tp} needs the model's HF config.json beside the "

@@ -22,7 +22,7 @@ from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.tensor_parallel import rank_view
 
 # Megatron-style fixtures pad their vocabulary (rows 30-31 past original_vocab_size 30): resharded with the TP size
-# kept (the padding rows carried), refused at another TP size (the padded size depends on the model).
+# kept (the padding rows carried); another TP size (re-padded by --make-vocab-size-divisible-by): test_reshard_tp_megatron.
 RESHARDABLE = list(TP_FIXTURES)
 PADDED = [fx for fx in TP_FIXTURES if fx.name.startswith("megatron")]
 UNPADDED = [fx for fx in TP_FIXTURES if fx not in PADDED]
@@ -249,16 +249,6 @@ def test_plan_is_one_data_parallel_plan_per_tp_rank():
     v0, v1 = (rank_view(ckpt, ckpt.tensor_parallel, t) for t in range(2))
     assert v0.entry(cut.name).shape == cut.rank_shapes[0] != v1.entry(cut.name).shape == cut.rank_shapes[1]
     assert all(p.numel == v1.entry(cut.name).numel for p in v1.entry(cut.name).pieces)
-
-
-@pytest.mark.parametrize("fx", PADDED, ids=[fx.name for fx in PADDED])
-def test_padded_vocabulary_tp_change_refused(fx, tmp_path):
-    """Another TP size pads the vocabulary to a size only the model knows: refused, pointing to --universal."""
-    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1"])
-    assert r.exit_code == 3, r.output
-    assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
-    assert "write --universal and load it with" in r.stderr
-    assert not (tmp_path / "o").exists()
 
 
 def test_cli_tp_kept(tmp_path):

@@ -148,7 +148,7 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
             f"cannot reshard '{ckpt.tag_dir}' (pipeline {stages.source_pp_size} x tensor parallelism {src_tp}) to "
             f"tensor parallelism {tp}: a pipeline run keeps its TP size here (its data-parallel size and stage count "
             "can change); its layer_XX-model_NN files hold each TP rank's module slices, which dsckpt does not re-cut")
-    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
+    layout = _tp_layout(ckpt, tp, facts, target) if ckpt.tensor_parallel is not None or tp != 1 else None
     parts = []
     for s in range(pp):
         for t in range(tp):
@@ -162,7 +162,9 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
             parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1, stages=None), view_facts,
                                      part_common))
     notes = parts[0].notes
-    if layout is not None and tp not in (1, src_tp):
+    if layout is not None and tp != src_tp and layout.source == "megatron":
+        notes = (*notes, _megatron_note(ckpt.tensor_parallel, layout))
+    elif layout is not None and tp not in (1, src_tp):
         meta = facts.autotp_meta
         split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
         note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
@@ -188,7 +190,22 @@ STAGE0_BF16_PIPELINE_NOTE = (
     'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
 
 
-def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
+def _megatron_note(source: Any, target: Any) -> str:
+    """What a TP size change of a Megatron-style record did, for the plan's notes."""
+    vocab = [(n, c) for n, c in target.name_to_cut.items() if c.keep_rows is not None]
+    split = sum(1 for c in target.name_to_cut.values() if c.dim is not None)
+    note = (f"tensor parallelism {source.tp_size} -> {target.tp_size} (Megatron-style record): {split} split params "
+            "cut in equal parts, as Megatron's layers and DeepSpeed's universal loader cut them")
+    if vocab:
+        name, c = vocab[0]
+        rows = sum(c.sub_widths[0])
+        note += (f"; vocabulary ({len(vocab)} params) of {c.keep_rows} rows padded to {rows} "
+                 f"({rows - c.keep_rows} zero rows in every copy; the source's "
+                 f"{source.name_to_cut[name].padding_rows} padding rows are not carried, as in ds_to_universal)")
+    return note
+
+
+def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts, target: Target) -> Any:
     """The target's :class:`~dsckpt.parallel_layout.TpLayout`: the source's cuts at ``tp`` ranks."""
     from ..tensor_parallel import resize_layout
 
@@ -201,7 +218,8 @@ def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
             f"{{\"load_universal\": true}} and autotp_size {tp}: DeepSpeed's universal loader cuts each param by the "
             "live AutoTP layer")
     try:
-        return resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
+        divisor = target.vocab_divisor if target.vocab_divisor is not None else facts.vocab_divisor
+        return resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta, vocab_divisor=divisor)
     except UnsupportedCheckpointError as e:
         raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
 
