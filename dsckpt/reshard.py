@@ -447,7 +447,12 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
             return 0
 
     if plan.mp_ranks:
-        return sum(output_nbytes_bound(p) for p in plan.mp_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
+        # re-cut layer files: per target TP rank at most the full module (source TP ranks x TP rank 0's bytes, the
+        # padded vocabulary's growth counted twice over)
+        layers = 2 * plan.source_tp_size * sum(size(p) + (64 << 10) for p in plan.recut_layer_files) * max(
+            1, -(-plan.tp_size // plan.source_tp_size))
+        return (sum(output_nbytes_bound(p) for p in plan.mp_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
+                + layers)
     models = [size(p) for p in plan.source_model_files]
     copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)

@@ -183,6 +183,9 @@ class LayoutPlan:
     source_pp_size: int = 1
     pp_size: int = 1
     stages: Any = None  # pipeline: the target's dsckpt.pipeline_stages.StagePlan
+    # tensor x pipeline at another TP size: TP rank 0's layer_XX-model_00 files, each re-cut for every target TP rank
+    # (the module's slices of its layer's params; dsckpt.ds_writers.layer_file_jobs)
+    recut_layer_files: tuple[Path, ...] = ()
 
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""
