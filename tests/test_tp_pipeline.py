@@ -382,15 +382,15 @@ def test_reshard_changes_data_parallel_and_stages_with_tp_kept(fx, tmp_path):
             _same(_materialized(fx / "ckpt" / tag / f), _materialized(tmp_path / out_dir / tag / f), f"{out_dir}/{f}")
 
 
-def _ds_route(fx: Path, key: str, n: str, tp: int, t: int) -> torch.Tensor:
+def _ds_route(fx: Path, key: str, n: str, tp: int, t: int, rows: int = 32) -> torch.Tensor:
     """Param ``n``'s ``key`` ("fp32", "exp_avg", "exp_avg_sq": ds_to_universal's recorded tensor; "lowp": the live
     engine's 16-bit slices merged) as DeepSpeed's universal loader gives it to TP rank ``t`` of ``tp``
-    (load_hp_checkpoint_state, DeepSpeed 0.19.8): the vocabulary zero-padded to the model's 32 rows, then torch.chunk
+    (load_hp_checkpoint_state, DeepSpeed 0.19.8): the vocabulary zero-padded to the model's ``rows``, then torch.chunk
     on the split dim -- each of fc1's 2 sub-params apart, fc2 on dim 1 -- and replicated params whole."""
     full = (_merge_local(n, [truth(fx)[f"tp{r}/lowp/{n}"] for r in range(2)]) if key == "lowp"
             else universal(fx)[f"{key}/{n}"])
     if n == TIED:
-        return torch.nn.functional.pad(full, (0, 0, 0, 32 - full.shape[0])).chunk(tp, 0)[t]
+        return torch.nn.functional.pad(full, (0, 0, 0, rows - full.shape[0])).chunk(tp, 0)[t]
     if n.endswith("fc1.weight"):
         return torch.cat([h.chunk(tp, 0)[t] for h in full.chunk(2, 0)], 0)
     if n.endswith("fc2.weight"):
@@ -398,15 +398,17 @@ def _ds_route(fx: Path, key: str, n: str, tp: int, t: int) -> torch.Tensor:
     return full
 
 
-# (label, CLI arguments, stages, TP size, DP size); D = 8 pads the 30-row vocabulary to 32 at TP 4 (as at TP 2)
-TP_CHANGES = [("pp2_tp4", ["-n", "8", "--tp-size", "4"], 2, 4, 1),
-              ("pp1_tp4", ["-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 1),
-              ("pp1_tp4_dp2", ["-n", "8", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 2)]
+# (label, CLI arguments, stages, TP size, DP size, make_vocab_size_divisible_by): D = 8 pads the 30-row vocabulary to
+# 32 at TP 4 (as at TP 2); D = 2 leaves it unpadded at TP 1
+TP_CHANGES = [("pp2_tp4", ["-n", "8", "--tp-size", "4"], 2, 4, 1, 8),
+              ("pp1_tp4", ["-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 1, 8),
+              ("pp1_tp4_dp2", ["-n", "8", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 2, 8),
+              ("pp2_tp1_dp2", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 2)]
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
-@pytest.mark.parametrize(("label", "args", "pp", "tp", "dp"), TP_CHANGES, ids=[c[0] for c in TP_CHANGES])
-def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args, pp, tp, dp, tmp_path):
+@pytest.mark.parametrize(("label", "args", "pp", "tp", "dp", "d"), TP_CHANGES, ids=[c[0] for c in TP_CHANGES])
+def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args, pp, tp, dp, d, tmp_path):
     """PP 2 x TP 2 -> TP 4 (stages kept, or 1 stage; DP 1 or 2): every TP rank's files, read as a plain pipeline
     checkpoint of local slices, hold DeepSpeed's own route's values (:func:`_ds_route`) -- fp32 masters, Adam moments
     and the layer files' 16-bit slices, the vocabulary's padding rows (now on TP rank 3) zero --, a layer file per
@@ -414,7 +416,8 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
     from dsckpt.assemble import read_piece
 
     out = tmp_path / label
-    stdout = _reshard_cli(fx / "ckpt", out, *args, "--make-vocab-size-divisible-by", "8")
+    stdout = _reshard_cli(fx / "ckpt", out, *args, "--make-vocab-size-divisible-by", str(d))
+    rows = 32 if tp > 1 else 30
     assert f"(PP 2 x TP 2 x DP 1 -> PP {pp} x TP {tp} x DP {dp})" in stdout
     tag = out / "global_step3"
     assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_{i:02d}-model_{t:02d}-model_states.pt"
@@ -428,17 +431,19 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
         for e in ckpt.entries:
             for key, piece in (("fp32", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
                                ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))):
-                want = _ds_route(fx, key, e.name, tp, t)
+                want = _ds_route(fx, key, e.name, tp, t, rows)
                 assert torch.equal(read_piece(piece, e.shape, cache_, name=e.name), want), (t, key, e.name)
                 checked += 1
             for p in e.pieces:  # the tied embedding's copy on the last stage equals its first
                 if p.replica and pp > 1:
                     assert torch.equal(read_piece(p, e.shape, cache_, name=e.name),
-                                       _ds_route(fx, "fp32" if p.role is Role.MASTER else p.state_key, e.name, tp, t))
+                                       _ds_route(fx, "fp32" if p.role is Role.MASTER else p.state_key, e.name, tp, t,
+                                                 rows))
     assert checked == tp * 13 * 4
     ms = torch.load(tag / f"mp_rank_{pp * tp - 1:02d}_model_states.pt", weights_only=False)
     assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]) == (pp * tp, {"pp_degree": pp, "tp_degree": tp})
-    assert ms["universal_checkpoint_info"]["padded_vocab_size"] == 32 and ms["args"]["tensor_model_parallel_size"] == 4
+    assert ms["args"]["tensor_model_parallel_size"] == tp and ms["args"]["padded_vocab_size"] == rows
+    assert ms.get("universal_checkpoint_info", {}).get("padded_vocab_size") == (32 if tp > 1 else None)
     cache_.finish_checks()
 
 
