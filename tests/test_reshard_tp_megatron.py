@@ -158,18 +158,20 @@ def test_wrong_or_unwritable_divisor_refused(tmp_path):
 
 
 def test_divisor_recorded_in_args_is_used(tmp_path):
-    """Megatron-DeepSpeed saves its args (make_vocab_size_divisible_by among them): a checkpoint that records it needs
-    no option. Here the fixture's args with the key added (a hand-edited copy)."""
+    """Megatron-DeepSpeed saves its args (an argparse.Namespace, make_vocab_size_divisible_by among them): a
+    checkpoint that records it needs no option, and the output's args (still a Namespace) say the new TP size and
+    padded vocabulary. Here the fixture's args dict replaced by such a Namespace (a hand-edited copy)."""
+    import argparse
     import shutil
 
-    from dsckpt.reshard import read_source_facts
+    from dsckpt.reshard import read_source_facts, run_reshard
 
     src = tmp_path / "src"
     shutil.copytree(TP_DIR / "megatron_z1_bf16_tp2_dp1" / "ckpt", src)
     for t in range(2):
         f = src / "global_step3" / f"mp_rank_{t:02d}_model_states.pt"
         sd = _load(f)
-        sd["args"]["make_vocab_size_divisible_by"] = 16
+        sd["args"] = argparse.Namespace(**sd["args"], make_vocab_size_divisible_by=16)
         torch.save(sd, f)
     cache = FileCache()
     ckpt = read_checkpoint(src, cache=cache)
@@ -178,6 +180,11 @@ def test_divisor_recorded_in_args_is_used(tmp_path):
     plan = plan_reshard(ckpt, 4, tp_size=4, facts=facts)
     assert plan.tp_layout.name_to_cut["embed.weight"].rank_shapes == ((16, 8),) * 4
     assert any("padded to 64 (34 zero rows in every copy" in n for n in plan.notes)
+    run_reshard(plan, tmp_path / "o", cache=cache, verify="full", workers=1)
+    args = _load(tmp_path / "o" / "global_step3" / "mp_rank_03_model_states.pt")["args"]
+    assert isinstance(args, argparse.Namespace)
+    assert vars(args) == {**vars(_load(src / "global_step3" / "mp_rank_00_model_states.pt")["args"]),
+                          "tensor_model_parallel_size": 4, "padded_vocab_size": 64}
 
 
 def test_cli_megatron_tp_change(tmp_path):
