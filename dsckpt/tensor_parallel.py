@@ -21,6 +21,11 @@ per row: a 70B model's row-parallel weights at TP 8 would otherwise carry ~65k f
 (~40M in all), held for the whole run. Consumers that need contiguous runs expand one tensor's fragments at a time
 (:meth:`Fragment.runs`).
 
+At another TP size (:func:`resize_layout`) an AutoTP record takes AutoTP's own width rule
+(:mod:`dsckpt.autotp_widths`) and a Megatron-style record Megatron's equal parts (:func:`megatron_layout`), its
+vocabulary re-padded to a multiple of ``make_vocab_size_divisible_by`` x TP with zero rows (:func:`rank_view`), as
+DeepSpeed's ``ds_to_universal`` + universal loader route does.
+
 Expert parallelism is described in the same vocabulary (:mod:`dsckpt.parallel_layout`, which holds the rank
 arithmetic of every parallel dimension): an expert-parallel rank's local experts are a dim-0 cut of a stacked
 ``(num_experts, ...)`` logical tensor, i.e. a :class:`ParamCut` of kind ``COLUMN`` over the expert index.
