@@ -290,9 +290,9 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
     carries them bit for bit; at another TP size of a Megatron-style record (:func:`megatron_layout`) they are
     zeros (:data:`~dsckpt.model.ZERO_FILL` fragments) in every stored copy, and the source's padding rows are left
     behind -- what ds_to_universal and DeepSpeed's universal loader do (``load_hp_checkpoint_state`` pads the
-    vocabulary with zeros). Refused (:class:`~dsckpt.errors.UnsupportedCheckpointError`) where ``layout`` pads
-    to another row count than the source, or the source lacks a copy's padding values (a universal checkpoint:
-    ds_to_universal cut them)."""
+    vocabulary with zeros). Refused (:class:`~dsckpt.errors.UnsupportedCheckpointError`) where ``layout`` keeps
+    the TP size but pads to another row count than the source, or the source lacks a copy's padding values that the
+    same TP size would carry (a universal checkpoint: ds_to_universal cut them)."""
     src_tp = max(1, ckpt.tp_world_size)
     s = t if t < src_tp else 0
     # another TP size re-pads a vocabulary with zeros (as DeepSpeed's universal loader does); the same one keeps it
