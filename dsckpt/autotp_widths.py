@@ -21,8 +21,9 @@ Inputs the rule needs come from the checkpoint (``ds_config``) and the HF ``conf
 (``deepspeed/checkpoint/affine.py``), after checking that those rebuild the source's entries exactly.
 
 Not derived (refused): fused sub-params (their widths come from the fused layer's own layout), Megatron-style
-records (the widths are the training code's), a vocabulary-split param whose module is not the output head
-(a tied embedding takes the head's widths, whose name the record does not keep), and a target size at which a
+records (the widths are the training code's: :func:`dsckpt.tensor_parallel.megatron_layout` cuts them instead), a
+vocabulary-split param whose module is not the output head (a tied embedding takes the head's widths, whose name the
+record does not keep), and a target size at which a
 rank would hold none of a param (fewer KV heads than TP ranks: AutoTP leaves such ranks idle; dsckpt does not
 write empty shards).
 
@@ -138,7 +139,8 @@ def target_layout(layout: TpLayout, tp: int, meta: AutoTpMeta | None) -> TpLayou
     if layout.source != "autotp":
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size of a Megatron-style TP record from {src} to {tp} is not supported: "
-            "its widths are the training code's, not DeepSpeed AutoTP's; keep the TP size, or write TP 1")
+            "its widths are the training code's, not DeepSpeed AutoTP's (dsckpt.tensor_parallel.megatron_layout cuts "
+            "it in Megatron's equal parts)")
     if meta is None:
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size from {src} to {tp} needs the model's HF config.json beside the "

@@ -853,6 +853,10 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "or pipeline parallelism, TP size x pipeline stages x data-parallel size.")
 @click.option("--tp-size", "tp_size", type=click.IntRange(min=1), default=None,
               help="Tensor-parallel size of the resumed run (default: the input's).")
+@click.option("--make-vocab-size-divisible-by", "vocab_divisor", type=click.IntRange(min=1), default=None,
+              metavar="D", help="With --tp-size, for a Megatron-style TP checkpoint with a vocabulary: Megatron's "
+                                "make_vocab_size_divisible_by, which pads the vocabulary to a multiple of D x TP "
+                                "(default: the value its saved args record).")
 @click.option("--ep-size", "ep_size", type=click.IntRange(min=1), default=None,
               help="Expert-parallel size (autoep_size) of the resumed run, for DeepSpeed AutoEP checkpoints "
                    "(default: the input's).")
@@ -899,7 +903,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
             sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
             ep_size: int | None, pp_size: int | None, partition_method: str | None, num_layers: int | None,
-            layer_types: str | None, distributed: bool) -> None:
+            layer_types: str | None, vocab_divisor: int | None, distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 0, 1, 2 and 3 from any of them).
 
@@ -932,10 +936,11 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None or tp_size is not None \
                 or ep_size is not None or pp_size is not None or partition_method is not None \
-                or num_layers is not None or layer_types is not None:
+                or num_layers is not None or layer_types is not None or vocab_divisor is not None:
             raise UsageError("--universal writes a folder DeepSpeed loads on any rank count, under the input's ZeRO "
                              "stage family; drop --world-size, --zero-stage, --sub-group-size, --tp-size, "
-                             "--ep-size, --pp-size, --partition-method, --num-layers and --layer-types")
+                             "--ep-size, --pp-size, --partition-method, --num-layers, --layer-types and "
+                             "--make-vocab-size-divisible-by")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
                            quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
         return
@@ -946,7 +951,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
                         facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size,
                         ep_size=ep_size, pp_size=pp_size, partition_method=partition_method, num_layers=num_layers,
-                        layer_types=layer_types.split(",") if layer_types else None)
+                        layer_types=layer_types.split(",") if layer_types else None,
+                        make_vocab_size_divisible_by=vocab_divisor)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)

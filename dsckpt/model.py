@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .parallel_layout import AutoEpLayout, MoeLayout, PipelineRecord, TpLayout
 
 __all__ = [
+    "ZERO_FILL",
     "Fragment",
     "Kind",
     "LogicalCheckpoint",
@@ -54,6 +55,12 @@ class Precision(enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+
+
+#: The ``file`` of a :class:`Fragment` whose elements are zeros written by a writer, not read from any file: the
+#: new vocabulary padding rows of a tensor-parallel resize (:func:`dsckpt.tensor_parallel.rank_view`), which
+#: DeepSpeed's universal loader fills with zeros too. Readers never make one; a NUL byte names no file on any OS.
+ZERO_FILL = Path("\x00zeros")
 
 
 @dataclass(frozen=True)

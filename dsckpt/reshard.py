@@ -101,7 +101,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
                  sub_group_size: int | None = None, facts: SourceFacts | None = None,
                  hf_files: bool = True, tp_size: int | None = None, ep_size: int | None = None,
                  pp_size: int | None = None, partition_method: str | None = None, num_layers: int | None = None,
-                 layer_types: Sequence[str] | None = None) -> ReshardPlan:
+                 layer_types: Sequence[str] | None = None,
+                 make_vocab_size_divisible_by: int | None = None) -> ReshardPlan:
     """Decide every byte range of the checkpoint resharded to ``world_size`` ranks and ZeRO stage
     ``zero_stage`` (default: the source's). No tensor I/O.
 
@@ -111,7 +112,9 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     ``partition_method`` (default DeepSpeed's ``parameters``) over the layer list (``num_layers``, ``layer_types``:
     what the files do not state; :func:`dsckpt.pipeline_stages.plan_stages`). A TP size other than the source's and 1
     takes AutoTP's widths at that size (:mod:`dsckpt.autotp_widths`), whose key/value head count is read from the HF
-    ``config.json`` in ``ckpt.root`` unless ``facts.autotp_meta`` gives it.
+    ``config.json`` in ``ckpt.root`` unless ``facts.autotp_meta`` gives it. A Megatron-style record splits every
+    param in equal parts at the new size (:func:`dsckpt.tensor_parallel.megatron_layout`) and pads its vocabulary
+    to a multiple of ``make_vocab_size_divisible_by`` x TP (default: the value the checkpoint's ``args`` record).
 
     ``sub_group_size``: ZeRO-3 target sub-groups (default: the source's at stage 3, else DeepSpeed's
     default). ``facts`` comes from :func:`read_source_facts`; without it, it is derived from ``ckpt``
@@ -176,8 +179,12 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     )
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
         raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
+    if make_vocab_size_divisible_by is not None and (not isinstance(make_vocab_size_divisible_by, int)
+                                                     or make_vocab_size_divisible_by < 1):
+        raise UsageError("--make-vocab-size-divisible-by must be a positive integer, got "
+                         f"{make_vocab_size_divisible_by!r}")
     return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size,
-                                    stages=stages), facts, common)
+                                    stages=stages, vocab_divisor=make_vocab_size_divisible_by), facts, common)
 
 
 
@@ -440,7 +447,12 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
             return 0
 
     if plan.mp_ranks:
-        return sum(output_nbytes_bound(p) for p in plan.mp_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
+        # re-cut layer files: per target TP rank at most the full module (source TP ranks x TP rank 0's bytes, the
+        # padded vocabulary's growth counted twice over)
+        layers = 2 * plan.source_tp_size * sum(size(p) + (64 << 10) for p in plan.recut_layer_files) * max(
+            1, -(-plan.tp_size // plan.source_tp_size))
+        return (sum(output_nbytes_bound(p) for p in plan.mp_ranks) + (plan.hf_files.nbytes if plan.hf_files else 0)
+                + layers)
     models = [size(p) for p in plan.source_model_files]
     copied = sum(size(p) for p in plan.copied_model_files)
     model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)

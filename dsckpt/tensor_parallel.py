@@ -21,6 +21,11 @@ per row: a 70B model's row-parallel weights at TP 8 would otherwise carry ~65k f
 (~40M in all), held for the whole run. Consumers that need contiguous runs expand one tensor's fragments at a time
 (:meth:`Fragment.runs`).
 
+At another TP size (:func:`resize_layout`) an AutoTP record takes AutoTP's own width rule
+(:mod:`dsckpt.autotp_widths`) and a Megatron-style record Megatron's equal parts (:func:`megatron_layout`), its
+vocabulary re-padded to a multiple of ``make_vocab_size_divisible_by`` x TP with zero rows (:func:`rank_view`), as
+DeepSpeed's ``ds_to_universal`` + universal loader route does.
+
 Expert parallelism is described in the same vocabulary (:mod:`dsckpt.parallel_layout`, which holds the rank
 arithmetic of every parallel dimension): an expert-parallel rank's local experts are a dim-0 cut of a stacked
 ``(num_experts, ...)`` logical tensor, i.e. a :class:`ParamCut` of kind ``COLUMN`` over the expert index.
@@ -37,11 +42,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .autotp_widths import target_layout
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .model import Fragment, LogicalCheckpoint, Piece, TensorEntry, runs_overlapping
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .model import ZERO_FILL, Fragment, LogicalCheckpoint, Piece, TensorEntry, runs_overlapping
 from .parallel_layout import ParamCut, SplitKind, TpBlock, TpLayout
 
-__all__ = ["affine_disagreement", "compose", "rank_view", "resize_layout", "tp_layout_from_record"]
+__all__ = ["affine_disagreement", "compose", "megatron_layout", "megatron_record_at", "padded_vocab_size", "rank_view",
+           "resize_layout", "tp_layout_from_record"]
 
 
 def compose(frag: Fragment, blocks: Sequence[TpBlock]) -> list[Fragment]:
@@ -281,15 +287,20 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
     TP ranks); its files (model states, optimizer files) are that source rank's. Vocabulary padding rows (local
     elements :meth:`ParamCut.padding_blocks` places past the kept rows) take their values from the entry's
     padding pieces (:attr:`~dsckpt.model.TensorEntry.padding`), so a reshard that keeps the padded vocabulary
-    carries them bit for bit. Refused (:class:`~dsckpt.errors.UnsupportedCheckpointError`) where ``layout`` pads
-    to another row count than the source, or the source lacks a copy's padding values (a universal checkpoint:
-    ds_to_universal cut them)."""
+    carries them bit for bit; at another TP size of a Megatron-style record (:func:`megatron_layout`) they are
+    zeros (:data:`~dsckpt.model.ZERO_FILL` fragments) in every stored copy, and the source's padding rows are left
+    behind -- what ds_to_universal and DeepSpeed's universal loader do (``load_hp_checkpoint_state`` pads the
+    vocabulary with zeros). Refused (:class:`~dsckpt.errors.UnsupportedCheckpointError`) where ``layout`` keeps
+    the TP size but pads to another row count than the source, or the source lacks a copy's padding values that the
+    same TP size would carry (a universal checkpoint: ds_to_universal cut them)."""
     src_tp = max(1, ckpt.tp_world_size)
     s = t if t < src_tp else 0
+    # another TP size re-pads a vocabulary with zeros (as DeepSpeed's universal loader does); the same one keeps it
+    repad = layout.tp_size != src_tp and layout.source == "megatron"
     other_size = [f"{e.name} ({e.shape[0] + e.padding_rows} rows, "
                   f"{e.shape[0] + layout.name_to_cut[e.name].padding_rows} at the target)" for e in ckpt.entries
                   if e.tied_to is None and layout.name_to_cut[e.name].padding_rows != e.padding_rows]
-    if other_size:
+    if other_size and not repad:
         raise UnsupportedCheckpointError(
             f"cannot write TP rank {t} of '{ckpt.tag_dir}': the target pads the vocabulary of {_list(other_size)} "
             "differently from the source, whose padding rows dsckpt would have to invent; keep the TP size, or write "
@@ -309,7 +320,9 @@ def rank_view(ckpt: LogicalCheckpoint, layout: TpLayout, t: int) -> LogicalCheck
                 if p.same_as is not None:
                     continue
                 frags = _local_fragments(p, blocks, e.name)
-                if pad_blocks:
+                if pad_blocks and repad:
+                    frags += tuple(Fragment(ZERO_FILL, (), 0, b.numel, b.local_offset) for b in pad_blocks)
+                elif pad_blocks:
                     pad = e.padding_of(p)
                     if pad is None:
                         no_padding.append(f"{e.name} ({p.label})")
@@ -448,22 +461,25 @@ def _intersect(f: Fragment, b: TpBlock, out: list[Fragment]) -> int:
     return covered
 
 
-def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayout:
+def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None, vocab_divisor: int | None = None) -> TpLayout:
     """``layout`` at another TP size: the same params cut for ``tp_size`` ranks. Pure.
 
-    TP 1 (every param whole on one rank) is always possible. Another size takes the widths DeepSpeed's AutoTP
-    would choose there (:func:`dsckpt.autotp_widths.target_layout`, proven on the source's widths first), which
-    needs ``meta`` (:class:`~dsckpt.autotp_widths.AutoTpMeta`, from the model's config.json); refused otherwise."""
+    A Megatron-style record (:func:`megatron_layout`) splits evenly, its vocabulary padded by ``vocab_divisor``
+    (Megatron's ``make_vocab_size_divisible_by``). An AutoTP one: TP 1 (every param whole on one rank) is always
+    possible; another size takes the widths DeepSpeed's AutoTP would choose there
+    (:func:`dsckpt.autotp_widths.target_layout`, proven on the source's widths first), which needs ``meta``
+    (:class:`~dsckpt.autotp_widths.AutoTpMeta`, from the model's config.json); refused otherwise."""
     if tp_size == layout.tp_size:
         return layout
+    if layout.source == "megatron":
+        return megatron_layout(layout, tp_size, vocab_divisor)
     padded = [n for n, c in layout.name_to_cut.items() if c.padding_rows]
     if padded:
         raise UnsupportedCheckpointError(
             f"{_list(padded)} hold padding rows past the original vocabulary size, which a model at another TP size "
-            "pads to a size only the model knows (Megatron: make_vocab_size_divisible_by x TP); changing the TP size "
-            "of a padded vocabulary is not supported: write --universal and load it with "
-            "\"checkpoint\": {\"load_universal\": true} (DeepSpeed re-pads the vocabulary with zeros for the new "
-            "model)")
+            "pads to a size only the model knows; changing the TP size of a padded vocabulary of an AutoTP record is "
+            "not supported: write --universal and load it with \"checkpoint\": {\"load_universal\": true} (DeepSpeed "
+            "re-pads the vocabulary with zeros for the new model)")
     if tp_size != 1:
         return target_layout(layout, tp_size, meta)
     cuts = {}
@@ -474,3 +490,99 @@ def resize_layout(layout: TpLayout, tp_size: int, *, meta: Any = None) -> TpLayo
         else:
             cuts[name] = dataclasses.replace(c, rank_shapes=(c.full_shape,), sub_widths=widths)
     return TpLayout(1, layout.source, cuts)
+
+
+def padded_vocab_size(vocab_size: int, divisor: int, tp_size: int) -> int:
+    """Megatron's ``_vocab_size_with_padding``: ``vocab_size`` rounded up to a multiple of ``divisor * tp_size``."""
+    multiple = divisor * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -> TpLayout:
+    """A Megatron-style record's ``layout`` cut for ``tp_size`` ranks the way Megatron's layers (and DeepSpeed's
+    universal loader, ``torch.chunk``) cut it: every split dim, and each sub-param of a fused param, in ``tp_size``
+    equal parts; a vocabulary padded to ``padded_vocab_size(original, vocab_divisor, tp_size)`` rows. Pure.
+
+    Proven first on the source: its TP ranks must hold the equal parts of each split (and ``vocab_divisor`` must give
+    the source's padded row count at the source's TP size). Raises
+    :class:`~dsckpt.errors.UnsupportedCheckpointError` naming every param that cannot be cut so (a split dim that
+    does not divide by ``tp_size``, uneven source widths, fused sub-params with recorded shard widths at TP > 1) or
+    a vocabulary that needs ``vocab_divisor`` without one; :class:`~dsckpt.errors.UsageError` for a
+    ``vocab_divisor`` that does not give the source's padded size."""
+    src = layout.tp_size
+    vocab = {n: c for n, c in layout.name_to_cut.items() if c.keep_rows is not None}
+    target_rows: int | None = None
+    if vocab:
+        orig = next(iter(vocab.values())).keep_rows
+        src_rows = {sum(c.sub_widths[0]) for c in vocab.values()}
+        assert orig is not None
+        padded = any(c.padding_rows for c in vocab.values())
+        if vocab_divisor is None and (padded or orig % tp_size):
+            was = f", padded to {max(src_rows)} at TP {src}" if padded else ""
+            raise UnsupportedCheckpointError(
+                f"changing the tensor-parallel size from {src} to {tp_size} re-pads the vocabulary of "
+                f"{_list(list(vocab))} ({orig} rows{was}): Megatron pads it to a multiple of "
+                "make_vocab_size_divisible_by x TP, which the checkpoint does not record; pass "
+                "--make-vocab-size-divisible-by with the value the model trains with")
+        if vocab_divisor is not None:
+            if not isinstance(vocab_divisor, int) or vocab_divisor < 1:
+                raise UsageError(f"--make-vocab-size-divisible-by must be a positive integer, got {vocab_divisor!r}")
+            at_source = padded_vocab_size(orig, vocab_divisor, src)
+            if src_rows != {at_source}:
+                raise UsageError(
+                    f"--make-vocab-size-divisible-by {vocab_divisor} pads the {orig}-row vocabulary to {at_source} "
+                    f"rows at the source's TP size {src}, but {_list(list(vocab))} hold {sorted(src_rows)[0]}: it is "
+                    "not the value this model was trained with")
+            target_rows = padded_vocab_size(orig, vocab_divisor, tp_size)
+        else:
+            target_rows = orig
+        if tp_size == 1 and target_rows != orig:
+            raise UnsupportedCheckpointError(
+                f"at TP 1 --make-vocab-size-divisible-by {vocab_divisor} pads the {orig}-row vocabulary of "
+                f"{_list(list(vocab))} to {target_rows} rows, and dsckpt reads a checkpoint without tensor "
+                "parallelism as whole tensors (no universal_checkpoint_info applies at TP 1; DeepSpeed writes none "
+                "there), so the padding rows would read as vocabulary; write --universal and load it with DeepSpeed's "
+                "universal loader, which pads for the model")
+    problems: list[str] = []
+    cuts: dict[str, ParamCut] = {}
+    for name, c in layout.name_to_cut.items():
+        if c.dim is None or c.kind is SplitKind.REPLICATED:
+            cuts[name] = dataclasses.replace(c, rank_shapes=(c.full_shape,) * tp_size)
+            continue
+        if c.category == _SUB and tp_size > 1:
+            problems.append(f"'{name}' is a fused param with recorded sub_param_shard_widths (the training code's own "
+                            "cut)")
+            continue
+        totals = [sum(ws) for ws in c.sub_widths]
+        if c.keep_rows is not None:
+            assert target_rows is not None
+            totals = [target_rows]
+        uneven = [ws for ws in c.sub_widths if len(set(ws)) != 1]
+        if uneven:
+            problems.append(f"'{name}': its TP ranks hold uneven widths {list(uneven[0])} on dim {c.dim}, not "
+                            "Megatron's equal parts")
+            continue
+        if tp_size > 1 and any(n % tp_size for n in totals):
+            problems.append(f"'{name}': {' + '.join(map(str, totals))} on dim {c.dim} "
+                            f"{'do' if len(totals) > 1 else 'does'} not split into {tp_size} equal parts")
+            continue
+        widths = tuple((n // tp_size,) * tp_size for n in totals)
+        local = list(c.full_shape)
+        local[c.dim] = sum(w[0] for w in widths)
+        cuts[name] = dataclasses.replace(c, rank_shapes=(tuple(local),) * tp_size, sub_widths=widths)
+    if problems:
+        raise UnsupportedCheckpointError(
+            f"changing the tensor-parallel size of a Megatron-style TP record from {src} to {tp_size} is not "
+            f"supported for {len(problems)} param(s): {'; '.join(problems[:6])}"
+            + (f" and {len(problems) - 6} more" if len(problems) > 6 else ""))
+    return TpLayout(tp_size, layout.source, cuts)
+
+
+def megatron_record_at(record: Mapping[str, Any], target: TpLayout) -> dict[str, Any]:
+    """The Megatron-style ``universal_checkpoint_info`` at ``target``'s TP size: the patterns unchanged,
+    ``padded_vocab_size`` the target's padded row count. Pure."""
+    out = dict(record)
+    rows = {sum(c.sub_widths[0]) for c in target.name_to_cut.values() if c.keep_rows is not None}
+    if "padded_vocab_size" in out and rows:
+        (out["padded_vocab_size"],) = rows
+    return out

@@ -3,7 +3,7 @@ fixture's truth (issue 32).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --master_port P tests/ds_pipeline_reshard_check.py \
         --result out.json FIXTURE@ppN[@universal|@z1]=DIR [...]
-        tp_pipeline/MEGATRON_FIXTURE@ppN=DIR   # a tensor x pipeline fixture (check_megatron)
+        tp_pipeline/MEGATRON_FIXTURE@ppN[@tpT]=DIR   # a tensor x pipeline fixture (check_megatron)
 
 For each pair: the fixture's ``PipelineModule`` (fixture_models.pipeline_layers, partition_method uniform) built with
 N stages on this launch's ranks (data-parallel size world / N) from a different seed, ``deepspeed.initialize`` with the
@@ -50,7 +50,8 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     name, *opts = label.split("@")
     pp = int(next(o[2:] for o in opts if o.startswith("pp")))
     if name.startswith("tp_pipeline/"):
-        return check_megatron(name, pp, ckpt_dir)
+        tp = next((int(o[2:]) for o in opts if o.startswith("tp")), None)
+        return check_megatron(name, pp, ckpt_dir, tp)
     universal = "universal" in opts
     spec = fm.FIXTURES[name]
     with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
@@ -118,13 +119,37 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     return problems
 
 
-def check_megatron(name: str, pp: int, ckpt_dir: str) -> list[str]:
+def megatron_pipe_slice(truth, key: str, n: str, src_tp: int, tp: int, t: int):
+    """Param ``n``'s ``key`` slice of TP rank ``t`` at TP size ``tp`` from the source's TP-local truth (``src_tp``
+    ranks): merged by the model's own construction (the vocabulary's real rows, fc1's [gate; up] halves, fc2 on dim
+    1, the rest replicated), then cut as the model cuts it at ``tp`` (tp_megatron_models: ``PADDED_VOCAB // tp`` rows
+    per rank, the vocabulary's padding rows zero -- what DeepSpeed's universal loader gives them --, fc1's halves and
+    fc2 in equal parts)."""
+    import tp_megatron_models as mm
+
+    parts = [truth[f"tp{r}/{key}/{n}"] for r in range(src_tp)]
+    if n == "tied_modules.embed.word_embeddings.weight":
+        full = torch.cat(parts, 0)[:mm.VOCAB]
+        full = F.pad(full, (0, 0, 0, mm.PADDED_VOCAB - mm.VOCAB))
+        return full.chunk(tp, 0)[t]
+    if n.endswith("fc1.weight"):
+        halves = [p.chunk(2, 0) for p in parts]
+        gate, up = torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)
+        return torch.cat([gate.chunk(tp, 0)[t], up.chunk(tp, 0)[t]], 0)
+    if n.endswith("fc2.weight"):
+        return torch.cat(parts, 1).chunk(tp, 1)[t]
+    return parts[0]
+
+
+def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None) -> list[str]:
     """A Megatron-DeepSpeed-style TP x pipeline fixture (tests/fixtures/generate_tp_pipeline.py), rebuilt as it was
-    made -- ``PipeModelDataParallelTopology(num_pp=pp, num_mp=2, num_dp=world / (2 pp))``, the topology's ``model``
-    axis as TP groups, ``partition_method="type:BlockPipe"`` -- loaded with plain ``load_checkpoint``; on every rank
-    each param's fp32 master, Adam moments and 16-bit module slice equal the source's slice of the same TP rank
-    (``tp{t}/...`` in truth.safetensors) bit for bit, the optimizer step and global steps as saved; then one more
-    ``train_batch`` (two micro-batches) gives a finite loss."""
+    made -- ``PipeModelDataParallelTopology(num_pp=pp, num_mp=T, num_dp=world / (T pp))`` (T the fixture's TP size,
+    or ``new_tp`` for an output resharded to another TP size), the topology's ``model`` axis as TP groups,
+    ``partition_method="type:BlockPipe"`` -- loaded with plain ``load_checkpoint``; on every rank each param's fp32
+    master, Adam moments and 16-bit module slice equal the source's slice of the same TP rank (``tp{t}/...`` in
+    truth.safetensors) bit for bit -- at another TP size the source's slices merged and cut for it
+    (:func:`megatron_pipe_slice`) --, the optimizer step and global steps as saved; then one more ``train_batch``
+    (two micro-batches) gives a finite loss."""
     import autotp_models as am
     import tp_megatron_models as mm
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -133,7 +158,8 @@ def check_megatron(name: str, pp: int, ckpt_dir: str) -> list[str]:
     with open(os.path.join(fdir, "truth.json")) as fh:
         meta = json.load(fh)
     truth = load_file(os.path.join(fdir, "truth.safetensors"))
-    tp = meta["tp_size"]
+    src_tp = meta["tp_size"]
+    tp = new_tp or src_tp
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
     tp_group = None
@@ -161,7 +187,7 @@ def check_megatron(name: str, pp: int, ckpt_dir: str) -> list[str]:
         got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
                "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
         for key, x in got.items():
-            want = truth[f"tp{t}/{key}/{n}"]
+            want = truth[f"tp{t}/{key}/{n}"] if tp == src_tp else megatron_pipe_slice(truth, key, n, src_tp, tp, t)
             if x is None or x.shape != want.shape or x.dtype != (want.dtype if key == "lowp" else x.dtype) or \
                     not torch.equal(x.to(want.dtype), want):
                 problems.append(f"stage {stage} TP rank {t}: {key} of {n} differs from the truth")

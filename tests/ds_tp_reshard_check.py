@@ -15,7 +15,7 @@ then expected zero: DeepSpeed's universal loader re-pads the cut vocabulary with
 * per param, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(exp_avg / exp_avg_sq)`` -- at the
   source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``), at another
   T > 1 the full tensor cut by DeepSpeed's own ``_partition_logical_tensor`` at the live layer's widths
-  (:func:`expected`);
+  (:func:`expected`; ``megatron_*``: cut in equal parts over the zero-padded vocabulary, :func:`megatron_slice`);
 * the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``), Adam's step, global steps and samples;
   where truth.json records them (the fp16 fixtures), skipped steps and the loss scaler's state (class, scale,
   iteration, last overflow, hysteresis, ...); fp16 fixtures run with DeepSpeed's CPU-fp16 refusal patched out, as
@@ -126,6 +126,8 @@ def expected(truth, key, n, q, tp_rank, same_tp, megatron):
 
         want = want.clone()
         want[max(0, mm.VOCAB - tp_rank * want.shape[0]):] = 0
+    if megatron and not same_tp and TP > 1:
+        return megatron_slice(want, n, tp_rank)
     if same_tp or TP == 1:
         return want
     from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
@@ -138,6 +140,25 @@ def expected(truth, key, n, q, tp_rank, same_tp, megatron):
     widths = m.get("sub_param_shard_widths") or [list(m["partition_sizes"])]
     return _partition_logical_tensor(want, dim, TP, groups.get_tensor_model_parallel_rank(), widths,
                                      subparam_sizes=m.get("sub_param_sizes")).contiguous()
+
+
+def megatron_slice(full, n, tp_rank):
+    """TP rank ``tp_rank``'s slice of a Megatron-style param at TP size ``TP`` from its full (unpadded) tensor, cut as
+    ``MegatronNet`` cuts its initial weights and as DeepSpeed's universal loader cuts a ds_to_universal tensor
+    (``load_hp_checkpoint_state``): the vocabulary zero-padded to the model's ``PADDED_VOCAB`` rows, then
+    ``torch.chunk`` on the split dim, each of a fused param's 2 sub-params apart; replicated params whole. A
+    reshard to another TP size must give the same (its new padding rows are zeros, the old ones dropped)."""
+    import tp_megatron_models as mm
+
+    m = mm.tp_meta(n, TP)
+    dim = m["partition_dim"]
+    if dim is None:
+        return full
+    if m.get("vocabulary"):
+        full = torch.nn.functional.pad(full, (0, 0, 0, mm.PADDED_VOCAB - full.shape[0]))
+    if m.get("sub_param_shard_widths"):
+        return torch.cat([p.chunk(TP, dim=dim)[tp_rank] for p in full.chunk(2, dim=dim)], dim=dim)
+    return full.chunk(TP, dim=dim)[tp_rank]
 
 
 def check_one(name, ckpt_dir):

@@ -22,7 +22,7 @@ from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 from dsckpt.tensor_parallel import rank_view
 
 # Megatron-style fixtures pad their vocabulary (rows 30-31 past original_vocab_size 30): resharded with the TP size
-# kept (the padding rows carried), refused at another TP size (the padded size depends on the model).
+# kept (the padding rows carried); another TP size (re-padded by --make-vocab-size-divisible-by): test_reshard_tp_megatron.
 RESHARDABLE = list(TP_FIXTURES)
 PADDED = [fx for fx in TP_FIXTURES if fx.name.startswith("megatron")]
 UNPADDED = [fx for fx in TP_FIXTURES if fx not in PADDED]
@@ -251,16 +251,6 @@ def test_plan_is_one_data_parallel_plan_per_tp_rank():
     assert all(p.numel == v1.entry(cut.name).numel for p in v1.entry(cut.name).pieces)
 
 
-@pytest.mark.parametrize("fx", PADDED, ids=[fx.name for fx in PADDED])
-def test_padded_vocabulary_tp_change_refused(fx, tmp_path):
-    """Another TP size pads the vocabulary to a size only the model knows: refused, pointing to --universal."""
-    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "--tp-size", "1"])
-    assert r.exit_code == 3, r.output
-    assert "embed.weight, head.weight hold padding rows past the original vocabulary size" in r.stderr
-    assert "write --universal and load it with" in r.stderr
-    assert not (tmp_path / "o").exists()
-
-
 def test_cli_tp_kept(tmp_path):
     fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
     r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "o"), "-n", "2", "-q"])
@@ -450,7 +440,10 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
     # TP 2 -> 4 -> 2 of the one trained at TP 2 (VIA_TP)
     (2, 2, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "megatron_z2_fp32_tp2_dp2",
                    "megatron_z1_bf16_tp2_dp2_bf16opt", "autotp_z1_bf16_tp4_dp1_kv6", "autotp_z1_bf16_tp2_dp1_kv6"],
-    (4, 4, None): ["autotp_z1_bf16_tp2_dp1_kv6"],  # TP 2 -> 4: uneven attention (q_proj 8/8/4/4)
+    # TP 2 -> 4: uneven attention (q_proj 8/8/4/4); Megatron-style (MEGATRON_DIVISOR): equal parts, the 32-row
+    # vocabulary's padding (rows 30-31) now on TP rank 3, zero
+    (4, 4, None): ["autotp_z1_bf16_tp2_dp1_kv6", "megatron_z1_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2",
+                   "megatron_z1_bf16_tp2_dp2_bf16opt"],
     (4, 2, None): ["autotp_z1_bf16_tp2_dp1", "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon", "megatron_z1_bf16_tp2_dp1",  # DP 1 -> 2
                    "autotp_z1_fp16_tp2_dp1_cpuforced", "autotp_z3_fp16_tp2_dp1_cpuforced"],  # fp16 (CPU forced)
@@ -460,12 +453,16 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon", "autotp_z1_fp16_tp2_dp1_cpuforced",
-                   "autotp_z3_fp16_tp2_dp1_cpuforced"],
+                   "autotp_z3_fp16_tp2_dp1_cpuforced",
+                   # Megatron-style at TP 1: the plain 30-row model (MEGATRON_DIVISOR pads nothing at TP 1)
+                   "megatron_z1_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt"],
 }
+# make_vocab_size_divisible_by of tp_megatron_models.MegatronNet: 30 rows -> 30 at TP 1, 32 at TP 2 and at TP 4
+MEGATRON_DIVISOR = 2
 # case -> (fixture, launch ranks) of its tampered control
 TAMPERED_CASES = {(2, 2, None): ("autotp_z2_fp32_tp2_dp2", 2), (2, 1, None): ("autotp_z2_fp32_tp2_dp2", 2),
                   (4, 4, None): ("autotp_z1_bf16_tp2_dp1_kv6", 4)}
-PADDING_TAMPERED_CASES = {(2, 2, None)}
+PADDING_TAMPERED_CASES = {(2, 2, None), (4, 4, None)}
 # cases with an fp16 control whose loss scale was changed on one rank (the check must see the loss scaler)
 SCALER_TAMPERED_CASES = {(4, 2, None)}
 SCALER = "<loss scaler>"
@@ -499,22 +496,27 @@ def _write_scaler_tampered(out: Path) -> tuple[str, int]:
     return SCALER, 3
 
 
-def _write_padding_tampered(out: Path) -> tuple[str, int]:
-    """megatron_z2_fp32_tp2_dp2 at TP 2 x DP 1 with the fp32 master of head.weight's last padding element (row 31,
-    past the 30-row vocabulary, on TP rank 1) changed: the check must see the padding rows. Returns the param and
-    the global rank that holds it."""
-    _reshard(TP_DIR / "megatron_z2_fp32_tp2_dp2", out, 2)
-    shapes = _load(out / "global_step3" / "mp_rank_01_model_states.pt")["param_shapes"][0]
+def _write_padding_tampered(out: Path, tp: int) -> tuple[str, int]:
+    """megatron_z2_fp32_tp2_dp2 at TP ``tp`` x DP 1 with the fp32 master of head.weight's last padding element (row
+    31, past the 30-row vocabulary, on the last TP rank: carried at TP 2, a new zero row at TP 4) changed: the check
+    must see the padding rows. Returns the param and the global rank that holds it."""
+    _reshard(TP_DIR / "megatron_z2_fp32_tp2_dp2", out, tp, tp_size=tp, **_divisor("megatron_z2_fp32_tp2_dp2", tp))
+    shapes = _load(out / "global_step3" / f"mp_rank_{tp - 1:02d}_model_states.pt")["param_shapes"][0]
     assert list(shapes)[-1] == "head.weight"
     end = sum(math.prod(s) for s in shapes.values())
-    f = out / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    f = out / "global_step3" / f"zero_pp_rank_0_mp_rank_{tp - 1:02d}_optim_states.pt"
     sd = _load(f)
     flat = sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
-    assert flat.numel() == end  # the last element is head.weight[15, 7]: TP rank 1's local row 15 = padding row 31
+    assert flat.numel() == end  # the last element is head.weight[-1, 7]: the last TP rank's last row = padding row 31
     with torch.no_grad():
         flat[end - 1] += 1.0
     torch.save(sd, f)
-    return "head.weight", 1
+    return "head.weight", tp - 1
+
+
+def _divisor(name: str, tp: int) -> dict:
+    """``make_vocab_size_divisible_by`` for a Megatron-style fixture at another TP size."""
+    return {"make_vocab_size_divisible_by": MEGATRON_DIVISOR} if name.startswith("megatron") and tp != 2 else {}
 
 
 @pytest.fixture(scope="module")
@@ -549,7 +551,7 @@ def _ds_tp_run(base: Path, world: int, tp: int, stage: int | None):
             run_reshard(plan_reshard(mid, world, tp_size=tp, zero_stage=stage, facts=read_source_facts(mid, cache)),
                         out, cache=cache, verify="full", workers=1)
         else:
-            _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage)
+            _reshard(TP_DIR / name, out, world, tp_size=tp, zero_stage=stage, **_divisor(name, tp))
         pairs.append(f"{name}={out}")
     tampered = {}
     if (world, tp, stage) in TAMPERED_CASES:
@@ -557,7 +559,7 @@ def _ds_tp_run(base: Path, world: int, tp: int, stage: int | None):
         tampered[str(cwd / "tampered")] = _write_tampered(cwd / "tampered", tp, fixture, fixture_world)
         pairs.append(f"{fixture}={cwd / 'tampered'}")
     if (world, tp, stage) in PADDING_TAMPERED_CASES:
-        tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered")
+        tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered", tp)
         pairs.append(f"megatron_z2_fp32_tp2_dp2={cwd / 'padding_tampered'}")
     if (world, tp, stage) in SCALER_TAMPERED_CASES:
         tampered[str(cwd / "scaler_tampered")] = _write_scaler_tampered(cwd / "scaler_tampered")

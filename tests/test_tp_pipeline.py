@@ -382,13 +382,108 @@ def test_reshard_changes_data_parallel_and_stages_with_tp_kept(fx, tmp_path):
             _same(_materialized(fx / "ckpt" / tag / f), _materialized(tmp_path / out_dir / tag / f), f"{out_dir}/{f}")
 
 
+def _ds_route(fx: Path, key: str, n: str, tp: int, t: int, rows: int = 32) -> torch.Tensor:
+    """Param ``n``'s ``key`` ("fp32", "exp_avg", "exp_avg_sq": ds_to_universal's recorded tensor; "lowp": the live
+    engine's 16-bit slices merged) as DeepSpeed's universal loader gives it to TP rank ``t`` of ``tp``
+    (load_hp_checkpoint_state, DeepSpeed 0.19.8): the vocabulary zero-padded to the model's ``rows``, then torch.chunk
+    on the split dim -- each of fc1's 2 sub-params apart, fc2 on dim 1 -- and replicated params whole."""
+    full = (_merge_local(n, [truth(fx)[f"tp{r}/lowp/{n}"] for r in range(2)]) if key == "lowp"
+            else universal(fx)[f"{key}/{n}"])
+    if n == TIED:
+        return torch.nn.functional.pad(full, (0, 0, 0, rows - full.shape[0])).chunk(tp, 0)[t]
+    if n.endswith("fc1.weight"):
+        return torch.cat([h.chunk(tp, 0)[t] for h in full.chunk(2, 0)], 0)
+    if n.endswith("fc2.weight"):
+        return full.chunk(tp, 1)[t]
+    return full
+
+
+# (label, CLI arguments, stages, TP size, DP size, make_vocab_size_divisible_by): D = 8 pads the 30-row vocabulary to
+# 32 at TP 4 (as at TP 2); D = 2 leaves it unpadded at TP 1
+TP_CHANGES = [("pp2_tp4", ["-n", "8", "--tp-size", "4"], 2, 4, 1, 8),
+              ("pp1_tp4", ["-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 1, 8),
+              ("pp1_tp4_dp2", ["-n", "8", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 2, 8),
+              ("pp2_tp1_dp2", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 2)]
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+@pytest.mark.parametrize(("label", "args", "pp", "tp", "dp", "d"), TP_CHANGES, ids=[c[0] for c in TP_CHANGES])
+def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args, pp, tp, dp, d, tmp_path):
+    """PP 2 x TP 2 -> TP 4 (stages kept, or 1 stage; DP 1 or 2): every TP rank's files, read as a plain pipeline
+    checkpoint of local slices, hold DeepSpeed's own route's values (:func:`_ds_route`) -- fp32 masters, Adam moments
+    and the layer files' 16-bit slices, the vocabulary's padding rows (now on TP rank 3) zero --, a layer file per
+    layer and TP rank, and the model-states files say the new sizes."""
+    from dsckpt.assemble import read_piece
+
+    out = tmp_path / label
+    stdout = _reshard_cli(fx / "ckpt", out, *args, "--make-vocab-size-divisible-by", str(d))
+    rows = 32 if tp > 1 else 30
+    assert f"(PP 2 x TP 2 x DP 1 -> PP {pp} x TP {tp} x DP {dp})" in stdout
+    tag = out / "global_step3"
+    assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_{i:02d}-model_{t:02d}-model_states.pt"
+                                                          for i in range(4) for t in range(tp)]
+    cache_ = FileCache()
+    files = classify_files(*find_tag_dir(out, None))
+    checked = 0
+    for t in range(tp):
+        ckpt = read_stages(tp_rank_files(files, t, tp), cache_)
+        assert (ckpt.pp_world_size, ckpt.dp_world_size, ckpt.optimizer_step) == (pp, dp, 3)
+        for e in ckpt.entries:
+            for key, piece in (("fp32", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+                               ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))):
+                want = _ds_route(fx, key, e.name, tp, t, rows)
+                assert torch.equal(read_piece(piece, e.shape, cache_, name=e.name), want), (t, key, e.name)
+                checked += 1
+            for p in e.pieces:  # the tied embedding's copy on the last stage equals its first
+                if p.replica and pp > 1:
+                    assert torch.equal(read_piece(p, e.shape, cache_, name=e.name),
+                                       _ds_route(fx, "fp32" if p.role is Role.MASTER else p.state_key, e.name, tp, t,
+                                                 rows))
+    assert checked == tp * 13 * 4
+    ms = torch.load(tag / f"mp_rank_{pp * tp - 1:02d}_model_states.pt", weights_only=False)
+    assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]) == (pp * tp, {"pp_degree": pp, "tp_degree": tp})
+    assert ms["args"]["tensor_model_parallel_size"] == tp and ms["args"]["padded_vocab_size"] == rows
+    assert ms.get("universal_checkpoint_info", {}).get("padded_vocab_size") == (32 if tp > 1 else None)
+    cache_.finish_checks()
+
+
 @pytest.mark.parametrize("args", [["--world-size", "4", "--tp-size", "1"], ["--world-size", "8", "--tp-size", "4"]],
                          ids=["tp1", "tp4"])
-def test_reshard_refuses_a_tp_change_of_a_tensor_x_pipeline_run(tmp_path, args):
+def test_reshard_tp_change_of_a_tensor_x_pipeline_run_needs_the_divisor(tmp_path, args):
     r = CliRunner().invoke(main, ["reshard", str(FP32 / "ckpt"), str(tmp_path / "o"), *args])
     assert r.exit_code == 3, r.output
-    assert "a pipeline run keeps its TP size here" in r.stderr and "does not re-cut" in r.stderr
+    assert "re-pads the vocabulary of tied_modules.embed.word_embeddings.weight" in r.stderr
+    assert "pass --make-vocab-size-divisible-by" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_loads_a_tensor_x_pipeline_run_at_another_tp_size(tmp_path):
+    """One 4-rank launch: PP 2 x TP 2 x DP 1 -> PP 1 x TP 4 x DP 1 (both fixtures, D = 8: 32 rows as the model pads
+    them at TP 4), loaded by DeepSpeed's PipelineEngine with plain load_checkpoint() in the fixture's PipelineModule on
+    PipeModelDataParallelTopology(1, 4, 1): every rank's fp32 master, Adam moments and 16-bit slices equal the
+    source's merged and cut for TP 4 (padding rows zero), steps as saved, one more train_batch runs. A control with
+    one fp32 master element of TP rank 3 changed fails on that rank."""
+    from ds_launch import DEEPSPEED, passed_except_controls, run_check_script
+    from test_reshard_pipeline import _tamper
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    pairs = []
+    for fx in FIXTURES:
+        _reshard_cli(fx / "ckpt", tmp_path / fx.name, "-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED,
+                     "--make-vocab-size-divisible-by", "8", "-q")
+        pairs.append(f"tp_pipeline/{fx.name}@pp1@tp4={tmp_path / fx.name}")
+    _reshard_cli(FP32 / "ckpt", tmp_path / "tampered", "-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED,
+                 "--make-vocab-size-divisible-by", "8", "-q")
+    tampered = _tamper(tmp_path / "tampered", "zero_pp_rank_0_mp_rank_03_optim_states.pt")
+    pairs.append(f"tp_pipeline/{FP32.name}@pp1@tp4={tmp_path / 'tampered'}")
+    rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
+    results, controls = passed_except_controls(results, log)
+    assert len(results) == len(FIXTURES) and rc == 1, log
+    assert len(controls) == 1 and f"TP rank 3: param of {tampered} differs" in str(controls[0]["problems"]), controls
+    assert "TP rank 0" not in str(controls[0]["problems"]), controls
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)

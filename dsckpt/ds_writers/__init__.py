@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError, UsageError
-from ..model import LogicalCheckpoint, Precision
+from ..model import Kind, LogicalCheckpoint, Precision, Role
 from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
 from .plan import (
     BF16_WRAPPER,
@@ -143,12 +143,15 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     src_tp = max(1, ckpt.tp_world_size)
     stages = target.stages
     pp = stages.pp_size if stages is not None else 1
+    layout = _tp_layout(ckpt, tp, facts, target) if ckpt.tensor_parallel is not None or tp != 1 else None
+    recut: tuple[Path, ...] = ()
     if stages is not None and tp != src_tp:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' (pipeline {stages.source_pp_size} x tensor parallelism {src_tp}) to "
-            f"tensor parallelism {tp}: a pipeline run keeps its TP size here (its data-parallel size and stage count "
-            "can change); its layer_XX-model_NN files hold each TP rank's module slices, which dsckpt does not re-cut")
-    layout = _tp_layout(ckpt, tp, facts) if ckpt.tensor_parallel is not None or tp != 1 else None
+        assert ckpt.pipeline is not None
+        if any(e.kind is Kind.PARAM and not e.trainable for e in ckpt.entries):
+            raise UnsupportedCheckpointError(
+                f"cannot reshard '{ckpt.tag_dir}' (pipeline x tensor parallelism {src_tp}) to tensor parallelism "
+                f"{tp}: it has frozen params, which dsckpt re-cuts for a pipeline's layer files only when trainable")
+        recut = ckpt.pipeline.tp_rank(0).layer_files
     parts = []
     for s in range(pp):
         for t in range(tp):
@@ -156,13 +159,15 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
             part_common = {**common, "source_optim_files": source_optim_files(view), "mp_rank": s * tp + t,
                            "hf_files": None, "source_tp_size": src_tp, "tp_size": tp,
                            "source_pp_size": stages.source_pp_size if stages else 1, "pp_size": pp}
-            if stages is not None and s == 0 and t == 0:
+            if stages is not None and s == 0 and t == 0 and not recut:
                 assert ckpt.pipeline is not None
                 part_common["copied_model_files"] = ckpt.pipeline.layer_files
             parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1, stages=None), view_facts,
                                      part_common))
     notes = parts[0].notes
-    if layout is not None and tp not in (1, src_tp):
+    if layout is not None and tp != src_tp and layout.source == "megatron":
+        notes = (*notes, _megatron_note(ckpt.tensor_parallel, layout))
+    elif layout is not None and tp not in (1, src_tp):
         meta = facts.autotp_meta
         split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
         note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
@@ -173,9 +178,11 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
         notes = (*notes, stages.note())
     if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
         notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
+    if recut:
+        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices")
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
                                hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
-                               copied_model_files=())
+                               copied_model_files=(), recut_layer_files=recut)
 
 
 #: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
@@ -188,7 +195,22 @@ STAGE0_BF16_PIPELINE_NOTE = (
     'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
 
 
-def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
+def _megatron_note(source: Any, target: Any) -> str:
+    """What a TP size change of a Megatron-style record did, for the plan's notes."""
+    vocab = [(n, c) for n, c in target.name_to_cut.items() if c.keep_rows is not None]
+    split = sum(1 for c in target.name_to_cut.values() if c.dim is not None)
+    note = (f"tensor parallelism {source.tp_size} -> {target.tp_size} (Megatron-style record): {split} split params "
+            "cut in equal parts, as Megatron's layers and DeepSpeed's universal loader cut them")
+    if vocab:
+        name, c = vocab[0]
+        rows = sum(c.sub_widths[0])
+        note += (f"; vocabulary ({len(vocab)} params) of {c.keep_rows} rows padded to {rows} "
+                 f"({rows - c.keep_rows} zero rows in every copy; the source's "
+                 f"{source.name_to_cut[name].padding_rows} padding rows are not carried, as in ds_to_universal)")
+    return note
+
+
+def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts, target: Target) -> Any:
     """The target's :class:`~dsckpt.parallel_layout.TpLayout`: the source's cuts at ``tp`` ranks."""
     from ..tensor_parallel import resize_layout
 
@@ -201,7 +223,8 @@ def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts) -> Any:
             f"{{\"load_universal\": true}} and autotp_size {tp}: DeepSpeed's universal loader cuts each param by the "
             "live AutoTP layer")
     try:
-        return resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta)
+        divisor = target.vocab_divisor if target.vocab_divisor is not None else facts.vocab_divisor
+        return resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta, vocab_divisor=divisor)
     except UnsupportedCheckpointError as e:
         raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
 
@@ -219,8 +242,9 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
         from ..tensor_parallel import rank_view
 
         view = rank_view(ckpt, layout, t)
-        if ckpt.pipeline is not None:  # a pipeline keeps its TP size (_plan_mp_ranks): TP rank t's own files
-            view = dataclasses.replace(view, files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(t))
+        if ckpt.pipeline is not None:  # TP rank t's own files (another TP size: source TP rank 0's as templates)
+            src_t = t if layout.tp_size == max(1, ckpt.tp_world_size) else 0
+            view = dataclasses.replace(view, files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(src_t))
     if stages is not None:
         from ..pipeline_stages import stage_view
 
@@ -317,6 +341,13 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
                                                                part.mp_rank // plan.tp_size,
                                                                part.mp_rank % plan.tp_size)[0], tag_dir, cache,
                                             layouts, plan.stages)]
+        if plan.recut_layer_files:
+            from ..tensor_parallel import rank_view
+
+            for t in range(plan.tp_size):
+                view = rank_view(ckpt, plan.tp_layout, t)
+                jobs += [(tag_dir / name, tree) for name, tree in layer_file_trees(plan.recut_layer_files, view, t,
+                                                                                    cache)]
     else:
         jobs = _build_rank_jobs(plan, ckpt, tag_dir, cache)
     refuse_unloadable_fields(jobs, source=f"'{ckpt.tag_dir}'")
@@ -399,6 +430,49 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         jobs.append((tag_dir / r.optim_file, zero3_optim_tree(plan, r, src0, scalars, cache)))
         jobs += [(tag_dir / rel, t) for rel, t in zero3_swap_jobs(plan, r, ckpt.ds_config, cache)]
     return jobs
+
+
+def layer_file_trees(sources: Sequence[Path], view: LogicalCheckpoint, t: int,
+                     cache: Any) -> list[tuple[str, Any]]:
+    """TP rank ``t``'s ``layer_XX-model_{t:02d}-model_states.pt`` files from TP rank 0's ``sources`` (the layer's
+    ``state_dict``, keys in its order and its mapping type): each tensor streamed from the module copy of the param
+    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`), named as
+    ``readers/pipeline.py`` names it -- ``"{layer}.{key}"``, or a tied module's ``tied_modules.<key>.<param>``."""
+    import copy
+    import re
+
+    from ..tensor_ref import TensorRef
+    from .common import streamed
+    from .plan import FlatSpec, coalesce, range_copies
+
+    by_name = {e.name: e for e in view.entries}
+    tied = [n for n in by_name if n.startswith("tied_modules.")]
+    out = []
+    for src in sources:
+        m = re.match(r"layer_(\d+)-model_00-model_states\.pt$", src.name)
+        assert m is not None, src
+        layer = int(m[1])
+        tree = copy.copy(cache.tree(src))
+        for key in list(tree):
+            name = f"{layer}.{key}"
+            if name not in by_name:
+                matches = [n for n in tied if n.endswith(f".{key}")]
+                name = matches[0] if len(matches) == 1 else name
+            e = by_name.get(name)
+            if e is None:
+                if isinstance(tree[key], TensorRef):
+                    raise UnsupportedCheckpointError(f"{src}: '{key}' names no param or buffer of the checkpoint; "
+                                                     "cannot re-cut it for another TP size")
+                continue
+            if e.tied_to is not None:
+                e = by_name[e.tied_to]
+            piece = next((p for p in e.pieces if p.role is Role.MODULE and p.replica == 0), None)
+            if piece is None:
+                raise UnsupportedCheckpointError(f"{src}: '{key}' ({e.name}) has no module copy to re-cut")
+            tree[key] = streamed(FlatSpec(e.numel, piece.dtype, coalesce(range_copies(piece, 0, e.numel, 0, e.name))),
+                                 cache, shape=e.shape)
+        out.append((f"layer_{m[1]}-model_{t:02d}-model_states.pt", tree))
+    return out
 
 
 def _copied(plan: LayoutPlan, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:

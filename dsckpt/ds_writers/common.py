@@ -8,6 +8,7 @@ tensor leaves are source :class:`~dsckpt.tensor_ref.TensorRef` s (copied whole),
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections import OrderedDict
@@ -366,14 +367,42 @@ def retarget_tp_keys(tree: Any, plan: LayoutPlan, layouts: tuple[Any, Any] | Non
         else:
             cfg["tensor_parallel"] = {**cfg["tensor_parallel"], "autotp_size": tp}
         out["ds_config"] = cfg
+    megatron = layouts is not None and layouts[1] is not None and layouts[1].source == "megatron"
     if tp == 1:
         out.pop("universal_checkpoint_info", None)
     elif isinstance(out.get("universal_checkpoint_info"), Mapping):
         from ..autotp_widths import record_at
+        from ..tensor_parallel import megatron_record_at
 
         assert layouts is not None, "a TP size change to TP > 1 plans both layouts"
-        out["universal_checkpoint_info"] = record_at(out["universal_checkpoint_info"], *layouts)
+        out["universal_checkpoint_info"] = (megatron_record_at(out["universal_checkpoint_info"], layouts[1])
+                                            if megatron else record_at(out["universal_checkpoint_info"], *layouts))
+    if megatron:
+        assert layouts is not None
+        _megatron_client_keys(out, layouts[1])
     return out
+
+
+def _megatron_client_keys(out: dict[str, Any], target: Any) -> None:
+    """Megatron-DeepSpeed's client state at ``target``'s TP size: ``checkpoint_info.padded_vocab_size`` (read by
+    DeepSpeed's ``DeepSpeedCheckpoint``) and the saved ``args``' ``tensor_model_parallel_size`` /
+    ``padded_vocab_size`` (Megatron's ``check_checkpoint_args`` compares them with the run's), where present.
+    ``args`` is a dict or an ``argparse.Namespace`` (its stand-in keeps the attributes)."""
+    from ..stand_ins import DeepSpeedObject
+
+    rows = {sum(c.sub_widths[0]) for c in target.name_to_cut.values() if c.keep_rows is not None}
+    padded = next(iter(rows)) if len(rows) == 1 else None
+    info = out.get("checkpoint_info")
+    if isinstance(info, Mapping) and padded is not None and "padded_vocab_size" in info:
+        out["checkpoint_info"] = {**info, "padded_vocab_size": padded}
+    args = out.get("args")
+    fields = {"tensor_model_parallel_size": target.tp_size, **({"padded_vocab_size": padded} if padded else {})}
+    if isinstance(args, Mapping):
+        out["args"] = {**args, **{k: v for k, v in fields.items() if k in args}}
+    elif isinstance(args, DeepSpeedObject):
+        new = copy.copy(args)
+        new.__dict__.update({k: v for k, v in fields.items() if k in args.__dict__})
+        out["args"] = new
 
 
 def retarget_stage_keys(name: str, tree: Any, plan: LayoutPlan, stages: Any) -> Any:

@@ -114,6 +114,7 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         sub_group_size = None
     ds_ids = tuple(zero3_ds_ids(ms0).items())
     return SourceFacts(
+        vocab_divisor=recorded_vocab_divisor(ms0),
         group_flat_order=flat_order,
         subgroup_to_group=tuple(sub_to_group),
         round_robin=bool(zcfg.get("round_robin_gradients", False)),
@@ -163,6 +164,7 @@ def _universal_facts(ckpt: LogicalCheckpoint, zcfg: Mapping[str, Any], cache: An
                     sub_to_group[sg] = g
     ds_ids = tuple(zero3_ds_ids(ms0).items())
     return SourceFacts(
+        vocab_divisor=recorded_vocab_divisor(ms0),
         group_flat_order=flat_order, subgroup_to_group=tuple(sub_to_group),
         round_robin=bool(zcfg.get("round_robin_gradients", False)),
         parameter_alignment=bool(zcfg.get("parameter_alignment", False)),
@@ -222,3 +224,15 @@ def derive_facts(ckpt: LogicalCheckpoint) -> SourceFacts:
         sub_group_size=int(cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)) if ckpt.zero_stage == 3 else None,
         param_ds_ids=tuple((n, i) for i, n in enumerate(names)),
     )
+
+
+def recorded_vocab_divisor(model_states: Mapping[str, Any]) -> int | None:
+    """Megatron's ``make_vocab_size_divisible_by`` where the client state records it: Megatron-DeepSpeed saves its
+    ``args`` (an ``argparse.Namespace``, read as a stand-in with its attributes; or a dict) in every model-states
+    file. None when absent or not a positive integer."""
+    from ..stand_ins import DeepSpeedObject
+
+    args = model_states.get("args")
+    fields = args if isinstance(args, Mapping) else vars(args) if isinstance(args, DeepSpeedObject) else {}
+    v = fields.get("make_vocab_size_divisible_by")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
-from ..model import Fragment, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+from ..model import ZERO_FILL, Fragment, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -115,6 +115,8 @@ class SourceFacts:
     sub_group_size: int | None = DEFAULT_SUB_GROUP_SIZE
     param_ds_ids: tuple[tuple[str, int], ...] = ()
     autotp_meta: Any = None  # a dsckpt.autotp_widths.AutoTpMeta (the model's config.json), for a TP size change
+    # Megatron's make_vocab_size_divisible_by as the checkpoint's client state records it (its ``args``), or None
+    vocab_divisor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,9 @@ class Target:
     tp_size: int | None = None  # tensor-parallel ranks (None: the source's); ``world_size`` is per TP rank
     ep_size: int | None = None  # expert-parallel size of an AutoEP checkpoint (None: the source's)
     stages: Any = None  # a pipeline checkpoint's target stages (dsckpt.pipeline_stages.StagePlan)
+    # Megatron's make_vocab_size_divisible_by, for a TP size change of a Megatron-style record with a vocabulary
+    # (None: the one the checkpoint records, SourceFacts.vocab_divisor)
+    vocab_divisor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,9 @@ class LayoutPlan:
     source_pp_size: int = 1
     pp_size: int = 1
     stages: Any = None  # pipeline: the target's dsckpt.pipeline_stages.StagePlan
+    # tensor x pipeline at another TP size: TP rank 0's layer_XX-model_00 files, each re-cut for every target TP rank
+    # (the module's slices of its layer's params; dsckpt.ds_writers.layer_file_jobs)
+    recut_layer_files: tuple[Path, ...] = ()
 
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""
@@ -267,17 +275,21 @@ def range_copies(piece: Piece | None, elem_start: int, numel: int, dst_offset: i
                  name: str) -> tuple[RangeCopy, ...]:
     """Where elements ``[elem_start, elem_start + numel)`` of a logical tensor are stored: one copy per contiguous
     stretch, in destination order where the piece has strided fragments (tensor-parallel row slices: one copy per
-    row run the range meets, found by arithmetic, not by expanding the fragment's every run)."""
+    row run the range meets, found by arithmetic, not by expanding the fragment's every run). Elements of
+    :data:`~dsckpt.model.ZERO_FILL` fragments get no copy: a :class:`FlatSpec` is zero where nothing writes."""
     if piece is None or numel <= 0:
         return ()
     out: list[RangeCopy] = []
     end = elem_start + numel
+    zeros = 0  # elements of ZERO_FILL fragments: left as the FlatSpec's zeros
     for f in piece.fragments:
         for s, e, src in _runs_within(f, elem_start, end):
             lo, hi = max(elem_start, s), min(end, e)
-            if lo < hi:
+            if lo < hi and f.file == ZERO_FILL:
+                zeros += hi - lo
+            elif lo < hi:
                 out.append(RangeCopy(f.file, f.key, src + (lo - s), hi - lo, dst_offset + (lo - elem_start)))
-    covered = sum(c.numel for c in out)
+    covered = zeros + sum(c.numel for c in out)
     if covered != numel:
         raise CorruptCheckpointError(
             f"tensor '{name}': its {piece.label} copy covers {covered} of elements "

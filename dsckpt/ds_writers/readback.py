@@ -44,7 +44,34 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
             f"({new.optimizer_wrapper}), expected {plan.zero_stage} ({plan.optimizer_wrapper}); nothing was written")
+    layout = plan.tp_layout
+    if plan.tp_size != plan.source_tp_size and layout is not None and layout.source == "megatron":
+        # another TP size re-pads a Megatron vocabulary: the real rows are compared, the new padding must be zeros
+        _check_zero_padding(new, new_cache, layout)
+        return compare_checkpoints(src, src_cache, new, new_cache, full=full, padding=False)
     return compare_checkpoints(src, src_cache, new, new_cache, full=full)
+
+
+def _check_zero_padding(new: LogicalCheckpoint, cache: Any, layout: Any) -> None:
+    """Every stored copy of every vocabulary padding row of ``new`` is zero, and there are as many padding rows as
+    ``layout`` pads (every value read: padding rows are a few rows per param)."""
+    from ..writers.torch_stream import element_nbytes
+
+    problems: list[str] = []
+    for e in new.entries:
+        cut = layout.name_to_cut.get(e.name)
+        if e.tied_to is not None or cut is None:
+            continue
+        if e.padding_rows != cut.padding_rows:
+            problems.append(f"'{e.name}' has {e.padding_rows} vocabulary padding rows, expected {cut.padding_rows}")
+            continue
+        for p in e.padding:
+            item = element_nbytes(p.dtype)
+            if any(_read_bytes(p, 0, p.numel, item, cache)):
+                problems.append(f"'{e.name}' ({p.label} padding rows) is not zero")
+    if problems:
+        raise CorruptCheckpointError("verification failed: " + "; ".join(problems[:10])
+                                     + ". Nothing was written. This is a dsckpt bug: please report it")
 
 
 def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalCheckpoint, new_cache: Any, *,

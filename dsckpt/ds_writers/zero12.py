@@ -171,7 +171,8 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
         tree = dict(cache.tree(plan.source_model_files[0]))
         tree["dp_world_size"] = plan.world_size
         tree["param_shapes"] = shapes_tree(plan, tree.get("param_shapes"))
-        if plan.tp_size != plan.source_tp_size:  # another TP cut: the module's 16-bit slices are re-cut too
+        if plan.tp_size != plan.source_tp_size and tree.get("module") is not None:
+            # another TP cut: the module's 16-bit slices are re-cut too (a pipeline's are in its layer files)
             tree["module"] = _module_from_copies(ckpt, tree["module"], cache)
             _set_frozen(tree, plan, ckpt, tree["module"])
         if plan.from_stage != plan.zero_stage:
