@@ -34,8 +34,8 @@ Checks:
   ``.to()`` (round to nearest even) after every step, so any difference is real damage or a stale copy.
 
 The work is split in three modules: :mod:`dsckpt.scan_plan` (the records and :func:`plan_scan`, pure),
-:mod:`dsckpt.scan_engine` (reading and checking the planned chunks in worker threads) and this one (the front
-door: open a target, plan, run; and the ``--distributed`` spread).
+:mod:`dsckpt.scan_engine` (reading and checking the planned chunks in worker threads or processes) and this one
+(the front door: open a target, plan, run; and the ``--distributed`` spread).
 """
 
 from __future__ import annotations
