@@ -622,8 +622,8 @@ _CHECK_NAMES = {"nonfinite": "inf/NaN", "fp16_overflow": "fp16 overflow", "misma
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
-              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
-                   "0: everything in one thread).")
+              help="Workers reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread); processes from 4 workers and 1 GiB read, else threads.")
 @distributed_option
 @handle_errors
 def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
@@ -746,8 +746,8 @@ def diff(a: str, b: str, atol: float, rtol: float, role: str, strict_dtype: bool
 @tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
-              help="Threads reading and checking chunks in parallel (default: one per core, at most 8; "
-                   "0: everything in one thread).")
+              help="Workers reading and checking chunks in parallel (default: one per core, at most 8; "
+                   "0: everything in one thread); processes from 4 workers and 1 GiB read, else threads.")
 @distributed_option
 @handle_errors
 def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distributed: bool) -> None:

@@ -6,7 +6,8 @@ bytes); the legacy non-zip format (DeepSpeed's ``"checkpoint_serialization": fal
 Every storage of a zip file that :mod:`dsckpt.safe_load` parses gets a :class:`RecordCheck`. Each
 read of tensor bytes -- in whatever order, in whatever thread, re-read or not -- hands the check the
 CRC of what it read (:meth:`RecordCheck.update` computes it in the reading thread; :func:`crc32`
-releases the GIL), and the check keeps the CRC of every covered byte interval, merging neighbours
+releases the GIL; a ``scan`` worker process returns its ranges' CRCs for the parent to hand over,
+:mod:`dsckpt.scan_engine`), and the check keeps the CRC of every covered byte interval, merging neighbours
 with :func:`crc32_combine`. Once an interval covers the whole record, its CRC is compared with the
 stored one and a mismatch raises :class:`~dsckpt.errors.CorruptCheckpointError` at once. A command
 that read records only partly calls :func:`finish` (``FileCache.finish_checks()``) before it

@@ -34,8 +34,8 @@ Checks:
   ``.to()`` (round to nearest even) after every step, so any difference is real damage or a stale copy.
 
 The work is split in three modules: :mod:`dsckpt.scan_plan` (the records and :func:`plan_scan`, pure),
-:mod:`dsckpt.scan_engine` (reading and checking the planned chunks in worker threads) and this one (the front
-door: open a target, plan, run; and the ``--distributed`` spread).
+:mod:`dsckpt.scan_engine` (reading and checking the planned chunks in worker threads or processes) and this one
+(the front door: open a target, plan, run; and the ``--distributed`` spread).
 """
 
 from __future__ import annotations
@@ -95,13 +95,15 @@ __all__ = [
 ]
 
 def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None = None,
-             workers: int | None = None) -> ScanReport:
+             workers: int | None = None, processes: bool | None = None) -> ScanReport:
     """Read what ``plan`` names and report findings (the same, in the same order, whatever ``workers``).
 
-    ``workers`` threads (default :func:`default_workers`; 0 = this thread only) each read and check
+    ``workers`` threads or worker processes (default :func:`default_workers`; 0 = this thread only; processes
+    where :func:`dsckpt.scan_engine.use_processes` says, or as ``processes`` says) each read and check
     whole chunks -- every stored copy of ``plan.chunk_numel`` elements of one tensor, CRC-32 included --
     into buffers of their own, so memory is bounded by ``workers`` sets of chunk buffers."""
-    findings, stored, totals = scan_pass(plan, cache, on_progress=on_progress, workers=workers)
+    findings, stored, totals = scan_pass(plan, cache, on_progress=on_progress, workers=workers,
+                                         processes=processes)
     cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
     return _report(plan, [*findings, *plan.scalars], len(stored), totals)
 
@@ -209,7 +211,8 @@ def run_scan_distributed(plan: ScanPlan, cache: FileCache, group: Any, *,
         sub = dataclasses.replace(
             plan, entries=tuple(plan.entries[e] for i in mine for e in items[i].entries),
             raw=tuple(plan.raw[k] for k in sorted(k for i in mine for k in items[i].raw)), scalars=())
-        found, stored, totals = scan_pass(sub, cache, on_progress=on_progress, workers=workers)
+        # threads: this rank is one process of many already, and a fork would copy gloo's threads' locks
+        found, stored, totals = scan_pass(sub, cache, on_progress=on_progress, workers=workers, processes=False)
         return [(item_of(f), f) for f in found], stored, totals, export_segments(checks)
 
     shares = group.step(share, "the scan")

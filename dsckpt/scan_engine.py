@@ -1,22 +1,45 @@
 """Running a scan plan (:mod:`dsckpt.scan_plan`): numpy only; every stored copy of a chunk of one logical tensor
-is read and checked in worker threads (``os.preadv``, ``zlib.crc32`` and numpy's loops release the GIL), and the
-results are tallied in plan order, so findings are the same whatever the thread count."""
+is read and checked in worker threads or worker processes, and the results are tallied in plan order, so findings
+are the same whatever the worker count or kind.
+
+Threads or processes (:func:`use_processes`): threads share the parsed files and the CRC-32 checks, and
+``os.preadv``, the CRC and numpy's loops release the GIL -- but Python holds it between those calls, a couple of
+dozen times per block, and on a 16-core host eight threads kept only about four cores busy (issue 35: ``scan`` of
+a 1B ZeRO-2 bf16 checkpoint 1.40-1.63x ``cat``). Worker processes each have their own interpreter. They cost a
+start (a ``fork`` each, a few ms; ``forkserver`` where the calling process already runs other threads, e.g. a
+``--distributed`` rank's gloo threads, which a fork must not copy mid-lock) and a pickle of every batch of tasks
+and its results, so they are used only where they pay: at least :data:`PROCESS_MIN_WORKERS` workers and at least
+:data:`PROCESS_MIN_NBYTES` to read (the 2-core machine gets 2 threads), never under ``--distributed`` (each rank
+is one process of many already), and ``DSCKPT_SCAN_PROCESSES=1``/``0`` forces either way.
+
+A worker process cannot add to the parent's :class:`~dsckpt.crc.RecordCheck` objects: each task is pickled with
+its checks replaced by stand-ins (:class:`_CrcParts`) that record what the task's reads hand them -- ``(offset,
+crc32, nbytes)`` per range read -- and the parent adds those to the real checks (``add_crc``, which chains
+neighbouring ranges with :func:`~dsckpt.crc.crc32_combine`) in task order, before the task's tallies, so a
+damaged record raises the same error, naming the same record, as with threads."""
 
 from __future__ import annotations
 
 import bisect
+import io
 import logging
 import math
+import multiprocessing
 import os
+import pickle
+import signal
+import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import limits
+from . import crc, limits
 from .chunks import fragment_views, place
 from .dtypes import DTYPES, from_float32, to_float32
 from .errors import CorruptCheckpointError
@@ -30,9 +53,12 @@ from .tensor_ref import TensorRef, byte_view
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_WORKERS", "default_workers", "run_pool", "scan_pass"]
+__all__ = ["MAX_WORKERS", "PROCESSES_ENV", "default_workers", "run_pool", "scan_pass", "use_processes"]
 
 MAX_WORKERS = 8
+PROCESSES_ENV = "DSCKPT_SCAN_PROCESSES"  # "1": worker processes whenever workers > 0; "0": threads always
+PROCESS_MIN_WORKERS = 4
+PROCESS_MIN_NBYTES = 1 << 30
 
 
 def default_workers() -> int:
@@ -141,10 +167,35 @@ class _Collector:
         return out
 
 
+def use_processes(plan: ScanPlan, workers: int, processes: bool | None = None) -> bool:
+    """Whether :func:`scan_pass` runs its tasks in worker processes rather than threads: ``processes`` if given,
+    else ``DSCKPT_SCAN_PROCESSES`` (``1``/``0``) if set, else at least :data:`PROCESS_MIN_WORKERS` workers and
+    at least :data:`PROCESS_MIN_NBYTES` planned (never with ``workers <= 0``: that is this thread only).
+
+    Why those numbers: processes free the work from the GIL, which only limits threads where there are enough
+    cores to outrun it (two threads keep the 2-core machine busy); a pool costs a start and a pickle of every
+    batch, which a checkpoint of a GiB or more (seconds of work at best) hides."""
+    if workers <= 0:
+        return False
+    if processes is None:
+        env = os.environ.get(PROCESSES_ENV, "")
+        if env in ("0", "1"):
+            return env == "1"
+        return workers >= PROCESS_MIN_WORKERS and plan_nbytes(plan) >= PROCESS_MIN_NBYTES
+    return processes
+
+
+def plan_nbytes(plan: ScanPlan) -> int:
+    """The bytes ``plan`` reads (every stored copy of every entry, and the raw ranges)."""
+    return (sum(p.numel * DTYPES[p.dtype].itemsize for e in plan.entries for p in e.pieces)
+            + sum(r.numel * DTYPES[r.dtype].itemsize for r in plan.raw))
+
+
 def scan_pass(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None,
-               workers: int | None) -> tuple[list[Finding], set[tuple[Path, tuple[Any, ...]]], tuple[int, int]]:
+              workers: int | None, processes: bool | None = None
+              ) -> tuple[list[Finding], set[tuple[Path, tuple[Any, ...]]], tuple[int, int]]:
     """The value pass of :func:`run_scan` (no CRC completion): findings in tally order, the stored
-    tensors read, and (numel scanned, bytes read)."""
+    tensors read, and (numel scanned, bytes read). ``processes``: see :func:`use_processes`."""
     col = _Collector()
     stored: set[tuple[Path, tuple[Any, ...]]] = set()
     totals = [0, 0]  # numel scanned, bytes read
@@ -175,6 +226,8 @@ def scan_pass(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], 
         if workers <= 0:
             for task in tasks:
                 apply(task, work(task))
+        elif use_processes(plan, workers, processes):
+            run_processes(tasks, apply, workers)
         else:
             run_pool(tasks, work, apply, workers)
     finally:
@@ -257,6 +310,168 @@ def run_pool(tasks: Iterator[_Task], work: Callable[[_Task], list[_Update]],
             t.join()
     if state["error"] is not None:
         raise state["error"]
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes
+
+# Consecutive tasks go to a worker process together, as one pickle each way: a ZeRO-2 chunk of 512K elements
+# (every stored copy) is ~7 MB, so a batch holds a few; tasks of small tensors up to BATCH_TASKS.
+BATCH_NBYTES = 32 << 20
+BATCH_TASKS = 64
+
+_CrcPart = tuple[int, int, int, int]  # (check token, offset in the record, CRC-32, nbytes)
+
+
+def run_processes(tasks: Iterator[_Task], apply: Callable[[_Task, list[_Update]], None], workers: int) -> None:
+    """:func:`run_pool` in ``workers`` worker processes: batches of tasks are pickled to them (each record's
+    :class:`~dsckpt.crc.RecordCheck` replaced by a :class:`_CrcParts` stand-in), at most ``2 * workers`` batches
+    ahead of the oldest, and every task's CRC-32 parts and tally updates are applied here, in task order; an
+    error raised for a task, or by ``tasks``, is raised once every earlier task is applied."""
+    checks: dict[int, crc.RecordCheck] = {}
+    ctx = multiprocessing.get_context(_start_method())
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload([__name__])  # each worker forked with dsckpt and numpy imported
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(BLOCK_NBYTES, COMPARE_BLOCK_NUMEL))
+    batches = _batches(tasks)
+    pending: deque[tuple[list[_Task], Future[Any]]] = deque()
+    planning: BaseException | None = None
+    more = True
+    try:
+        while True:
+            while more and planning is None and len(pending) < 2 * workers:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    more = False
+                    break
+                except BaseException as e:  # noqa: BLE001 - a corrupt checkpoint found while planning a task
+                    planning = e
+                    break
+                buf = io.BytesIO()
+                _TaskPickler(buf, checks).dump(batch)
+                pending.append((batch, ex.submit(_work_batch, buf.getvalue())))
+            if not pending:
+                break
+            batch, future = pending.popleft()
+            results, failed = future.result()
+            for task, (updates, parts) in zip(batch, results):
+                _add_crcs(checks, parts)
+                apply(task, updates)
+            if failed is not None:
+                _add_crcs(checks, failed[1])
+                raise failed[0]
+        if planning is not None:
+            raise planning
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_method() -> str:
+    """``fork`` (a few ms a worker) on Linux while this process runs one thread; else ``forkserver``: a fork
+    copies only the forking thread, and a lock another thread holds (gloo's under ``--distributed``, a logging
+    handler's) would stay held in the child forever."""
+    if sys.platform.startswith("linux") and threading.active_count() == 1:
+        return "fork"
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _batches(tasks: Iterator[_Task]) -> Iterator[list[_Task]]:
+    """``tasks`` in runs of about :data:`BATCH_NBYTES` read; an error raised by ``tasks`` comes after the run
+    of the tasks before it."""
+    batch: list[_Task] = []
+    nbytes = 0
+    try:
+        for task in tasks:
+            batch.append(task)
+            nbytes += sum(p.numel * DTYPES[task.dtypes[p.slot]].itemsize for p in task.parts)
+            if nbytes >= BATCH_NBYTES or len(batch) >= BATCH_TASKS:
+                yield batch
+                batch, nbytes = [], 0
+    except BaseException:
+        if batch:
+            yield batch
+        raise
+    if batch:
+        yield batch
+
+
+def _add_crcs(checks: dict[int, crc.RecordCheck], parts: list[_CrcPart]) -> None:
+    for token, offset, value, nbytes in parts:
+        checks[token].add_crc(offset, value, nbytes)
+
+
+class _TaskPickler(pickle.Pickler):
+    """Pickles tasks with every :class:`~dsckpt.crc.RecordCheck` as a token (``checks`` maps it back)."""
+
+    def __init__(self, file: io.BytesIO, checks: dict[int, crc.RecordCheck]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.checks = checks
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, crc.RecordCheck):
+            self.checks[id(obj)] = obj
+            return (id(obj), obj.done)
+        return None
+
+
+class _TaskUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, out: list[_CrcPart]) -> None:
+        super().__init__(file)
+        self.out = out
+
+    def persistent_load(self, pid: Any) -> _CrcParts:
+        token, done = pid
+        return _CrcParts(token, done, self.out)
+
+
+class _CrcParts:
+    """A worker process's stand-in for one record's :class:`~dsckpt.crc.RecordCheck` (the reads' interface:
+    ``done``, ``add_crc``, ``update``): it appends ``(token, offset, crc32, nbytes)`` for the parent to add.
+    ``done``: the record was verified when the task was sent (the reads then skip the CRC, as with threads)."""
+
+    __slots__ = ("done", "out", "token")
+
+    def __init__(self, token: int, done: bool, out: list[_CrcPart]) -> None:
+        self.token, self.done, self.out = token, done, out
+
+    def add_crc(self, offset: int, value: int, nbytes: int) -> None:
+        if nbytes:
+            self.out.append((self.token, offset, value, nbytes))
+
+    def update(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        if not self.done:
+            self.add_crc(offset, crc.crc32(data), memoryview(data).nbytes)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(block_nbytes: int, compare_numel: int) -> None:
+    """A worker process's start: Ctrl-C is the parent's to handle (it shuts the pool down); the block sizes are
+    the parent's (a ``forkserver`` child would have the defaults); one buffer pool and file cache for all tasks."""
+    global BLOCK_NBYTES, COMPARE_BLOCK_NUMEL
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    BLOCK_NBYTES, COMPARE_BLOCK_NUMEL = block_nbytes, compare_numel
+    _WORKER.update(pool={}, files=_OpenFiles())
+
+
+def _work_batch(data: bytes) -> tuple[list[tuple[list[_Update], list[_CrcPart]]],
+                                      tuple[BaseException, list[_CrcPart]] | None]:
+    """Run a pickled batch of tasks (in a worker process): each task's updates and CRC-32 parts, and the error
+    that stopped the batch, if any, with the CRC parts of its task read before it."""
+    out: list[_CrcPart] = []
+    tasks = _TaskUnpickler(io.BytesIO(data), out).load()
+    results: list[tuple[list[_Update], list[_CrcPart]]] = []
+    for task in tasks:
+        try:
+            updates = _run_task(task, _WORKER["pool"], _WORKER["files"])
+        except Exception as e:  # noqa: BLE001 - raised in the parent, in task order
+            return results, (e, out)
+        results.append((updates, out[:]))
+        out.clear()
+    return results, None
 
 
 def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
