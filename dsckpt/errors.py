@@ -24,6 +24,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
     "UsageError",
+    "WorkerLostError",
     "shorten",
     "shorten_runs",
 ]
@@ -83,6 +84,13 @@ class OutputWriteError(DsckptError):
 
 class NotEnoughSpaceError(OutputWriteError):
     """The output's filesystem lacks the space the plan needs; checked before writing."""
+
+
+class WorkerLostError(DsckptError):
+    """A worker process of ``scan`` / ``verify`` ended without a result (killed by the system, e.g. its
+    out-of-memory killer): not the checkpoint's fault, nothing was written."""
+
+    exit_code = EXIT_INTERNAL
 
 
 #: The most characters of one value (a file's content, a key, a config entry) an error message shows.

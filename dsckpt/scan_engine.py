@@ -33,6 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ import numpy as np
 from . import crc, limits
 from .chunks import fragment_views, place
 from .dtypes import DTYPES, from_float32, to_float32
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, WorkerLostError
 from .model import (
     Fragment,
     reading_fragments,
@@ -355,7 +356,13 @@ def run_processes(tasks: Iterator[_Task], apply: Callable[[_Task, list[_Update]]
             if not pending:
                 break
             batch, future = pending.popleft()
-            results, failed = future.result()
+            try:
+                results, failed = future.result()
+            except BrokenProcessPool:
+                raise WorkerLostError(
+                    f"a {ctx.get_start_method()}-started worker process ended without a result (killed by the "
+                    "system? the out-of-memory killer names it in the kernel log); nothing was written — rerun "
+                    f"with fewer --workers, or with {PROCESSES_ENV}=0 for threads") from None
             for task, (updates, parts) in zip(batch, results):
                 _add_crcs(checks, parts)
                 apply(task, updates)

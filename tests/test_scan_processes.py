@@ -147,3 +147,19 @@ def test_the_mode_rule(monkeypatch):
     assert scan_engine.use_processes(small, 2)
     monkeypatch.setenv(scan_engine.PROCESSES_ENV, "0")
     assert not scan_engine.use_processes(plan, 8)
+
+
+def test_a_killed_worker_is_one_clear_error(monkeypatch):
+    """A worker process killed by the system (the out-of-memory killer sends SIGKILL) ends the run with
+    WorkerLostError (exit 70, one line saying how to rerun), not the pool's BrokenProcessPool."""
+    import os
+    import signal
+
+    from dsckpt.errors import EXIT_INTERNAL, WorkerLostError
+
+    monkeypatch.setattr(scan_engine, "_start_method", lambda: "fork")  # the child inherits the patch below
+    monkeypatch.setattr(scan_engine, "_run_task", lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+    plan, cache = prepare_scan(FIXTURES["s2_bf16_w2_2groups"].ckpt)
+    with pytest.raises(WorkerLostError, match=r"worker process ended without a result .*DSCKPT_SCAN_PROCESSES=0") as e:
+        scan_engine.run_processes(scan_engine._tasks(plan, cache, 7, set()), lambda t, u: None, 2)
+    assert e.value.exit_code == EXIT_INTERNAL
