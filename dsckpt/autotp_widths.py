@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, first_of
 from .limits import read_small_file
 from .parallel_layout import ParamCut, SplitKind, TpLayout
 
@@ -187,8 +187,7 @@ def target_layout(layout: TpLayout, tp: int, meta: AutoTpMeta | None) -> TpLayou
     if problems:
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size from {src} to {tp}: dsckpt cannot derive AutoTP's cut of "
-            f"{len(problems)} param(s): {'; '.join(problems[:4])}"
-            + (f" and {len(problems) - 4} more" if len(problems) > 4 else ""))
+            f"{len(problems)} param(s): {first_of(problems, 4, '; ')}")
     return TpLayout(tp, layout.source, cuts)
 
 
@@ -254,7 +253,6 @@ def record_at(record: Mapping[str, Any], source: TpLayout, target: TpLayout) -> 
             problems.append(f"'{name}': {e}")
     if problems:
         raise UnsupportedCheckpointError(
-            f"cannot write the tensor-parallel record for TP {target.tp_size}: {'; '.join(problems[:4])}"
-            + (f" and {len(problems) - 4} more" if len(problems) > 4 else ""))
+            f"cannot write the tensor-parallel record for TP {target.tp_size}: {first_of(problems, 4, '; ')}")
     out["affine_map"] = {**affine, "params": new}
     return out

@@ -6,6 +6,8 @@ one exit code (see :data:`EXIT_CODES`) and prints the message on one line, with 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "EXIT_BAD_CHECKPOINT",
     "EXIT_DISTRIBUTED",
@@ -25,6 +27,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "UsageError",
     "WorkerLostError",
+    "first_of",
     "shorten",
     "shorten_runs",
 ]
@@ -110,6 +113,12 @@ def shorten(value: object, limit: int = SHORTEN_CHARS) -> str:
 #: A run of characters without a space longer than this in a message is a value (a name, a file's content)
 #: that :func:`shorten_runs` cuts.
 LONG_RUN_CHARS = 1000
+
+
+def first_of(items: Sequence[str], limit: int, sep: str = ", ") -> str:
+    """The first ``limit`` of ``items`` joined by ``sep``, then " and N more" for the rest: how a message names a
+    list that may be long (missing files, params a change cannot handle)."""
+    return sep.join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def shorten_runs(message: str) -> str:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, first_of
 from .hf import HfFilesPlan
 from .limits import read_small_file
 from .model import Kind, LogicalCheckpoint, TensorEntry
@@ -367,8 +367,7 @@ def plan_merge_actions(ckpt: LogicalCheckpoint, cfg: AdapterConfig, base_names_s
     others = [n for n in names if adapter_key(n, cfg.adapter_name) is not None and marker not in n
               and not any(n in parts.values() for parts in modules.values())]
     if others:
-        problems.append(f"adapter tensors dsckpt cannot merge: {', '.join(others[:3])}"
-                        + (f" and {len(others) - 3} more" if len(others) > 3 else ""))
+        problems.append(f"adapter tensors dsckpt cannot merge: {first_of(others, 3)}")
     if problems:
         raise UnsupportedCheckpointError(
             f"cannot merge the adapter of '{ckpt.tag_dir}' into the base: {'; '.join(problems[:4])}"

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .autotp_widths import target_layout
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, first_of
 from .model import ZERO_FILL, Fragment, LogicalCheckpoint, Piece, TensorEntry, runs_overlapping
 from .parallel_layout import ParamCut, SplitKind, TpBlock, TpLayout
 
@@ -159,9 +159,8 @@ def tp_layout_from_record(record: Mapping[str, Any] | None,
     if problems:
         raise UnsupportedCheckpointError(
             f"{where}: the tensor-parallel record (universal_checkpoint_info) does not say how to rebuild "
-            f"{len(problems)} param(s): {'; '.join(problems[:6])}"
-            + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
-            + "; dsckpt does not guess splits from shapes, so nothing was read")
+            f"{len(problems)} param(s): {first_of(problems, 6, '; ')}"
+            "; dsckpt does not guess splits from shapes, so nothing was read")
     return TpLayout(tp, source, cuts)
 
 
@@ -205,7 +204,7 @@ def affine_disagreement(cut: ParamCut, entry: Any) -> str | None:
 
 
 def _list(names: Sequence[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return first_of(names, 5)
 
 
 def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: list[str], average: list[str],
@@ -573,8 +572,7 @@ def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -
     if problems:
         raise UnsupportedCheckpointError(
             f"changing the tensor-parallel size of a Megatron-style TP record from {src} to {tp_size} is not "
-            f"supported for {len(problems)} param(s): {'; '.join(problems[:6])}"
-            + (f" and {len(problems) - 6} more" if len(problems) > 6 else ""))
+            f"supported for {len(problems)} param(s): {first_of(problems, 6, '; ')}")
     return TpLayout(tp_size, layout.source, cuts)
 
 

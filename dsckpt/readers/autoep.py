@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError, first_of
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..parallel_layout import (
@@ -150,7 +150,7 @@ def autoep_layout_from_record(record: Any, expert_shapes: Mapping[str, tuple[int
         problems.append(f"layers of several expert-parallel sizes {sorted(ep_sizes)}")
     if problems:
         raise _refuse(where, "the AutoEP record (ds_autoep_layers) does not say how to rebuild "
-                      + "; ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else ""))
+                      + first_of(problems, 6, "; "))
     ep = ep_sizes.pop()
     if world % ep:
         raise CorruptCheckpointError(f"{where}: ep_size {ep} does not divide the {world} ranks of the save")

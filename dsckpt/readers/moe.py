@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import DTYPES, from_float32, to_float32
-from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError, first_of
 from ..layout import CheckpointFiles, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..parallel_layout import (
@@ -444,7 +444,7 @@ def _prove_expert_binding(files: CheckpointFiles, cache: FileCache, proofs: list
             failed.append(f"'{entry.name}' (expert-parallel rank {ep_rank}, {copy.fragments[0].file.name}: "
                           f"{agree} of {compared} elements agree)")
     if failed:
-        shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+        shown = first_of(failed, 5)
         raise CorruptCheckpointError(
             f"'{files.tag_dir}': the fp32 masters of {shown} do not match the expert files' copies, so the "
             f"expert-parallel rank arithmetic (use_data_before_expert_parallelism={data_before}) does not fit "

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError, first_of
 from ..layout import OSD, CheckpointFiles, expect_dp_ranks
 from ..model import Kind, LogicalCheckpoint, OptimizerGroup, Piece, Role, TensorEntry
 from ..parallel_layout import PipelineLayer, PipelineRecord
@@ -89,9 +89,8 @@ def _tp_size(files: CheckpointFiles, cache: FileCache) -> int:
                if (layer, t) not in files.layer_files]
     if missing:
         raise IncompleteCheckpointError(
-            f"'{where}' holds tensor-parallel layer files for {tp} TP ranks but lacks {', '.join(missing[:6])}"
-            + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-            + "; the save was probably interrupted; pick another tag with --tag")
+            f"'{where}' holds tensor-parallel layer files for {tp} TP ranks but lacks {first_of(missing, 6)}"
+            "; the save was probably interrupted; pick another tag with --tag")
     mps = sorted(files.mp_to_model_states)
     pp = meta.pp_degree if meta.tp_degree == tp and meta.pp_degree > 1 else len(mps) // tp
     if meta.tp_degree not in (1, tp) or mps != list(range(pp * tp)):

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError, first_of
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE, classify_files, expect_dp_ranks
 from ..model import Fragment, Kind, LogicalCheckpoint, Piece, Role, TensorEntry
 from ..stand_ins import DeepSpeedEnum
@@ -250,7 +250,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
 
         module_entries = {**module_entries, **placeholder_router_aliases(module, module_entries, autoep.layers)}
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        shown = first_of(missing, 8)
         raise IncompleteCheckpointError(
             f"'{tag_dir}' is a universal checkpoint missing {len(missing)} state file(s): {shown}. The conversion "
             "was probably interrupted; run ds_to_universal (or dsckpt reshard --universal) again")
@@ -341,7 +341,7 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
                 entries[name] = TensorEntry(name, shape, Kind.PARAM, True, tuple(pieces), group=g)
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        shown = first_of(missing, 8)
         raise IncompleteCheckpointError(
             f"'{tag_dir}' is a universal checkpoint missing {len(missing)} state file(s): {shown}. The conversion "
             "was probably interrupted; run ds_to_universal (or dsckpt reshard --universal) again")
