@@ -152,25 +152,14 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
     (two micro-batches) gives a finite loss."""
     import autotp_models as am
     import tp_megatron_models as mm
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
     fdir = os.path.join(HERE, "fixtures", name)
     with open(os.path.join(fdir, "truth.json")) as fh:
         meta = json.load(fh)
     truth = load_file(os.path.join(fdir, "truth.safetensors"))
     src_tp = meta["tp_size"]
     tp = new_tp or src_tp
-    rank, world = dist.get_rank(), dist.get_world_size()
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
-    tp_group = None
-    for ranks in topo.get_axis_comm_lists("model"):  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = g
-    coord = topo.get_coord(rank)
-    mm.set_pipe_tp(tp_group, coord.model, tp)
-    model = PipelineModule(layers=mm.pipe_layer_specs(), topology=topo, loss_fn=mm.pipe_loss,
-                           partition_method="type:BlockPipe")
+    world = dist.get_world_size()
+    model, _ = mm.pipe_module(pp, tp, world // (pp * tp))
     engine, _, _, _ = deepspeed.initialize(model=model, config=dict(meta["config"]),
                                            model_parameters=[q for q in model.parameters() if q.requires_grad])
     load_path, _ = engine.load_checkpoint(ckpt_dir)

@@ -79,3 +79,19 @@ def plant(ckpt: Path, name: str, role: Copy, index: int, value: float, *, replic
                 changed.append(f.file)
     assert changed, f"{name} has no {role} copy holding element {index}"
     return changed
+
+
+def flip_record_bit(ckpt: Path) -> tuple[Path, str]:
+    """Flip one bit in the middle of the first tensor record over 64 bytes of the first optimizer file of the
+    checkpoint copy ``ckpt``; returns (that file, the record's name in its zip)."""
+    import struct
+    import zipfile
+
+    path = next(ckpt.glob("*/*optim_states.pt"))
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path, info.filename

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from conftest import all_fixtures, ids
 from safetensors.torch import save_file
-from scan_helpers import copy_fixture, plant
+from scan_helpers import copy_fixture, flip_record_bit, plant
 
 from dsckpt import parsed_tree
 from dsckpt.cli import main
@@ -395,21 +395,12 @@ def test_scan_names_only_the_checks_that_ran(tmp_path, target, checks):
 def test_a_flipped_bit_fails_the_chained_crc_whatever_the_block_size(tmp_path, monkeypatch, block_nbytes):
     """A block's CRC-32 is chained onto the previous block's and handed to the record's check once per range:
     one flipped bit in the middle of a record is still caught, however many blocks the range took."""
-    import struct
-    import zipfile
-
     from dsckpt import scan_engine
 
     monkeypatch.setattr(scan_engine, "BLOCK_NBYTES", block_nbytes)
     monkeypatch.setattr(scan_engine, "COMPARE_BLOCK_NUMEL", 3)
     ckpt = copy_fixture(next(f for f in FIXTURES if f.name == "ds0189_s2_bf16_w2"), tmp_path)
-    path = next(ckpt.glob("*/*optim_states.pt"))
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
-    data = bytearray(path.read_bytes())
-    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_record_bit(ckpt)
     for nonfinite_only in (True, False):
         with pytest.raises(CorruptCheckpointError, match="fails its CRC32 check"):
             scan(ckpt, nonfinite_only=nonfinite_only)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 from conftest import all_fixtures
-from scan_helpers import copy_fixture, plant
+from scan_helpers import copy_fixture, flip_record_bit, plant
 
 from dsckpt import scan_engine
 from dsckpt.errors import CorruptCheckpointError
@@ -79,22 +79,12 @@ def test_processes_add_every_crc_the_threads_add(tmp_path, monkeypatch, start):
 def test_a_flipped_bit_is_caught_and_named_in_processes(tmp_path, monkeypatch):
     """A flipped bit in a record of an optimizer file: ``scan`` raises the thread mode's error, naming the file
     and record, and ``verify`` reports that record (the chained CRC is completed in the parent)."""
-    import struct
-    import zipfile
-
     ckpt = copy_fixture(FIXTURES["ds0189_s2_bf16_w2"], tmp_path)
-    path = next(ckpt.glob("*/*optim_states.pt"))
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
-    data = bytearray(path.read_bytes())
-    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
-    path.write_bytes(bytes(data))
+    path, record = flip_record_bit(ckpt)
     monkeypatch.setattr(scan_engine, "BLOCK_NBYTES", 64)
     threads = _reports(ckpt, monkeypatch, "0")
     assert _reports(ckpt, monkeypatch, "1") == threads
     doc = json.loads(threads)
-    record = info.filename
     assert "fails its CRC32 check" in doc["scan"] and f"record '{record}'" in doc["scan"] and path.name in doc["scan"]
     monkeypatch.setenv(scan_engine.PROCESSES_ENV, "1")
     records = [p for p in verify(ckpt).problems if p.area is Area.RECORDS]
