@@ -21,6 +21,7 @@ Nothing else in dsckpt calls ``torch.load`` or ``pickle.load``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -28,7 +29,7 @@ import struct
 import types
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -333,6 +334,31 @@ def load(path: str | os.PathLike[str]) -> Any:
     return load_with_info(path)[0]
 
 
+#: What the parsers raise on a damaged pickle or zip (zipfile: "zip file version 13.4").
+_PARSE_ERRORS: tuple[type[Exception], ...] = (
+    pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError, TypeError, KeyError,
+    AttributeError, IndexError, UnicodeDecodeError, NotImplementedError, OverflowError)
+
+
+@contextlib.contextmanager
+def _parsing(p: Path, message: Callable[[BaseException], str], *also: type[Exception]) -> Iterator[None]:
+    """Parsing ``p``: what a damaged file makes the parsers raise (:data:`_PARSE_ERRORS` and ``also``) becomes one
+    :class:`CorruptCheckpointError` with ``message(e)``; a nesting that a guard missed is still a damaged file
+    (the ``max_depth`` limit), never exit 70; dsckpt's own refusals pass unchanged."""
+    try:
+        yield
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except RecursionError as e:
+        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
+    except (*_PARSE_ERRORS, *also) as e:
+        raise CorruptCheckpointError(message(e)) from e
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {shorten(str(e), 200)}"
+
+
 def load_pickle(path: str | os.PathLike[str]) -> Any:
     """Parse a plain pickle file (no storages: DCP's ``.metadata``) with the allow-listed unpickler, within
     ``max_pickle_nbytes``; the same refusals as :func:`load`."""
@@ -341,7 +367,8 @@ def load_pickle(path: str | os.PathLike[str]) -> Any:
     def no_storage(args: tuple[Any, ...]) -> StorageRef:
         raise pickle.UnpicklingError("a plain pickle holds no tensor storages")
 
-    try:
+    with _parsing(p, lambda e: f"{p}: cannot be parsed as a pickle ({_why(e)}); it is truncated or corrupt",
+                  MemoryError):
         size = limits.regular_file(p).st_size
         if size > limits.current().max_pickle_nbytes:
             raise limits.exceeded(p, f"a pickle of {size} bytes", None, "max_pickle_nbytes")
@@ -349,14 +376,6 @@ def load_pickle(path: str | os.PathLike[str]) -> Any:
             obj = _Unpickler(_BoundedReader(f, p, size), path=p, resolve_storage=no_storage).load()
         check_tree(obj, p)
         return obj
-    except (UnsafeCheckpointError, CorruptCheckpointError):
-        raise
-    except RecursionError as e:
-        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
-    except (pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError, KeyError, AttributeError,
-            IndexError, UnicodeDecodeError, NotImplementedError, OverflowError, MemoryError) as e:
-        raise CorruptCheckpointError(f"{p}: cannot be parsed as a pickle ({type(e).__name__}: "
-                                     f"{shorten(str(e), 200)}); it is truncated or corrupt") from e
 
 
 class _Window:
@@ -397,7 +416,8 @@ def load_window(path: str | os.PathLike[str], offset: int, nbytes: int) -> Any:
     ``.distcp`` file) as :func:`load` parses a file: the allow-list, the budgets, CRC-32 checks; its tensors'
     storages point at their absolute place in ``path``. A window past the end of the file is refused."""
     p = Path(path)
-    try:
+    with _parsing(p, lambda e: f"{p}: the item at bytes [{offset}, {offset + nbytes}) is not a readable torch.save "
+                  f"stream ({_why(e)}); the file is corrupt or its .metadata is wrong", OSError):
         size = limits.regular_file(p).st_size
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise CorruptCheckpointError(f"{p}: an item at bytes [{offset}, {offset + nbytes}) runs past the end of "
@@ -407,15 +427,6 @@ def load_window(path: str | os.PathLike[str], offset: int, nbytes: int) -> Any:
             obj, _ = _load_zip(p, _Window(f, offset, nbytes), base=offset)
         check_tree(obj, p)
         return obj
-    except (UnsafeCheckpointError, CorruptCheckpointError):
-        raise
-    except RecursionError as e:
-        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
-    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError, TypeError, KeyError,
-            AttributeError, IndexError, UnicodeDecodeError, NotImplementedError, OverflowError, OSError) as e:
-        raise CorruptCheckpointError(
-            f"{p}: the item at bytes [{offset}, {offset + nbytes}) is not a readable torch.save stream "
-            f"({type(e).__name__}: {shorten(str(e), 200)}); the file is corrupt or its .metadata is wrong") from e
 
 
 @dataclass(frozen=True)
@@ -435,26 +446,17 @@ def load_with_info(path: str | os.PathLike[str]) -> tuple[Any, FileInfo]:
     """:func:`load`, and what the file's container says about it (:class:`FileInfo`)."""
     p = Path(path)
     try:
-        with os.fdopen(limits.open_regular(p), "rb") as f:
-            limits.remember_parsed(p, os.fstat(f.fileno()))
-            head = f.read(4)
-            if head[:2] == b"PK":
-                obj, info = _load_zip(p, f)
-            else:
-                obj, info = _load_legacy(p, f), FileInfo(None)
-        check_tree(obj, p)
-        return obj, info
-    except (UnsafeCheckpointError, CorruptCheckpointError):
-        raise
-    except RecursionError as e:  # a guard below missed a nesting: still a damaged file, never exit 70
-        raise limits.exceeded(p, "nesting deeper than Python can follow", None, "max_depth") from e
-    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, ValueError,
-            TypeError, KeyError, AttributeError, IndexError, UnicodeDecodeError,
-            NotImplementedError, OverflowError) as e:  # zipfile: "zip file version 13.4"
-        raise CorruptCheckpointError(
-            f"{p}: cannot be parsed as a torch checkpoint file ({type(e).__name__}: {shorten(str(e), 200)}); "
-            "it is truncated or corrupt — the save was probably interrupted"
-        ) from e
+        with _parsing(p, lambda e: f"{p}: cannot be parsed as a torch checkpoint file ({_why(e)}); it is truncated "
+                      "or corrupt — the save was probably interrupted"):
+            with os.fdopen(limits.open_regular(p), "rb") as f:
+                limits.remember_parsed(p, os.fstat(f.fileno()))
+                head = f.read(4)
+                if head[:2] == b"PK":
+                    obj, info = _load_zip(p, f)
+                else:
+                    obj, info = _load_legacy(p, f), FileInfo(None)
+            check_tree(obj, p)
+            return obj, info
     except OSError as e:  # a zip directory pointing before the start of the file: seek() fails with EINVAL
         raise CorruptCheckpointError(
             f"{p}: cannot be read as a torch checkpoint file ({e.strerror or e}); its zip directory points "

@@ -69,6 +69,19 @@ def _param_dir(tag_dir: Path, name: str) -> Path:
     return tag_dir / UNIVERSAL_DIR / name
 
 
+def _state_piece(path: Path, cache: FileCache, tp: bool, name: str, shape: tuple[int, ...], role: Role,
+                 state_key: str | None, num_experts: int | None = None) -> Piece:
+    """Param ``name``'s fp32 ``role`` / ``state_key`` piece in the per-param state file ``path``, whose tensor must be
+    float32 of ``shape``'s element count."""
+    numel = math.prod(shape)
+    key, ref = _state_key(path, cache, tp, num_experts)
+    if ref.dtype_name != "float32" or ref.numel != numel:
+        raise CorruptCheckpointError(
+            f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
+            f"float32[{numel}]; the file is damaged or belongs to another model")
+    return Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key)
+
+
 def _state_key(path: Path, cache: FileCache, tp: bool, num_experts: int | None = None
                ) -> tuple[tuple[Any, ...], TensorRef]:
     """Where the tensor of one per-param state file is: the file itself (ZeRO-3 source) or ``["param"]``.
@@ -214,10 +227,10 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
         for name in shapes:
             name = str(name)
             side = module_entries[name]
-            shape, numel = side.shape, side.numel
+            shape = side.shape
             cut = autoep.name_to_cut.get(name) if autoep is not None else None
             if cut is not None:
-                shape, numel = cut.full_shape, math.prod(cut.full_shape)
+                shape = cut.full_shape
             pdir = _param_dir(tag_dir, name)
             pieces = []
             for role, state_key, fname in ((Role.MASTER, None, "fp32.pt"),
@@ -226,12 +239,8 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 if not path.is_file():
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
                     continue
-                key, ref = _state_key(path, cache, tp > 1, cut.full_shape[0] if cut is not None else None)
-                if ref.dtype_name != "float32" or ref.numel != numel:
-                    raise CorruptCheckpointError(
-                        f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} needs "
-                        f"float32[{numel}]; the file is damaged or belongs to another model")
-                pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key))
+                pieces.append(_state_piece(path, cache, tp > 1, name, shape, role, state_key,
+                                           cut.full_shape[0] if cut is not None else None))
                 state_files.append(path)
             if not zero3:
                 step_path = pdir / STEP_FILE
@@ -317,19 +326,13 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
                 pdir = _param_dir(tag_dir, name)
                 if tp > 1 and (pdir / STATE_FILES[0][2]).is_file():
                     shape = tuple(_state_key(pdir / STATE_FILES[0][2], cache, True)[1].shape)
-                numel = math.prod(shape)
                 pieces = []
                 for role, state_key, fname in STATE_FILES:
                     path = pdir / fname
                     if not path.is_file():
                         missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
                         continue
-                    key, ref = _state_key(path, cache, tp > 1)
-                    if ref.dtype_name != "float32" or ref.numel != numel:
-                        raise CorruptCheckpointError(
-                            f"{path}: holds {ref.dtype_name}[{ref.numel}], param '{name}' of shape {list(shape)} "
-                            f"needs float32[{numel}]; the file is damaged or belongs to another model")
-                    pieces.append(Piece(role, "float32", (Fragment(path, key, 0, numel, 0),), state_key=state_key))
+                    pieces.append(_state_piece(path, cache, tp > 1, name, shape, role, state_key))
                     state_files.append(path)
                 step_path = pdir / STEP_FILE
                 if step_path.is_file():
