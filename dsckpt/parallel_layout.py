@@ -213,6 +213,12 @@ class TpLayout:
     source: str  # "autotp" (affine_map) or "megatron" (category patterns, client state)
     name_to_cut: Mapping[str, ParamCut]
 
+    @property
+    def vocab_rows(self) -> frozenset[int]:
+        """The row counts of the (padded) vocabulary params: one count where the layout has a vocabulary,
+        empty where it has none."""
+        return frozenset(sum(c.sub_widths[0]) for c in self.name_to_cut.values() if c.keep_rows is not None)
+
 
 @dataclass(frozen=True)
 class MoeLayout:

@@ -513,7 +513,7 @@ def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -
     target_rows: int | None = None
     if vocab:
         orig = next(iter(vocab.values())).keep_rows
-        src_rows = {sum(c.sub_widths[0]) for c in vocab.values()}
+        src_rows = layout.vocab_rows
         assert orig is not None
         padded = any(c.padding_rows for c in vocab.values())
         if vocab_divisor is None and (padded or orig % tp_size):
@@ -580,7 +580,7 @@ def megatron_record_at(record: Mapping[str, Any], target: TpLayout) -> dict[str,
     """The Megatron-style ``universal_checkpoint_info`` at ``target``'s TP size: the patterns unchanged,
     ``padded_vocab_size`` the target's padded row count. Pure."""
     out = dict(record)
-    rows = {sum(c.sub_widths[0]) for c in target.name_to_cut.values() if c.keep_rows is not None}
+    rows = target.vocab_rows
     if "padded_vocab_size" in out and rows:
         (out["padded_vocab_size"],) = rows
     return out

@@ -346,8 +346,8 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
 
             for t in range(plan.tp_size):
                 view = rank_view(ckpt, plan.tp_layout, t)
-                jobs += [(tag_dir / name, tree) for name, tree in layer_file_trees(plan.recut_layer_files, view, t,
-                                                                                    cache)]
+                jobs += [(tag_dir / name, tree) for name, tree in layer_file_trees(plan.recut_layer_files, ckpt, view,
+                                                                                    t, cache)]
     else:
         jobs = _build_rank_jobs(plan, ckpt, tag_dir, cache)
     refuse_unloadable_fields(jobs, source=f"'{ckpt.tag_dir}'")
@@ -432,12 +432,13 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     return jobs
 
 
-def layer_file_trees(sources: Sequence[Path], view: LogicalCheckpoint, t: int,
+def layer_file_trees(sources: Sequence[Path], ckpt: LogicalCheckpoint, view: LogicalCheckpoint, t: int,
                      cache: Any) -> list[tuple[str, Any]]:
     """TP rank ``t``'s ``layer_XX-model_{t:02d}-model_states.pt`` files from TP rank 0's ``sources`` (the layer's
     ``state_dict``, keys in its order and its mapping type): each tensor streamed from the module copy of the param
-    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`), named as
-    ``readers/pipeline.py`` names it -- ``"{layer}.{key}"``, or a tied module's ``tied_modules.<key>.<param>``."""
+    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`). Which entry
+    a key holds is where the reader found that entry's module copy in ``ckpt`` (``readers/pipeline.py`` named it,
+    a tied module's ``tied_modules.<key>.<param>`` included)."""
     import copy
     import re
 
@@ -446,19 +447,15 @@ def layer_file_trees(sources: Sequence[Path], view: LogicalCheckpoint, t: int,
     from .plan import FlatSpec, coalesce, range_copies
 
     by_name = {e.name: e for e in view.entries}
-    tied = [n for n in by_name if n.startswith("tied_modules.")]
+    held = {(f.file, f.key): e.name for e in ckpt.entries for p in e.pieces if p.role is Role.MODULE
+            for f in p.fragments}
     out = []
     for src in sources:
         m = re.match(r"layer_(\d+)-model_00-model_states\.pt$", src.name)
         assert m is not None, src
-        layer = int(m[1])
         tree = copy.copy(cache.tree(src))
         for key in list(tree):
-            name = f"{layer}.{key}"
-            if name not in by_name:
-                matches = [n for n in tied if n.endswith(f".{key}")]
-                name = matches[0] if len(matches) == 1 else name
-            e = by_name.get(name)
+            e = by_name.get(held.get((src, (key,)), ""))
             if e is None:
                 if isinstance(tree[key], TensorRef):
                     raise UnsupportedCheckpointError(f"{src}: '{key}' names no param or buffer of the checkpoint; "

@@ -390,7 +390,7 @@ def _megatron_client_keys(out: dict[str, Any], target: Any) -> None:
     ``args`` is a dict or an ``argparse.Namespace`` (its stand-in keeps the attributes)."""
     from ..stand_ins import DeepSpeedObject
 
-    rows = {sum(c.sub_widths[0]) for c in target.name_to_cut.values() if c.keep_rows is not None}
+    rows = target.vocab_rows
     padded = next(iter(rows)) if len(rows) == 1 else None
     info = out.get("checkpoint_info")
     if isinstance(info, Mapping) and padded is not None and "padded_vocab_size" in info:
