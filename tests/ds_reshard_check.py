@@ -223,6 +223,18 @@ def check_universal_leaves_alone(meta, truth, lowp, buffers_before, buffers_afte
                   f"(saved {truth[f'buffer/{n}'].flatten()[:3].tolist()})", flush=True)
 
 
+def one_more_step(engine, meta, problems):
+    """One more training step on this rank's next batch: the loss is finite and global_steps moves on by one."""
+    ids, tgt = fm.make_batch(fm.STEPS, rank)
+    loss = F.cross_entropy(engine(ids.to(dev)).float(), tgt.to(dev))
+    engine.backward(loss)
+    engine.step()
+    if not torch.isfinite(loss):
+        problems.append(f"loss after resume is {float(loss)}")
+    if engine.global_steps != meta["global_steps"] + 1:
+        problems.append(f"global_steps after one more step: {engine.global_steps}")
+
+
 def check_optim(name, ckpt_dir):
     """An optimizer fixture (``optim/<name>``, tests/fixtures/generate_optim.py): its model, groups and config on
     this many ranks, plain ``load_checkpoint``; then every per-element state tensor of every param (the fragment
@@ -288,14 +300,7 @@ def check_optim(name, ckpt_dir):
     if engine.global_steps != meta["global_steps"]:
         problems.append(f"global_steps {engine.global_steps} != {meta['global_steps']}")
     before = [group_step(g) for g in range(len(meta["groups"]))]
-    ids, tgt = fm.make_batch(fm.STEPS, rank)
-    loss = F.cross_entropy(engine(ids.to(dev)).float(), tgt.to(dev))
-    engine.backward(loss)
-    engine.step()
-    if not torch.isfinite(loss):
-        problems.append(f"loss after resume is {float(loss)}")
-    if engine.global_steps != meta["global_steps"] + 1:
-        problems.append(f"global_steps after one more step: {engine.global_steps}")
+    one_more_step(engine, meta, problems)
     after = [group_step(g) for g in range(len(meta["groups"]))]
     if [None if b is None else b + 1 for b in before] != after:
         problems.append(f"group steps after one more step: {after} (before {before})")
@@ -431,14 +436,7 @@ def check_one(name, ckpt_dir):
     if lrs != [cfg["optimizer"]["params"]["lr"]]:
         problems.append(f"learning rates {lrs} != config")
     # one more step
-    ids, tgt = fm.make_batch(fm.STEPS, rank)
-    loss = F.cross_entropy(engine(ids.to(dev)).float(), tgt.to(dev))
-    engine.backward(loss)
-    engine.step()
-    if not torch.isfinite(loss):
-        problems.append(f"loss after resume is {float(loss)}")
-    if engine.global_steps != meta["global_steps"] + 1:
-        problems.append(f"global_steps after one more step: {engine.global_steps}")
+    one_more_step(engine, meta, problems)
     steps_after = sorted({float(s["step"]) for s in base.state.values() if "step" in s})
     if spec.get("nvme"):
         # DeepSpeed 0.19.8's NVMe swapper knows only the fp32 master of each sub-group until torch's Adam creates
