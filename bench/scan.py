@@ -8,7 +8,10 @@ files read once at the start of each round (page cache warm): `cat` of every fil
 --nonfinite`, `dsckpt scan` (every check) and `dsckpt verify`, and with ``--baseline-src DIR`` (a folder holding
 another ``dsckpt/``, e.g. ``git archive <sha> dsckpt | tar -x -C DIR``) the same three commands run from that source
 as ``[before]``; ``--block-variants 256:65536`` adds every command with 256 KiB blocks and 64K-element comparisons. Wall time from ``perf_counter``; CPU time (user + system) and peak RSS from ``os.wait4`` of the
-child (this script imports nothing big, so the child's RSS high-water mark is its own). The table gives medians
+child (this script imports nothing big, so the child's RSS high-water mark is its own). Each ``dsckpt/`` source runs
+as ``pip install`` leaves a package, with its bytecode compiled first (``compileall``): a machine that sets
+``PYTHONDONTWRITEBYTECODE=1`` (this project's 2-core machine does) would otherwise compile dsckpt's modules again in
+every run, ~0.15 s of CPU that no installed copy pays; ``--no-bytecode`` measures that way. The table gives medians
 and each command's ratio to the median `cat` of the same run. The commands run with ``python -P`` so that the
 current folder's ``dsckpt/`` never shadows the one asked for.
 
@@ -66,6 +69,12 @@ def measure(argv: list[str], env: dict[str, str]) -> dict[str, float]:
     if rc not in (0, 1) or (rc and argv[0] == "sh"):
         raise SystemExit(f"{' '.join(argv)} exited {rc}:\n{err}")
     return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_mb": ru.ru_maxrss / 1024, "rc": rc}
+
+
+def compile_bytecode(src: Path) -> None:
+    """``src/dsckpt``'s modules compiled to ``__pycache__`` (git-ignored), as ``pip install`` compiles them."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(src / "dsckpt")], check=True,
+                   stdout=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
 
 
 def _pythonpath(first: Path) -> str:
@@ -215,11 +224,18 @@ def main() -> None:
                     help="KIB:NUMEL,...: also time every command with scan_engine.BLOCK_NBYTES = KIB KiB and "
                          "COMPARE_BLOCK_NUMEL = NUMEL elements")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="per checkpoint: no new round after this")
+    ap.add_argument("--no-bytecode", dest="bytecode", action="store_false",
+                    help="do not compile the dsckpt sources first (every run compiles what it imports, unless cached)")
     ap.add_argument("--report", type=Path, default=None, help="write every sample here (JSON)")
     args = ap.parse_args()
     only = [c for c in args.only.split(",") if c]
+    if args.bytecode:
+        for src in (REPO, args.baseline_src):
+            if src is not None:
+                compile_bytecode(src.resolve())
     report: dict = {"host": {"cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-                             "python": platform.python_version(), "load": os.getloadavg()},
+                             "python": platform.python_version(), "load": os.getloadavg(),
+                             "bytecode": args.bytecode},
                     "checkpoints": {}}
     for ckpt in (c.resolve() for c in args.ckpts):
         if not (ckpt / "latest").is_file():

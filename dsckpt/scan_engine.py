@@ -24,7 +24,6 @@ import bisect
 import io
 import logging
 import math
-import multiprocessing
 import os
 import pickle
 import signal
@@ -32,8 +31,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -329,6 +327,10 @@ def run_processes(tasks: Iterator[_Task], apply: Callable[[_Task, list[_Update]]
     :class:`~dsckpt.crc.RecordCheck` replaced by a :class:`_CrcParts` stand-in), at most ``2 * workers`` batches
     ahead of the oldest, and every task's CRC-32 parts and tally updates are applied here, in task order; an
     error raised for a task, or by ``tasks``, is raised once every earlier task is applied."""
+    import multiprocessing  # here, not at the top: a scan in threads (small checkpoints, few cores) never pays
+    from concurrent.futures import ProcessPoolExecutor  # for importing them (~15 ms of start-up)
+    from concurrent.futures.process import BrokenProcessPool
+
     checks: dict[int, crc.RecordCheck] = {}
     ctx = multiprocessing.get_context(_start_method())
     if ctx.get_start_method() == "forkserver":
@@ -381,6 +383,8 @@ def _start_method() -> str:
     handler's) would stay held in the child forever."""
     if sys.platform.startswith("linux") and threading.active_count() == 1:
         return "fork"
+    import multiprocessing
+
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
