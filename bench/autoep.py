@@ -22,23 +22,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def _run(cmd: list[str], out: Path) -> tuple[float, int]:
-    """Wall seconds and peak RSS (KB) of ``cmd`` (bench/run.py's ``measure``); ``out`` is removed afterwards."""
-    sys.path.insert(0, str(HERE))
-    from run import measure
-
-    s = measure(cmd, {"PYTHONPATH": str(HERE.parent)})
-    shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
-    return s.wall_s, s.maxrss_bytes // 1024
-
-
-def _warm(path: Path) -> None:
-    for f in path.rglob("*.pt"):
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+sys.path.insert(0, str(HERE))
+from run import remove, timed, warm_cache
 
 
 def _nbytes(out: Path) -> int:
@@ -66,7 +51,7 @@ def main() -> None:
              "--num_extract_workers", "2", "--num_merge_workers", "2", "--output_folder"], "universal"),
     }
     for p in (args.autoep, args.dense):
-        _warm(p)
+        warm_cache(p)
     out_nbytes: dict[str, int] = {}
     times: dict[str, list[float]] = {k: [] for k in cases}
     rss: dict[str, int] = {k: 0 for k in cases}
@@ -79,8 +64,8 @@ def main() -> None:
                 subprocess.run([*cmd, str(out) + ("/" if out_name.endswith("/") else "")], check=True,
                                env={**os.environ, "PYTHONPATH": str(HERE.parent)})
                 out_nbytes[name] = _nbytes(out)
-                shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink()
-            dt, kb = _run([*cmd, str(out) + ("/" if out_name.endswith("/") else "")], out)
+                remove(out)
+            dt, kb = timed([*cmd, str(out) + ("/" if out_name.endswith("/") else "")], out)
             times[name].append(dt)
             rss[name] = max(rss[name], kb)
     shutil.rmtree(tmp, ignore_errors=True)

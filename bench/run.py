@@ -88,6 +88,14 @@ def warm_cache(path: Path) -> None:
                     pass
 
 
+def timed(cmd: list[str], out: Path) -> tuple[float, int]:
+    """Wall seconds and peak RSS (KB) of ``cmd`` with this checkout's dsckpt (:func:`measure`: GNU time, or a small
+    wait4 wrapper where GNU time is missing, as on the lent hosts); ``out`` is removed afterwards."""
+    s = measure(cmd, {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    remove(out)
+    return s.wall_s, s.maxrss_bytes // 1024
+
+
 def remove(path: Path | None) -> None:
     if path is None:
         return

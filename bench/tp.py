@@ -23,25 +23,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from run import timed, warm_cache
+
 BIN = Path(sys.executable).parent
-
-
-def _run(cmd: list[str], out: Path) -> tuple[float, int]:
-    """Wall seconds and peak RSS (KB) of ``cmd`` (bench/run.py's ``measure``: GNU time, or a small wait4 wrapper
-    where GNU time is missing, as on the lent hosts); ``out`` is removed afterwards."""
-    sys.path.insert(0, str(HERE))
-    from run import measure
-
-    s = measure(cmd, {"PYTHONPATH": str(HERE.parent)})
-    shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
-    return s.wall_s, s.maxrss_bytes // 1024
-
-
-def _warm(path: Path) -> None:
-    for f in path.rglob("*.pt"):
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
 
 
 def main() -> None:
@@ -75,7 +60,7 @@ def main() -> None:
         cases["zero_to_fp32, TP 1 x DP 2 (anchor)"] = (
             [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(args.dp), "--safe_serialization"], "z2f")
     for p in (args.tp, args.dp):
-        _warm(p)
+        warm_cache(p)
     times: dict[str, list[float]] = {k: [] for k in cases}
     rss: dict[str, int] = {k: 0 for k in cases}
     out_nbytes = 0
@@ -84,7 +69,7 @@ def main() -> None:
             if "(anchor)" in name and args.anchor_rounds is not None and r >= args.anchor_rounds:
                 continue
             if out_name is None:  # a reading command: nothing written
-                dt, kb = _run(cmd, tmp / "none")
+                dt, kb = timed(cmd, tmp / "none")
                 times[name].append(dt)
                 rss[name] = max(rss[name], kb)
                 continue
@@ -93,7 +78,7 @@ def main() -> None:
                 subprocess.run([*cmd, str(out)], check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
                 out_nbytes = out.stat().st_size
                 out.unlink()
-            dt, kb = _run([*cmd, str(out)], out)
+            dt, kb = timed([*cmd, str(out)], out)
             times[name].append(dt)
             rss[name] = max(rss[name], kb)
     shutil.rmtree(tmp, ignore_errors=True)
