@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError, UsageError
-from ..model import Kind, LogicalCheckpoint, Precision, Role
+from ..model import LogicalCheckpoint, Precision, Role
 from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
 from .plan import (
     BF16_WRAPPER,
@@ -147,10 +147,6 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     recut: tuple[Path, ...] = ()
     if stages is not None and tp != src_tp:
         assert ckpt.pipeline is not None
-        if any(e.kind is Kind.PARAM and not e.trainable for e in ckpt.entries):
-            raise UnsupportedCheckpointError(
-                f"cannot reshard '{ckpt.tag_dir}' (pipeline x tensor parallelism {src_tp}) to tensor parallelism "
-                f"{tp}: it has frozen params, which dsckpt re-cuts for a pipeline's layer files only when trainable")
         recut = ckpt.pipeline.tp_rank(0).layer_files
     parts = []
     for s in range(pp):
@@ -436,7 +432,8 @@ def layer_file_trees(sources: Sequence[Path], ckpt: LogicalCheckpoint, view: Log
                      cache: Any) -> list[tuple[str, Any]]:
     """TP rank ``t``'s ``layer_XX-model_{t:02d}-model_states.pt`` files from TP rank 0's ``sources`` (the layer's
     ``state_dict``, keys in its order and its mapping type): each tensor streamed from the module copy of the param
-    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`). Which entry
+    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`), a frozen
+    param's (its only copy: no master or optimizer state) cut like a trainable one's by the TP record. Which entry
     a key holds is where the reader found that entry's module copy in ``ckpt`` (``readers/pipeline.py`` named it,
     a tied module's ``tied_modules.<key>.<param>`` included)."""
     import copy
