@@ -502,11 +502,13 @@ def test_reshard_tp_change_of_a_tensor_x_pipeline_run_needs_the_divisor(tmp_path
 @pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_loads_a_tensor_x_pipeline_run_at_another_tp_size(tmp_path):
-    """One 4-rank launch: PP 2 x TP 2 x DP 1 -> PP 1 x TP 4 x DP 1 (both fixtures, D = 8: 32 rows as the model pads
-    them at TP 4), loaded by DeepSpeed's PipelineEngine with plain load_checkpoint() in the fixture's PipelineModule on
-    PipeModelDataParallelTopology(1, 4, 1): every rank's fp32 master, Adam moments and 16-bit slices equal the
-    source's merged and cut for TP 4 (padding rows zero), steps as saved, one more train_batch runs. A control with
-    one fp32 master element of TP rank 3 changed fails on that rank."""
+    """One 4-rank launch: PP 2 x TP 2 x DP 1 -> PP 1 x TP 4 x DP 1 (every fixture, the frozen one included; D = 8: 32
+    rows as the model pads them at TP 4), loaded by DeepSpeed's PipelineEngine with plain load_checkpoint() in the
+    fixture's PipelineModule on PipeModelDataParallelTopology(1, 4, 1): every rank's fp32 master, Adam moments and
+    16-bit slices equal the source's merged and cut for TP 4 (padding rows zero) -- a frozen param's 16-bit slice,
+    zeroed before the load, as well --, steps as saved, one more train_batch runs. Two controls fail on their rank:
+    one fp32 master element of TP rank 3 changed, and one element of TP rank 3's slice of the frozen fused
+    2.fc1.weight in its layer file."""
     from ds_launch import DEEPSPEED, passed_except_controls, run_check_script
     from test_reshard_pipeline import _tamper
 
@@ -521,11 +523,21 @@ def test_deepspeed_loads_a_tensor_x_pipeline_run_at_another_tp_size(tmp_path):
                  "--make-vocab-size-divisible-by", "8", "-q")
     tampered = _tamper(tmp_path / "tampered", "zero_pp_rank_0_mp_rank_03_optim_states.pt")
     pairs.append(f"tp_pipeline/{FP32.name}@pp1@tp4={tmp_path / 'tampered'}")
+    _reshard_cli(FROZEN / "ckpt", tmp_path / "frozen_tampered", "-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED,
+                 "--make-vocab-size-divisible-by", "8", "-q")
+    f = tmp_path / "frozen_tampered" / "global_step3" / "layer_02-model_03-model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["fc1.weight"].view(-1)[5] += 1.0
+    torch.save(sd, f)
+    pairs.append(f"tp_pipeline/{FROZEN.name}@pp1@tp4={tmp_path / 'frozen_tampered'}")
     rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
     results, controls = passed_except_controls(results, log)
     assert len(results) == len(FIXTURES) and rc == 1, log
-    assert len(controls) == 1 and f"TP rank 3: param of {tampered} differs" in str(controls[0]["problems"]), controls
-    assert "TP rank 0" not in str(controls[0]["problems"]), controls
+    problems = {Path(c["ckpt"]).name: str(c["problems"]) for c in controls}
+    assert sorted(problems) == ["frozen_tampered", "tampered"], controls
+    assert f"TP rank 3: param of {tampered} differs" in problems["tampered"], controls
+    assert "TP rank 3: lowp of 2.fc1.weight differs" in problems["frozen_tampered"], controls
+    assert "TP rank 0" not in problems["tampered"] + problems["frozen_tampered"], controls
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
