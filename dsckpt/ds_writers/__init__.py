@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError, UsageError
-from ..model import LogicalCheckpoint, Precision, Role
+from ..model import Kind, LogicalCheckpoint, Precision, Role
 from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
 from .plan import (
     BF16_WRAPPER,
@@ -175,7 +175,9 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
         notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
     if recut:
-        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices")
+        frozen = sum(1 for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None)
+        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices"
+                 + (f" (frozen params' too: {frozen}, whose only copy they are)" if frozen else ""))
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
                                hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
                                copied_model_files=(), recut_layer_files=recut)
