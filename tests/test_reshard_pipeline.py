@@ -348,8 +348,8 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
     BF16_Optimizer), a stage-0 bf16 run (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files at 2 x 2 and 1 x 4,
     DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed; dsckpt refuses to read it),
-    and the Megatron-style tensor x pipeline fixtures at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (their TP-local
-    slices): masters, moments, steps, global steps bit for bit, and one more train_batch runs. Two tampered controls
+    and the Megatron-style tensor x pipeline fixtures (with frozen params too) at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x
+    DP 2 (their TP-local slices): masters, moments, steps, global steps bit for bit, and one more train_batch runs. Two tampered controls
     fail. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
     import subprocess
     import sys
@@ -377,7 +377,7 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     megatron = Path(__file__).parent / "fixtures" / "tp_pipeline"
     typed = {"pp_size": 1, "partition_method": "type:BlockPipe",
              "layer_types": ["EmbeddingPipe[embed]", "BlockPipe", "BlockPipe", "FinalLayerNorm", "EmbeddingPipe[embed]"]}
-    for name in ("megatron_pp2_tp2_z1_fp32", "megatron_pp2_tp2_z1_bf16_bf16opt"):
+    for name in ("megatron_pp2_tp2_z1_fp32", "megatron_pp2_tp2_z1_bf16_bf16opt", "megatron_pp2_tp2_z1_bf16_bf16opt_frozen"):
         out = tmp_path / f"{name}_pp1"
         _reshard(megatron / name / "ckpt", out, 4, **typed)
         pairs.append(f"tp_pipeline/{name}@pp1={out}")

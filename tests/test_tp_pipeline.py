@@ -33,6 +33,7 @@ ROLE_KEY = {Role.MASTER: "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq
 TIED = "tied_modules.embed.word_embeddings.weight"
 FP32 = PP_DIR / "megatron_pp2_tp2_z1_fp32"
 BF16 = PP_DIR / "megatron_pp2_tp2_z1_bf16_bf16opt"
+FROZEN = PP_DIR / "megatron_pp2_tp2_z1_bf16_bf16opt_frozen"
 
 
 @cache
@@ -45,6 +46,17 @@ def _load(path: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def frozen(fx: Path) -> frozenset[str]:
+    """The fixture's frozen params (``requires_grad=False``: no master, no optimizer state; truth ``lowp`` only)."""
+    return frozenset(meta(fx).get("frozen", []))
+
+
+def copies(fx: Path) -> int:
+    """Stored copies per TP rank: master, two moments and module slice of each trainable param, the module slice of
+    each frozen one."""
+    return 4 * len(meta(fx)["params"]) - 3 * len(frozen(fx))
 
 
 def universal(fx: Path) -> dict:
@@ -69,7 +81,12 @@ def _merge_local(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
 
 
 def test_fixtures_are_what_the_tests_assume():
-    assert IDS == ["megatron_pp2_tp2_z1_bf16_bf16opt", "megatron_pp2_tp2_z1_fp32"]
+    assert IDS == ["megatron_pp2_tp2_z1_bf16_bf16opt", "megatron_pp2_tp2_z1_bf16_bf16opt_frozen",
+                   "megatron_pp2_tp2_z1_fp32"]
+    # frozen: one split and one replicated param on each stage (row-parallel fc2 and replicated ln.bias on stage 0,
+    # the fused fc1 and replicated fc2.bias on stage 1), none in the optimizer
+    assert meta(FROZEN)["frozen"] == ["1.ln.bias", "1.fc2.weight", "2.fc1.weight", "2.fc2.bias"]
+    assert meta(FROZEN)["crosscheck"]["frozen_outside_optimizer"]
     for fx in FIXTURES:
         m = meta(fx)
         assert (m["pp_size"], m["tp_size"], m["dp_world_size"]) == (2, 2, 1)
@@ -106,10 +123,12 @@ def test_to_fp32_is_bit_identical_to_deepspeed_merge(fx, tmp_path):
     out = tmp_path / "m.safetensors"
     r = CliRunner().invoke(main, ["to-fp32", str(fx / "ckpt"), str(out)])
     assert r.exit_code == 0, r.output
-    got, u = _load(out), universal(fx)
+    got, u, tr = _load(out), universal(fx), truth(fx)
     assert sorted(got) == sorted(meta(fx)["params"])
-    for n in meta(fx)["params"]:
-        assert got[n].dtype == torch.float32 and torch.equal(got[n], u[f"fp32/{n}"]), n
+    for n in meta(fx)["params"]:  # a frozen param: its module slices merged, upcast
+        want = (_merge_local(n, [tr[f"tp{t}/lowp/{n}"] for t in range(2)]).float() if n in frozen(fx)
+                else u[f"fp32/{n}"])
+        assert got[n].dtype == torch.float32 and torch.equal(got[n], want), n
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
@@ -126,8 +145,10 @@ def test_moments_and_layer_file_copies_merge_exactly(fx):
     for n in m["params"]:
         e = ckpt.entry(n)
         assert list(e.shape) == m["full_shapes"][n]
-        for role, key in ROLE_KEY.items():
+        assert e.trainable == (n not in frozen(fx)), n
+        for role, key in ROLE_KEY.items() if e.trainable else ():
             assert torch.equal(read_copy(e, cache_, role), u[f"{key}/{n}"]), (role, n)
+        assert e.trainable or {p.role for p in e.pieces} == {Role.MODULE}, n
         lowp = _merge_local(n, [tr[f"tp{t}/lowp/{n}"] for t in range(2)])
         got = read_entry(e, cache_, Role.MODULE)
         assert got.dtype == lowp.dtype and torch.equal(got, lowp), n
@@ -329,10 +350,20 @@ def _reshard_cli(src: Path, out: Path, *args: str) -> str:
     return r.stdout
 
 
+def _stored(e, master: str) -> list:
+    """``(truth key, piece)`` of each stored copy of ``e``: a trainable param's master (``master`` names its truth
+    key), Adam moments and module copy; a frozen param's module copy, the only one it has."""
+    if not e.trainable:
+        assert {p.role for p in e.pieces} == {Role.MODULE}, e.name
+        return [("lowp", e.piece(Role.MODULE))]
+    return [(master, e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+            ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))]
+
+
 def _tp_local_truth(out: Path, fx: Path, pp: int, dp: int) -> int:
     """Every TP rank's files of ``out`` (read as a plain pipeline checkpoint of local slices) hold the source engine's
     TP-local fp32 masters, Adam moments and 16-bit slices (truth ``tp{t}/...``) bit for bit, at ``pp`` stages x
-    ``dp`` ranks."""
+    ``dp`` ranks; a frozen param only its 16-bit slice (the layer files)."""
     from dsckpt.assemble import read_piece
 
     cache_ = FileCache()
@@ -343,8 +374,8 @@ def _tp_local_truth(out: Path, fx: Path, pp: int, dp: int) -> int:
         ckpt = read_stages(tp_rank_files(files, t, 2), cache_)
         assert (ckpt.pp_world_size, ckpt.dp_world_size, ckpt.optimizer_step) == (pp, dp, 3)
         for e in ckpt.entries:
-            for key, piece in (("param", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
-                               ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))):
+            assert e.trainable == (e.name not in frozen(fx)), e.name
+            for key, piece in _stored(e, "param"):
                 want = tr[f"tp{t}/{key}/{e.name}"]
                 got = read_piece(piece, e.shape, cache_, name=e.name)
                 assert got.dtype == (want.dtype if key == "lowp" else torch.float32), (t, key, e.name)
@@ -362,11 +393,11 @@ def test_reshard_changes_data_parallel_and_stages_with_tp_kept(fx, tmp_path):
     tag = "global_step3"
     out = _reshard_cli(fx / "ckpt", tmp_path / "dp2", "-n", "8")
     assert "from 4 to 8 ranks (PP 2 x TP 2 x DP 1 -> PP 2 x TP 2 x DP 2)" in out
-    assert _tp_local_truth(tmp_path / "dp2", fx, 2, 2) == 2 * 4 * 13
+    assert _tp_local_truth(tmp_path / "dp2", fx, 2, 2) == 2 * copies(fx)
     out = _reshard_cli(fx / "ckpt", tmp_path / "pp1", "-n", "4", "--pp-size", "1", *TYPED)
     assert "(PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2)" in out
     assert "PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2), partition_method='type:BlockPipe'" in out
-    assert _tp_local_truth(tmp_path / "pp1", fx, 1, 2) == 2 * 4 * 13
+    assert _tp_local_truth(tmp_path / "pp1", fx, 1, 2) == 2 * copies(fx)
     layer_files = sorted(p.name for p in (fx / "ckpt" / tag).glob("layer_*"))
     assert len(layer_files) == 8
     for out_dir in ("dp2", "pp1"):
@@ -411,8 +442,10 @@ TP_CHANGES = [("pp2_tp4", ["-n", "8", "--tp-size", "4"], 2, 4, 1, 8),
 def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args, pp, tp, dp, d, tmp_path):
     """PP 2 x TP 2 -> TP 4 (stages kept, or 1 stage; DP 1 or 2): every TP rank's files, read as a plain pipeline
     checkpoint of local slices, hold DeepSpeed's own route's values (:func:`_ds_route`) -- fp32 masters, Adam moments
-    and the layer files' 16-bit slices, the vocabulary's padding rows (now on TP rank 3) zero --, a layer file per
-    layer and TP rank, and the model-states files say the new sizes."""
+    and the layer files' 16-bit slices, the vocabulary's padding rows (now on TP rank 3) zero --, a frozen param's
+    16-bit slices (its only copy) re-cut like a trainable one's, a layer file per layer and TP rank, and the
+    model-states files say the new sizes. Read back whole by dsckpt, every param (frozen included), both moments and
+    the step are the source's."""
     from dsckpt.assemble import read_piece
 
     out = tmp_path / label
@@ -429,8 +462,8 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
         ckpt = read_stages(tp_rank_files(files, t, tp), cache_)
         assert (ckpt.pp_world_size, ckpt.dp_world_size, ckpt.optimizer_step) == (pp, dp, 3)
         for e in ckpt.entries:
-            for key, piece in (("fp32", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
-                               ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))):
+            assert e.trainable == (e.name not in frozen(fx)), e.name
+            for key, piece in _stored(e, "fp32"):
                 want = _ds_route(fx, key, e.name, tp, t, rows)
                 assert torch.equal(read_piece(piece, e.shape, cache_, name=e.name), want), (t, key, e.name)
                 checked += 1
@@ -439,11 +472,20 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
                     assert torch.equal(read_piece(p, e.shape, cache_, name=e.name),
                                        _ds_route(fx, "fp32" if p.role is Role.MASTER else p.state_key, e.name, tp, t,
                                                  rows))
-    assert checked == tp * 13 * 4
+    assert checked == tp * copies(fx)
     ms = torch.load(tag / f"mp_rank_{pp * tp - 1:02d}_model_states.pt", weights_only=False)
     assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]) == (pp * tp, {"pp_degree": pp, "tp_degree": tp})
     assert ms["args"]["tensor_model_parallel_size"] == tp and ms["args"]["padded_vocab_size"] == rows
     assert ms.get("universal_checkpoint_info", {}).get("padded_vocab_size") == (32 if tp > 1 else None)
+    back = read_checkpoint(out, cache=cache_)
+    assert (back.pp_world_size, back.tp_world_size or 1, back.dp_world_size, back.optimizer_step) == (pp, tp, dp, 3)
+    for n in meta(fx)["params"]:
+        e = back.entry(n)
+        assert e.trainable == (n not in frozen(fx)), n
+        for role, key in (ROLE_KEY.items() if e.trainable else ()):
+            assert torch.equal(read_copy(e, cache_, role), universal(fx)[f"{key}/{n}"]), (key, n)
+        assert torch.equal(read_entry(e, cache_, Role.MODULE),
+                           _merge_local(n, [truth(fx)[f"tp{r}/lowp/{n}"] for r in range(2)])), n
     cache_.finish_checks()
 
 
@@ -460,11 +502,13 @@ def test_reshard_tp_change_of_a_tensor_x_pipeline_run_needs_the_divisor(tmp_path
 @pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_loads_a_tensor_x_pipeline_run_at_another_tp_size(tmp_path):
-    """One 4-rank launch: PP 2 x TP 2 x DP 1 -> PP 1 x TP 4 x DP 1 (both fixtures, D = 8: 32 rows as the model pads
-    them at TP 4), loaded by DeepSpeed's PipelineEngine with plain load_checkpoint() in the fixture's PipelineModule on
-    PipeModelDataParallelTopology(1, 4, 1): every rank's fp32 master, Adam moments and 16-bit slices equal the
-    source's merged and cut for TP 4 (padding rows zero), steps as saved, one more train_batch runs. A control with
-    one fp32 master element of TP rank 3 changed fails on that rank."""
+    """One 4-rank launch: PP 2 x TP 2 x DP 1 -> PP 1 x TP 4 x DP 1 (every fixture, the frozen one included; D = 8: 32
+    rows as the model pads them at TP 4), loaded by DeepSpeed's PipelineEngine with plain load_checkpoint() in the
+    fixture's PipelineModule on PipeModelDataParallelTopology(1, 4, 1): every rank's fp32 master, Adam moments and
+    16-bit slices equal the source's merged and cut for TP 4 (padding rows zero) -- a frozen param's 16-bit slice,
+    zeroed before the load, as well --, steps as saved, one more train_batch runs. Two controls fail on their rank:
+    one fp32 master element of TP rank 3 changed, and one element of TP rank 3's slice of the frozen fused
+    2.fc1.weight in its layer file."""
     from ds_launch import DEEPSPEED, passed_except_controls, run_check_script
     from test_reshard_pipeline import _tamper
 
@@ -479,18 +523,29 @@ def test_deepspeed_loads_a_tensor_x_pipeline_run_at_another_tp_size(tmp_path):
                  "--make-vocab-size-divisible-by", "8", "-q")
     tampered = _tamper(tmp_path / "tampered", "zero_pp_rank_0_mp_rank_03_optim_states.pt")
     pairs.append(f"tp_pipeline/{FP32.name}@pp1@tp4={tmp_path / 'tampered'}")
+    _reshard_cli(FROZEN / "ckpt", tmp_path / "frozen_tampered", "-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED,
+                 "--make-vocab-size-divisible-by", "8", "-q")
+    f = tmp_path / "frozen_tampered" / "global_step3" / "layer_02-model_03-model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["fc1.weight"].view(-1)[5] += 1.0
+    torch.save(sd, f)
+    pairs.append(f"tp_pipeline/{FROZEN.name}@pp1@tp4={tmp_path / 'frozen_tampered'}")
     rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
     results, controls = passed_except_controls(results, log)
     assert len(results) == len(FIXTURES) and rc == 1, log
-    assert len(controls) == 1 and f"TP rank 3: param of {tampered} differs" in str(controls[0]["problems"]), controls
-    assert "TP rank 0" not in str(controls[0]["problems"]), controls
+    problems = {Path(c["ckpt"]).name: str(c["problems"]) for c in controls}
+    assert sorted(problems) == ["frozen_tampered", "tampered"], controls
+    assert f"TP rank 3: param of {tampered} differs" in problems["tampered"], controls
+    assert "TP rank 3: lowp of 2.fc1.weight differs" in problems["frozen_tampered"], controls
+    assert "TP rank 0" not in problems["tampered"] + problems["frozen_tampered"], controls
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
 def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
     """``reshard --universal`` of a TP x PP run writes what ds_to_universal wrote for it (tests/fixtures/
     ds_to_universal_record.json: the same files, keys, dtypes, shapes and bytes), and that folder reads back (TP x PP
-    universal folders hold the merged tensors): to-fp32 of it equals DeepSpeed's merge bit for bit."""
+    universal folders hold the merged tensors): to-fp32 of it equals DeepSpeed's merge bit for bit. Frozen params are
+    not in it, as ds_to_universal leaves them out (DeepSpeed's universal loader restores the optimizer's params only)."""
     from universal_record import ds_to_universal_differences
 
     r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
@@ -499,7 +554,7 @@ def test_universal_matches_recorded_ds_to_universal(fx, tmp_path):
     r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "u"), str(tmp_path / "m.safetensors")])
     assert r.exit_code == 0, r.output
     got, u = _load(tmp_path / "m.safetensors"), universal(fx)
-    assert sorted(got) == sorted(meta(fx)["params"])
+    assert sorted(got) == sorted(set(meta(fx)["params"]) - frozen(fx))
     for n in got:
         assert torch.equal(got[n], u[f"fp32/{n}"]), n
 

@@ -147,10 +147,6 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     recut: tuple[Path, ...] = ()
     if stages is not None and tp != src_tp:
         assert ckpt.pipeline is not None
-        if any(e.kind is Kind.PARAM and not e.trainable for e in ckpt.entries):
-            raise UnsupportedCheckpointError(
-                f"cannot reshard '{ckpt.tag_dir}' (pipeline x tensor parallelism {src_tp}) to tensor parallelism "
-                f"{tp}: it has frozen params, which dsckpt re-cuts for a pipeline's layer files only when trainable")
         recut = ckpt.pipeline.tp_rank(0).layer_files
     parts = []
     for s in range(pp):
@@ -179,7 +175,9 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
     if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
         notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
     if recut:
-        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices")
+        frozen = sum(1 for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None)
+        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices"
+                 + (f" (frozen params' too: {frozen}, whose only copy they are)" if frozen else ""))
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
                                hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
                                copied_model_files=(), recut_layer_files=recut)
@@ -436,7 +434,8 @@ def layer_file_trees(sources: Sequence[Path], ckpt: LogicalCheckpoint, view: Log
                      cache: Any) -> list[tuple[str, Any]]:
     """TP rank ``t``'s ``layer_XX-model_{t:02d}-model_states.pt`` files from TP rank 0's ``sources`` (the layer's
     ``state_dict``, keys in its order and its mapping type): each tensor streamed from the module copy of the param
-    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`). Which entry
+    (or buffer) it holds in ``view`` (TP rank ``t``'s slices, :func:`dsckpt.tensor_parallel.rank_view`), a frozen
+    param's (its only copy: no master or optimizer state) cut like a trainable one's by the TP record. Which entry
     a key holds is where the reader found that entry's module copy in ``ckpt`` (``readers/pipeline.py`` named it,
     a tied module's ``tied_modules.<key>.<param>`` included)."""
     import copy
