@@ -53,11 +53,14 @@ class StagePlan:
     def pp_size(self) -> int:
         return len(self.group_orders)
 
-    def note(self) -> str:
+    def note(self, layer_files_recut: bool = False) -> str:
+        """What the plan does to the stages; ``layer_files_recut``: another TP size re-cuts the layer files
+        (:func:`dsckpt.ds_writers.layer_file_trees`, named in a note of their own), so none is copied."""
+        files = "re-cut for the new TP size" if layer_files_recut else "copied unchanged"
         if self.target is None:
-            return f"pipeline stages kept at {self.pp_size}: each stage's params and layer files unchanged"
+            return f"pipeline stages kept at {self.pp_size}: each stage keeps its params; layer files {files}"
         return (f"pipeline stages {self.source_pp_size} -> {self.pp_size} (partition_method '{self.target.method}', "
-                f"{self.target.num_layers} layers): {self.target.describe()}; the layer files are copied unchanged")
+                f"{self.target.num_layers} layers): {self.target.describe()}; layer files {files}")
 
 
 def plan_stages(ckpt: LogicalCheckpoint, pp_size: int | None = None, *, method: str | None = None,

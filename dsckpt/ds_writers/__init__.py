@@ -171,7 +171,7 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
                 f"of all {split} split params")
         notes = (*notes, note)
     if stages is not None:
-        notes = (*notes, stages.note())
+        notes = (*notes, stages.note(layer_files_recut=bool(recut)))
     if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
         notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
     if recut:
