@@ -2,7 +2,7 @@
 fixture's truth (issue 32).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --master_port P tests/ds_pipeline_reshard_check.py \
-        --result out.json FIXTURE@ppN[@universal|@z1]=DIR [...]
+        --result out.json FIXTURE@ppN[@universal|@z1|@z0]=DIR [...]
         tp_pipeline/MEGATRON_FIXTURE@ppN[@tpT]=DIR   # a tensor x pipeline fixture (check_megatron)
 
 For each pair: the fixture's ``PipelineModule`` (fixture_models.pipeline_layers, partition_method uniform) built with
@@ -13,7 +13,8 @@ fp32 master and Adam moments (``safe_get_full_fp32_param`` / ``safe_get_full_opt
 truth bit for bit, frozen params and buffers equal to the saved ones (not for ``@universal``, whose loader restores
 the optimizer's params only), every optimizer step and ``global_steps`` as saved; then one more ``train_batch``
 runs with a finite loss. ``@z1``: a stage-0 bf16 fixture's output, loaded at ZeRO-1 with fp32 gradient
-accumulation (BF16_Optimizer, as reshard writes it). Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
+accumulation (BF16_Optimizer, as reshard writes it). ``@z0``: an fp32 fixture's output written without ZeRO, loaded
+at ``"zero_optimization": {"stage": 0}`` (each stage's torch optimizer; the module weights are the master). Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
 """
 import argparse
 import json
@@ -62,6 +63,8 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     if "z1" in opts:  # a stage-0 bf16 pipeline run resharded as ZeRO-1 BF16_Optimizer files (same optimizer)
         cfg["zero_optimization"] = {"stage": 1}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if "z0" in opts:  # an fp32 pipeline written at stage 0 (a torch optimizer per stage, no ZeRO files)
+        cfg["zero_optimization"] = {"stage": 0}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     model = PipelineModule(layers=fm.pipeline_layers(), num_stages=pp, loss_fn=lambda x, t: F.cross_entropy(x, t),
