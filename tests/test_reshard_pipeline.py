@@ -400,6 +400,16 @@ def test_stage0_pipeline_files_must_name_their_params(tmp_path):
             read_checkpoint(tmp_path / case)
 
 
+def test_stage0_pipeline_targets_refused_naming_why():
+    """Pipeline targets DeepSpeed has no loader for, or dsckpt does not write yet, are refused before any work."""
+    ckpt = read_checkpoint(_fixture("pp2_fp32").ckpt)
+    with pytest.raises(UnsupportedCheckpointError, match="to ZeRO stage 2: DeepSpeed's PipelineEngine refuses ZeRO-2"):
+        plan_reshard(ckpt, 2, zero_stage=2)
+    meg = read_checkpoint(Path(__file__).parent / "fixtures" / "tp_pipeline" / "megatron_pp2_tp2_z1_fp32" / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="tensor x pipeline runs are not written without ZeRO yet"):
+        plan_reshard(meg, 4, zero_stage=0)
+
+
 def test_cli_pipeline_reshard(tmp_path):
     fx = _fixture("pp2_fp32")
     runner = CliRunner()

@@ -64,7 +64,7 @@ def module_params_and_aliases(module: Mapping[str, Any], buffer_names: set[str])
 
 
 def moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int,
-                   owner_numel: int | None = None) -> list[Piece]:
+                  owner_numel: int | None = None) -> list[Piece]:
     """The optimizer states of a param: every key of its optimizer ``state`` whose tensor has one value per element
     of the tensor the state belongs to (``owner_numel`` elements: the flat master of a fused group, else the param
     itself), elements ``[src_offset, src_offset + numel)`` of it."""
@@ -257,7 +257,7 @@ def _fused(path: Path, module: Mapping[str, Any], unique: list[str],
                            (Fragment(path, ("optimizer", "fp32_groups_flat", group), off, ref.numel, 0),))
             k = state_index[group]
             moments = moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
-                                     inner_state.get(k), off, ref.numel, flats[group].numel) if k is not None else []
+                                    inner_state.get(k), off, ref.numel, flats[group].numel) if k is not None else []
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, True, (master, *moments, *pieces), group=group)
     return entries, [amb] if amb is not None else []
 
@@ -314,7 +314,7 @@ def _unfused(path: Path, module: Mapping[str, Any], unique: list[str],
         # The inner optimizer holds the masters themselves: its state index k counts them across groups.
         if k in inner_state:
             pieces[1:1] = moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
-                                         inner_state[k], 0, ref.numel)
+                                        inner_state[k], 0, ref.numel)
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, True, tuple(pieces), group=g)
     return entries, [amb] if amb is not None else []
 
