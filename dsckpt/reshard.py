@@ -194,18 +194,13 @@ def _refuse_stage0_pipeline(ckpt: LogicalCheckpoint) -> None:
     """A pipeline target without ZeRO is written at fp32 only (a torch optimizer per stage,
     :func:`dsckpt.ds_writers.stage0.plan_stage0_from_zero`): a 16-bit pipeline without ZeRO trains under
     ``BF16_Optimizer``, whose stage-0 save DeepSpeed 0.19.8 cannot resume (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``).
-    Tensor x pipeline runs are not written at stage 0 yet: the read-back of such files (verify-after-write) does not
-    hold their vocabulary padding rows as the source's."""
-    why = None
+    A tensor x pipeline run is written per (stage, TP rank) like a plain one, its TP-local params named."""
     if ckpt.precision is not Precision.FP32:
-        why = (f"a {ckpt.precision.value} pipeline without ZeRO trains under BF16_Optimizer, whose stage-0 save "
-               "DeepSpeed 0.19.8 cannot resume even unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); "
-               "keep --zero-stage 1 (the same optimizer and state)")
-    elif ckpt.tensor_parallel is not None:
-        why = ("tensor x pipeline runs are not written without ZeRO yet (dsckpt does not read such files back to "
-               "check them); keep --zero-stage 1")
-    if why is not None:
-        raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage 0: {why}")
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage 0: a {ckpt.precision.value} pipeline "
+            "without ZeRO trains under BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume even "
+            "unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); keep --zero-stage 1 (the same optimizer "
+            "and state)")
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:

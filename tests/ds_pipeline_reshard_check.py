@@ -3,7 +3,7 @@ fixture's truth (issue 32).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --master_port P tests/ds_pipeline_reshard_check.py \
         --result out.json FIXTURE@ppN[@universal|@z1|@z0]=DIR [...]
-        tp_pipeline/MEGATRON_FIXTURE@ppN[@tpT]=DIR   # a tensor x pipeline fixture (check_megatron)
+        tp_pipeline/MEGATRON_FIXTURE@ppN[@tpT][@z0]=DIR   # a tensor x pipeline fixture (check_megatron)
 
 For each pair: the fixture's ``PipelineModule`` (fixture_models.pipeline_layers, partition_method uniform) built with
 N stages on this launch's ranks (data-parallel size world / N) from a different seed, ``deepspeed.initialize`` with the
@@ -52,7 +52,7 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     pp = int(next(o[2:] for o in opts if o.startswith("pp")))
     if name.startswith("tp_pipeline/"):
         tp = next((int(o[2:]) for o in opts if o.startswith("tp")), None)
-        return check_megatron(name, pp, ckpt_dir, tp)
+        return check_megatron(name, pp, ckpt_dir, tp, stage0="z0" in opts)
     universal = "universal" in opts
     spec = fm.FIXTURES[name]
     with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
@@ -88,12 +88,7 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
         base = base.optimizer
     for n, q in engine.module.named_parameters():
         if q.requires_grad:
-            if engine.optimizer is base:  # fp32 without ZeRO: the module weights are the master
-                got = {"param": q.data, **{k: base.state[q].get(k) for k in ("exp_avg", "exp_avg_sq")}}
-            else:
-                got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
-                       "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
-            for key, t in got.items():
+            for key, t in fp32_and_moments(engine, q).items():
                 want = truth[f"{key}/{n}"]
                 if t is None or t.shape != want.shape or not torch.equal(t.float(), want):
                     problems.append(f"stage {stage}: {key} of {n} differs from the truth")
@@ -144,7 +139,19 @@ def megatron_pipe_slice(truth, key: str, n: str, src_tp: int, tp: int, t: int):
     return parts[0]
 
 
-def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None) -> list[str]:
+def fp32_and_moments(engine, q) -> dict:
+    """Param ``q``'s fp32 master and Adam moments as the engine holds them: through the fragment API under ZeRO /
+    BF16_Optimizer, else (fp32 without ZeRO) the module weight itself and the torch optimizer's state."""
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    if engine.optimizer is base:
+        return {"param": q.data, **{k: base.state[q].get(k) for k in ("exp_avg", "exp_avg_sq")}}
+    return {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
+
+
+def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None, stage0: bool = False) -> list[str]:
     """A Megatron-DeepSpeed-style TP x pipeline fixture (tests/fixtures/generate_tp_pipeline.py), rebuilt as it was
     made -- ``PipeModelDataParallelTopology(num_pp=pp, num_mp=T, num_dp=world / (T pp))`` (T the fixture's TP size,
     or ``new_tp`` for an output resharded to another TP size), the topology's ``model`` axis as TP groups,
@@ -152,7 +159,8 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
     master, Adam moments and 16-bit module slice equal the source's slice of the same TP rank (``tp{t}/...`` in
     truth.safetensors) bit for bit -- at another TP size the source's slices merged and cut for it
     (:func:`megatron_pipe_slice`) --, the optimizer step and global steps as saved; then one more ``train_batch``
-    (two micro-batches) gives a finite loss."""
+    (two micro-batches) gives a finite loss. ``stage0``: an fp32 output written without ZeRO, loaded at
+    ``"zero_optimization": {"stage": 0}``."""
     import autotp_models as am
     import tp_megatron_models as mm
     fdir = os.path.join(HERE, "fixtures", name)
@@ -163,7 +171,10 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
     tp = new_tp or src_tp
     world = dist.get_world_size()
     model, _ = mm.pipe_module(pp, tp, world // (pp * tp))
-    engine, _, _, _ = deepspeed.initialize(model=model, config=dict(meta["config"]),
+    cfg = dict(meta["config"])
+    if stage0:
+        cfg["zero_optimization"] = {"stage": 0}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=[q for q in model.parameters() if q.requires_grad])
     load_path, _ = engine.load_checkpoint(ckpt_dir)
     if load_path is None:
@@ -176,8 +187,7 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
     problems = []
     checked = 0
     for n, q in engine.module.named_parameters():
-        got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
-               "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
+        got = {**fp32_and_moments(engine, q), "lowp": q.data}
         for key, x in got.items():
             want = truth[f"tp{t}/{key}/{n}"] if tp == src_tp else megatron_pipe_slice(truth, key, n, src_tp, tp, t)
             if x is None or x.shape != want.shape or x.dtype != (want.dtype if key == "lowp" else x.dtype) or \

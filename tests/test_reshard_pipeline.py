@@ -322,7 +322,8 @@ def test_fp32_pipeline_written_without_zero(name, world, kw, pp, dp, parts, tmp_
     assert PIPELINE_NOTE in plan.notes
     new = _check_truth(fx, out, pp, dp)
     assert (new.zero_stage, new.optimizer_wrapper) == (0, "torch optimizer")
-    assert sorted(e.name for e in new.entries if e.kind.value == "param" and not e.trainable) == sorted(fx.meta["frozen"])
+    frozen = sorted(e.name for e in new.entries if e.kind.value == "param" and not e.trainable)
+    assert frozen == sorted(fx.meta["frozen"])
     tag, truth = fx.meta["tag"], fx.truth()
     ds = [_materialized(DS_Z0 / f"mp_rank_{s:02d}_model_states.pt") for s in (0, 1)]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in ds[0]["optimizer"]["param_groups"]]
@@ -400,14 +401,9 @@ def test_stage0_pipeline_files_must_name_their_params(tmp_path):
             read_checkpoint(tmp_path / case)
 
 
-def test_stage0_pipeline_targets_refused_naming_why():
-    """Pipeline targets DeepSpeed has no loader for, or dsckpt does not write yet, are refused before any work."""
-    ckpt = read_checkpoint(_fixture("pp2_fp32").ckpt)
+def test_pipeline_targets_at_zero2_refused_naming_why():
     with pytest.raises(UnsupportedCheckpointError, match="to ZeRO stage 2: DeepSpeed's PipelineEngine refuses ZeRO-2"):
-        plan_reshard(ckpt, 2, zero_stage=2)
-    meg = read_checkpoint(Path(__file__).parent / "fixtures" / "tp_pipeline" / "megatron_pp2_tp2_z1_fp32" / "ckpt")
-    with pytest.raises(UnsupportedCheckpointError, match="tensor x pipeline runs are not written without ZeRO yet"):
-        plan_reshard(meg, 4, zero_stage=0)
+        plan_reshard(read_checkpoint(_fixture("pp2_fp32").ckpt), 2, zero_stage=2)
 
 
 def test_cli_pipeline_reshard(tmp_path):
@@ -485,9 +481,11 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
     BF16_Optimizer), a stage-0 bf16 run (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files at 2 x 2 and 1 x 4,
     DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed; dsckpt refuses to read it),
-    an fp32 ZeRO-1 run written without ZeRO (2 x 2 -> 2 x 2, 4 x 1, 1 x 4, loaded at stage 0), and the Megatron-style tensor x pipeline fixtures at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (their TP-local
-    slices): masters, moments, steps, global steps bit for bit, and one more train_batch runs. Three tampered controls
-    fail. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
+    an fp32 ZeRO-1 run written without ZeRO (2 x 2 -> 2 x 2, 4 x 1, 1 x 4, loaded at stage 0), and the Megatron-style
+    tensor x pipeline fixtures at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (the fp32 one also written without ZeRO,
+    and so at PP 2 x TP 2 x DP 1; their TP-local slices): masters, moments, steps, global steps bit for bit, and one
+    more train_batch runs. Three tampered controls fail. DeepSpeed's own route (ds_to_universal + load_universal at
+    4 stages) is loaded beside them."""
     import subprocess
     import sys
 
@@ -522,6 +520,10 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
         out = tmp_path / f"{name}_pp1"
         _reshard(megatron / name / "ckpt", out, 4, **typed)
         pairs.append(f"tp_pipeline/{name}@pp1={out}")
+    for pp, kw in ((2, {}), (1, typed)):  # fp32 tensor x pipeline written without ZeRO, loaded at stage 0
+        out = tmp_path / f"megatron_z0_pp{pp}"
+        _reshard(megatron / "megatron_pp2_tp2_z1_fp32" / "ckpt", out, 4, zero_stage=0, **kw)
+        pairs.append(f"tp_pipeline/megatron_pp2_tp2_z1_fp32@pp{pp}@z0={out}")
     _reshard(_fixture("pp2_dp2_fp32").ckpt, tmp_path / "tampered", 4, pp_size=4, **UNIFORM)
     tampered = _tamper(tmp_path / "tampered")
     pairs.append(f"pp2_dp2_fp32@pp4={tmp_path / 'tampered'}")
