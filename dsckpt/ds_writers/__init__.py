@@ -38,7 +38,9 @@ set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` f
 ``BF16_Optimizer`` source written as ZeRO). A stage-0 source (fp32 or bf16; :func:`.stage0.stage0_as_zero_source`)
 is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
 model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
-with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`).
+with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`); a pipeline
+(and tensor x pipeline) run is written so per model-parallel rank (:func:`_plan_mp_ranks`), each stage's file naming
+its optimizer's params in ``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`).
 """
 
 from __future__ import annotations
