@@ -38,7 +38,9 @@ set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` f
 ``BF16_Optimizer`` source written as ZeRO). A stage-0 source (fp32 or bf16; :func:`.stage0.stage0_as_zero_source`)
 is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
 model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
-with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`).
+with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`); a pipeline
+(and tensor x pipeline) run is written so per model-parallel rank (:func:`_plan_mp_ranks`), each stage's file naming
+its optimizer's params in ``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`).
 """
 
 from __future__ import annotations
@@ -255,10 +257,14 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    if src_stage != 0 and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
+    # one stage of an fp32 pipeline without ZeRO (dsckpt's own files, whose param_shapes name the params): its
+    # optimizer's order is the stage plan's (mp_rank_view), and its files are rebuilt whatever the target
+    pipeline0 = src_stage == 0 and ckpt.layout == "pipeline"
+    if (src_stage != 0 or pipeline0) and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
         from .stage0 import plan_stage0_from_zero
 
-        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER)
+        orders = ([list(g) for g in facts.group_flat_order] if pipeline0 else
+                  optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER))
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
@@ -284,6 +290,8 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         from .stage0 import stage0_as_zero_source
 
         ckpt, orders = stage0_as_zero_source(ckpt)
+        if pipeline0:
+            orders = [list(g) for g in facts.group_flat_order]
     else:
         orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
     models = source_model_files(ckpt)
@@ -379,11 +387,12 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and plan.from_stage != 0:
-        from .common import optimizer_scalars
+    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline"):
+        from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 
-        zero_scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
+        zero_scalars = (stage0_scalars(cache.tree(plan.source_model_files[0])) if plan.from_stage == 0
+                        else optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage))
         return [*((tag_dir / name, tree) for name, tree in stage0_trees_from_zero(plan, ckpt, zero_scalars, cache)),
                 *_copied(plan, tag_dir, cache)]
     if plan.zero_stage == 0:

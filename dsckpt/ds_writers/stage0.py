@@ -13,7 +13,7 @@ from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
-__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
+__all__ = ["PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
            "stage0_trees_from_zero", "stage0_wrapper"]
 
 
@@ -142,18 +142,31 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = stage0_wrapper(ckpt)
-    notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
-             + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params too)"
-                if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
-    copied: tuple[Path, ...] = ()
+    if ckpt.layout == "pipeline":  # one stage of a pipeline (ds_writers.mp_rank_view): its trainable params only
+        notes = [PIPELINE_NOTE]
+    else:
+        notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
+                 + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params "
+                    "too)" if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
+    copied: tuple[Path, ...] = tuple(common.get("copied_model_files", ()))
     if ckpt.moe is not None:
-        copied = copied_files(ckpt, stage0=False)
+        copied = (*copied, *copied_files(ckpt, stage0=False))
         ep = ckpt.moe.ep_sizes[0]
         notes.append(f"Mixture of Experts: expert-parallel size kept at {ep}; one expp_rank_* optimizer file per "
                      f"expert-parallel rank (the dense groups and that rank's experts); the {len(copied)} expert "
                      "files are copied unchanged")
-    return LayoutPlan(**{**common, "optimizer_wrapper": wrapper}, param_shapes=shapes, subgroup_to_group=(),
-                      alignment_paddings=(), ranks=(), notes=tuple(notes), copied_model_files=copied)
+    return LayoutPlan(**{**common, "optimizer_wrapper": wrapper, "copied_model_files": copied}, param_shapes=shapes,
+                      subgroup_to_group=(), alignment_paddings=(), ranks=(), notes=tuple(notes))
+
+
+#: The stage-0 files of a pipeline stage (an fp32 ZeRO-1 pipeline written without ZeRO): DeepSpeed 0.19.8's
+#: PipelineEngine at stage 0 trains each stage's params under a plain torch optimizer and saves its ``state_dict()`` in
+#: ``mp_rank_{stage:02d}_model_states.pt``, numbered over the params it was given (pp2_fp32_z0: a stage's params that
+#: require grad in ``parameters()`` order, its tied modules first), and ``param_shapes`` None. Here ``param_shapes``
+#: names them (DeepSpeed's stage-0 loader does not read it), so the files say what DeepSpeed's own do not.
+PIPELINE_NOTE = ("stage 0 pipeline: each stage's torch optimizer state in mp_rank_XX_model_states.pt over the stage's "
+                 "params that require grad, in module order (tied modules first): pass [p for p in "
+                 "model.parameters() if p.requires_grad] to deepspeed.initialize; param_shapes names them")
 
 
 def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any,
@@ -163,12 +176,12 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     (engine.py ``_save_moe_checkpoint``: ``{"optimizer": optimizer.state_dict()}`` of that rank, whose expert groups
     hold its experts under local names; ``mp_rank_00`` carries expert-parallel rank 0's, as DeepSpeed's rank 0
     saves its own)."""
-    from .common import own_copy, stage0_scale_fields, streamed, target_ds_config
+    from .common import own_copy, shapes_tree, stage0_scale_fields, streamed, target_ds_config
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module
 
     src = dict(cache.tree(plan.source_model_files[0]))
-    module = src["module"] if plan.from_stage in (1, 2) else full_module(ckpt, src["module"], cache)
+    module = src["module"] if plan.from_stage in (0, 1, 2) else full_module(ckpt, src["module"], cache)
     by_name = {e.name: e for e in ckpt.entries}
 
     def whole(name: str, role: Role, key: str | None = None) -> Any:
@@ -206,6 +219,8 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
             expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt",
                          {"optimizer": torch_state_dict(groups, {n for names in groups for n in names})}))
         optimizer = expp[0][1]["optimizer"]
+    elif ckpt.precision is Precision.FP32 and ckpt.layout == "pipeline":  # the stage's trainable params (PIPELINE_NOTE)
+        optimizer = torch_state_dict(orders, {n for names in orders for n in names})
     elif ckpt.precision is Precision.FP32 and len(orders) == 1:
         # one group: every param the engine was given (model.parameters(), frozen ones too) in module order
         params = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
@@ -223,7 +238,9 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     src.update(module=module, optimizer=optimizer, param_shapes=None, frozen_param_shapes=None,
                frozen_param_fragments=None, shared_params=None, dp_world_size=plan.world_size,
                ds_config=target_ds_config(src.get("ds_config"), 0, None))
-    return [("mp_rank_00_model_states.pt", src), *expp]
+    if ckpt.layout == "pipeline":
+        src["param_shapes"] = shapes_tree(plan)  # names the optimizer's params (PIPELINE_NOTE)
+    return [(f"mp_rank_{plan.mp_rank:02d}_model_states.pt", src), *expp]
 
 
 def _on_ep_rank(ckpt: LogicalCheckpoint, local: str, ep_rank: int) -> str:
