@@ -25,7 +25,7 @@ from dsckpt.api import to_fp32
 from dsckpt.checkpoint import open_checkpoint
 from dsckpt.cli import main
 from dsckpt.errors import UnsupportedCheckpointError
-from dsckpt.model import Role
+from dsckpt.model import Precision, Role
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.repair import prepare_repair, run_repair
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
@@ -237,11 +237,12 @@ def test_reshard_keeps_experts_moments_and_expert_parallel_size(fx, tmp_path):
     assert up.dp_world_size == world and up.moe is not None and up.moe.ep_sizes == (ep,)
     _reshard(tmp_path / "up", tmp_path / "back", fx.meta["dp_world_size"])
     truth = fx.truth()
-    stage0 = fx.meta["stage"] == 0  # fp32 without ZeRO: the module weights are the masters
+    stage0 = fx.meta["stage"] == 0
+    module_is_master = stage0 and fx.meta["dtype"] == "fp32"  # fp32 without ZeRO: the module weights are the masters
     for path in (tmp_path / "up", tmp_path / "back"):
         c = open_checkpoint(path)
         for name in fx.meta["params"]:
-            for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
+            for role, key in ((Role.MODULE if module_is_master else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
                               ("exp_avg_sq", "exp_avg_sq"), (Role.MODULE, "lowp")):
                 assert torch.equal(read_copy(c.logical.entry(name), c.cache, role), truth[f"{key}/{name}"]), \
                     (path.name, name, role)
@@ -286,9 +287,9 @@ def test_reshard_dry_run_names_expert_files(tmp_path):
 # --- refusals --------------------------------------------------------------------------------------
 
 
-def test_stage0_moe_in_16_bit_is_refused(tmp_path):
-    """Stage-0 MoE in bf16/fp16 keeps FP16_*Optimizer state in the expp_rank_* files: not read yet. The
-    real fp32 stage-0 save, its config switched to bf16, must be refused, not read as fp32."""
+def test_stage0_moe_precision_must_match_its_optimizer_files(tmp_path):
+    """Stage-0 MoE in bf16/fp16 keeps FP16_UnfusedOptimizer state in the expp_rank_* files, fp32 a plain torch
+    optimizer's. The real fp32 stage-0 save, its config switched to bf16, must be refused, not read as either."""
     from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = _fx("moe_s0_fp32_w2_ep2")
@@ -300,8 +301,9 @@ def test_stage0_moe_in_16_bit_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["info", str(ckpt)])
     assert r.exit_code == 3
     err = r.stderr.strip()
-    assert "\n" not in err and "saved without ZeRO" in err and "in 16-bit precision" in err
-    assert "only fp32 ones, or MoE trained with ZeRO stage 1 or 2, can be read yet" in err
+    assert "\n" not in err and "saved without ZeRO" in err
+    assert ("whose expp_rank_0_mp_rank_00_optim_states.pt holds no FP16_UnfusedOptimizer state (fp32_groups, "
+            "optimizer_state_dict), as its ds_config's 16-bit precision needs") in err
 
 
 def test_zero3_autoep_checkpoint_is_refused(tmp_path):
@@ -338,15 +340,14 @@ def _assert_every_role_is_the_truth(path: Path, fx) -> None:
     ``path`` under global expert names, equal ``fx``'s truth bit for bit."""
     truth = fx.truth()
     c = open_checkpoint(path)
-    stage0 = c.logical.zero_stage == 0
+    stage0 = c.logical.zero_stage == 0 and c.logical.precision is Precision.FP32
     for name in fx.meta["params"]:
         for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
                           ("exp_avg_sq", "exp_avg_sq"), (Role.MODULE, "lowp")):
             assert torch.equal(read_copy(c.logical.entry(name), c.cache, role), truth[f"{key}/{name}"]), (name, role)
 
 
-STAGE_CHANGES = [(f, s) for f in MOE for s in (0, 1, 2)
-                 if s != f.meta["stage"] and (s != 0 or f.meta["dtype"] == "fp32")]
+STAGE_CHANGES = [(f, s) for f in MOE for s in (0, 1, 2) if s != f.meta["stage"]]
 
 
 @pytest.mark.parametrize("fx,stage", STAGE_CHANGES, ids=[f"{f.name}-to-stage{s}" for f, s in STAGE_CHANGES])
@@ -370,11 +371,13 @@ def test_moe_stage_change(fx, stage, tmp_path):
     assert names == sorted([*optim, *experts, "mp_rank_00_model_states.pt"])
 
 
-def test_moe_stage0_through_zero_and_back_is_the_same_files(tmp_path):
-    """Stage-0 MoE (fp32, ep 2) -> ZeRO-2 on 4 ranks (expert-data-parallel 2) -> stage 0 on 2 ranks gives back the
+@pytest.mark.parametrize("name", ["moe_s0_fp32_w2_ep2", "moe_s0_bf16_w2_ep2"])
+def test_moe_stage0_through_zero_and_back_is_the_same_files(name, tmp_path):
+    """Stage-0 MoE (ep 2) -> ZeRO-2 on 4 ranks (expert-data-parallel 2) -> stage 0 on 2 ranks gives back the
     files DeepSpeed wrote, every one, key for key and bit for bit: the expp_rank_* optimizer files with each rank's
-    experts under local names, mp_rank_00 with rank 0's optimizer, the expert files."""
-    fx = _fx("moe_s0_fp32_w2_ep2")
+    experts under local names (bf16: FP16_UnfusedOptimizer's fp32_groups, loss-scale fields and inner state),
+    mp_rank_00 with rank 0's optimizer, the expert files."""
+    fx = _fx(name)
     _convert(fx.ckpt, tmp_path / "zero", 4, 2)
     _convert(tmp_path / "zero", tmp_path / "back", 2, 0)
     tag = fx.meta["tag"]
@@ -395,7 +398,6 @@ def test_moe_stage_change_with_another_expert_parallel_size(tmp_path):
 @pytest.mark.parametrize("name,stage,why", [
     ("moe_s2_bf16_w2_ep2", 3, "DeepSpeed 0.19.8 has no native MoE at ZeRO-3"),
     ("moe_s0_fp32_w2_ep2", 3, "DeepSpeed 0.19.8 has no native MoE at ZeRO-3"),
-    ("moe_s2_bf16_w2_ep2", 0, "in 16-bit keeps FP16_Optimizer / FP16_UnfusedOptimizer state in its expp_rank_"),
 ])
 def test_moe_stage_changes_refused_by_name(name, stage, why):
     cache = FileCache()

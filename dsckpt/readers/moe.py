@@ -21,11 +21,16 @@ left to ``scan``/``repair``).
 
 Stage 0 (no ZeRO, engine.py ``_save_moe_checkpoint``): ``expp_rank_{R}_mp_rank_00_optim_states.pt``
 holds ``{"optimizer": state_dict()}`` of expert-parallel rank R's engine (dense group + R's local
-experts, written by its expert-data-parallel rank 0); only fp32 is read (the module copies are the
-masters; the torch state indices are bound by shape and module order, as for dense stage 0).
+experts, written by its expert-data-parallel rank 0). fp32: the module copies are the masters; the torch
+state indices are bound by shape and module order, as for dense stage 0. bf16/fp16 with torch's Adam:
+``FP16_UnfusedOptimizer`` (engine.py ``DDP_BFLOAT16``/``FP16``), ``fp32_groups[g][i]`` per param beside the
+inner ``optimizer_state_dict``, each master bound by value to its 16-bit copy (the dense module or the expert
+file). ``BF16_Optimizer`` never runs there: bf16 with ``grad_accum_dtype`` fp32 and no ZeRO stops
+``deepspeed.initialize`` ("unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32").
 
-Not read: stage-0 MoE in bf16/fp16 (``FP16_*Optimizer`` in the ``expp_rank_*`` files), MoE with
-``BF16_Optimizer``; ZeRO-3 refuses native MoE in 0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
+Not read: stage-0 MoE with FusedAdam (``FP16_Optimizer``'s flat ``fp32_groups_flat``: the expert copies live in
+their own files, not as views into the flat buffer, so no stored offset names an expert's range); ZeRO-3 refuses
+native MoE in 0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
 """
 
 from __future__ import annotations
@@ -75,8 +80,8 @@ _GROUP_NAME = re.compile(r"^ep_size_(\d+)$")  # groups.py: group_name = f"ep_siz
 def refuse_moe_without_zero(files: CheckpointFiles, why: str) -> UnsupportedCheckpointError:
     return UnsupportedCheckpointError(
         f"'{files.tag_dir}' is a Mixture-of-Experts checkpoint saved without ZeRO (per expert-parallel-rank "
-        f"'expp_rank_*' optimizer files) {why}; only fp32 ones, or MoE trained with ZeRO stage 1 or 2, can be "
-        "read yet"
+        f"'expp_rank_*' optimizer files) {why}; fp32 ones, 16-bit ones trained with torch's Adam "
+        "(FP16_UnfusedOptimizer), and MoE trained with ZeRO stage 1 or 2 can be read"
     )
 
 
@@ -292,16 +297,18 @@ def _expert_files(files: CheckpointFiles, cache: FileCache
 
 
 def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
-    """fp32 MoE without ZeRO: dense params from ``mp_rank_00`` (moments from ``expp_rank_0``), expert
-    params from their expert files under global names (moments from their expert-parallel rank's file)."""
-    from .stage0 import _optimizer_groups, _plain, module_params_and_aliases
+    """MoE without ZeRO: dense params from ``mp_rank_00`` (masters and moments from ``expp_rank_0``), expert
+    params from their expert files under global names (masters and moments from their expert-parallel rank's
+    file). fp32: the module copies are the masters, the torch optimizer's state indices are bound by shape and
+    module order; 16-bit (``FP16_UnfusedOptimizer``): each ``fp32_groups[g][i]`` is bound to the one equally shaped
+    param whose 16-bit copy it rounds to, as for dense stage 0 (:func:`.stage0._unfused`)."""
+    from .stage0 import _optimizer_groups, _plain, _unfused, module_params_and_aliases
 
     ms_path = files.mp_to_model_states[0]
     ms = cache.tree(ms_path)
     meta = metadata_from_model_states(ms)
     cfg = meta.ds_config or {}
-    if any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16", "bfloat16")):
-        raise refuse_moe_without_zero(files, "in 16-bit precision")
+    lowp = any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16", "bfloat16"))
     expp = files.ep_mp_to_expp_optim_states
     ep = len(expp)
     if sorted(expp) != [(r, 0) for r in range(ep)]:
@@ -325,15 +332,27 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
     group_ep: list[int | None] = []
     step = None
     optimizer0: Mapping[str, Any] = {}
+    wrapper = "FP16_UnfusedOptimizer" if lowp else "torch optimizer"
     for r in range(ep):
         path = expp[(r, 0)]
         optimizer = cache.tree(path).get("optimizer")
-        if not isinstance(optimizer, Mapping) or "state" not in optimizer:
-            raise refuse_moe_without_zero(files, f"whose {path.name} holds no plain torch optimizer state")
-        groups = optimizer.get("param_groups") or []
+        if lowp and isinstance(optimizer, Mapping) and "fp32_groups_flat" in optimizer:
+            # FusedAdam (torch_adam false): one flat master per group, bound through module storage offsets, but
+            # the experts' module copies are cloned into their own files, so nothing ties a flat range to a name
+            raise refuse_moe_without_zero(
+                files, f"in 16-bit with FP16_Optimizer (FusedAdam: flat fp32_groups_flat in {path.name}, whose expert "
+                "ranges no stored view names)")
+        optimizer = optimizer if isinstance(optimizer, Mapping) else {}
+        inner = optimizer.get("optimizer_state_dict") if lowp else optimizer
+        if not isinstance(inner, Mapping) or "state" not in inner or (
+                lowp and not isinstance(optimizer.get("fp32_groups"), list)):
+            want = ("FP16_UnfusedOptimizer state (fp32_groups, optimizer_state_dict), as its ds_config's 16-bit "
+                    "precision needs" if lowp else "plain torch optimizer state, as its fp32 ds_config needs")
+            raise refuse_moe_without_zero(files, f"whose {path.name} holds no {want}")
+        groups = inner.get("param_groups") or []
         if r == 0:
-            optimizer0 = optimizer
-            step = step_of(optimizer.get("state"))
+            optimizer0 = inner
+            step = step_of(inner.get("state"))
             for pg in groups:
                 m = _GROUP_NAME.match(str(pg.get("name", ""))) if isinstance(pg, Mapping) else None
                 group_ep.append((int(m[1]) if m else ep) if isinstance(pg, Mapping) and pg.get("moe") else None)
@@ -354,7 +373,7 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                         local[local_name] = name
         local_names = sorted(local, key=lambda nm: expert_order[local[nm]])
         view = {**{nm: module[nm] for nm in dense}, **{nm: expert_refs[g][2] for nm, g in local.items()}}
-        bound, amb = _plain(path, view, [*dense, *local_names], optimizer)
+        bound, amb = (_unfused if lowp else _plain)(path, view, [*dense, *local_names], optimizer)
         if amb:
             ambiguous += [local.get(n, n) for a in amb for n in a.names]
         for n, e in bound.items():
@@ -387,7 +406,7 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="moe-stage0", zero_stage=0,
         precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,
         pp_world_size=1, tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
-        global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper="torch optimizer",
+        global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper=wrapper,
         entries=tuple(ordered), files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
         # every rank's torch optimizer has the same groups (rank 0's hyper-parameters and step): the dense group, and
         # the expert group holding every EP rank's experts under global names, in global expert order
