@@ -411,7 +411,7 @@ def test_moe_stage_changes_refused_by_name(name, stage, why):
 # target world size -> (fixture, chain of world sizes before it); one launch per target size.
 DS_MOE_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     # expert-data-parallel 1 -> 2; stage 0: the expp_rank_{0,1} files serve two ranks each
-    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ())],
+    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ()), ("moe_s0_bf16_w2_ep2", ())],
     2: [("moe_s1_bf16_w4_ep2", ()), ("moe_s2_fp32_w2_ep1", (3,))],  # 2 -> 1; ep 1 via 3 ranks
 }
 NEGATIVE = f"{EXPERT}3.weight"  # planted into a resharded copy: the check must catch it
@@ -502,11 +502,16 @@ def test_wrong_expert_rank_arithmetic_is_refused_not_exported(tmp_path):
 DS_MOE_STAGE_CASES = [
     ("moe_s2_fp32_w2_ep1", 0, None, None),  # ZeRO-2 -> stage 0, one expp_rank file for 4 ranks
     ("moe_s0_fp32_w2_ep2", 0, 2, None),  # stage 0 -> ZeRO-2 -> stage 0: each expp_rank file serves 2 ranks
+    ("moe_s2_bf16_w2_ep2", 0, None, None),  # bf16 ZeRO-2 -> stage 0: FP16_UnfusedOptimizer in the expp_rank files
     ("moe_s0_fp32_w2_ep2", 2, None, None),  # stage 0 -> ZeRO-2, expert-data-parallel 1 -> 2
+    ("moe_s0_bf16_w2_ep2", 2, None, None),  # bf16 stage 0 (FP16_UnfusedOptimizer) -> ZeRO-2
+    ("moe_s0_bf16_w2_ep2", 1, None, None),  # bf16 stage 0 -> ZeRO-1
     ("moe_s2_bf16_w2_ep2", 1, None, None),  # ZeRO-2 -> ZeRO-1
     ("moe_s1_bf16_w4_ep2", 2, None, 4),  # ZeRO-1 -> ZeRO-2 and expert-parallel size 2 -> 4 (last: see above)
 ]
-STAGE_NEGATIVE = f"{EXPERT}2.weight"  # its exp_avg planted into the stage-0 expp_rank_1 file: the check must see it
+# its exp_avg (fp32 target) or fp32 master (bf16 target) planted into the stage-0 expp_rank_1 file: the check must
+# see it
+STAGE_NEGATIVE = f"{EXPERT}2.weight"
 
 
 @pytest.fixture(scope="module")
@@ -522,30 +527,34 @@ def ds_moe_stage_run(tmp_path_factory):
             src = base / f"{i}_via"
         _convert(src, base / f"{i}_{name}", 4, stage, ep_size=ep)
         pairs.append(f"{name}@{stage}={base / f'{i}_{name}'}")
-    bad = base / "negative"  # a stage-0 target at ep 2: right after the others (see DS_MOE_STAGE_CASES)
-    _convert(_fx("moe_s0_fp32_w2_ep2").ckpt, bad, 4, 0)
-    assert [p.name for p in plant(bad, STAGE_NEGATIVE, "exp_avg", 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
-    pairs.insert(2, f"moe_s0_fp32_w2_ep2@0={bad}")
+    # stage-0 targets at ep 2: right after the others (see DS_MOE_STAGE_CASES)
+    for name, role in (("moe_s0_fp32_w2_ep2", "exp_avg"), ("moe_s2_bf16_w2_ep2", Role.MASTER)):
+        bad = base / f"negative_{name}"
+        _convert(_fx(name).ckpt, bad, 4, 0)
+        assert [p.name for p in plant(bad, STAGE_NEGATIVE, role, 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
+        pairs.insert(3, f"{name}@0={bad}")
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=1500)
 
 
 @pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_resumes_moe_stage_changes(ds_moe_stage_run):
-    """Native MoE at another of ZeRO-0/1/2 (and another expert-parallel size): plain ``engine.load_checkpoint()``
-    on 4 CPU ranks at the new stage; every rank's masters, moments and weights equal the truth under global expert
-    ids, and one more step trains. The control with one expert moment changed fails on exactly that, on the two
-    ranks of expert-parallel rank 1."""
+    """Native MoE at another of ZeRO-0/1/2 (and another expert-parallel size), fp32 and bf16 (stage 0 under
+    FP16_UnfusedOptimizer): plain ``engine.load_checkpoint()`` on 4 CPU ranks at the new stage; every rank's
+    masters, moments and weights equal the truth under global expert ids, and one more step trains. The controls
+    with one expert moment (fp32) or fp32 master (bf16) changed fail on exactly that, on the two ranks of
+    expert-parallel rank 1."""
     rc, results, log = ds_moe_stage_run
     assert results, log
-    good = [r for r in results if not r["ckpt"].endswith("negative")]
+    good = [r for r in results if "negative_" not in r["ckpt"]]
     failed = [r for r in good if not r["ok"]]
     assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
     assert [r["fixture"] for r in good] == [f"{n}@{s}" for n, s, _, _ in DS_MOE_STAGE_CASES]
-    (neg,) = [r for r in results if r["ckpt"].endswith("negative")]
+    negs = {r["fixture"]: r for r in results if "negative_" in r["ckpt"]}
     # global expert 2 is local expert 0 of expert-parallel rank 1: ranks 1 and 3 of 4 (ep 2, default topology)
-    assert not neg["ok"] and neg["problems"] == [
-        f"rank {r}: exp_avg of '{EXPERT}0.weight' (global '{STAGE_NEGATIVE}') differs from the source (fragment API)"
-        for r in (1, 3)], neg
+    for fixture, key in (("moe_s0_fp32_w2_ep2@0", "exp_avg"), ("moe_s2_bf16_w2_ep2@0", "param")):
+        assert not negs[fixture]["ok"] and negs[fixture]["problems"] == [
+            f"rank {r}: {key} of '{EXPERT}0.weight' (global '{STAGE_NEGATIVE}') differs from the source (fragment API)"
+            for r in (1, 3)], negs[fixture]
     assert rc == 1, log
 
