@@ -11,8 +11,8 @@ this rank's expert-parallel rank with the ep_size the resharded save was written
 global expert ``ep_rank * num_local_experts + l``.
 
 * fp32 master + Adam moments of every param this rank holds, through ``safe_get_full_fp32_param`` /
-  ``safe_get_full_optimizer_state`` (stage 0: the param, or in bf16 ``FP16_UnfusedOptimizer``'s master, and the torch
-  optimizer's state) and, for ZeRO, through the optimizer's own flat partitions gathered over each
+  ``safe_get_full_optimizer_state`` (stage 0: the param, or in bf16 ``FP16_UnfusedOptimizer``'s master or
+  ``FP16_Optimizer``'s flat master cut at the param, and the inner optimizer's state) and, for ZeRO, through the optimizer's own flat partitions gathered over each
   group's ZeRO process group (all ranks for dense groups, the expert-data-parallel group for expert
   groups) and cut at DeepSpeed's live param offsets;
 * module (16-bit) weights, the expert-parallel rank DeepSpeed assigned, Adam step, global_steps/samples;
@@ -103,18 +103,27 @@ def check_one(name, ckpt_dir):
         local, rest = n[len(mm.EXPERT_PREFIX):].split(".", 1)
         return f"{mm.EXPERT_PREFIX}{ep_rank * n_local + int(local)}.{rest}"
 
-    masters = {}  # stage-0 16-bit: FP16_UnfusedOptimizer's fp32_groups[g][i] is the master of fp16_groups[g][i]
-    if stage == 0 and hasattr(opt, "fp32_groups"):
+    # stage-0 16-bit: FP16_UnfusedOptimizer's fp32_groups[g][i] is the master of fp16_groups[g][i] (its state keyed by
+    # the master); FP16_Optimizer's fp32_groups_flat[g] is fp16_groups[g] concatenated (its state keyed by the flat)
+    masters = {}
+    if stage == 0 and hasattr(opt, "fp32_groups_flat"):
+        for plist, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            st, off = base.state[flat], 0
+            for q in plist:
+                k = q.numel()
+                masters[id(q)] = [t[off:off + k].view_as(q) for t in (flat.data, st["exp_avg"], st["exp_avg_sq"])]
+                off += k
+    elif stage == 0 and hasattr(opt, "fp32_groups"):
         for plist, mlist in zip(opt.fp16_groups, opt.fp32_groups):
-            masters.update({id(q): m for q, m in zip(plist, mlist)})
+            masters.update({id(q): [m.data, base.state[m]["exp_avg"], base.state[m]["exp_avg_sq"]]
+                            for q, m in zip(plist, mlist)})
     seen = set()
     for n, q in engine.module.named_parameters():
         g = global_name(n)
         seen.add(g)
         if stage == 0:  # no ZeRO: the master (fp32: the param itself) and its torch optimizer state
-            m = masters.get(id(q), q)
-            st = base.state[m]
-            got = {"param": m.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"], "lowp": q.data}
+            m, ea, eas = masters.get(id(q)) or [q.data, base.state[q]["exp_avg"], base.state[q]["exp_avg_sq"]]
+            got = {"param": m, "exp_avg": ea, "exp_avg_sq": eas, "lowp": q.data}
         else:
             got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
                    "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}

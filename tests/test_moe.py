@@ -288,8 +288,8 @@ def test_reshard_dry_run_names_expert_files(tmp_path):
 
 
 def test_stage0_moe_precision_must_match_its_optimizer_files(tmp_path):
-    """Stage-0 MoE in bf16/fp16 keeps FP16_UnfusedOptimizer state in the expp_rank_* files, fp32 a plain torch
-    optimizer's. The real fp32 stage-0 save, its config switched to bf16, must be refused, not read as either."""
+    """Stage-0 MoE in bf16/fp16 keeps FP16_UnfusedOptimizer or FP16_Optimizer state in the expp_rank_* files, fp32 a
+    plain torch optimizer's. The real fp32 stage-0 save, its config switched to bf16, must be refused, not read as either."""
     from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = _fx("moe_s0_fp32_w2_ep2")
@@ -302,8 +302,8 @@ def test_stage0_moe_precision_must_match_its_optimizer_files(tmp_path):
     assert r.exit_code == 3
     err = r.stderr.strip()
     assert "\n" not in err and "saved without ZeRO" in err
-    assert ("whose expp_rank_0_mp_rank_00_optim_states.pt holds no FP16_UnfusedOptimizer state (fp32_groups, "
-            "optimizer_state_dict), as its ds_config's 16-bit precision needs") in err
+    assert ("whose expp_rank_0_mp_rank_00_optim_states.pt holds no FP16_UnfusedOptimizer (fp32_groups) or "
+            "FP16_Optimizer (fp32_groups_flat) state beside an optimizer_state_dict") in err
 
 
 def test_zero3_autoep_checkpoint_is_refused(tmp_path):
@@ -371,11 +371,12 @@ def test_moe_stage_change(fx, stage, tmp_path):
     assert names == sorted([*optim, *experts, "mp_rank_00_model_states.pt"])
 
 
-@pytest.mark.parametrize("name", ["moe_s0_fp32_w2_ep2", "moe_s0_bf16_w2_ep2"])
+@pytest.mark.parametrize("name", ["moe_s0_fp32_w2_ep2", "moe_s0_bf16_w2_ep2", "moe_s0_bf16_w2_ep2_fused"])
 def test_moe_stage0_through_zero_and_back_is_the_same_files(name, tmp_path):
     """Stage-0 MoE (ep 2) -> ZeRO-2 on 4 ranks (expert-data-parallel 2) -> stage 0 on 2 ranks gives back the
     files DeepSpeed wrote, every one, key for key and bit for bit: the expp_rank_* optimizer files with each rank's
-    experts under local names (bf16: FP16_UnfusedOptimizer's fp32_groups, loss-scale fields and inner state),
+    experts under local names (bf16: FP16_UnfusedOptimizer's fp32_groups, loss-scale fields and inner state, or
+    FP16_Optimizer's flat fp32_groups_flat per group and clip_grad),
     mp_rank_00 with rank 0's optimizer, the expert files."""
     fx = _fx(name)
     _convert(fx.ckpt, tmp_path / "zero", 4, 2)
@@ -503,15 +504,19 @@ DS_MOE_STAGE_CASES = [
     ("moe_s2_fp32_w2_ep1", 0, None, None),  # ZeRO-2 -> stage 0, one expp_rank file for 4 ranks
     ("moe_s0_fp32_w2_ep2", 0, 2, None),  # stage 0 -> ZeRO-2 -> stage 0: each expp_rank file serves 2 ranks
     ("moe_s2_bf16_w2_ep2", 0, None, None),  # bf16 ZeRO-2 -> stage 0: FP16_UnfusedOptimizer in the expp_rank files
+    ("moe_s0_bf16_w2_ep2_fused", 0, 2, None),  # FusedAdam: stage 0 -> ZeRO-2 -> stage 0 (FP16_Optimizer's flat masters)
     ("moe_s0_fp32_w2_ep2", 2, None, None),  # stage 0 -> ZeRO-2, expert-data-parallel 1 -> 2
     ("moe_s0_bf16_w2_ep2", 2, None, None),  # bf16 stage 0 (FP16_UnfusedOptimizer) -> ZeRO-2
     ("moe_s0_bf16_w2_ep2", 1, None, None),  # bf16 stage 0 -> ZeRO-1
+    ("moe_s0_bf16_w2_ep2_fused", 2, None, None),  # bf16 stage 0 with FusedAdam -> ZeRO-2
     ("moe_s2_bf16_w2_ep2", 1, None, None),  # ZeRO-2 -> ZeRO-1
     ("moe_s1_bf16_w4_ep2", 2, None, 4),  # ZeRO-1 -> ZeRO-2 and expert-parallel size 2 -> 4 (last: see above)
 ]
 # its exp_avg (fp32 target) or fp32 master (bf16 target) planted into the stage-0 expp_rank_1 file: the check must
 # see it
 STAGE_NEGATIVE = f"{EXPERT}2.weight"
+NEGATIVE_STAGE0 = [("moe_s0_fp32_w2_ep2", "exp_avg"), ("moe_s2_bf16_w2_ep2", Role.MASTER),
+                   ("moe_s0_bf16_w2_ep2_fused", Role.MASTER)]
 
 
 @pytest.fixture(scope="module")
@@ -528,11 +533,15 @@ def ds_moe_stage_run(tmp_path_factory):
         _convert(src, base / f"{i}_{name}", 4, stage, ep_size=ep)
         pairs.append(f"{name}@{stage}={base / f'{i}_{name}'}")
     # stage-0 targets at ep 2: right after the others (see DS_MOE_STAGE_CASES)
-    for name, role in (("moe_s0_fp32_w2_ep2", "exp_avg"), ("moe_s2_bf16_w2_ep2", Role.MASTER)):
+    for name, role in NEGATIVE_STAGE0:
         bad = base / f"negative_{name}"
-        _convert(_fx(name).ckpt, bad, 4, 0)
+        src = _fx(name).ckpt
+        if _fx(name).meta["stage"] == 0:  # through ZeRO-2, so that the stage-0 writer writes it
+            _convert(src, base / f"negative_{name}_via", 4, 2)
+            src = base / f"negative_{name}_via"
+        _convert(src, bad, 4, 0)
         assert [p.name for p in plant(bad, STAGE_NEGATIVE, role, 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
-        pairs.insert(3, f"{name}@0={bad}")
+        pairs.insert(4, f"{name}@0={bad}")
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=1500)
 
 
@@ -540,10 +549,10 @@ def ds_moe_stage_run(tmp_path_factory):
 @pytest.mark.deepspeed
 def test_deepspeed_resumes_moe_stage_changes(ds_moe_stage_run):
     """Native MoE at another of ZeRO-0/1/2 (and another expert-parallel size), fp32 and bf16 (stage 0 under
-    FP16_UnfusedOptimizer): plain ``engine.load_checkpoint()`` on 4 CPU ranks at the new stage; every rank's
-    masters, moments and weights equal the truth under global expert ids, and one more step trains. The controls
-    with one expert moment (fp32) or fp32 master (bf16) changed fail on exactly that, on the two ranks of
-    expert-parallel rank 1."""
+    FP16_UnfusedOptimizer or FP16_Optimizer): plain ``engine.load_checkpoint()`` on 4 CPU ranks at the new stage;
+    every rank's masters, moments and weights equal the truth under global expert ids, and one more step trains.
+    The controls with one expert moment (fp32) or fp32 master (bf16, torch Adam and FusedAdam) changed fail on
+    exactly that, on the two ranks of expert-parallel rank 1."""
     rc, results, log = ds_moe_stage_run
     assert results, log
     good = [r for r in results if "negative_" not in r["ckpt"]]
@@ -552,7 +561,9 @@ def test_deepspeed_resumes_moe_stage_changes(ds_moe_stage_run):
     assert [r["fixture"] for r in good] == [f"{n}@{s}" for n, s, _, _ in DS_MOE_STAGE_CASES]
     negs = {r["fixture"]: r for r in results if "negative_" in r["ckpt"]}
     # global expert 2 is local expert 0 of expert-parallel rank 1: ranks 1 and 3 of 4 (ep 2, default topology)
-    for fixture, key in (("moe_s0_fp32_w2_ep2@0", "exp_avg"), ("moe_s2_bf16_w2_ep2@0", "param")):
+    assert sorted(negs) == sorted(f"{n}@0" for n, _ in NEGATIVE_STAGE0)
+    for fixture, key in (("moe_s0_fp32_w2_ep2@0", "exp_avg"), ("moe_s2_bf16_w2_ep2@0", "param"),
+                         ("moe_s0_bf16_w2_ep2_fused@0", "param")):
         assert not negs[fixture]["ok"] and negs[fixture]["problems"] == [
             f"rank {r}: {key} of '{EXPERT}0.weight' (global '{STAGE_NEGATIVE}') differs from the source (fragment API)"
             for r in (1, 3)], negs[fixture]

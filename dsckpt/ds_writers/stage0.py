@@ -127,11 +127,6 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
                "was given to")
     elif ckpt.autoep is not None:
         why = "AutoEP layouts are not converted to stage 0"
-    elif ckpt.moe is not None and ckpt.precision is not Precision.FP32 and stage0_wrapper(ckpt) == "FP16_Optimizer":
-        why = ("a 16-bit native MoE run without ZeRO and with FusedAdam keeps FP16_Optimizer's flat fp32_groups_flat "
-               "in its expp_rank_* files, which dsckpt does not read (no stored view names an expert's range), so "
-               "it could not check what it wrote; with torch's Adam (\"torch_adam\": true) it is "
-               "FP16_UnfusedOptimizer, which is written")
     elif ckpt.moe is not None and len(ckpt.moe.ep_sizes) != 1:
         why = (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
                "keeps one expp_rank_* optimizer file per rank of one of them")
@@ -163,9 +158,9 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     """The files of :func:`plan_stage0_from_zero`'s plan besides the copied ones: ``mp_rank_00_model_states.pt``,
     and for native MoE one ``expp_rank_{R}_mp_rank_00_optim_states.pt`` per expert-parallel rank ``R``
     (engine.py ``_save_moe_checkpoint``: ``{"optimizer": optimizer.state_dict()}`` of that rank, whose expert groups
-    hold its experts under local names -- a torch optimizer's at fp32, ``FP16_UnfusedOptimizer``'s at 16 bits, the
-    dense masters repeated in every file; ``mp_rank_00`` carries expert-parallel rank 0's, as DeepSpeed's rank 0
-    saves its own)."""
+    hold its experts under local names -- a torch optimizer's at fp32, ``FP16_UnfusedOptimizer``'s or
+    ``FP16_Optimizer``'s at 16 bits, the dense masters repeated in every file; ``mp_rank_00`` carries expert-parallel
+    rank 0's, as DeepSpeed's rank 0 saves its own)."""
     from .common import own_copy, stage0_scale_fields, streamed, target_ds_config
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module
@@ -206,10 +201,16 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
         for r in range(ckpt.moe.ep_sizes[0]):
             groups = [[_on_ep_rank(ckpt, n, r) if ckpt.moe.group_ep_sizes[g] else n for n in names]
                       for g, names in enumerate(orders)]
-            inner = torch_state_dict(groups, {n for names in groups for n in names})
-            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt", {"optimizer": inner} if ckpt.precision is
-                         Precision.FP32 else {"optimizer": {**scale, "optimizer_state_dict": inner, "fp32_groups": [
-                             [whole(n, Role.MASTER) for n in names] for names in groups]}}))
+            if plan.optimizer_wrapper == "FP16_Optimizer":
+                # the module stays as saved: a MoE save clones every tensor, no view into the flat buffers
+                fused, _ = _fused_optimizer(plan, ckpt, scalars, module, groups, cache)
+                optimizer = {**(scale if fp16 else {}), **fused}
+            else:
+                optimizer = torch_state_dict(groups, {n for names in groups for n in names})
+                if ckpt.precision is not Precision.FP32:
+                    optimizer = {**scale, "optimizer_state_dict": optimizer,
+                                 "fp32_groups": [[whole(n, Role.MASTER) for n in names] for names in groups]}
+            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt", {"optimizer": optimizer}))
         optimizer = expp[0][1]["optimizer"]
     elif ckpt.precision is Precision.FP32 and len(orders) == 1:
         # one group: every param the engine was given (model.parameters(), frozen ones too) in module order
