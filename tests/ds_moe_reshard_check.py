@@ -53,16 +53,22 @@ world = dist.get_world_size()
 
 def saved_ep_size(ckpt_dir):
     """The expert-parallel size the resharded save was written for: its expert param group's name (``ep_size_E``,
-    groups.py), in rank 0's ZeRO optimizer file (our own output of a trusted fixture); None without one."""
+    groups.py), in rank 0's ZeRO optimizer file or, without ZeRO, in ``expp_rank_0``'s optimizer (our own output of
+    a trusted fixture); None without one."""
     import glob
     import re
 
     tag = open(os.path.join(ckpt_dir, "latest")).read().strip()
     files = glob.glob(os.path.join(ckpt_dir, tag, "*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    if not files:
+    expp = os.path.join(ckpt_dir, tag, "expp_rank_0_mp_rank_00_optim_states.pt")
+    if files:
+        groups = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"][
+            "base_optimizer_state"]["param_groups"]
+    elif os.path.exists(expp):
+        opt = torch.load(expp, map_location="cpu", weights_only=False)["optimizer"]
+        groups = opt.get("optimizer_state_dict", opt)["param_groups"]
+    else:
         return None
-    groups = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"][
-        "base_optimizer_state"]["param_groups"]
     sizes = {int(m[1]) for g in groups if g.get("moe") and (m := re.match(r"ep_size_(\d+)$", str(g.get("name"))))}
     return sizes.pop() if len(sizes) == 1 else None
 

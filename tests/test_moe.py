@@ -388,6 +388,34 @@ def test_moe_stage0_through_zero_and_back_is_the_same_files(name, tmp_path):
         assert tree_differences(parsed_file(fx.ckpt / tag / n), parsed_file(tmp_path / "back" / tag / n)) == [], n
 
 
+STAGE0_MOE = ["moe_s0_fp32_w2_ep2", "moe_s0_bf16_w2_ep2", "moe_s0_bf16_w2_ep2_fused"]
+
+
+@pytest.mark.parametrize("name", STAGE0_MOE)
+def test_moe_stage0_to_another_expert_parallel_size_and_back(name, tmp_path):
+    """Stage-0 MoE (ep 2) written at ep 1 without ZeRO: one expp_rank file holding every expert under local names
+    (its expert group renamed ep_size_1), every role the truth; written back at ep 2 it is the files DeepSpeed wrote,
+    bit for bit. ep 4 with ZeRO-2 on 4 ranks: every role the truth."""
+    fx = _fx(name)
+    tag = fx.meta["tag"]
+    _convert(fx.ckpt, tmp_path / "e1", 2, 0, ep_size=1)
+    e1 = read_checkpoint(tmp_path / "e1")
+    assert (e1.zero_stage, e1.moe.ep_sizes, e1.moe.layers[0][1:]) == (0, (1,), (4, 1))
+    _assert_every_role_is_the_truth(tmp_path / "e1", fx)
+    assert sorted(p.name for p in (tmp_path / "e1" / tag).glob("expp_rank_*")) == [
+        "expp_rank_0_mp_rank_00_optim_states.pt"]
+    groups = e1.optimizer_groups
+    assert [g.hyperparam("name") for g in groups] == ["dense", "ep_size_1"]
+    _convert(tmp_path / "e1", tmp_path / "back", 2, 0, ep_size=2)
+    names = sorted(p.name for p in (fx.ckpt / tag).iterdir())
+    assert sorted(p.name for p in (tmp_path / "back" / tag).iterdir()) == names
+    for n in names:
+        assert tree_differences(parsed_file(fx.ckpt / tag / n), parsed_file(tmp_path / "back" / tag / n)) == [], n
+    _convert(fx.ckpt, tmp_path / "z2", 4, 2, ep_size=4)
+    assert read_checkpoint(tmp_path / "z2").moe.ep_sizes == (4,)
+    _assert_every_role_is_the_truth(tmp_path / "z2", fx)
+
+
 def test_moe_stage_change_with_another_expert_parallel_size(tmp_path):
     fx = _fx("moe_s1_bf16_w4_ep2")
     _convert(fx.ckpt, tmp_path / "out", 4, 2, ep_size=4)
@@ -502,6 +530,7 @@ def test_wrong_expert_rank_arithmetic_is_refused_not_exported(tmp_path):
 # groups._get_max_expert_size_name()), not its own; so the stage-0 targets come first, by growing ep size.
 DS_MOE_STAGE_CASES = [
     ("moe_s2_fp32_w2_ep1", 0, None, None),  # ZeRO-2 -> stage 0, one expp_rank file for 4 ranks
+    ("moe_s2_bf16_w2_ep2", 0, None, 1),  # bf16 ZeRO-2 -> stage 0 at expert-parallel size 1: one expp_rank file
     ("moe_s0_fp32_w2_ep2", 0, 2, None),  # stage 0 -> ZeRO-2 -> stage 0: each expp_rank file serves 2 ranks
     ("moe_s2_bf16_w2_ep2", 0, None, None),  # bf16 ZeRO-2 -> stage 0: FP16_UnfusedOptimizer in the expp_rank files
     ("moe_s0_bf16_w2_ep2_fused", 0, 2, None),  # FusedAdam: stage 0 -> ZeRO-2 -> stage 0 (FP16_Optimizer's flat masters)
@@ -510,6 +539,8 @@ DS_MOE_STAGE_CASES = [
     ("moe_s0_bf16_w2_ep2", 1, None, None),  # bf16 stage 0 -> ZeRO-1
     ("moe_s0_bf16_w2_ep2_fused", 2, None, None),  # bf16 stage 0 with FusedAdam -> ZeRO-2
     ("moe_s2_bf16_w2_ep2", 1, None, None),  # ZeRO-2 -> ZeRO-1
+    ("moe_s0_bf16_w2_ep2", 2, None, 4),  # bf16 stage 0 -> ZeRO-2 at expert-parallel size 4
+    ("moe_s0_fp32_w2_ep2", 0, None, 4),  # stage 0 at expert-parallel size 2 -> 4: four expp_rank files
     ("moe_s1_bf16_w4_ep2", 2, None, 4),  # ZeRO-1 -> ZeRO-2 and expert-parallel size 2 -> 4 (last: see above)
 ]
 # its exp_avg (fp32 target) or fp32 master (bf16 target) planted into the stage-0 expp_rank_1 file: the check must
@@ -541,7 +572,7 @@ def ds_moe_stage_run(tmp_path_factory):
             src = base / f"negative_{name}_via"
         _convert(src, bad, 4, 0)
         assert [p.name for p in plant(bad, STAGE_NEGATIVE, role, 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
-        pairs.insert(4, f"{name}@0={bad}")
+        pairs.insert(5, f"{name}@0={bad}")  # after the stage-0 targets at ep 1 and 2
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=1500)
 
 

@@ -257,10 +257,16 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    if src_stage != 0 and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
-        from .stage0 import plan_stage0_from_zero
+    # ZeRO -> stage 0, or native MoE at stage 0 to another expert-parallel size: the model-states file and, for MoE,
+    # one expp_rank_* file per expert-parallel rank written from the logical checkpoint (.stage0)
+    if target.zero_stage == 0 and (src_stage != 0 or common.get("moe_ep_size") is not None):
+        from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
 
-        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER)
+        if src_stage == 0:
+            ckpt, orders = stage0_as_zero_source(ckpt)
+        else:
+            orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
+                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
@@ -381,11 +387,12 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and plan.from_stage != 0:
-        from .common import optimizer_scalars
+    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.moe_ep_size is not None):
+        from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 
-        zero_scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
+        zero_scalars = (stage0_scalars(cache.tree(plan.source_model_files[0])) if plan.from_stage == 0
+                        else optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage))
         return [*((tag_dir / name, tree) for name, tree in stage0_trees_from_zero(plan, ckpt, zero_scalars, cache)),
                 *_copied(plan, tag_dir, cache)]
     if plan.zero_stage == 0:

@@ -46,12 +46,13 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
     fp16: the loss scale the wrapper keeps in its own fields becomes ZeRO's ``DynamicLossScaler``
     (:func:`~.common.stage0_scalars`). MoE (fp32, ``expp_rank_*`` files): an expert group's order is expert-parallel
     rank 0's, under the local names ZeRO's ``param_shapes`` list (its experts' global names are those); the other
-    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`)."""
+    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`), each group in module order."""
     import dataclasses
 
     from .moe import held_by_ep_rank_0
 
     expert_groups = {g for g, ep in enumerate(ckpt.moe.group_ep_sizes) if ep is not None} if ckpt.moe else set()
+    position = {e.name: i for i, e in enumerate(ckpt.entries)}
     entries = []
     members: dict[int, list[tuple[tuple[object, ...], str]]] = {}
     for e in ckpt.entries:
@@ -69,8 +70,13 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
             f = where.fragments[0]
             key = tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in f.key)
             group = e.group if e.group is not None else 0
-            if group not in expert_groups or held_by_ep_rank_0(ckpt, e.name):
+            if group not in expert_groups:
                 members.setdefault(group, []).append(((*key, f.src_offset), e.name))
+            elif held_by_ep_rank_0(ckpt, e.name):
+                # module order, as model.parameters() hands the experts to
+                # split_params_into_different_moe_groups_for_optimizer: at another expert-parallel size rank 0's
+                # experts come from several source expp_rank files, whose per-file positions would interleave them
+                members.setdefault(group, []).append((((0, position[e.name], ""),), e.name))
         entries.append(e)
     orders = [[n for _, n in sorted(members[g], key=lambda m: m[0])] for g in sorted(members)]
     return dataclasses.replace(ckpt, entries=tuple(entries)), orders
@@ -161,12 +167,17 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     hold its experts under local names -- a torch optimizer's at fp32, ``FP16_UnfusedOptimizer``'s or
     ``FP16_Optimizer``'s at 16 bits, the dense masters repeated in every file; ``mp_rank_00`` carries expert-parallel
     rank 0's, as DeepSpeed's rank 0 saves its own)."""
+    import dataclasses
+
     from .common import own_copy, stage0_scale_fields, streamed, target_ds_config
+    from .moe import moe_layout_at
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module
 
+    if plan.moe_ep_size is not None and ckpt.moe is not None:  # --ep-size: the experts cut at the new size
+        ckpt = dataclasses.replace(ckpt, moe=moe_layout_at(ckpt.moe, plan.moe_ep_size))
     src = dict(cache.tree(plan.source_model_files[0]))
-    module = src["module"] if plan.from_stage in (1, 2) else full_module(ckpt, src["module"], cache)
+    module = src["module"] if plan.from_stage != 3 else full_module(ckpt, src["module"], cache)
     by_name = {e.name: e for e in ckpt.entries}
 
     def whole(name: str, role: Role, key: str | None = None) -> Any:
