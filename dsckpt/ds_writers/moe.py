@@ -33,8 +33,8 @@ def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
     if bad:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to {world} ranks: its experts are split over expert-parallel "
-            f"size {bad[0]}, which must divide the new world size, and changing the expert-parallel size is "
-            f"not supported; pick a multiple of {bad[0]}")
+            f"size {bad[0]}, which must divide the new world size; pick a multiple of {bad[0]}, or another "
+            "expert-parallel size with --ep-size")
     return list(ckpt.moe.group_ep_sizes)
 
 
