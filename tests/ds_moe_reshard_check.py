@@ -80,6 +80,10 @@ def check_one(name, ckpt_dir):
     if target_stage:  # reshard --zero-stage: the fixture's run at another stage
         spec["stage"] = int(target_stage)
     cfg = fm.ds_config(spec)
+    if spec["stage"] == 0 and "grad_accum_dtype" in cfg.get("data_types", {}):
+        # a BF16_Optimizer run resumed at stage 0, as reshard's hint says: bf16 with fp32 gradient accumulation and
+        # no ZeRO stops deepspeed.initialize ("unsupported mix of model_dtype ... and grad_accum_dtype")
+        cfg["data_types"] = {k: v for k, v in cfg["data_types"].items() if k != "grad_accum_dtype"}
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     ep = saved_ep_size(ckpt_dir) or spec["ep_size"]  # reshard --ep-size writes another one
     spec["ep_size"] = ep
@@ -143,8 +147,12 @@ def check_one(name, ckpt_dir):
         problems.append(f"rank holds {sorted(seen ^ expected)} unlike expert-parallel rank {ep_rank}")
     # the optimizer's own flat partitions, gathered over each group's ZeRO process group
     inner = base
-    flat_groups = zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
-                      opt.single_partition_of_fp32_groups) if stage else []
+    if stage and hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer: params one after the other
+        offsets = [[sum(p.numel() for p in plist[:i]) for i in range(len(plist))] for plist in opt.bf16_groups]
+        flat_groups = zip(opt.bf16_groups, offsets, opt.fp32_groups_flat_partition)
+    else:
+        flat_groups = zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
+                          opt.single_partition_of_fp32_groups) if stage else []
     for gi, (plist, offs, part) in enumerate(flat_groups):
         pg = opt.real_dp_process_group[gi]
         size = dist.get_world_size(group=pg)

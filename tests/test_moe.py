@@ -440,7 +440,8 @@ def test_moe_stage_changes_refused_by_name(name, stage, why):
 # target world size -> (fixture, chain of world sizes before it); one launch per target size.
 DS_MOE_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     # expert-data-parallel 1 -> 2; stage 0: the expp_rank_{0,1} files serve two ranks each
-    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ()), ("moe_s0_bf16_w2_ep2", ())],
+    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ()), ("moe_s0_bf16_w2_ep2", ()),
+        ("moe_s1_bf16_w2_ep2_bf16opt", ())],  # BF16_Optimizer kept: expert-data-parallel 1 -> 2
     2: [("moe_s1_bf16_w4_ep2", ()), ("moe_s2_fp32_w2_ep1", (3,))],  # 2 -> 1; ep 1 via 3 ranks
 }
 NEGATIVE = f"{EXPERT}3.weight"  # planted into a resharded copy: the check must catch it
@@ -531,6 +532,7 @@ def test_wrong_expert_rank_arithmetic_is_refused_not_exported(tmp_path):
 DS_MOE_STAGE_CASES = [
     ("moe_s2_fp32_w2_ep1", 0, None, None),  # ZeRO-2 -> stage 0, one expp_rank file for 4 ranks
     ("moe_s2_bf16_w2_ep2", 0, None, 1),  # bf16 ZeRO-2 -> stage 0 at expert-parallel size 1: one expp_rank file
+    ("moe_s1_bf16_w2_ep2_bf16opt", 0, None, 1),  # BF16_Optimizer -> stage 0 (FP16_UnfusedOptimizer) at ep 1
     ("moe_s0_fp32_w2_ep2", 0, 2, None),  # stage 0 -> ZeRO-2 -> stage 0: each expp_rank file serves 2 ranks
     ("moe_s2_bf16_w2_ep2", 0, None, None),  # bf16 ZeRO-2 -> stage 0: FP16_UnfusedOptimizer in the expp_rank files
     ("moe_s0_bf16_w2_ep2_fused", 0, 2, None),  # FusedAdam: stage 0 -> ZeRO-2 -> stage 0 (FP16_Optimizer's flat masters)
@@ -539,6 +541,7 @@ DS_MOE_STAGE_CASES = [
     ("moe_s0_bf16_w2_ep2", 1, None, None),  # bf16 stage 0 -> ZeRO-1
     ("moe_s0_bf16_w2_ep2_fused", 2, None, None),  # bf16 stage 0 with FusedAdam -> ZeRO-2
     ("moe_s2_bf16_w2_ep2", 1, None, None),  # ZeRO-2 -> ZeRO-1
+    ("moe_s1_bf16_w2_ep2_bf16opt", 2, None, None),  # BF16_Optimizer -> ZeRO-2
     ("moe_s0_bf16_w2_ep2", 2, None, 4),  # bf16 stage 0 -> ZeRO-2 at expert-parallel size 4
     ("moe_s0_fp32_w2_ep2", 0, None, 4),  # stage 0 at expert-parallel size 2 -> 4: four expp_rank files
     ("moe_s1_bf16_w4_ep2", 2, None, 4),  # ZeRO-1 -> ZeRO-2 and expert-parallel size 2 -> 4 (last: see above)
@@ -572,7 +575,7 @@ def ds_moe_stage_run(tmp_path_factory):
             src = base / f"negative_{name}_via"
         _convert(src, bad, 4, 0)
         assert [p.name for p in plant(bad, STAGE_NEGATIVE, role, 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
-        pairs.insert(5, f"{name}@0={bad}")  # after the stage-0 targets at ep 1 and 2
+        pairs.insert(6, f"{name}@0={bad}")  # after the stage-0 targets at ep 1 and 2
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=1500)
 
 

@@ -108,7 +108,8 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
             f"'{files.tag_dir}': {files.optim_dp_world_size} optimizer files but dp_world_size={world} "
             f"in {ms_path.name}; remove the stray files or pick another tag")
     optim_files = [optim[(d, 0)] for d in range(world)]
-    eg = read_expert_groups(optim_files, cache, ms, ms_path, files.tag_dir, what="Mixture-of-Experts")
+    eg = read_expert_groups(optim_files, cache, ms, ms_path, files.tag_dir, what="Mixture-of-Experts",
+                            bf16_optimizer_ok=True)
     osd0, stage, param_shapes, param_groups, counts, parts = (eg.osd0, eg.stage, eg.param_shapes, eg.param_groups,
                                                               eg.partition_count, eg.parts)
     cfg = meta.ds_config or {}
@@ -260,7 +261,8 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         zero_stage=stage, precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
-        optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
+        optimizer_step=eg.optimizer_step,
+        optimizer_wrapper="BF16_Optimizer" if eg.bf16_optimizer else "DeepSpeedZeroOptimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
         # the groups under global expert names: an expert group holds every EP rank's experts, each rank's in flat
