@@ -30,8 +30,9 @@ each range proven by value (a MoE save clones every module tensor, so no view of
 :func:`_fused_moe`). ``BF16_Optimizer`` never runs there: bf16 with ``grad_accum_dtype`` fp32 and no ZeRO stops
 ``deepspeed.initialize`` ("unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32").
 
-Not read: MoE with ``BF16_Optimizer`` (ZeRO-1 with fp32 gradient accumulation); ZeRO-3 refuses native MoE in 0.19.8
-(engine.py:2197-2218), so no such checkpoint exists.
+``BF16_Optimizer`` (bf16 + ZeRO-1 + fp32 gradient accumulation, ``bf16_zero_pp_rank_*`` files without
+``zero_stage``): the ZeRO-1 layout above, each rank's partitions keeping their padding. ZeRO-3 refuses native MoE in
+0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
 """
 
 from __future__ import annotations
