@@ -169,13 +169,15 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
     optim = source_optim_files(ckpt)
+    zero_optim = [p for p in optim if "zero_pp_rank_" in p.name]
     common: dict[str, Any] = dict(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
         source_optim_files=optim,
-        # DeepSpeed prefixes the optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
-        # optimizer files (stage 0, universal folder) says so through its precision
-        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in optim) if optim
+        # DeepSpeed prefixes the ZeRO optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
+        # them (stage 0, whose MoE expp_rank_* files are never prefixed; a universal folder) says so through its
+        # precision
+        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in zero_optim) if zero_optim
                              else ckpt.precision is Precision.BF16),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
     )

@@ -257,14 +257,20 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    # one stage of an fp32 pipeline without ZeRO (dsckpt's own files, whose param_shapes name the params): its
-    # optimizer's order is the stage plan's (mp_rank_view), and its files are rebuilt whatever the target
+    # rebuilt as stage 0 from the logical checkpoint (.stage0): a ZeRO source; one stage of an fp32 pipeline without
+    # ZeRO (dsckpt's own files, whose param_shapes name the params: its optimizer's order is the stage plan's,
+    # mp_rank_view); native MoE at stage 0 to another expert-parallel size (one expp_rank_* file per new rank)
     pipeline0 = src_stage == 0 and ckpt.layout == "pipeline"
-    if (src_stage != 0 or pipeline0) and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
-        from .stage0 import plan_stage0_from_zero
+    if target.zero_stage == 0 and (src_stage != 0 or pipeline0 or common.get("moe_ep_size") is not None):
+        from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
 
-        orders = ([list(g) for g in facts.group_flat_order] if pipeline0 else
-                  optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER))
+        if pipeline0:
+            orders = [list(g) for g in facts.group_flat_order]
+        elif src_stage == 0:
+            ckpt, orders = stage0_as_zero_source(ckpt)
+        else:
+            orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
+                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
@@ -387,7 +393,7 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline"):
+    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline" or plan.moe_ep_size is not None):
         from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 

@@ -46,12 +46,13 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
     fp16: the loss scale the wrapper keeps in its own fields becomes ZeRO's ``DynamicLossScaler``
     (:func:`~.common.stage0_scalars`). MoE (fp32, ``expp_rank_*`` files): an expert group's order is expert-parallel
     rank 0's, under the local names ZeRO's ``param_shapes`` list (its experts' global names are those); the other
-    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`)."""
+    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`), each group in module order."""
     import dataclasses
 
     from .moe import held_by_ep_rank_0
 
     expert_groups = {g for g, ep in enumerate(ckpt.moe.group_ep_sizes) if ep is not None} if ckpt.moe else set()
+    position = {e.name: i for i, e in enumerate(ckpt.entries)}
     entries = []
     members: dict[int, list[tuple[tuple[object, ...], str]]] = {}
     for e in ckpt.entries:
@@ -69,8 +70,13 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
             f = where.fragments[0]
             key = tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in f.key)
             group = e.group if e.group is not None else 0
-            if group not in expert_groups or held_by_ep_rank_0(ckpt, e.name):
+            if group not in expert_groups:
                 members.setdefault(group, []).append(((*key, f.src_offset), e.name))
+            elif held_by_ep_rank_0(ckpt, e.name):
+                # module order, as model.parameters() hands the experts to
+                # split_params_into_different_moe_groups_for_optimizer: at another expert-parallel size rank 0's
+                # experts come from several source expp_rank files, whose per-file positions would interleave them
+                members.setdefault(group, []).append((((0, position[e.name], ""),), e.name))
         entries.append(e)
     orders = [[n for _, n in sorted(members[g], key=lambda m: m[0])] for g in sorted(members)]
     return dataclasses.replace(ckpt, entries=tuple(entries)), orders
@@ -127,9 +133,6 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
                "was given to")
     elif ckpt.autoep is not None:
         why = "AutoEP layouts are not converted to stage 0"
-    elif ckpt.moe is not None and ckpt.precision is not Precision.FP32:
-        why = ("a native MoE run without ZeRO in 16-bit keeps FP16_Optimizer / FP16_UnfusedOptimizer state in its "
-               "expp_rank_* files, which dsckpt does not read, so it could not check what it wrote")
     elif ckpt.moe is not None and len(ckpt.moe.ep_sizes) != 1:
         why = (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
                "keeps one expp_rank_* optimizer file per rank of one of them")
@@ -174,14 +177,20 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     """The files of :func:`plan_stage0_from_zero`'s plan besides the copied ones: ``mp_rank_00_model_states.pt``,
     and for native MoE one ``expp_rank_{R}_mp_rank_00_optim_states.pt`` per expert-parallel rank ``R``
     (engine.py ``_save_moe_checkpoint``: ``{"optimizer": optimizer.state_dict()}`` of that rank, whose expert groups
-    hold its experts under local names; ``mp_rank_00`` carries expert-parallel rank 0's, as DeepSpeed's rank 0
-    saves its own)."""
+    hold its experts under local names -- a torch optimizer's at fp32, ``FP16_UnfusedOptimizer``'s or
+    ``FP16_Optimizer``'s at 16 bits, the dense masters repeated in every file; ``mp_rank_00`` carries expert-parallel
+    rank 0's, as DeepSpeed's rank 0 saves its own)."""
+    import dataclasses
+
     from .common import own_copy, shapes_tree, stage0_scale_fields, streamed, target_ds_config
+    from .moe import moe_layout_at
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module
 
+    if plan.moe_ep_size is not None and ckpt.moe is not None:  # --ep-size: the experts cut at the new size
+        ckpt = dataclasses.replace(ckpt, moe=moe_layout_at(ckpt.moe, plan.moe_ep_size))
     src = dict(cache.tree(plan.source_model_files[0]))
-    module = src["module"] if plan.from_stage in (0, 1, 2) else full_module(ckpt, src["module"], cache)
+    module = src["module"] if plan.from_stage != 3 else full_module(ckpt, src["module"], cache)
     by_name = {e.name: e for e in ckpt.entries}
 
     def whole(name: str, role: Role, key: str | None = None) -> Any:
@@ -212,12 +221,20 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     fp16 = ckpt.precision is Precision.FP16
     scale = stage0_scale_fields(scalars.loss_scaler, fp16=fp16, cur_iter=ckpt.global_steps or 0)
     expp: list[tuple[str, dict[str, Any]]] = []
-    if ckpt.precision is Precision.FP32 and ckpt.moe is not None:
+    if ckpt.moe is not None:  # fp32: a torch optimizer's state dict; 16-bit: FP16_UnfusedOptimizer's (plan)
         for r in range(ckpt.moe.ep_sizes[0]):
             groups = [[_on_ep_rank(ckpt, n, r) if ckpt.moe.group_ep_sizes[g] else n for n in names]
                       for g, names in enumerate(orders)]
-            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt",
-                         {"optimizer": torch_state_dict(groups, {n for names in groups for n in names})}))
+            if plan.optimizer_wrapper == "FP16_Optimizer":
+                # the module stays as saved: a MoE save clones every tensor, no view into the flat buffers
+                fused, _ = _fused_optimizer(plan, ckpt, scalars, module, groups, cache)
+                optimizer = {**(scale if fp16 else {}), **fused}
+            else:
+                optimizer = torch_state_dict(groups, {n for names in groups for n in names})
+                if ckpt.precision is not Precision.FP32:
+                    optimizer = {**scale, "optimizer_state_dict": optimizer,
+                                 "fp32_groups": [[whole(n, Role.MASTER) for n in names] for names in groups]}
+            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt", {"optimizer": optimizer}))
         optimizer = expp[0][1]["optimizer"]
     elif ckpt.precision is Precision.FP32 and ckpt.layout == "pipeline":  # the stage's trainable params (PIPELINE_NOTE)
         optimizer = torch_state_dict(orders, {n for names in orders for n in names})
