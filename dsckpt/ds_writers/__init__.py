@@ -255,10 +255,16 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    if src_stage != 0 and target.zero_stage == 0:  # ZeRO -> stage 0: one model-states file (.stage0)
-        from .stage0 import plan_stage0_from_zero
+    # another TP cut of a stage-0 source: its model-states file is rewritten from the view, not copied
+    recut = common.get("tp_size", 1) != common.get("source_tp_size", 1)
+    if target.zero_stage == 0 and (src_stage != 0 or recut):  # one model-states file (.stage0)
+        from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
 
-        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, ckpt.optimizer_wrapper == BF16_WRAPPER)
+        if src_stage == 0:
+            ckpt, orders = stage0_as_zero_source(ckpt)
+        else:
+            orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
+                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
@@ -379,11 +385,12 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and plan.from_stage != 0:
-        from .common import optimizer_scalars
+    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.tp_size != plan.source_tp_size):
+        from .common import stage0_scalars
         from .stage0 import stage0_trees_from_zero
 
-        zero_scalars = optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage)
+        zero_scalars = (stage0_scalars(cache.tree(plan.source_model_files[0])) if plan.from_stage == 0
+                        else optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage))
         return [*((tag_dir / name, tree) for name, tree in stage0_trees_from_zero(plan, ckpt, zero_scalars, cache)),
                 *_copied(plan, tag_dir, cache)]
     if plan.zero_stage == 0:

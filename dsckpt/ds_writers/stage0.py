@@ -165,10 +165,15 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     saves its own)."""
     from .common import own_copy, stage0_scale_fields, streamed, target_ds_config
     from .plan import FlatSpec, range_copies
-    from .zero12 import full_module
+    from .zero12 import full_module, module_from_copies
 
     src = dict(cache.tree(plan.source_model_files[0]))
-    module = src["module"] if plan.from_stage in (1, 2) else full_module(ckpt, src["module"], cache)
+    if plan.from_stage == 3:
+        module = full_module(ckpt, src["module"], cache)
+    elif plan.tp_size != plan.source_tp_size:  # another TP cut: the module's slices are re-cut too
+        module = module_from_copies(ckpt, src["module"], cache)
+    else:
+        module = src["module"]
     by_name = {e.name: e for e in ckpt.entries}
 
     def whole(name: str, role: Role, key: str | None = None) -> Any:
@@ -223,7 +228,7 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     src.update(module=module, optimizer=optimizer, param_shapes=None, frozen_param_shapes=None,
                frozen_param_fragments=None, shared_params=None, dp_world_size=plan.world_size,
                ds_config=target_ds_config(src.get("ds_config"), 0, None))
-    return [("mp_rank_00_model_states.pt", src), *expp]
+    return [(f"mp_rank_{plan.mp_rank:02d}_model_states.pt", src), *expp]
 
 
 def _on_ep_rank(ckpt: LogicalCheckpoint, local: str, ep_rank: int) -> str:
