@@ -325,12 +325,12 @@ def _cut_truth(fx: Path, layout_fx: Path, t: int) -> dict[str, dict[str, torch.T
     return out
 
 
-def _check_values(out: Path, fx: Path, layout_fx: Path) -> None:
-    """Every TP rank's stored fp32 master, Adam moments and module copy in ``out`` equal ``fx``'s truth cut as
-    DeepSpeed cut the model in ``layout_fx``, exactly."""
+def _check_values(out: Path, fx: Path, layout_fx: Path, stage: int = 1) -> None:
+    """Every TP rank's stored fp32 master, Adam moments and module copy in ``out`` (ZeRO ``stage``, DP 1) equal
+    ``fx``'s truth cut as DeepSpeed cut the model in ``layout_fx``, exactly."""
     m = meta(layout_fx)
     for t in range(m["tp_size"]):
-        got = local_slices(out / "global_step3", t, stage=1, dp=1, bf16=True)
+        got = local_slices(out / "global_step3", t, stage=stage, dp=1, bf16=True)
         want = _cut_truth(fx, layout_fx, t)
         for s in STATES:
             for name, v in want[s].items():
@@ -405,6 +405,61 @@ def test_tp_round_trip_2_4_2_is_the_source(tmp_path):
             assert (src / rel).read_bytes() == (tmp_path / "tp2" / rel).read_bytes(), rel
 
 
+KV6_Z0 = Path(__file__).parent / "fixtures" / "autotp" / "autotp_z0_bf16_tp2_dp1_kv6"
+
+
+@pytest.mark.parametrize(("src", "stage"), [(KV6_Z0, None), (KV6_Z0, 1), (KV6_TP2, 0)],
+                         ids=["z0-kept", "z0-to-z1", "z1-to-z0"])
+def test_stage0_tp2_to_tp4_is_cut_as_deepspeed_at_tp4(src, stage, tmp_path):
+    """TP 2 -> 4 from or to stage 0 (the kv6 model): every TP rank's fp32 master, Adam moments and module slice
+    are the TP-2 source's truth cut as DeepSpeed cut the same model at TP 4 (q_proj 8/8/4/4), the record is the one
+    DeepSpeed wrote at TP 4, and at stage 0 each mp_rank_0t file is the only file of its TP rank."""
+    out = tmp_path / "tp4"
+    _reshard(src, out, 4, tp_size=4, zero_stage=stage)
+    new_stage = meta(src)["stage"] if stage is None else stage
+    _check_values(out, src, KV6_TP4, stage=new_stage)
+    want_uc = _load(KV6_TP4 / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt")["universal_checkpoint_info"]
+    for t in range(4):
+        ms = _load(out / "global_step3" / f"mp_rank_{t:02d}_model_states.pt")
+        assert ms["universal_checkpoint_info"] == want_uc
+        assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]["tp_degree"]) == (4, 4)
+    if new_stage == 0:
+        assert sorted(p.name for p in (out / "global_step3").iterdir()) == [
+            f"mp_rank_{t:02d}_model_states.pt" for t in range(4)]
+    back = read_checkpoint(out)
+    assert (back.tp_world_size, back.zero_stage) == (4, new_stage)
+
+
+ZERO_SOURCES = [fx for fx in RESHARDABLE if meta(fx)["stage"] != 0]
+
+
+@pytest.mark.parametrize("fx", ZERO_SOURCES, ids=[fx.name for fx in ZERO_SOURCES])
+def test_zero_to_stage0_keeps_every_tp_rank_slice(fx, tmp_path):
+    """ZeRO-1/2/3 -> stage 0, TP kept, DP 2: one mp_rank_0t_model_states.pt per TP rank (no optimizer files), whose
+    stage-0 optimizer (fp32: torch Adam over the module; 16-bit: FP16_UnfusedOptimizer's fp32_groups) holds that TP
+    rank's source slices exactly, and whose module holds the live engine's 16-bit slices (truth tp{t}/lowp)."""
+    from test_autotp_fixtures import TRUTH_KIND, truth
+
+    m = meta(fx)
+    tp = m["tp_size"]
+    out = tmp_path / "out"
+    _reshard(fx, out, tp * 2, zero_stage=0)
+    tag = out / m["tag"]
+    assert sorted(p.name for p in tag.iterdir()) == [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
+    tr = truth(fx)
+    for t in range(tp):
+        got = local_slices(tag, t, stage=0, dp=2, bf16=m["dtype"] == "bf16")
+        for s in STATES:
+            for name in m["params"]:
+                assert torch.equal(got[s][name], tr[f"tp{t}/{TRUTH_KIND[s]}/{name}"]), (t, s, name)
+        ms = _load(tag / f"mp_rank_{t:02d}_model_states.pt")
+        for name in m["params"]:
+            assert torch.equal(ms["module"][name].float(), tr[f"tp{t}/lowp/{name}"].float()), (t, name)
+        assert (ms["dp_world_size"], ms["mp_world_size"], ms["param_shapes"]) == (2, tp, None)
+    back = read_checkpoint(out)
+    assert (back.tp_world_size, back.dp_world_size, back.zero_stage) == (tp, 2, 0)
+
+
 def test_cli_tp_resize(tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(KV6_TP2 / "ckpt"), str(tmp_path / "o"), "-n", "4", "--tp-size", "4",
                                   "-q"])
@@ -461,8 +516,9 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
     # stage 0 -> ZeRO-2 (fp32: the module was the master; bf16: FP16_UnfusedOptimizer's fp32_groups)
     (4, 2, 2): ["autotp_z1_bf16_tp2_dp1_kv3", "megatron_z1_bf16_tp2_dp1", "autotp_z1_bf16_tp4_dp1_kv6",
                 "autotp_z0_fp32_tp2_dp2", "autotp_z0_bf16_tp2_dp1_kv6"],
-    # ZeRO-1/2/3 -> stage 0, TP 2 kept (bf16: FP16_UnfusedOptimizer, the Adam state in each mp_rank_0t file)
-    (4, 2, 0): ["autotp_z1_bf16_tp2_dp1", "autotp_z2_fp32_tp2_dp2", "autotp_z3_bf16_tp2_dp1"],
+    # ZeRO-1/2/3 -> stage 0, TP 2 kept (bf16: FP16_UnfusedOptimizer, the Adam state in each mp_rank_0t file;
+    # megatron: fp32, the padded vocabulary's padding rows carried in the module, which is the master)
+    (4, 2, 0): ["autotp_z1_bf16_tp2_dp1", "autotp_z2_fp32_tp2_dp2", "autotp_z3_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2"],
     # TP 2 -> 1: plain checkpoints of full tensors, DP 2
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",

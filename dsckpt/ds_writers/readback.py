@@ -106,7 +106,8 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
             if role is Role.MASTER and (a is None) != (b is None) and e.trainable:
                 # a stage-0 fp32 save keeps no master: its module weights are the master
                 side = e if a is None else n
-                module = side.piece(Role.MODULE)
+                module = (side.padding_piece(Role.MODULE) if what.endswith("padding rows")  # its padding rows' too
+                          else side.piece(Role.MODULE))
                 module = module if module is not None and module.dtype == "float32" else None
                 a, b = (module, b) if a is None else (a, module)
             if a is None or b is None:
