@@ -168,6 +168,7 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     from .zero12 import full_module, module_from_copies
 
     src = dict(cache.tree(plan.source_model_files[0]))
+    module: Mapping[str, Any]
     if plan.from_stage == 3:
         module = full_module(ckpt, src["module"], cache)
     elif plan.tp_size != plan.source_tp_size:  # another TP cut: the module's slices are re-cut too
