@@ -227,8 +227,8 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.changes_layout:
         lines.append("resume with: " + describe_target_config(plan))
-    if plan.zero_stage == 0:
-        lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
+    if plan.zero_stage == 0:  # one model-states file per model-parallel (TP) rank
+        lines.append("rewrite " + ", ".join(f"mp_rank_{part.mp_rank:02d}_model_states.pt" for part in plan.parts())
                      + f" with dp_world_size={plan.world_size}")
     if plan.hf_files is not None:
         lines.append(f"{plan.hf_files.client} files from {plan.hf_files.folder} (byte for byte):")

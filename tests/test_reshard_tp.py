@@ -460,6 +460,15 @@ def test_zero_to_stage0_keeps_every_tp_rank_slice(fx, tmp_path):
     assert (back.tp_world_size, back.dp_world_size, back.zero_stage) == (tp, 2, 0)
 
 
+def test_cli_stage0_dry_run_names_every_tp_rank_file(tmp_path):
+    """--dry-run of a TP target at stage 0 lists one model-states file per TP rank, nothing written."""
+    r = CliRunner().invoke(main, ["reshard", str(TP_DIR / "autotp_z1_bf16_tp2_dp1" / "ckpt"), str(tmp_path / "o"),
+                                  "-n", "4", "--zero-stage", "0", "--dry-run"])
+    assert r.exit_code == 1 and not (tmp_path / "o").exists(), r.output
+    assert "to ZeRO stage 0 (FP16_UnfusedOptimizer)" in r.stdout
+    assert "rewrite mp_rank_00_model_states.pt, mp_rank_01_model_states.pt with dp_world_size=2" in r.stdout
+
+
 def test_cli_tp_resize(tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(KV6_TP2 / "ckpt"), str(tmp_path / "o"), "-n", "4", "--tp-size", "4",
                                   "-q"])

@@ -143,6 +143,7 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = stage0_wrapper(ckpt)
     notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
+             + (" (each TP rank's slices in its own mp_rank_XX file)" if common.get("tp_size", 1) > 1 else "")
              + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params too)"
                 if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
     copied: tuple[Path, ...] = ()
