@@ -528,6 +528,8 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
     # ZeRO-1/2/3 -> stage 0, TP 2 kept (bf16: FP16_UnfusedOptimizer, the Adam state in each mp_rank_0t file;
     # megatron: fp32, the padded vocabulary's padding rows carried in the module, which is the master)
     (4, 2, 0): ["autotp_z1_bf16_tp2_dp1", "autotp_z2_fp32_tp2_dp2", "autotp_z3_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2"],
+    # ZeRO-1 -> stage 0 with TP 2 -> 4 (the kv6 model; each TP rank's module and optimizer state re-cut)
+    (4, 4, 0): ["autotp_z1_bf16_tp2_dp1_kv6"],
     # TP 2 -> 1: plain checkpoints of full tensors, DP 2
     (2, 1, None): ["autotp_z2_fp32_tp2_dp2", "autotp_z3_fp32_tp2_dp2", "autotp_z1_bf16_tp2_dp1",
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
