@@ -140,11 +140,13 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if ckpt.pipeline is not None:
         from .pipeline_stages import plan_stages
 
-        if zero_stage not in (None, 1):
+        if zero_stage not in (None, 0, 1):
             raise UnsupportedCheckpointError(
                 f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage {zero_stage}: DeepSpeed's "
-                "PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"incompatible with pipeline parallelism\"), and dsckpt "
-                "writes pipeline runs at ZeRO stage 1 (DeepSpeedZeroOptimizer or BF16_Optimizer files) only")
+                "PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"incompatible with pipeline parallelism\"); pick "
+                "--zero-stage 1 or, at fp32, 0")
+        if zero_stage == 0:
+            _refuse_stage0_pipeline(ckpt)
         stages = plan_stages(ckpt, pp_size, method=partition_method, num_layers=num_layers, layer_types=layer_types)
     elif pp_size not in (None, 1) or partition_method is not None or num_layers is not None or layer_types:
         raise UsageError(f"--pp-size, --partition-method, --num-layers and --layer-types are for pipeline "
@@ -167,13 +169,15 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
     optim = source_optim_files(ckpt)
+    zero_optim = [p for p in optim if "zero_pp_rank_" in p.name]
     common: dict[str, Any] = dict(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
         source_optim_files=optim,
-        # DeepSpeed prefixes the optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
-        # optimizer files (stage 0, universal folder) says so through its precision
-        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in optim) if optim
+        # DeepSpeed prefixes the ZeRO optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
+        # them (stage 0, whose MoE expp_rank_* files are never prefixed; a universal folder) says so through its
+        # precision
+        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in zero_optim) if zero_optim
                              else ckpt.precision is Precision.BF16),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
     )
@@ -186,6 +190,19 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size,
                                     stages=stages, vocab_divisor=make_vocab_size_divisible_by), facts, common)
 
+
+
+def _refuse_stage0_pipeline(ckpt: LogicalCheckpoint) -> None:
+    """A pipeline target without ZeRO is written at fp32 only (a torch optimizer per stage,
+    :func:`dsckpt.ds_writers.stage0.plan_stage0_from_zero`): a 16-bit pipeline without ZeRO trains under
+    ``BF16_Optimizer``, whose stage-0 save DeepSpeed 0.19.8 cannot resume (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``).
+    A tensor x pipeline run is written per (stage, TP rank) like a plain one, its TP-local params named."""
+    if ckpt.precision is not Precision.FP32:
+        raise UnsupportedCheckpointError(
+            f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage 0: a {ckpt.precision.value} pipeline "
+            "without ZeRO trains under BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume even "
+            "unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); keep --zero-stage 1 (the same optimizer "
+            "and state)")
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
@@ -227,7 +244,10 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.changes_layout:
         lines.append("resume with: " + describe_target_config(plan))
-    if plan.zero_stage == 0:  # one model-states file per model-parallel (TP) rank
+    if plan.zero_stage == 0 and plan.stages is not None:  # a pipeline's stages: each file rebuilt from its stage's params
+        lines.append("write " + ", ".join(f"mp_rank_{p.mp_rank:02d}_model_states.pt" for p in plan.mp_ranks)
+                     + f" (each stage's optimizer state) with dp_world_size={plan.world_size}")
+    elif plan.zero_stage == 0:  # one model-states file per model-parallel (TP) rank
         lines.append("rewrite " + ", ".join(f"mp_rank_{part.mp_rank:02d}_model_states.pt" for part in plan.parts())
                      + f" with dp_world_size={plan.world_size}")
     if plan.hf_files is not None:
@@ -258,6 +278,9 @@ def describe_target_config(plan: ReshardPlan) -> str:
     elif plan.from_stage != 3 and plan.zero_stage == 3:
         parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
                      "optimizer files recorded one)")
+    if plan.zero_stage == 0 and plan.stages is not None:  # ds_writers.stage0.PIPELINE_NOTE
+        parts.append("model_parameters=[p for p in model.parameters() if p.requires_grad] (each stage's optimizer "
+                     "numbers its params that require grad)")
     dp = "data-parallel " if plan.tp_size > 1 else ""
     parts.append(f"train_batch_size for {plan.world_size} {dp}rank{'s' if plan.world_size != 1 else ''}")
     return "; ".join(parts)

@@ -11,7 +11,8 @@ this rank's expert-parallel rank with the ep_size the resharded save was written
 global expert ``ep_rank * num_local_experts + l``.
 
 * fp32 master + Adam moments of every param this rank holds, through ``safe_get_full_fp32_param`` /
-  ``safe_get_full_optimizer_state`` (stage 0 fp32: the param and the torch optimizer's state) and, for ZeRO, through the optimizer's own flat partitions gathered over each
+  ``safe_get_full_optimizer_state`` (stage 0: the param, or in bf16 ``FP16_UnfusedOptimizer``'s master or
+  ``FP16_Optimizer``'s flat master cut at the param, and the inner optimizer's state) and, for ZeRO, through the optimizer's own flat partitions gathered over each
   group's ZeRO process group (all ranks for dense groups, the expert-data-parallel group for expert
   groups) and cut at DeepSpeed's live param offsets;
 * module (16-bit) weights, the expert-parallel rank DeepSpeed assigned, Adam step, global_steps/samples;
@@ -52,16 +53,22 @@ world = dist.get_world_size()
 
 def saved_ep_size(ckpt_dir):
     """The expert-parallel size the resharded save was written for: its expert param group's name (``ep_size_E``,
-    groups.py), in rank 0's ZeRO optimizer file (our own output of a trusted fixture); None without one."""
+    groups.py), in rank 0's ZeRO optimizer file or, without ZeRO, in ``expp_rank_0``'s optimizer (our own output of
+    a trusted fixture); None without one."""
     import glob
     import re
 
     tag = open(os.path.join(ckpt_dir, "latest")).read().strip()
     files = glob.glob(os.path.join(ckpt_dir, tag, "*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    if not files:
+    expp = os.path.join(ckpt_dir, tag, "expp_rank_0_mp_rank_00_optim_states.pt")
+    if files:
+        groups = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"][
+            "base_optimizer_state"]["param_groups"]
+    elif os.path.exists(expp):
+        opt = torch.load(expp, map_location="cpu", weights_only=False)["optimizer"]
+        groups = opt.get("optimizer_state_dict", opt)["param_groups"]
+    else:
         return None
-    groups = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"][
-        "base_optimizer_state"]["param_groups"]
     sizes = {int(m[1]) for g in groups if g.get("moe") and (m := re.match(r"ep_size_(\d+)$", str(g.get("name"))))}
     return sizes.pop() if len(sizes) == 1 else None
 
@@ -73,6 +80,10 @@ def check_one(name, ckpt_dir):
     if target_stage:  # reshard --zero-stage: the fixture's run at another stage
         spec["stage"] = int(target_stage)
     cfg = fm.ds_config(spec)
+    if spec["stage"] == 0 and "grad_accum_dtype" in cfg.get("data_types", {}):
+        # a BF16_Optimizer run resumed at stage 0, as reshard's hint says: bf16 with fp32 gradient accumulation and
+        # no ZeRO stops deepspeed.initialize ("unsupported mix of model_dtype ... and grad_accum_dtype")
+        cfg["data_types"] = {k: v for k, v in cfg["data_types"].items() if k != "grad_accum_dtype"}
     cfg["train_batch_size"] = fm.MICRO_BATCH * cfg.get("gradient_accumulation_steps", 1) * world
     ep = saved_ep_size(ckpt_dir) or spec["ep_size"]  # reshard --ep-size writes another one
     spec["ep_size"] = ep
@@ -102,13 +113,27 @@ def check_one(name, ckpt_dir):
         local, rest = n[len(mm.EXPERT_PREFIX):].split(".", 1)
         return f"{mm.EXPERT_PREFIX}{ep_rank * n_local + int(local)}.{rest}"
 
+    # stage-0 16-bit: FP16_UnfusedOptimizer's fp32_groups[g][i] is the master of fp16_groups[g][i] (its state keyed by
+    # the master); FP16_Optimizer's fp32_groups_flat[g] is fp16_groups[g] concatenated (its state keyed by the flat)
+    masters = {}
+    if stage == 0 and hasattr(opt, "fp32_groups_flat"):
+        for plist, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            st, off = base.state[flat], 0
+            for q in plist:
+                k = q.numel()
+                masters[id(q)] = [t[off:off + k].view_as(q) for t in (flat.data, st["exp_avg"], st["exp_avg_sq"])]
+                off += k
+    elif stage == 0 and hasattr(opt, "fp32_groups"):
+        for plist, mlist in zip(opt.fp16_groups, opt.fp32_groups):
+            masters.update({id(q): [m.data, base.state[m]["exp_avg"], base.state[m]["exp_avg_sq"]]
+                            for q, m in zip(plist, mlist)})
     seen = set()
     for n, q in engine.module.named_parameters():
         g = global_name(n)
         seen.add(g)
-        if stage == 0:  # fp32 without ZeRO: the param is the master, the torch optimizer holds the moments
-            st = base.state[q]
-            got = {"param": q.data, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"], "lowp": q.data}
+        if stage == 0:  # no ZeRO: the master (fp32: the param itself) and its torch optimizer state
+            m, ea, eas = masters.get(id(q)) or [q.data, base.state[q]["exp_avg"], base.state[q]["exp_avg_sq"]]
+            got = {"param": m, "exp_avg": ea, "exp_avg_sq": eas, "lowp": q.data}
         else:
             got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
                    "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
@@ -122,8 +147,12 @@ def check_one(name, ckpt_dir):
         problems.append(f"rank holds {sorted(seen ^ expected)} unlike expert-parallel rank {ep_rank}")
     # the optimizer's own flat partitions, gathered over each group's ZeRO process group
     inner = base
-    flat_groups = zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
-                      opt.single_partition_of_fp32_groups) if stage else []
+    if stage and hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer: params one after the other
+        offsets = [[sum(p.numel() for p in plist[:i]) for i in range(len(plist))] for plist in opt.bf16_groups]
+        flat_groups = zip(opt.bf16_groups, offsets, opt.fp32_groups_flat_partition)
+    else:
+        flat_groups = zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets,
+                          opt.single_partition_of_fp32_groups) if stage else []
     for gi, (plist, offs, part) in enumerate(flat_groups):
         pg = opt.real_dp_process_group[gi]
         size = dist.get_world_size(group=pg)

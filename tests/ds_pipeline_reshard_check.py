@@ -2,8 +2,8 @@
 fixture's truth (issue 32).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --master_port P tests/ds_pipeline_reshard_check.py \
-        --result out.json FIXTURE@ppN[@universal|@z1]=DIR [...]
-        tp_pipeline/MEGATRON_FIXTURE@ppN[@tpT]=DIR   # a tensor x pipeline fixture (check_megatron)
+        --result out.json FIXTURE@ppN[@universal|@z1|@z0]=DIR [...]
+        tp_pipeline/MEGATRON_FIXTURE@ppN[@tpT][@z0]=DIR   # a tensor x pipeline fixture (check_megatron)
 
 For each pair: the fixture's ``PipelineModule`` (fixture_models.pipeline_layers, partition_method uniform) built with
 N stages on this launch's ranks (data-parallel size world / N) from a different seed, ``deepspeed.initialize`` with the
@@ -13,7 +13,8 @@ fp32 master and Adam moments (``safe_get_full_fp32_param`` / ``safe_get_full_opt
 truth bit for bit, frozen params and buffers equal to the saved ones (not for ``@universal``, whose loader restores
 the optimizer's params only), every optimizer step and ``global_steps`` as saved; then one more ``train_batch``
 runs with a finite loss. ``@z1``: a stage-0 bf16 fixture's output, loaded at ZeRO-1 with fp32 gradient
-accumulation (BF16_Optimizer, as reshard writes it). Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
+accumulation (BF16_Optimizer, as reshard writes it). ``@z0``: an fp32 fixture's output written without ZeRO, loaded
+at ``"zero_optimization": {"stage": 0}`` (each stage's torch optimizer; the module weights are the master). Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
 """
 import argparse
 import json
@@ -51,7 +52,7 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     pp = int(next(o[2:] for o in opts if o.startswith("pp")))
     if name.startswith("tp_pipeline/"):
         tp = next((int(o[2:]) for o in opts if o.startswith("tp")), None)
-        return check_megatron(name, pp, ckpt_dir, tp)
+        return check_megatron(name, pp, ckpt_dir, tp, stage0="z0" in opts)
     universal = "universal" in opts
     spec = fm.FIXTURES[name]
     with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
@@ -62,6 +63,8 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     if "z1" in opts:  # a stage-0 bf16 pipeline run resharded as ZeRO-1 BF16_Optimizer files (same optimizer)
         cfg["zero_optimization"] = {"stage": 1}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if "z0" in opts:  # an fp32 pipeline written at stage 0 (a torch optimizer per stage, no ZeRO files)
+        cfg["zero_optimization"] = {"stage": 0}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     model = PipelineModule(layers=fm.pipeline_layers(), num_stages=pp, loss_fn=lambda x, t: F.cross_entropy(x, t),
@@ -85,12 +88,7 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
         base = base.optimizer
     for n, q in engine.module.named_parameters():
         if q.requires_grad:
-            if engine.optimizer is base:  # fp32 without ZeRO: the module weights are the master
-                got = {"param": q.data, **{k: base.state[q].get(k) for k in ("exp_avg", "exp_avg_sq")}}
-            else:
-                got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
-                       "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
-            for key, t in got.items():
+            for key, t in fp32_and_moments(engine, q).items():
                 want = truth[f"{key}/{n}"]
                 if t is None or t.shape != want.shape or not torch.equal(t.float(), want):
                     problems.append(f"stage {stage}: {key} of {n} differs from the truth")
@@ -141,7 +139,19 @@ def megatron_pipe_slice(truth, key: str, n: str, src_tp: int, tp: int, t: int):
     return parts[0]
 
 
-def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None) -> list[str]:
+def fp32_and_moments(engine, q) -> dict:
+    """Param ``q``'s fp32 master and Adam moments as the engine holds them: through the fragment API under ZeRO /
+    BF16_Optimizer, else (fp32 without ZeRO) the module weight itself and the torch optimizer's state."""
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    if engine.optimizer is base:
+        return {"param": q.data, **{k: base.state[q].get(k) for k in ("exp_avg", "exp_avg_sq")}}
+    return {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq")}
+
+
+def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None, stage0: bool = False) -> list[str]:
     """A Megatron-DeepSpeed-style TP x pipeline fixture (tests/fixtures/generate_tp_pipeline.py), rebuilt as it was
     made -- ``PipeModelDataParallelTopology(num_pp=pp, num_mp=T, num_dp=world / (T pp))`` (T the fixture's TP size,
     or ``new_tp`` for an output resharded to another TP size), the topology's ``model`` axis as TP groups,
@@ -152,7 +162,8 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
     (two micro-batches) gives a finite loss. The fixture's frozen params (truth.json ``frozen``) are frozen again
     before ``deepspeed.initialize`` and zeroed (the rebuilt model's init is their saved value), so only what
     ``load_checkpoint`` reads from the layer files can give back their 16-bit slices; they must stay outside the
-    optimizer (no fp32 master)."""
+    optimizer (no fp32 master). ``stage0``: an fp32 output written without ZeRO, loaded at
+    ``"zero_optimization": {"stage": 0}``."""
     import autotp_models as am
     import tp_megatron_models as mm
     fdir = os.path.join(HERE, "fixtures", name)
@@ -169,7 +180,10 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
             if n in frozen:
                 q.requires_grad_(False)
                 q.zero_()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=dict(meta["config"]),
+    cfg = dict(meta["config"])
+    if stage0:
+        cfg["zero_optimization"] = {"stage": 0}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=[q for q in model.parameters() if q.requires_grad])
     load_path, _ = engine.load_checkpoint(ckpt_dir)
     if load_path is None:
@@ -187,8 +201,7 @@ def check_megatron(name: str, pp: int, ckpt_dir: str, new_tp: int | None = None)
             if q.requires_grad or safe_get_full_fp32_param(q) is not None:
                 problems.append(f"stage {stage} TP rank {t}: frozen {n} is in the optimizer")
         else:
-            got = {"param": safe_get_full_fp32_param(q), "exp_avg": safe_get_full_optimizer_state(q, "exp_avg"),
-                   "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
+            got = {**fp32_and_moments(engine, q), "lowp": q.data}
         for key, x in got.items():
             want = truth[f"tp{t}/{key}/{n}"] if tp == src_tp else megatron_pipe_slice(truth, key, n, src_tp, tp, t)
             if x is None or x.shape != want.shape or x.dtype != (want.dtype if key == "lowp" else x.dtype) or \

@@ -25,7 +25,7 @@ from dsckpt.api import to_fp32
 from dsckpt.checkpoint import open_checkpoint
 from dsckpt.cli import main
 from dsckpt.errors import UnsupportedCheckpointError
-from dsckpt.model import Role
+from dsckpt.model import Precision, Role
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.repair import prepare_repair, run_repair
 from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
@@ -237,11 +237,12 @@ def test_reshard_keeps_experts_moments_and_expert_parallel_size(fx, tmp_path):
     assert up.dp_world_size == world and up.moe is not None and up.moe.ep_sizes == (ep,)
     _reshard(tmp_path / "up", tmp_path / "back", fx.meta["dp_world_size"])
     truth = fx.truth()
-    stage0 = fx.meta["stage"] == 0  # fp32 without ZeRO: the module weights are the masters
+    stage0 = fx.meta["stage"] == 0
+    module_is_master = stage0 and fx.meta["dtype"] == "fp32"  # fp32 without ZeRO: the module weights are the masters
     for path in (tmp_path / "up", tmp_path / "back"):
         c = open_checkpoint(path)
         for name in fx.meta["params"]:
-            for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
+            for role, key in ((Role.MODULE if module_is_master else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
                               ("exp_avg_sq", "exp_avg_sq"), (Role.MODULE, "lowp")):
                 assert torch.equal(read_copy(c.logical.entry(name), c.cache, role), truth[f"{key}/{name}"]), \
                     (path.name, name, role)
@@ -286,9 +287,9 @@ def test_reshard_dry_run_names_expert_files(tmp_path):
 # --- refusals --------------------------------------------------------------------------------------
 
 
-def test_stage0_moe_in_16_bit_is_refused(tmp_path):
-    """Stage-0 MoE in bf16/fp16 keeps FP16_*Optimizer state in the expp_rank_* files: not read yet. The
-    real fp32 stage-0 save, its config switched to bf16, must be refused, not read as fp32."""
+def test_stage0_moe_precision_must_match_its_optimizer_files(tmp_path):
+    """Stage-0 MoE in bf16/fp16 keeps FP16_UnfusedOptimizer or FP16_Optimizer state in the expp_rank_* files, fp32 a
+    plain torch optimizer's. The real fp32 stage-0 save, its config switched to bf16, must be refused, not read as either."""
     from dsckpt import parsed_tree, safe_load, safe_save
 
     fx = _fx("moe_s0_fp32_w2_ep2")
@@ -300,8 +301,9 @@ def test_stage0_moe_in_16_bit_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["info", str(ckpt)])
     assert r.exit_code == 3
     err = r.stderr.strip()
-    assert "\n" not in err and "saved without ZeRO" in err and "in 16-bit precision" in err
-    assert "only fp32 ones, or MoE trained with ZeRO stage 1 or 2, can be read yet" in err
+    assert "\n" not in err and "saved without ZeRO" in err
+    assert ("whose expp_rank_0_mp_rank_00_optim_states.pt holds no FP16_UnfusedOptimizer (fp32_groups) or "
+            "FP16_Optimizer (fp32_groups_flat) state beside an optimizer_state_dict") in err
 
 
 def test_zero3_autoep_checkpoint_is_refused(tmp_path):
@@ -338,15 +340,14 @@ def _assert_every_role_is_the_truth(path: Path, fx) -> None:
     ``path`` under global expert names, equal ``fx``'s truth bit for bit."""
     truth = fx.truth()
     c = open_checkpoint(path)
-    stage0 = c.logical.zero_stage == 0
+    stage0 = c.logical.zero_stage == 0 and c.logical.precision is Precision.FP32
     for name in fx.meta["params"]:
         for role, key in ((Role.MODULE if stage0 else Role.MASTER, "param"), ("exp_avg", "exp_avg"),
                           ("exp_avg_sq", "exp_avg_sq"), (Role.MODULE, "lowp")):
             assert torch.equal(read_copy(c.logical.entry(name), c.cache, role), truth[f"{key}/{name}"]), (name, role)
 
 
-STAGE_CHANGES = [(f, s) for f in MOE for s in (0, 1, 2)
-                 if s != f.meta["stage"] and (s != 0 or f.meta["dtype"] == "fp32")]
+STAGE_CHANGES = [(f, s) for f in MOE for s in (0, 1, 2) if s != f.meta["stage"]]
 
 
 @pytest.mark.parametrize("fx,stage", STAGE_CHANGES, ids=[f"{f.name}-to-stage{s}" for f, s in STAGE_CHANGES])
@@ -370,11 +371,14 @@ def test_moe_stage_change(fx, stage, tmp_path):
     assert names == sorted([*optim, *experts, "mp_rank_00_model_states.pt"])
 
 
-def test_moe_stage0_through_zero_and_back_is_the_same_files(tmp_path):
-    """Stage-0 MoE (fp32, ep 2) -> ZeRO-2 on 4 ranks (expert-data-parallel 2) -> stage 0 on 2 ranks gives back the
+@pytest.mark.parametrize("name", ["moe_s0_fp32_w2_ep2", "moe_s0_bf16_w2_ep2", "moe_s0_bf16_w2_ep2_fused"])
+def test_moe_stage0_through_zero_and_back_is_the_same_files(name, tmp_path):
+    """Stage-0 MoE (ep 2) -> ZeRO-2 on 4 ranks (expert-data-parallel 2) -> stage 0 on 2 ranks gives back the
     files DeepSpeed wrote, every one, key for key and bit for bit: the expp_rank_* optimizer files with each rank's
-    experts under local names, mp_rank_00 with rank 0's optimizer, the expert files."""
-    fx = _fx("moe_s0_fp32_w2_ep2")
+    experts under local names (bf16: FP16_UnfusedOptimizer's fp32_groups, loss-scale fields and inner state, or
+    FP16_Optimizer's flat fp32_groups_flat per group and clip_grad),
+    mp_rank_00 with rank 0's optimizer, the expert files."""
+    fx = _fx(name)
     _convert(fx.ckpt, tmp_path / "zero", 4, 2)
     _convert(tmp_path / "zero", tmp_path / "back", 2, 0)
     tag = fx.meta["tag"]
@@ -382,6 +386,34 @@ def test_moe_stage0_through_zero_and_back_is_the_same_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "back" / tag).iterdir()) == names
     for n in names:
         assert tree_differences(parsed_file(fx.ckpt / tag / n), parsed_file(tmp_path / "back" / tag / n)) == [], n
+
+
+STAGE0_MOE = ["moe_s0_fp32_w2_ep2", "moe_s0_bf16_w2_ep2", "moe_s0_bf16_w2_ep2_fused"]
+
+
+@pytest.mark.parametrize("name", STAGE0_MOE)
+def test_moe_stage0_to_another_expert_parallel_size_and_back(name, tmp_path):
+    """Stage-0 MoE (ep 2) written at ep 1 without ZeRO: one expp_rank file holding every expert under local names
+    (its expert group renamed ep_size_1), every role the truth; written back at ep 2 it is the files DeepSpeed wrote,
+    bit for bit. ep 4 with ZeRO-2 on 4 ranks: every role the truth."""
+    fx = _fx(name)
+    tag = fx.meta["tag"]
+    _convert(fx.ckpt, tmp_path / "e1", 2, 0, ep_size=1)
+    e1 = read_checkpoint(tmp_path / "e1")
+    assert (e1.zero_stage, e1.moe.ep_sizes, e1.moe.layers[0][1:]) == (0, (1,), (4, 1))
+    _assert_every_role_is_the_truth(tmp_path / "e1", fx)
+    assert sorted(p.name for p in (tmp_path / "e1" / tag).glob("expp_rank_*")) == [
+        "expp_rank_0_mp_rank_00_optim_states.pt"]
+    groups = e1.optimizer_groups
+    assert [g.hyperparam("name") for g in groups] == ["dense", "ep_size_1"]
+    _convert(tmp_path / "e1", tmp_path / "back", 2, 0, ep_size=2)
+    names = sorted(p.name for p in (fx.ckpt / tag).iterdir())
+    assert sorted(p.name for p in (tmp_path / "back" / tag).iterdir()) == names
+    for n in names:
+        assert tree_differences(parsed_file(fx.ckpt / tag / n), parsed_file(tmp_path / "back" / tag / n)) == [], n
+    _convert(fx.ckpt, tmp_path / "z2", 4, 2, ep_size=4)
+    assert read_checkpoint(tmp_path / "z2").moe.ep_sizes == (4,)
+    _assert_every_role_is_the_truth(tmp_path / "z2", fx)
 
 
 def test_moe_stage_change_with_another_expert_parallel_size(tmp_path):
@@ -395,7 +427,6 @@ def test_moe_stage_change_with_another_expert_parallel_size(tmp_path):
 @pytest.mark.parametrize("name,stage,why", [
     ("moe_s2_bf16_w2_ep2", 3, "DeepSpeed 0.19.8 has no native MoE at ZeRO-3"),
     ("moe_s0_fp32_w2_ep2", 3, "DeepSpeed 0.19.8 has no native MoE at ZeRO-3"),
-    ("moe_s2_bf16_w2_ep2", 0, "in 16-bit keeps FP16_Optimizer / FP16_UnfusedOptimizer state in its expp_rank_"),
 ])
 def test_moe_stage_changes_refused_by_name(name, stage, why):
     cache = FileCache()
@@ -409,7 +440,8 @@ def test_moe_stage_changes_refused_by_name(name, stage, why):
 # target world size -> (fixture, chain of world sizes before it); one launch per target size.
 DS_MOE_CASES: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     # expert-data-parallel 1 -> 2; stage 0: the expp_rank_{0,1} files serve two ranks each
-    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ())],
+    4: [("moe_s2_bf16_w2_ep2", ()), ("moe_s0_fp32_w2_ep2", ()), ("moe_s0_bf16_w2_ep2", ()),
+        ("moe_s1_bf16_w2_ep2_bf16opt", ())],  # BF16_Optimizer kept: expert-data-parallel 1 -> 2
     2: [("moe_s1_bf16_w4_ep2", ()), ("moe_s2_fp32_w2_ep1", (3,))],  # 2 -> 1; ep 1 via 3 ranks
 }
 NEGATIVE = f"{EXPERT}3.weight"  # planted into a resharded copy: the check must catch it
@@ -499,12 +531,26 @@ def test_wrong_expert_rank_arithmetic_is_refused_not_exported(tmp_path):
 # groups._get_max_expert_size_name()), not its own; so the stage-0 targets come first, by growing ep size.
 DS_MOE_STAGE_CASES = [
     ("moe_s2_fp32_w2_ep1", 0, None, None),  # ZeRO-2 -> stage 0, one expp_rank file for 4 ranks
+    ("moe_s2_bf16_w2_ep2", 0, None, 1),  # bf16 ZeRO-2 -> stage 0 at expert-parallel size 1: one expp_rank file
+    ("moe_s1_bf16_w2_ep2_bf16opt", 0, None, 1),  # BF16_Optimizer -> stage 0 (FP16_UnfusedOptimizer) at ep 1
     ("moe_s0_fp32_w2_ep2", 0, 2, None),  # stage 0 -> ZeRO-2 -> stage 0: each expp_rank file serves 2 ranks
+    ("moe_s2_bf16_w2_ep2", 0, None, None),  # bf16 ZeRO-2 -> stage 0: FP16_UnfusedOptimizer in the expp_rank files
+    ("moe_s0_bf16_w2_ep2_fused", 0, 2, None),  # FusedAdam: stage 0 -> ZeRO-2 -> stage 0 (FP16_Optimizer's flat masters)
     ("moe_s0_fp32_w2_ep2", 2, None, None),  # stage 0 -> ZeRO-2, expert-data-parallel 1 -> 2
+    ("moe_s0_bf16_w2_ep2", 2, None, None),  # bf16 stage 0 (FP16_UnfusedOptimizer) -> ZeRO-2
+    ("moe_s0_bf16_w2_ep2", 1, None, None),  # bf16 stage 0 -> ZeRO-1
+    ("moe_s0_bf16_w2_ep2_fused", 2, None, None),  # bf16 stage 0 with FusedAdam -> ZeRO-2
     ("moe_s2_bf16_w2_ep2", 1, None, None),  # ZeRO-2 -> ZeRO-1
+    ("moe_s1_bf16_w2_ep2_bf16opt", 2, None, None),  # BF16_Optimizer -> ZeRO-2
+    ("moe_s0_bf16_w2_ep2", 2, None, 4),  # bf16 stage 0 -> ZeRO-2 at expert-parallel size 4
+    ("moe_s0_fp32_w2_ep2", 0, None, 4),  # stage 0 at expert-parallel size 2 -> 4: four expp_rank files
     ("moe_s1_bf16_w4_ep2", 2, None, 4),  # ZeRO-1 -> ZeRO-2 and expert-parallel size 2 -> 4 (last: see above)
 ]
-STAGE_NEGATIVE = f"{EXPERT}2.weight"  # its exp_avg planted into the stage-0 expp_rank_1 file: the check must see it
+# its exp_avg (fp32 target) or fp32 master (bf16 target) planted into the stage-0 expp_rank_1 file: the check must
+# see it
+STAGE_NEGATIVE = f"{EXPERT}2.weight"
+NEGATIVE_STAGE0 = [("moe_s0_fp32_w2_ep2", "exp_avg"), ("moe_s2_bf16_w2_ep2", Role.MASTER),
+                   ("moe_s0_bf16_w2_ep2_fused", Role.MASTER)]
 
 
 @pytest.fixture(scope="module")
@@ -520,30 +566,40 @@ def ds_moe_stage_run(tmp_path_factory):
             src = base / f"{i}_via"
         _convert(src, base / f"{i}_{name}", 4, stage, ep_size=ep)
         pairs.append(f"{name}@{stage}={base / f'{i}_{name}'}")
-    bad = base / "negative"  # a stage-0 target at ep 2: right after the others (see DS_MOE_STAGE_CASES)
-    _convert(_fx("moe_s0_fp32_w2_ep2").ckpt, bad, 4, 0)
-    assert [p.name for p in plant(bad, STAGE_NEGATIVE, "exp_avg", 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
-    pairs.insert(2, f"moe_s0_fp32_w2_ep2@0={bad}")
+    # stage-0 targets at ep 2: right after the others (see DS_MOE_STAGE_CASES)
+    for name, role in NEGATIVE_STAGE0:
+        bad = base / f"negative_{name}"
+        src = _fx(name).ckpt
+        if _fx(name).meta["stage"] == 0:  # through ZeRO-2, so that the stage-0 writer writes it
+            _convert(src, base / f"negative_{name}_via", 4, 2)
+            src = base / f"negative_{name}_via"
+        _convert(src, bad, 4, 0)
+        assert [p.name for p in plant(bad, STAGE_NEGATIVE, role, 0, 12.5)] == ["expp_rank_1_mp_rank_00_optim_states.pt"]
+        pairs.insert(6, f"{name}@0={bad}")  # after the stage-0 targets at ep 1 and 2
     return run_check_script("ds_moe_reshard_check.py", pairs, world=4, cwd=base, timeout=1500)
 
 
 @pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_resumes_moe_stage_changes(ds_moe_stage_run):
-    """Native MoE at another of ZeRO-0/1/2 (and another expert-parallel size): plain ``engine.load_checkpoint()``
-    on 4 CPU ranks at the new stage; every rank's masters, moments and weights equal the truth under global expert
-    ids, and one more step trains. The control with one expert moment changed fails on exactly that, on the two
-    ranks of expert-parallel rank 1."""
+    """Native MoE at another of ZeRO-0/1/2 (and another expert-parallel size), fp32 and bf16 (stage 0 under
+    FP16_UnfusedOptimizer or FP16_Optimizer): plain ``engine.load_checkpoint()`` on 4 CPU ranks at the new stage;
+    every rank's masters, moments and weights equal the truth under global expert ids, and one more step trains.
+    The controls with one expert moment (fp32) or fp32 master (bf16, torch Adam and FusedAdam) changed fail on
+    exactly that, on the two ranks of expert-parallel rank 1."""
     rc, results, log = ds_moe_stage_run
     assert results, log
-    good = [r for r in results if not r["ckpt"].endswith("negative")]
+    good = [r for r in results if "negative_" not in r["ckpt"]]
     failed = [r for r in good if not r["ok"]]
     assert not failed, "\n".join(f"{r['fixture']}: {r['problems']}" for r in failed)
     assert [r["fixture"] for r in good] == [f"{n}@{s}" for n, s, _, _ in DS_MOE_STAGE_CASES]
-    (neg,) = [r for r in results if r["ckpt"].endswith("negative")]
+    negs = {r["fixture"]: r for r in results if "negative_" in r["ckpt"]}
     # global expert 2 is local expert 0 of expert-parallel rank 1: ranks 1 and 3 of 4 (ep 2, default topology)
-    assert not neg["ok"] and neg["problems"] == [
-        f"rank {r}: exp_avg of '{EXPERT}0.weight' (global '{STAGE_NEGATIVE}') differs from the source (fragment API)"
-        for r in (1, 3)], neg
+    assert sorted(negs) == sorted(f"{n}@0" for n, _ in NEGATIVE_STAGE0)
+    for fixture, key in (("moe_s0_fp32_w2_ep2@0", "exp_avg"), ("moe_s2_bf16_w2_ep2@0", "param"),
+                         ("moe_s0_bf16_w2_ep2_fused@0", "param")):
+        assert not negs[fixture]["ok"] and negs[fixture]["problems"] == [
+            f"rank {r}: {key} of '{EXPERT}0.weight' (global '{STAGE_NEGATIVE}') differs from the source (fragment API)"
+            for r in (1, 3)], negs[fixture]
     assert rc == 1, log
 

@@ -120,8 +120,9 @@ def test_source_stages_must_match_the_method():
 # ---------------------------------------------------------------------------------------------- outputs vs truth
 
 def _check_truth(fx, out: Path, pp: int, dp: int):
-    """Every trainable param's fp32 master and Adam moments in ``out`` (re-read by dsckpt) equal DeepSpeed's own
-    full values recorded at generation (bit for bit), and the output has ``pp`` stages of ``dp`` ranks."""
+    """Every trainable param's fp32 master (at stage 0 its fp32 module weight) and Adam moments in ``out`` (re-read by
+    dsckpt) equal DeepSpeed's own full values recorded at generation (bit for bit), and the output has ``pp`` stages
+    of ``dp`` ranks."""
     cache = FileCache()
     new = read_checkpoint(out, cache=cache)
     assert (new.pp_world_size, new.dp_world_size) == (pp, dp)
@@ -131,7 +132,8 @@ def _check_truth(fx, out: Path, pp: int, dp: int):
 
     checked = 0
     for e in new.entries:
-        for key, piece in (("param", e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+        master = e.piece(Role.MASTER) if new.zero_stage else e.piece(Role.MODULE)
+        for key, piece in (("param", master), ("exp_avg", e.state_piece("exp_avg")),
                            ("exp_avg_sq", e.state_piece("exp_avg_sq"))):
             if f"{key}/{e.name}" not in truth or piece is None or not e.trainable:
                 continue
@@ -233,8 +235,9 @@ def test_stage0_bf16_pipeline_is_read_by_its_slice_mappings_and_written_as_zero1
         _same(_materialized(tmp_path / "a" / "global_step3" / f), _materialized(tmp_path / "b" / "global_step3" / f), f)
     with pytest.raises(UnsupportedCheckpointError, match="refuses ZeRO-2 and ZeRO-3"):
         plan_reshard(ckpt, 2, zero_stage=2)
-    with pytest.raises(UnsupportedCheckpointError, match="at ZeRO stage 1 .* only"):
-        plan_reshard(read_checkpoint(_fixture("pp2_fp32").ckpt), 2, zero_stage=0)
+    with pytest.raises(UnsupportedCheckpointError, match="to ZeRO stage 0: a bf16 pipeline without ZeRO trains under "
+                       "BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume even unchanged"):
+        plan_reshard(ckpt, 2, zero_stage=0)
 
 
 def test_stage0_bf16_slice_mappings_that_do_not_tile_are_refused(tmp_path):
@@ -280,6 +283,127 @@ def test_fp32_pipeline_without_zero_is_refused_naming_why():
     assert r.exit_code == 3, r.output
     assert "pipeline run without ZeRO" in r.stderr and "names its params by index only" in r.stderr
     assert "tied_modules.<key> names are stated nowhere" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- fp32 targets at stage 0
+
+DS_Z0 = Path(__file__).parent / "fixtures" / "pp2_fp32_z0" / "ckpt" / "global_step3"  # DeepSpeed's own stage-0 save
+Z0_CASES = [  # (fixture, --world-size, options, stages, data-parallel size, the stage boundaries, written out)
+    ("pp2_dp2_fp32", 4, {}, 2, 2, (0, 4, 7)),
+    ("pp2_fp32", 2, {}, 2, 1, (0, 4, 7)),
+    ("pp2_dp2_fp32", 4, {"pp_size": 4, **UNIFORM}, 4, 1, (0, 2, 4, 6, 7)),
+    ("pp2_fp32", 3, {"pp_size": 1, **UNIFORM}, 1, 3, (0, 7)),
+]
+
+
+def _stage_params(meta: dict, parts: tuple[int, ...], s: int) -> list[str]:
+    """The params stage ``s``'s optimizer holds in a run that passes ``[p for p in model.parameters() if
+    p.requires_grad]`` (as DeepSpeed's own stage-0 save pp2_fp32_z0 and the live check do): the stage's params that
+    require grad in ``PipelineModule.parameters()`` order, the tied module first on every stage with a use of it
+    (layers 0 and 6), then its layers' own."""
+    lo, hi = parts[s], parts[s + 1]
+    tied = [n for n in meta["trainable"] if n.startswith("tied_modules.")] if lo == 0 or lo <= 6 < hi else []
+    return tied + [n for n in meta["trainable"] if n.split(".")[0].isdigit() and lo <= int(n.split(".")[0]) < hi]
+
+
+@pytest.mark.parametrize("name, world, kw, pp, dp, parts", Z0_CASES, ids=[f"{c[0]}-w{c[1]}-pp{c[3]}" for c in Z0_CASES])
+def test_fp32_pipeline_written_without_zero(name, world, kw, pp, dp, parts, tmp_path):
+    """An fp32 ZeRO-1 pipeline run written at stage 0 (stages kept or changed): per stage DeepSpeed's own
+    mp_rank_XX_model_states.pt (pp2_fp32_z0's keys in its order, module None, ds_config stage 0) holding the stage's
+    torch optimizer state dict -- the same group hyper-parameters, params numbered over the stage's trainable params
+    in module order, each state's moments and step the recorded truth of the param at that index --, plus
+    param_shapes naming them; the layer files unchanged; and dsckpt reads it back equal to the truth."""
+    from dsckpt.ds_writers.stage0 import PIPELINE_NOTE
+
+    fx = _fixture(name)
+    before = tree_digest(fx.ckpt)
+    out = tmp_path / "out"
+    plan, _ = _reshard(fx.ckpt, out, world, zero_stage=0, **kw)
+    assert PIPELINE_NOTE in plan.notes
+    new = _check_truth(fx, out, pp, dp)
+    assert (new.zero_stage, new.optimizer_wrapper) == (0, "torch optimizer")
+    frozen = sorted(e.name for e in new.entries if e.kind.value == "param" and not e.trainable)
+    assert frozen == sorted(fx.meta["frozen"])
+    tag, truth = fx.meta["tag"], fx.truth()
+    ds = [_materialized(DS_Z0 / f"mp_rank_{s:02d}_model_states.pt") for s in (0, 1)]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in ds[0]["optimizer"]["param_groups"]]
+    for s in range(pp):
+        ms = _materialized(out / tag / f"mp_rank_{s:02d}_model_states.pt")
+        assert list(ms) == list(ds[0]) and ms["module"] is None and ms["param_shapes"] is not None
+        assert (ms["dp_world_size"], ms["mp_world_size"], ms["ds_config"]["zero_optimization"]) == (dp, pp,
+                                                                                                    {"stage": 0})
+        order = _stage_params(fx.meta, parts, s)
+        assert [list(g) for g in ms["param_shapes"]] == [order]
+        opt = ms["optimizer"]
+        assert [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]] == hyper
+        assert opt["param_groups"][0]["params"] == list(range(len(order))) and sorted(opt["state"]) == opt[
+            "param_groups"][0]["params"]
+        for k, n in enumerate(order):
+            st, like = opt["state"][k], ds[0]["optimizer"]["state"][0]
+            assert list(st) == list(like) and st["step"].dtype == like["step"].dtype, (s, k)
+            assert float(st["step"]) == fx.meta["optimizer_step"][0]
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[key], truth[f"{key}/{n}"]), (s, k, n, key)
+    layer_files = sorted(p.name for p in (fx.ckpt / tag).glob("layer_*"))
+    assert sorted(p.name for p in (out / tag).glob("layer_*")) == layer_files
+    for f in layer_files:
+        _same(_materialized(fx.ckpt / tag / f), _materialized(out / tag / f), f)
+    assert tree_digest(fx.ckpt) == before
+
+
+def test_stage0_pipeline_files_round_trip(tmp_path):
+    """dsckpt's stage-0 pipeline files are read back through their param_shapes and resharded: written again at
+    ZeRO-1 and the same sizes they give DeepSpeed's own files back, value for value (no clip_grad, which no stage-0
+    file stores); at stage 0, 4 stages -> 2 gives
+    what 2 stages at stage 0 written directly are; another data-parallel size keeps them, dp_world_size aside."""
+    fx = _fixture("pp2_dp2_fp32")
+    tag = fx.meta["tag"]
+    _reshard(fx.ckpt, tmp_path / "z0", 4, zero_stage=0)
+    _reshard(tmp_path / "z0", tmp_path / "z1", 4, zero_stage=1)
+    _reshard(fx.ckpt, tmp_path / "z0pp4", 4, zero_stage=0, pp_size=4, **UNIFORM)
+    _reshard(tmp_path / "z0pp4", tmp_path / "z0pp2", 4, pp_size=2, **UNIFORM)
+    _reshard(tmp_path / "z0", tmp_path / "z0dp1", 2)
+    for a, b in (("", "z1"), ("z0", "z0pp2"), ("z0", "z0dp1")):
+        left = fx.ckpt / tag if not a else tmp_path / a / tag
+        written = sorted(p.name for p in (tmp_path / b / tag).glob("*.pt"))
+        assert written == sorted(p.name for p in left.glob("*.pt")), (a, b)
+        for f in written:
+            want, got = _materialized(left / f), _materialized(tmp_path / b / tag / f)
+            if b == "z0dp1" and f.startswith("mp_rank_"):
+                assert (want["dp_world_size"], got["dp_world_size"]) == (2, 1)
+                want["dp_world_size"] = got["dp_world_size"] = None
+                want["ds_config"] = got["ds_config"] = None  # train_batch_size recorded as saved
+            if b == "z1" and "optim_states" in f:  # a stage-0 save stores no clip_grad: the engine keeps its own
+                assert "clip_grad" not in got["optimizer_state_dict"]
+                del want["optimizer_state_dict"]["clip_grad"]
+            _same(want, got, f"{b}/{f}")
+
+
+def test_stage0_pipeline_files_must_name_their_params(tmp_path):
+    """Without param_shapes the files are DeepSpeed's own stage-0 save, refused as unnamed; param_shapes that do not
+    fit the layer files or the optimizer's groups are refused as damaged (hand-edited copies: malformed inputs)."""
+    import shutil
+
+    from dsckpt.errors import CorruptCheckpointError
+
+    fx = _fixture("pp2_dp2_fp32")
+    _reshard(fx.ckpt, tmp_path / "z0", 4, zero_stage=0)
+    f = tmp_path / "z0" / "global_step3" / "mp_rank_01_model_states.pt"
+    ms = torch.load(f, weights_only=False)
+    for case, shapes, match in (
+            ("unnamed", None, "names its params by index only"),
+            ("swapped", [dict(reversed(list(ms["param_shapes"][0].items())))],
+             r"param_shapes\[0\] names '5.bias' \[6\] \(optimizer.state\[0\] \[11, 6\]\)"),
+            ("short", [dict(list(ms["param_shapes"][0].items())[:2])], "group 0 holds 3 params and param_shapes")):
+        shutil.copytree(tmp_path / "z0", tmp_path / case)
+        torch.save({**ms, "param_shapes": shapes}, tmp_path / case / "global_step3" / f.name)
+        with pytest.raises(UnsupportedCheckpointError if shapes is None else CorruptCheckpointError, match=match):
+            read_checkpoint(tmp_path / case)
+
+
+def test_pipeline_targets_at_zero2_refused_naming_why():
+    with pytest.raises(UnsupportedCheckpointError, match="to ZeRO stage 2: DeepSpeed's PipelineEngine refuses ZeRO-2"):
+        plan_reshard(read_checkpoint(_fixture("pp2_fp32").ckpt), 2, zero_stage=2)
 
 
 def test_cli_pipeline_reshard(tmp_path):
@@ -341,6 +465,15 @@ def _tamper(out: Path, name: str = "zero_pp_rank_0_mp_rank_01_optim_states.pt") 
     return next(n for n, a in mappings.items() if a.start == 0)
 
 
+def _tamper_stage0(out: Path) -> str:
+    """One Adam first-moment element of stage 1's first param changed in a stage-0 output; returns that param."""
+    f = out / "global_step3" / "mp_rank_01_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["optimizer"]["state"][0]["exp_avg"].view(-1)[0] += 1.0
+    torch.save(sd, f)
+    return next(iter(sd["param_shapes"][0]))
+
+
 @pytest.mark.live
 @pytest.mark.deepspeed
 def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
@@ -348,9 +481,11 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
     BF16_Optimizer), a stage-0 bf16 run (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files at 2 x 2 and 1 x 4,
     DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed; dsckpt refuses to read it),
-    and the Megatron-style tensor x pipeline fixtures (with frozen params too) at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x
-    DP 2 (their TP-local slices): masters, moments, steps, global steps bit for bit, and one more train_batch runs. Two tampered controls
-    fail. DeepSpeed's own route (ds_to_universal + load_universal at 4 stages) is loaded beside them."""
+    an fp32 ZeRO-1 run written without ZeRO (2 x 2 -> 2 x 2, 4 x 1, 1 x 4, loaded at stage 0), and the Megatron-style
+    tensor x pipeline fixtures (with frozen params too) at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (the fp32 one also
+    written without ZeRO, and so at PP 2 x TP 2 x DP 1; their TP-local slices): masters, moments, steps, global steps
+    bit for bit, and one more train_batch runs. Three tampered controls fail. DeepSpeed's own route (ds_to_universal +
+    load_universal at 4 stages) is loaded beside them."""
     import subprocess
     import sys
 
@@ -374,6 +509,10 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
             pairs.append(f"pp2_dp2_bf16_z0@pp{pp}@z1={out}")
     # DeepSpeed's own fp32 stage-0 pipeline save (which dsckpt refuses to read) loads unchanged at DP 1 -> 2
     pairs.append(f"pp2_fp32_z0@pp2={Path(__file__).parent / 'fixtures' / 'pp2_fp32_z0' / 'ckpt'}")
+    for pp, kw in ((2, {}), (4, {"pp_size": 4, **UNIFORM}), (1, {"pp_size": 1, **UNIFORM})):
+        out = tmp_path / f"fp32_z0_pp{pp}"  # an fp32 ZeRO-1 run written without ZeRO, loaded at stage 0 (@z0)
+        _reshard(_fixture("pp2_dp2_fp32").ckpt, out, 4, zero_stage=0, **kw)
+        pairs.append(f"pp2_dp2_fp32@pp{pp}@z0={out}")
     megatron = Path(__file__).parent / "fixtures" / "tp_pipeline"
     typed = {"pp_size": 1, "partition_method": "type:BlockPipe",
              "layer_types": ["EmbeddingPipe[embed]", "BlockPipe", "BlockPipe", "FinalLayerNorm", "EmbeddingPipe[embed]"]}
@@ -381,12 +520,19 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
         out = tmp_path / f"{name}_pp1"
         _reshard(megatron / name / "ckpt", out, 4, **typed)
         pairs.append(f"tp_pipeline/{name}@pp1={out}")
+    for pp, kw in ((2, {}), (1, typed)):  # fp32 tensor x pipeline written without ZeRO, loaded at stage 0
+        out = tmp_path / f"megatron_z0_pp{pp}"
+        _reshard(megatron / "megatron_pp2_tp2_z1_fp32" / "ckpt", out, 4, zero_stage=0, **kw)
+        pairs.append(f"tp_pipeline/megatron_pp2_tp2_z1_fp32@pp{pp}@z0={out}")
     _reshard(_fixture("pp2_dp2_fp32").ckpt, tmp_path / "tampered", 4, pp_size=4, **UNIFORM)
     tampered = _tamper(tmp_path / "tampered")
     pairs.append(f"pp2_dp2_fp32@pp4={tmp_path / 'tampered'}")
     _reshard(megatron / "megatron_pp2_tp2_z1_fp32" / "ckpt", tmp_path / "tp_tampered", 4, **typed)
     tp_tampered = _tamper(tmp_path / "tp_tampered", "zero_pp_rank_1_mp_rank_01_optim_states.pt")
     pairs.append(f"tp_pipeline/megatron_pp2_tp2_z1_fp32@pp1={tmp_path / 'tp_tampered'}")
+    _reshard(_fixture("pp2_dp2_fp32").ckpt, tmp_path / "z0_tampered", 4, zero_stage=0, pp_size=4, **UNIFORM)
+    z0_tampered = _tamper_stage0(tmp_path / "z0_tampered")
+    pairs.append(f"pp2_dp2_fp32@pp4@z0={tmp_path / 'z0_tampered'}")
     src = _fixture("pp2_dp2_fp32").ckpt
     r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                         str(src / "global_step3"), "--output_folder", str(tmp_path / "ds_univ" / "global_step3"),
@@ -398,6 +544,7 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     pairs.append(f"pp2_dp2_fp32@pp4@universal={tmp_path / 'ds_univ'}")
     rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
     results, controls = passed_except_controls(results, log)
-    assert len(results) == len(pairs) - 2 and rc == 1, log
-    assert len(controls) == 2 and f"param of {tampered} differs" in str(controls[0]["problems"]), controls
+    assert len(results) == len(pairs) - 3 and rc == 1, log
+    assert len(controls) == 3 and f"param of {tampered} differs" in str(controls[0]["problems"]), controls
     assert f"TP rank 1: param of {tp_tampered} differs" in str(controls[1]["problems"]), controls
+    assert controls[2]["problems"] == [f"rank 1: stage 1: exp_avg of {z0_tampered} differs from the truth"], controls

@@ -74,6 +74,8 @@ RECORDED = [
     "moe_s2_bf16_w2_ep2",  # native MoE: dense group + expert group under global expert names
     "moe_s1_bf16_w4_ep2",
     "moe_s0_fp32_w2_ep2",  # native MoE without ZeRO: every EP rank's torch optimizer, one group set
+    "moe_s0_bf16_w2_ep2",  # the same in bf16: FP16_UnfusedOptimizer's fp32 masters (fp32_groups) per EP rank
+    "moe_s0_bf16_w2_ep2_fused",  # and with FusedAdam: FP16_Optimizer's flat fp32 master per group
     "autoep/autoep_mixtral_z2_fp32_ep2_dp2",  # AutoEP: the HF model's names (gate_up_proj fused, gate)
     "autoep/autoep_qwen3_z3_fp32_ep2_dp2",
     "tp_pipeline/megatron_pp2_tp2_z1_fp32",  # TP 2 x pipeline 2, DeepSpeed's merge as truth

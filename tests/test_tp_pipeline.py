@@ -350,13 +350,14 @@ def _reshard_cli(src: Path, out: Path, *args: str) -> str:
     return r.stdout
 
 
-def _stored(e, master: str) -> list:
+def _stored(e, master: str, module_is_master: bool = False) -> list:
     """``(truth key, piece)`` of each stored copy of ``e``: a trainable param's master (``master`` names its truth
-    key), Adam moments and module copy; a frozen param's module copy, the only one it has."""
+    key; ``module_is_master``: an fp32 stage-0 save's module copy), Adam moments and module copy; a frozen param's
+    module copy, the only one it has."""
     if not e.trainable:
         assert {p.role for p in e.pieces} == {Role.MODULE}, e.name
         return [("lowp", e.piece(Role.MODULE))]
-    return [(master, e.piece(Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
+    return [(master, e.piece(Role.MODULE if module_is_master else Role.MASTER)), ("exp_avg", e.state_piece("exp_avg")),
             ("exp_avg_sq", e.state_piece("exp_avg_sq")), ("lowp", e.piece(Role.MODULE))]
 
 
@@ -375,7 +376,7 @@ def _tp_local_truth(out: Path, fx: Path, pp: int, dp: int) -> int:
         assert (ckpt.pp_world_size, ckpt.dp_world_size, ckpt.optimizer_step) == (pp, dp, 3)
         for e in ckpt.entries:
             assert e.trainable == (e.name not in frozen(fx)), e.name
-            for key, piece in _stored(e, "param"):
+            for key, piece in _stored(e, "param", module_is_master=not ckpt.zero_stage):  # stage 0 fp32: the module
                 want = tr[f"tp{t}/{key}/{e.name}"]
                 got = read_piece(piece, e.shape, cache_, name=e.name)
                 assert got.dtype == (want.dtype if key == "lowp" else torch.float32), (t, key, e.name)
@@ -411,6 +412,31 @@ def test_reshard_changes_data_parallel_and_stages_with_tp_kept(fx, tmp_path):
         assert sorted(p.name for p in (tmp_path / out_dir / tag).glob("*.pt")) == want
         for f in want:
             _same(_materialized(fx / "ckpt" / tag / f), _materialized(tmp_path / out_dir / tag / f), f"{out_dir}/{f}")
+
+
+def test_reshard_writes_an_fp32_tensor_x_pipeline_run_without_zero(tmp_path):
+    """fp32 PP 2 x TP 2 x DP 1 -> stage 0 (a torch optimizer per stage and TP rank, mp_rank_{stage * 2 + t}), stages
+    kept and -> 1 stage x DP 2: every TP rank's module slices and moments equal the source engine's (truth), the
+    layer files copied; back to ZeRO-1 at the source's sizes, every file is DeepSpeed's own, value for value (no
+    clip_grad, which no stage-0 file stores)."""
+    tag = "global_step3"
+    out = _reshard_cli(FP32 / "ckpt", tmp_path / "z0", "-n", "4", "--zero-stage", "0")
+    assert "(PP 2 x TP 2 x DP 1 -> PP 2 x TP 2 x DP 1), ZeRO stage 1 -> 0: wrote 12 files" in out
+    assert _tp_local_truth(tmp_path / "z0", FP32, 2, 1) == 2 * 4 * 13
+    _reshard_cli(FP32 / "ckpt", tmp_path / "z0pp1", "-n", "4", "--zero-stage", "0", "--pp-size", "1", *TYPED)
+    assert _tp_local_truth(tmp_path / "z0pp1", FP32, 1, 2) == 2 * 4 * 13
+    ms = _materialized(tmp_path / "z0" / tag / "mp_rank_03_model_states.pt")  # stage 1, TP rank 1
+    assert ms["module"] is None
+    assert ms["optimizer"]["param_groups"][0]["params"] == list(range(len(ms["param_shapes"][0])))
+    _reshard_cli(tmp_path / "z0", tmp_path / "back", "-n", "4", "--zero-stage", "1")
+    want = sorted(p.name for p in (FP32 / "ckpt" / tag).glob("*.pt"))
+    assert sorted(p.name for p in (tmp_path / "back" / tag).glob("*.pt")) == want
+    for f in want:
+        a, b = _materialized(FP32 / "ckpt" / tag / f), _materialized(tmp_path / "back" / tag / f)
+        if "optim_states" in f:
+            assert "clip_grad" not in b["optimizer_state_dict"]
+            del a["optimizer_state_dict"]["clip_grad"]
+        _same(a, b, f)
 
 
 def _ds_route(fx: Path, key: str, n: str, tp: int, t: int, rows: int = 32) -> torch.Tensor:

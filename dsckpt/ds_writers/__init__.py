@@ -38,7 +38,9 @@ set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` f
 ``BF16_Optimizer`` source written as ZeRO). A stage-0 source (fp32 or bf16; :func:`.stage0.stage0_as_zero_source`)
 is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
 model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
-with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`).
+with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`); a pipeline
+(and tensor x pipeline) run is written so per model-parallel rank (:func:`_plan_mp_ranks`), each stage's file naming
+its optimizer's params in ``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`).
 """
 
 from __future__ import annotations
@@ -255,12 +257,18 @@ def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layou
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    # another TP cut of a stage-0 source: its model-states file is rewritten from the view, not copied
+    # rebuilt as stage 0 from the logical checkpoint (.stage0): a ZeRO source; one stage of an fp32 pipeline without
+    # ZeRO (dsckpt's own files, whose param_shapes name the params: its optimizer's order is the stage plan's,
+    # mp_rank_view); native MoE at stage 0 to another expert-parallel size (one expp_rank_* file per new rank); a
+    # stage-0 source at another TP size (each TP rank's module and optimizer state re-cut from its view, not copied)
+    pipeline0 = src_stage == 0 and ckpt.layout == "pipeline"
     recut = common.get("tp_size", 1) != common.get("source_tp_size", 1)
-    if target.zero_stage == 0 and (src_stage != 0 or recut):  # one model-states file (.stage0)
+    if target.zero_stage == 0 and (src_stage != 0 or pipeline0 or recut or common.get("moe_ep_size") is not None):
         from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
 
-        if src_stage == 0:
+        if pipeline0:
+            orders = [list(g) for g in facts.group_flat_order]
+        elif src_stage == 0:
             ckpt, orders = stage0_as_zero_source(ckpt)
         else:
             orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
@@ -290,6 +298,8 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         from .stage0 import stage0_as_zero_source
 
         ckpt, orders = stage0_as_zero_source(ckpt)
+        if pipeline0:
+            orders = [list(g) for g in facts.group_flat_order]
     else:
         orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
     models = source_model_files(ckpt)
@@ -385,8 +395,9 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.tp_size != plan.source_tp_size):
-        from .common import stage0_scalars
+    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline" or plan.moe_ep_size is not None
+                                 or plan.tp_size != plan.source_tp_size):
+        from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 
         zero_scalars = (stage0_scalars(cache.tree(plan.source_model_files[0])) if plan.from_stage == 0

@@ -179,7 +179,8 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and ckpt.pipeline is None:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
-    if ckpt.pipeline is not None and source_layout_stage(ckpt) == 0:
+    if ckpt.pipeline is not None and source_layout_stage(ckpt) == 0 and ckpt.optimizer_wrapper != "torch optimizer":
+        # "torch optimizer": its param_shapes name each stage's params (readers/pipeline.py), as dsckpt writes them
         problems.append("a pipeline run without ZeRO or BF16_Optimizer (its optimizer state sits in each stage's "
                         "mp_rank_XX_model_states.pt, which dsckpt does not read yet)")
     if ckpt.zero_stage not in (0, 1, 2, 3):

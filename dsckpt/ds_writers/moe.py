@@ -20,7 +20,7 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import LogicalCheckpoint
 from ..parallel_layout import EXPERT_NAME, ParallelLayout, global_expert_name, local_expert_name
 
-__all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_note", "rank_in_group",
+__all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_layout_at", "moe_note", "rank_in_group",
            "rename_expert_groups", "retarget_moe"]
 
 
@@ -33,8 +33,8 @@ def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
     if bad:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to {world} ranks: its experts are split over expert-parallel "
-            f"size {bad[0]}, which must divide the new world size, and changing the expert-parallel size is "
-            f"not supported; pick a multiple of {bad[0]}")
+            f"size {bad[0]}, which must divide the new world size; pick a multiple of {bad[0]}, or another "
+            "expert-parallel size with --ep-size")
     return list(ckpt.moe.group_ep_sizes)
 
 
@@ -82,25 +82,21 @@ def moe_note(ckpt: LogicalCheckpoint, world: int, n_copied: int) -> str:
 def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[LogicalCheckpoint, Any]:
     """``ckpt`` and its source facts with every expert group at ``target.ep_size``: the :class:`MoeLayout`'s cut
     sizes, and each expert group's flat order rebuilt as the new expert-parallel rank 0 lists it (its local
-    experts ``0 .. n/E - 1`` in order, each with the source's per-expert param order). ZeRO-1/2 only (at stage 0 the
-    ``expp_rank_*`` files belong to the source's expert-parallel ranks)."""
+    experts ``0 .. n/E - 1`` in order, each with the source's per-expert param order). A stage-0 source has no flat
+    order in its facts: :func:`~.stage0.stage0_as_zero_source` takes each expert group in module order; a stage-0
+    target gets one ``expp_rank_*`` file per new expert-parallel rank (:func:`~.stage0.stage0_trees_from_zero`)."""
     import dataclasses
 
     moe = ckpt.moe
     assert moe is not None
     ep = target.ep_size
-    if ckpt.zero_stage == 0 or target.zero_stage == 0:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep}: without ZeRO the optimizer state lives "
-            "in one 'expp_rank_*' file per expert-parallel rank, which dsckpt copies but does not re-cut")
     bad = [p for p, n, _ in moe.layers if n % ep]
     if bad or target.world_size % ep:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {target.world_size} ranks: "
             + (f"the {moe.layers[0][1]} experts of '{bad[0]}' do not split over {ep} ranks" if bad else
                "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
-    new_moe = dataclasses.replace(moe, group_ep_sizes=tuple(ep if e is not None else None for e in moe.group_ep_sizes),
-                                  layers=tuple((p, n, ep) for p, n, _ in moe.layers))
+    new_moe = moe_layout_at(moe, ep)
     n_of = {p: n for p, n, _ in moe.layers}
     orders = []
     for g, names in enumerate(facts.group_flat_order):
@@ -124,11 +120,32 @@ def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[Logi
     return dataclasses.replace(ckpt, moe=new_moe), dataclasses.replace(facts, group_flat_order=tuple(orders))
 
 
+def moe_layout_at(moe: Any, ep: int) -> Any:
+    """``moe`` (a :class:`~dsckpt.parallel_layout.MoeLayout`) with every expert group and layer at expert-parallel
+    size ``ep``."""
+    import dataclasses
+
+    return dataclasses.replace(moe, group_ep_sizes=tuple(ep if e is not None else None for e in moe.group_ep_sizes),
+                               layers=tuple((p, n, ep) for p, n, _ in moe.layers))
+
+
 def rename_expert_groups(tree: Any, ep: int) -> Any:
     """An optimizer tree with its expert param groups named ``ep_size_{ep}`` (groups.py names an expert group by its
-    expert-parallel size; ``split_params_into_different_moe_groups_for_optimizer`` gives the param group that name)."""
+    expert-parallel size; ``split_params_into_different_moe_groups_for_optimizer`` gives the param group that name):
+    a ZeRO optimizer file's, or the stage-0 ``optimizer`` of an ``expp_rank_*`` / ``mp_rank_*`` file (a torch
+    optimizer's state dict, or ``FP16_*Optimizer``'s around one)."""
     from .common import OSD
 
+    if isinstance(tree, dict) and isinstance(tree.get("optimizer"), dict):
+        opt = tree["optimizer"]
+        wrapped = isinstance(opt.get(OSD), dict)
+        inner = opt[OSD] if wrapped else opt
+        if not isinstance(inner.get("param_groups"), list):
+            return tree
+        groups = [{**pg, "name": f"ep_size_{ep}"} if isinstance(pg, dict) and pg.get("moe") else pg
+                  for pg in inner["param_groups"]]
+        inner = {**inner, "param_groups": groups}
+        return {**tree, "optimizer": {**opt, OSD: inner} if wrapped else inner}
     osd = tree.get(OSD) if isinstance(tree, dict) else None
     base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
     if not isinstance(osd, dict) or not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):

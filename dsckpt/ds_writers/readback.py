@@ -104,9 +104,9 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
                                  *((r, e.padding_piece(r, 0, k), n.padding_piece(r, 0, k),
                                     f"{k or r.value} padding rows") for r, k in padded)]:
             if role is Role.MASTER and (a is None) != (b is None) and e.trainable:
-                # a stage-0 fp32 save keeps no master: its module weights are the master
+                # a stage-0 fp32 save keeps no master: its module weights (and their padding rows) are the master
                 side = e if a is None else n
-                module = (side.padding_piece(Role.MODULE) if what.endswith("padding rows")  # its padding rows' too
+                module = (side.padding_piece(Role.MODULE) if what.endswith("padding rows")
                           else side.piece(Role.MODULE))
                 module = module if module is not None and module.dtype == "float32" else None
                 a, b = (module, b) if a is None else (a, module)

@@ -13,7 +13,7 @@ from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
-__all__ = ["plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
+__all__ = ["PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
            "stage0_trees_from_zero", "stage0_wrapper"]
 
 
@@ -46,12 +46,13 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
     fp16: the loss scale the wrapper keeps in its own fields becomes ZeRO's ``DynamicLossScaler``
     (:func:`~.common.stage0_scalars`). MoE (fp32, ``expp_rank_*`` files): an expert group's order is expert-parallel
     rank 0's, under the local names ZeRO's ``param_shapes`` list (its experts' global names are those); the other
-    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`)."""
+    ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`), each group in module order."""
     import dataclasses
 
     from .moe import held_by_ep_rank_0
 
     expert_groups = {g for g, ep in enumerate(ckpt.moe.group_ep_sizes) if ep is not None} if ckpt.moe else set()
+    position = {e.name: i for i, e in enumerate(ckpt.entries)}
     entries = []
     members: dict[int, list[tuple[tuple[object, ...], str]]] = {}
     for e in ckpt.entries:
@@ -69,8 +70,13 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
             f = where.fragments[0]
             key = tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in f.key)
             group = e.group if e.group is not None else 0
-            if group not in expert_groups or held_by_ep_rank_0(ckpt, e.name):
+            if group not in expert_groups:
                 members.setdefault(group, []).append(((*key, f.src_offset), e.name))
+            elif held_by_ep_rank_0(ckpt, e.name):
+                # module order, as model.parameters() hands the experts to
+                # split_params_into_different_moe_groups_for_optimizer: at another expert-parallel size rank 0's
+                # experts come from several source expp_rank files, whose per-file positions would interleave them
+                members.setdefault(group, []).append((((0, position[e.name], ""),), e.name))
         entries.append(e)
     orders = [[n for _, n in sorted(members[g], key=lambda m: m[0])] for g in sorted(members)]
     return dataclasses.replace(ckpt, entries=tuple(entries)), orders
@@ -127,9 +133,6 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
                "was given to")
     elif ckpt.autoep is not None:
         why = "AutoEP layouts are not converted to stage 0"
-    elif ckpt.moe is not None and ckpt.precision is not Precision.FP32:
-        why = ("a native MoE run without ZeRO in 16-bit keeps FP16_Optimizer / FP16_UnfusedOptimizer state in its "
-               "expp_rank_* files, which dsckpt does not read, so it could not check what it wrote")
     elif ckpt.moe is not None and len(ckpt.moe.ep_sizes) != 1:
         why = (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
                "keeps one expp_rank_* optimizer file per rank of one of them")
@@ -142,19 +145,32 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = stage0_wrapper(ckpt)
-    notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
-             + (" (each TP rank's slices in its own mp_rank_XX file)" if common.get("tp_size", 1) > 1 else "")
-             + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params too)"
-                if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
-    copied: tuple[Path, ...] = ()
+    if ckpt.layout == "pipeline":  # one stage of a pipeline (ds_writers.mp_rank_view): its trainable params only
+        notes = [PIPELINE_NOTE]
+    else:
+        notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
+                 + (" (each TP rank's slices in its own mp_rank_XX file)" if common.get("tp_size", 1) > 1 else "")
+                 + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params "
+                    "too)" if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
+    copied: tuple[Path, ...] = tuple(common.get("copied_model_files", ()))
     if ckpt.moe is not None:
-        copied = copied_files(ckpt, stage0=False)
+        copied = (*copied, *copied_files(ckpt, stage0=False))
         ep = ckpt.moe.ep_sizes[0]
         notes.append(f"Mixture of Experts: expert-parallel size kept at {ep}; one expp_rank_* optimizer file per "
                      f"expert-parallel rank (the dense groups and that rank's experts); the {len(copied)} expert "
                      "files are copied unchanged")
-    return LayoutPlan(**{**common, "optimizer_wrapper": wrapper}, param_shapes=shapes, subgroup_to_group=(),
-                      alignment_paddings=(), ranks=(), notes=tuple(notes), copied_model_files=copied)
+    return LayoutPlan(**{**common, "optimizer_wrapper": wrapper, "copied_model_files": copied}, param_shapes=shapes,
+                      subgroup_to_group=(), alignment_paddings=(), ranks=(), notes=tuple(notes))
+
+
+#: The stage-0 files of a pipeline stage (an fp32 ZeRO-1 pipeline written without ZeRO): DeepSpeed 0.19.8's
+#: PipelineEngine at stage 0 trains each stage's params under a plain torch optimizer and saves its ``state_dict()`` in
+#: ``mp_rank_{stage:02d}_model_states.pt``, numbered over the params it was given (pp2_fp32_z0: a stage's params that
+#: require grad in ``parameters()`` order, its tied modules first), and ``param_shapes`` None. Here ``param_shapes``
+#: names them (DeepSpeed's stage-0 loader does not read it), so the files say what DeepSpeed's own do not.
+PIPELINE_NOTE = ("stage 0 pipeline: each stage's torch optimizer state in mp_rank_XX_model_states.pt over the stage's "
+                 "params that require grad, in module order (tied modules first): pass [p for p in "
+                 "model.parameters() if p.requires_grad] to deepspeed.initialize; param_shapes names them")
 
 
 def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any,
@@ -162,17 +178,23 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     """The files of :func:`plan_stage0_from_zero`'s plan besides the copied ones: ``mp_rank_00_model_states.pt``,
     and for native MoE one ``expp_rank_{R}_mp_rank_00_optim_states.pt`` per expert-parallel rank ``R``
     (engine.py ``_save_moe_checkpoint``: ``{"optimizer": optimizer.state_dict()}`` of that rank, whose expert groups
-    hold its experts under local names; ``mp_rank_00`` carries expert-parallel rank 0's, as DeepSpeed's rank 0
-    saves its own)."""
-    from .common import own_copy, stage0_scale_fields, streamed, target_ds_config
+    hold its experts under local names -- a torch optimizer's at fp32, ``FP16_UnfusedOptimizer``'s or
+    ``FP16_Optimizer``'s at 16 bits, the dense masters repeated in every file; ``mp_rank_00`` carries expert-parallel
+    rank 0's, as DeepSpeed's rank 0 saves its own)."""
+    import dataclasses
+
+    from .common import own_copy, shapes_tree, stage0_scale_fields, streamed, target_ds_config
+    from .moe import moe_layout_at
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module, module_from_copies
 
+    if plan.moe_ep_size is not None and ckpt.moe is not None:  # --ep-size: the experts cut at the new size
+        ckpt = dataclasses.replace(ckpt, moe=moe_layout_at(ckpt.moe, plan.moe_ep_size))
     src = dict(cache.tree(plan.source_model_files[0]))
     module: Mapping[str, Any]
     if plan.from_stage == 3:
         module = full_module(ckpt, src["module"], cache)
-    elif plan.tp_size != plan.source_tp_size:  # another TP cut: the module's slices are re-cut too
+    elif plan.tp_size != plan.source_tp_size and src["module"] is not None:  # another TP cut: the slices re-cut too
         module = module_from_copies(ckpt, src["module"], cache)
     else:
         module = src["module"]
@@ -206,13 +228,23 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     fp16 = ckpt.precision is Precision.FP16
     scale = stage0_scale_fields(scalars.loss_scaler, fp16=fp16, cur_iter=ckpt.global_steps or 0)
     expp: list[tuple[str, dict[str, Any]]] = []
-    if ckpt.precision is Precision.FP32 and ckpt.moe is not None:
+    if ckpt.moe is not None:  # fp32: a torch optimizer's state dict; 16-bit: FP16_UnfusedOptimizer's (plan)
         for r in range(ckpt.moe.ep_sizes[0]):
             groups = [[_on_ep_rank(ckpt, n, r) if ckpt.moe.group_ep_sizes[g] else n for n in names]
                       for g, names in enumerate(orders)]
-            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt",
-                         {"optimizer": torch_state_dict(groups, {n for names in groups for n in names})}))
+            if plan.optimizer_wrapper == "FP16_Optimizer":
+                # the module stays as saved: a MoE save clones every tensor, no view into the flat buffers
+                fused, _ = _fused_optimizer(plan, ckpt, scalars, module, groups, cache)
+                optimizer = {**(scale if fp16 else {}), **fused}
+            else:
+                optimizer = torch_state_dict(groups, {n for names in groups for n in names})
+                if ckpt.precision is not Precision.FP32:
+                    optimizer = {**scale, "optimizer_state_dict": optimizer,
+                                 "fp32_groups": [[whole(n, Role.MASTER) for n in names] for names in groups]}
+            expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt", {"optimizer": optimizer}))
         optimizer = expp[0][1]["optimizer"]
+    elif ckpt.precision is Precision.FP32 and ckpt.layout == "pipeline":  # the stage's trainable params (PIPELINE_NOTE)
+        optimizer = torch_state_dict(orders, {n for names in orders for n in names})
     elif ckpt.precision is Precision.FP32 and len(orders) == 1:
         # one group: every param the engine was given (model.parameters(), frozen ones too) in module order
         params = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
@@ -230,6 +262,8 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     src.update(module=module, optimizer=optimizer, param_shapes=None, frozen_param_shapes=None,
                frozen_param_fragments=None, shared_params=None, dp_world_size=plan.world_size,
                ds_config=target_ds_config(src.get("ds_config"), 0, None))
+    if ckpt.layout == "pipeline":
+        src["param_shapes"] = shapes_tree(plan)  # names the optimizer's params (PIPELINE_NOTE)
     return [(f"mp_rank_{plan.mp_rank:02d}_model_states.pt", src), *expp]
 
 

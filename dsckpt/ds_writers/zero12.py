@@ -192,7 +192,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             tree["module"] = module_from_copies(ckpt, tree["module"], cache)
         tree["dp_world_size"] = plan.world_size
         tree["param_shapes"] = shapes_tree(plan)
-        _set_frozen(tree, plan, ckpt, dict(tree["module"]))
+        _set_frozen(tree, plan, ckpt, dict(tree["module"] or {}))  # a pipeline's module is None (in layer files)
         tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
     assert plan.from_stage == 3

@@ -21,11 +21,18 @@ left to ``scan``/``repair``).
 
 Stage 0 (no ZeRO, engine.py ``_save_moe_checkpoint``): ``expp_rank_{R}_mp_rank_00_optim_states.pt``
 holds ``{"optimizer": state_dict()}`` of expert-parallel rank R's engine (dense group + R's local
-experts, written by its expert-data-parallel rank 0); only fp32 is read (the module copies are the
-masters; the torch state indices are bound by shape and module order, as for dense stage 0).
+experts, written by its expert-data-parallel rank 0). fp32: the module copies are the masters; the torch
+state indices are bound by shape and module order, as for dense stage 0. bf16/fp16 with torch's Adam:
+``FP16_UnfusedOptimizer`` (engine.py ``DDP_BFLOAT16``/``FP16``), ``fp32_groups[g][i]`` per param beside the
+inner ``optimizer_state_dict``, each master bound by value to its 16-bit copy (the dense module or the expert
+file). With FusedAdam, ``FP16_Optimizer``: one flat ``fp32_groups_flat[g]`` per group, cut in module order and
+each range proven by value (a MoE save clones every module tensor, so no view offset names a range:
+:func:`_fused_moe`). ``BF16_Optimizer`` never runs there: bf16 with ``grad_accum_dtype`` fp32 and no ZeRO stops
+``deepspeed.initialize`` ("unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32").
 
-Not read: stage-0 MoE in bf16/fp16 (``FP16_*Optimizer`` in the ``expp_rank_*`` files), MoE with
-``BF16_Optimizer``; ZeRO-3 refuses native MoE in 0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
+``BF16_Optimizer`` (bf16 + ZeRO-1 + fp32 gradient accumulation, ``bf16_zero_pp_rank_*`` files without
+``zero_stage``): the ZeRO-1 layout above, each rank's partitions keeping their padding. ZeRO-3 refuses native MoE in
+0.19.8 (engine.py:2197-2218), so no such checkpoint exists.
 """
 
 from __future__ import annotations
@@ -75,8 +82,7 @@ _GROUP_NAME = re.compile(r"^ep_size_(\d+)$")  # groups.py: group_name = f"ep_siz
 def refuse_moe_without_zero(files: CheckpointFiles, why: str) -> UnsupportedCheckpointError:
     return UnsupportedCheckpointError(
         f"'{files.tag_dir}' is a Mixture-of-Experts checkpoint saved without ZeRO (per expert-parallel-rank "
-        f"'expp_rank_*' optimizer files) {why}; only fp32 ones, or MoE trained with ZeRO stage 1 or 2, can be "
-        "read yet"
+        f"'expp_rank_*' optimizer files) {why}; the files do not belong together or were damaged"
     )
 
 
@@ -103,7 +109,8 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
             f"'{files.tag_dir}': {files.optim_dp_world_size} optimizer files but dp_world_size={world} "
             f"in {ms_path.name}; remove the stray files or pick another tag")
     optim_files = [optim[(d, 0)] for d in range(world)]
-    eg = read_expert_groups(optim_files, cache, ms, ms_path, files.tag_dir, what="Mixture-of-Experts")
+    eg = read_expert_groups(optim_files, cache, ms, ms_path, files.tag_dir, what="Mixture-of-Experts",
+                            bf16_optimizer_ok=True)
     osd0, stage, param_shapes, param_groups, counts, parts = (eg.osd0, eg.stage, eg.param_shapes, eg.param_groups,
                                                               eg.partition_count, eg.parts)
     cfg = meta.ds_config or {}
@@ -255,7 +262,8 @@ def read_moe_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         zero_stage=stage, precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
-        optimizer_step=eg.optimizer_step, optimizer_wrapper="DeepSpeedZeroOptimizer",
+        optimizer_step=eg.optimizer_step,
+        optimizer_wrapper="BF16_Optimizer" if eg.bf16_optimizer else "DeepSpeedZeroOptimizer",
         entries=tuple(_one_rank_order(entries, list(module), expert_order)),
         files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
         # the groups under global expert names: an expert group holds every EP rank's experts, each rank's in flat
@@ -292,16 +300,19 @@ def _expert_files(files: CheckpointFiles, cache: FileCache
 
 
 def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
-    """fp32 MoE without ZeRO: dense params from ``mp_rank_00`` (moments from ``expp_rank_0``), expert
-    params from their expert files under global names (moments from their expert-parallel rank's file)."""
-    from .stage0 import _optimizer_groups, _plain, module_params_and_aliases
+    """MoE without ZeRO: dense params from ``mp_rank_00`` (masters and moments from ``expp_rank_0``), expert
+    params from their expert files under global names (masters and moments from their expert-parallel rank's
+    file). fp32: the module copies are the masters, the torch optimizer's state indices are bound by shape and
+    module order; 16-bit ``FP16_UnfusedOptimizer``: each ``fp32_groups[g][i]`` is bound to the one equally shaped
+    param whose 16-bit copy it rounds to, as for dense stage 0 (:func:`.stage0._unfused`); ``FP16_Optimizer``:
+    :func:`_fused_moe`."""
+    from .stage0 import _optimizer_groups, _plain, _unfused, module_params_and_aliases
 
     ms_path = files.mp_to_model_states[0]
     ms = cache.tree(ms_path)
     meta = metadata_from_model_states(ms)
     cfg = meta.ds_config or {}
-    if any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16", "bfloat16")):
-        raise refuse_moe_without_zero(files, "in 16-bit precision")
+    lowp = any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16", "bfloat16"))
     expp = files.ep_mp_to_expp_optim_states
     ep = len(expp)
     if sorted(expp) != [(r, 0) for r in range(ep)]:
@@ -325,15 +336,26 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
     group_ep: list[int | None] = []
     step = None
     optimizer0: Mapping[str, Any] = {}
+    wrapper = "FP16_UnfusedOptimizer" if lowp else "torch optimizer"
     for r in range(ep):
         path = expp[(r, 0)]
         optimizer = cache.tree(path).get("optimizer")
-        if not isinstance(optimizer, Mapping) or "state" not in optimizer:
-            raise refuse_moe_without_zero(files, f"whose {path.name} holds no plain torch optimizer state")
-        groups = optimizer.get("param_groups") or []
+        optimizer = optimizer if isinstance(optimizer, Mapping) else {}
+        fused = lowp and isinstance(optimizer.get("fp32_groups_flat"), list)
+        if r == 0 and fused:
+            wrapper = "FP16_Optimizer"
+        inner = optimizer.get("optimizer_state_dict") if lowp else optimizer
+        if not isinstance(inner, Mapping) or "state" not in inner or (
+                lowp and not isinstance(optimizer.get("fp32_groups_flat" if fused else "fp32_groups"), list)) or (
+                lowp and (wrapper == "FP16_Optimizer") != fused):
+            want = ("FP16_UnfusedOptimizer (fp32_groups) or FP16_Optimizer (fp32_groups_flat) state beside an "
+                    "optimizer_state_dict, the same in every expp_rank file, as its ds_config's 16-bit precision "
+                    "needs" if lowp else "plain torch optimizer state, as its fp32 ds_config needs")
+            raise refuse_moe_without_zero(files, f"whose {path.name} holds no {want}")
+        groups = inner.get("param_groups") or []
         if r == 0:
-            optimizer0 = optimizer
-            step = step_of(optimizer.get("state"))
+            optimizer0 = inner
+            step = step_of(inner.get("state"))
             for pg in groups:
                 m = _GROUP_NAME.match(str(pg.get("name", ""))) if isinstance(pg, Mapping) else None
                 group_ep.append((int(m[1]) if m else ep) if isinstance(pg, Mapping) and pg.get("moe") else None)
@@ -354,7 +376,10 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
                         local[local_name] = name
         local_names = sorted(local, key=lambda nm: expert_order[local[nm]])
         view = {**{nm: module[nm] for nm in dense}, **{nm: expert_refs[g][2] for nm, g in local.items()}}
-        bound, amb = _plain(path, view, [*dense, *local_names], optimizer)
+        if fused:
+            bound, amb = _fused_moe(path, view, dense, local_names, optimizer)
+        else:
+            bound, amb = (_unfused if lowp else _plain)(path, view, [*dense, *local_names], optimizer)
         if amb:
             ambiguous += [local.get(n, n) for a in amb for n in a.names]
         for n, e in bound.items():
@@ -387,7 +412,7 @@ def read_moe_stage0(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoi
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="moe-stage0", zero_stage=0,
         precision=precision_of(meta.ds_config, sample), dp_world_size=meta.dp_world_size or 1,
         pp_world_size=1, tp_world_size=1, ds_version=meta.ds_version, global_steps=meta.global_steps,
-        global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper="torch optimizer",
+        global_samples=meta.global_samples, optimizer_step=step, optimizer_wrapper=wrapper,
         entries=tuple(ordered), files=tuple(files.all_files()), ds_config=meta.ds_config, moe=moe,
         # every rank's torch optimizer has the same groups (rank 0's hyper-parameters and step): the dense group, and
         # the expert group holding every EP rank's experts under global names, in global expert order
@@ -465,3 +490,77 @@ def _agreeing(master: TensorRef, src: int, copy: TensorRef, dst: int, numel: int
     nan_x = np.isnan(to_float32(x.view(DTYPES[copy.dtype_name].numpy), copy.dtype_name))
     nan_y = np.isnan(to_float32(y.view(DTYPES[copy.dtype_name].numpy), copy.dtype_name))
     return int(np.count_nonzero((x == y) | (nan_x & nan_y)))
+
+
+
+def _fused_moe(path: Path, view: Mapping[str, Any], dense: list[str], local_names: list[str],
+               optimizer: Mapping[str, Any]) -> tuple[dict[str, TensorEntry], list[Any]]:
+    """``FP16_Optimizer`` (FusedAdam) in one ``expp_rank_*`` file: ``fp32_groups_flat[g]`` is group ``g``'s params
+    concatenated, unpadded, in the order they were handed to the optimizer (fused_optimizer.py:89-103), one dense
+    group, then the expert group (``split_params_into_different_moe_groups_for_optimizer``). A MoE save clones every
+    module tensor (``_save_moe_checkpoint``: ``clone_tensors_for_torch_save``), so unlike a dense stage-0 save no
+    view offset into the flat buffer names a range: each group is cut in module order (the order
+    ``model.parameters()`` hands the params over), then every range is proven by value -- rounded to 16 bits it must
+    equal its own param's copy and no other equally shaped one's (:func:`.stage0._bind`). Several dense groups
+    (nothing says which dense params each holds) are refused; not one range agreeing means the order does not hold:
+    refused too."""
+    flats = optimizer["fp32_groups_flat"]
+    inner = optimizer.get("optimizer_state_dict") or {}
+    groups = inner.get("param_groups") or []
+    is_expert = [isinstance(pg, Mapping) and pg.get("moe") is True for pg in groups]
+    if len(groups) != len(flats) or is_expert not in ([False], [False, True]):
+        raise UnsupportedCheckpointError(
+            f"{path}: {len(flats)} fp32_groups_flat for param groups with 'moe' flags {is_expert}; only one dense "
+            "group followed by one expert group (as split_params_into_different_moe_groups_for_optimizer builds "
+            "them from one group) can be bound: the flat masters do not say which dense params each group holds")
+    entries: dict[str, TensorEntry] = {}
+    ambiguities: list[Any] = []
+    for g, names in enumerate((dense, local_names)[:len(flats)]):
+        bound, amb = _flat_group_in_module_order(path, g, flats[g], names, view, inner)
+        entries.update(bound)
+        ambiguities += amb
+    return entries, ambiguities
+
+
+def _flat_group_in_module_order(path: Path, g: int, flat: Any, names: list[str], view: Mapping[str, Any],
+                                inner: Mapping[str, Any]) -> tuple[dict[str, TensorEntry], list[Any]]:
+    """Group ``g``'s flat master ``flat`` cut into ``names`` in order, each range proven by value
+    (:func:`_fused_moe`)."""
+    from ..binding import Slot
+    from .stage0 import _bind, _lowp_dtype, _value_candidates, moment_pieces
+    from .values import fingerprint_16bit, fingerprint_rounded
+
+    if not isinstance(flat, TensorRef) or flat.dtype_name != "float32":
+        raise CorruptCheckpointError(f"{path}: fp32_groups_flat[{g}] is not an fp32 tensor")
+    shapes = [tuple(view[n].shape) for n in names]
+    offsets, total = [], 0
+    for n in names:
+        offsets.append(total)
+        total += view[n].numel
+    if total != flat.numel:
+        raise CorruptCheckpointError(
+            f"{path}: fp32_groups_flat[{g}] has {flat.numel} elements, its {len(names)} params {total}; the file does "
+            "not belong to these model and expert files")
+    lowp = _lowp_dtype(view, names)
+    slots = [Slot(g, i, shape, f"optimizer.fp32_groups_flat[{g}][{off}:{off + view[n].numel}]")
+             for i, (n, shape, off) in enumerate(zip(names, shapes, offsets))]
+    prints = [fingerprint_rounded(flat, lowp, off, view[n].numel) if lowp else None for n, off in zip(names, offsets)]
+    value_cands = _value_candidates(prints, [fingerprint_16bit(view[n]) for n in names])
+    if value_cands is None or (names and not any(value_cands)):
+        raise CorruptCheckpointError(
+            f"{path}: no range of fp32_groups_flat[{g}], cut in module order, rounds to its param's 16-bit copy; the "
+            "params were handed to the optimizer in another order or the files are damaged, so nothing is bound "
+            "rather than guessed")
+    proof = _bind(slots, shapes, value_cands, [(n,) for n in names], what=f"fp32 master (fp32_groups_flat[{g}])",
+                  exact=[p.exact if p is not None else False for p in prints])
+    params = inner["param_groups"][g].get("params")
+    k = params[0] if isinstance(params, list) and len(params) == 1 else None
+    state = (inner.get("state") or {}).get(k) if k is not None else None
+    entries = {}
+    for i, j in proof.param_of.items():
+        name, off, numel = names[j], offsets[i], view[names[j]].numel
+        master = Piece(Role.MASTER, "float32", (Fragment(path, ("optimizer", "fp32_groups_flat", g), off, numel, 0),))
+        moments = moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k), state, off, numel,
+                                 flat.numel) if k is not None else []
+        entries[name] = TensorEntry(name, shapes[j], Kind.PARAM, True, (master, *moments), group=g)
+    return entries, [proof.ambiguity] if proof.ambiguity is not None else []

@@ -35,11 +35,13 @@ from .common import (
     is_floating,
     merge_stage_groups,
     metadata_from_model_states,
+    optimizer_groups,
     optimizer_type,
     precision_of,
     step_of,
     whole,
 )
+from .stage0 import moment_pieces, state_shape
 from .zero12 import zero12_optimizer_groups, zero12_param_entries
 
 __all__ = ["read_pipeline", "read_stages", "tp_rank_files"]
@@ -129,10 +131,11 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
 
     optim = files.dp_mp_to_optim_states
     world = meta0.dp_world_size or max(files.optim_dp_world_size, 1)
+    named0: dict[int, Mapping[str, Any]] = {}  # stage -> its torch optimizer state dict (fp32, no ZeRO)
     if optim:
         expect_dp_ranks(files, "optimizer-state", optim, world)
     else:
-        _refuse_unnamed_optimizer_state(files, cache, stages)
+        named0 = _named_stage0_optimizers(files, cache, stages)
     # BF16_Optimizer without ZeRO (bf16 pipeline at stage 0) saves param_shapes None: its optimizer files name the
     # params of each partition (param_slice_mappings), which give the flat order; the layer files give the shapes
     flat_names = {s: _slice_mapping_order([optim[(d, s)] for d in range(world)], cache) for s in stages
@@ -183,6 +186,16 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
             # each stage's own optimizer: its groups hold the stage's params (param_shapes of its model states)
             stage_groups.append(zero12_optimizer_groups(
                 base, shapes_of[s], meta0.ds_config, world, keeps_padding))
+    for s in named0:  # fp32 without ZeRO, param_shapes naming each stage's torch optimizer params
+        stage_entries = _stage0_param_entries(files.mp_to_model_states[s], named0[s], shapes_of[s], layer_tensors)
+        for name, entry in stage_entries.items():  # a tied module's later stages: replicas, as above
+            entries[name] = entry if name not in entries else _with_stage_copy(entries[name], entry)
+        wrapper = "torch optimizer"
+        step = step if step is not None else step_of(named0[s].get("state"))
+        state = named0[s].get("state") or {}
+        groups_of = named0[s].get("param_groups") or []
+        stage_groups.append(optimizer_groups(groups_of, [list(g) for g in shapes_of[s]], [
+            next((state[k] for k in pg.get("params") or [] if k in state), None) for pg in groups_of]))
     for name in order:
         if name in entries:
             continue
@@ -191,8 +204,9 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         if name in buffer_names:
             entries[name] = TensorEntry(name, ref.shape, Kind.BUFFER, False, (piece,))
         else:
-            # Without optimizer files (fp32, stage 0) the module weights are the master.
-            entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, not optim, (piece,))
+            # Without optimizer state (fp32, stage 0) the module weights are the master; where param_shapes name
+            # the optimizer's params, one it does not name is frozen (as with ZeRO)
+            entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, not optim and not named0, (piece,))
     sample = next((r.dtype_name for _, _, r in layer_tensors.values() if is_floating(r.dtype_name)), None)
     ordered = [entries[n] for n in order if n in entries] + [e for n, e in entries.items() if n not in layer_tensors]
     record = dataclasses.replace(_record(files, cache, stages, layer_tensors, entries, buffer_names, shapes_of),
@@ -256,23 +270,72 @@ def _with_stage_copy(first: TensorEntry, later: TensorEntry) -> TensorEntry:
     return dataclasses.replace(first, pieces=first.pieces + extra) if extra else first
 
 
-def _refuse_unnamed_optimizer_state(files: CheckpointFiles, cache: FileCache, stages: list[int]) -> None:
-    """An fp32 pipeline run without ZeRO keeps each stage's torch optimizer ``state_dict()`` in its
-    ``mp_rank_XX_model_states.pt`` (DeepSpeed 0.19.8, seen): params by index only, ``param_shapes`` None, and the
+def _named_stage0_optimizers(files: CheckpointFiles, cache: FileCache,
+                             stages: list[int]) -> dict[int, Mapping[str, Any]]:
+    """Per stage, the torch optimizer ``state_dict()`` an fp32 pipeline run without ZeRO keeps in its
+    ``mp_rank_XX_model_states.pt``, where every stage's ``param_shapes`` names its params (dsckpt's stage-0 pipeline
+    files, ``ds_writers.stage0.PIPELINE_NOTE``); ``{}`` where no stage holds optimizer state.
+
+    DeepSpeed 0.19.8's own save (seen) names them nowhere: params by index only, ``param_shapes`` None, and the
     layer files save a ``TiedLayerSpec`` module under its layer index without its key. Which param each state
     belongs to, which params are frozen, which stages hold a tied module and the ``tied_modules.<key>`` names are
-    stated nowhere; rather than bind them by shape (a guess), the checkpoint is refused."""
-    held = [s for s in stages if isinstance(opt := cache.tree(files.mp_to_model_states[s]).get("optimizer"), Mapping)
+    stated nowhere; rather than bind them by shape (a guess), such a checkpoint is refused."""
+    trees = {s: cache.tree(files.mp_to_model_states[s]) for s in stages}
+    held = [s for s in stages if isinstance(opt := trees[s].get("optimizer"), Mapping)
             and (opt.get("state") or opt.get("param_groups"))]
-    if held:
-        raise UnsupportedCheckpointError(
-            f"'{files.tag_dir}' is a pipeline run without ZeRO whose optimizer state (stage(s) {held}) sits in "
-            "mp_rank_XX_model_states.pt as a torch state_dict that names its params by index only, and whose layer "
-            "files save tied modules (TiedLayerSpec) under their layer index without their key: which param each "
-            "state belongs to, which params are frozen and the tied_modules.<key> names are stated nowhere, and "
-            "dsckpt does not guess them. DeepSpeed 0.19.8 loads such a save unchanged at another data-parallel size "
-            "(its stage-0 state is not partitioned); dsckpt reads and reshards pipeline runs saved with ZeRO-1 or "
-            "BF16_Optimizer")
+    if not held:
+        return {}
+    if held == stages and all(isinstance(trees[s].get("param_shapes"), list) for s in stages):
+        return {s: trees[s]["optimizer"] for s in stages}
+    raise UnsupportedCheckpointError(
+        f"'{files.tag_dir}' is a pipeline run without ZeRO whose optimizer state (stage(s) {held}) sits in "
+        "mp_rank_XX_model_states.pt as a torch state_dict that names its params by index only, and whose layer "
+        "files save tied modules (TiedLayerSpec) under their layer index without their key: which param each "
+        "state belongs to, which params are frozen and the tied_modules.<key> names are stated nowhere, and "
+        "dsckpt does not guess them. DeepSpeed 0.19.8 loads such a save unchanged at another data-parallel size "
+        "(its stage-0 state is not partitioned); dsckpt reads and reshards pipeline runs saved with ZeRO-1 or "
+        "BF16_Optimizer, and the stage-0 files it writes from them (whose param_shapes name the params)")
+
+
+def _stage0_param_entries(path: Path, optimizer: Mapping[str, Any], param_shapes: Any,
+                          layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]]) -> dict[str, TensorEntry]:
+    """One stage's trainable params of an fp32 pipeline without ZeRO whose ``param_shapes`` name its torch optimizer's
+    params (group ``g``'s ``params`` indices in the order of ``param_shapes[g]``): the module copy from the layer
+    files (the master), the per-element states from ``optimizer.state[k]``. Bound by the names, proven by shape: each
+    named param's layer tensor and every per-element state must have the shape ``param_shapes`` records."""
+    groups = optimizer.get("param_groups")
+    if not isinstance(param_shapes, list) or not isinstance(groups, list) or len(groups) != len(param_shapes):
+        raise CorruptCheckpointError(
+            f"{path}: param_shapes names {len(param_shapes) if isinstance(param_shapes, list) else 'no'} optimizer "
+            f"groups and the optimizer holds {len(groups) if isinstance(groups, list) else 'no'}; the file is damaged")
+    state = optimizer.get("state") or {}
+    entries: dict[str, TensorEntry] = {}
+    for g, (pg, shapes) in enumerate(zip(groups, param_shapes)):
+        indices = pg.get("params") if isinstance(pg, Mapping) else None
+        if not isinstance(shapes, Mapping) or not isinstance(indices, list) or len(indices) != len(shapes):
+            raise CorruptCheckpointError(
+                f"{path}: optimizer group {g} holds {len(indices) if isinstance(indices, list) else 'no'} params and "
+                f"param_shapes[{g}] names {len(shapes) if isinstance(shapes, Mapping) else 'none'}; the file is "
+                "damaged")
+        for k, (name, shape) in zip(indices, shapes.items()):
+            where = layer_tensors.get(str(name))
+            st = state.get(k) if isinstance(state, Mapping) else None
+            have = state_shape(st)
+            if where is None or tuple(where[2].shape) != tuple(shape) or (have is not None and have != tuple(shape)):
+                got = f"a {list(where[2].shape)} tensor" if where is not None else "no tensor"
+                raise CorruptCheckpointError(
+                    f"{path}: param_shapes[{g}] names '{name}' {list(shape)} (optimizer.state[{k}]"
+                    f"{f' {list(have)}' if have is not None else ''}), and the layer files hold {got} of that name; "
+                    "the files come from different runs or are damaged")
+            lpath, key, ref = where
+            if ref.dtype_name != "float32":
+                raise UnsupportedCheckpointError(f"{lpath}: '{name}' is {ref.dtype_name}; a pipeline run without ZeRO "
+                                                 "keeps a torch optimizer (module weights as the master) at fp32 only")
+            module = Piece(Role.MODULE, ref.dtype_name, whole(lpath, key, ref))
+            entries[str(name)] = TensorEntry(str(name), ref.shape, Kind.PARAM, True,
+                                             (*moment_pieces(path, ("optimizer", "state", k), st, 0, ref.numel),
+                                              module), group=g)
+    return entries
 
 
 def _slice_mapping_order(optim_files: list[Path], cache: FileCache) -> list[list[tuple[str, int]]]:

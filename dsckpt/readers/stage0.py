@@ -43,7 +43,7 @@ from .common import (
 )
 from .values import Fingerprint, fingerprint_16bit, fingerprint_rounded, whole_storage
 
-__all__ = ["module_params_and_aliases", "read_stage0"]
+__all__ = ["module_params_and_aliases", "moment_pieces", "read_stage0", "state_shape"]
 
 
 def module_params_and_aliases(module: Mapping[str, Any], buffer_names: set[str]) -> tuple[list[str], dict[str, str]]:
@@ -63,8 +63,8 @@ def module_params_and_aliases(module: Mapping[str, Any], buffer_names: set[str])
     return unique, aliases
 
 
-def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int,
-                   owner_numel: int | None = None) -> list[Piece]:
+def moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offset: int, numel: int,
+                  owner_numel: int | None = None) -> list[Piece]:
     """The optimizer states of a param: every key of its optimizer ``state`` whose tensor has one value per element
     of the tensor the state belongs to (``owner_numel`` elements: the flat master of a fused group, else the param
     itself), elements ``[src_offset, src_offset + numel)`` of it."""
@@ -79,7 +79,7 @@ def _moment_pieces(path: Path, state_key: tuple[Any, ...], state: Any, src_offse
     return pieces
 
 
-def _state_shape(st: Any) -> tuple[int, ...] | None:
+def state_shape(st: Any) -> tuple[int, ...] | None:
     """The shape of a param's optimizer state (its first tensor that is not 0-d, as ``step`` is): what binds it."""
     if not isinstance(st, Mapping):
         return None
@@ -256,8 +256,8 @@ def _fused(path: Path, module: Mapping[str, Any], unique: list[str],
             master = Piece(Role.MASTER, "float32",
                            (Fragment(path, ("optimizer", "fp32_groups_flat", group), off, ref.numel, 0),))
             k = state_index[group]
-            moments = _moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
-                                     inner_state.get(k), off, ref.numel, flats[group].numel) if k is not None else []
+            moments = moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
+                                    inner_state.get(k), off, ref.numel, flats[group].numel) if k is not None else []
             entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, True, (master, *moments, *pieces), group=group)
     return entries, [amb] if amb is not None else []
 
@@ -313,8 +313,8 @@ def _unfused(path: Path, module: Mapping[str, Any], unique: list[str],
                                (Fragment(path, ("optimizer", "fp32_groups", g, i), 0, master.numel, 0),)))
         # The inner optimizer holds the masters themselves: its state index k counts them across groups.
         if k in inner_state:
-            pieces[1:1] = _moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
-                                         inner_state[k], 0, ref.numel)
+            pieces[1:1] = moment_pieces(path, ("optimizer", "optimizer_state_dict", "state", k),
+                                        inner_state[k], 0, ref.numel)
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, True, tuple(pieces), group=g)
     return entries, [amb] if amb is not None else []
 
@@ -330,7 +330,7 @@ def _plain(path: Path, module: Mapping[str, Any], unique: list[str],
     for g, group in enumerate((optimizer or {}).get("param_groups") or []):
         for i, idx in enumerate(group.get("params", [])):
             st = state.get(idx)
-            shape = _state_shape(st)
+            shape = state_shape(st)
             slots.append(Slot(g, i, shape, f"optimizer.state[{idx}]"))
             keys.append(idx)
     shapes = [tuple(module[n].shape) for n in unique]
@@ -352,7 +352,7 @@ def _plain(path: Path, module: Mapping[str, Any], unique: list[str],
             st = state.get(keys[k])
             trainable = st is not None or not state
             group = slots[k].group if trainable else None
-            moments = _moment_pieces(path, ("optimizer", "state", keys[k]), st, 0, ref.numel)
+            moments = moment_pieces(path, ("optimizer", "state", keys[k]), st, 0, ref.numel)
         ambiguous = k is None and amb is not None and name in amb.names
         entries[name] = TensorEntry(name, ref.shape, Kind.PARAM, trainable and not ambiguous,
                                     (module_piece(path, name, ref), *moments), group=group, ambiguous=ambiguous)

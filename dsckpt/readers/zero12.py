@@ -171,6 +171,7 @@ class ExpertGroups:
     param_groups: list[Any]
     partition_count: list[Any]
     parts: GroupPartitions
+    bf16_optimizer: bool = False  # BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation): padding kept
 
     @property
     def optimizer_step(self) -> int | None:
@@ -179,14 +180,16 @@ class ExpertGroups:
 
 
 def read_expert_groups(optim_files: list[Path], cache: FileCache, ms: Mapping[str, Any], ms_path: Path,
-                       tag_dir: Path, *, what: str) -> ExpertGroups:
-    """Open and cross-check the ZeRO-1/2 groups of a ``what`` ("Mixture-of-Experts", "AutoEP") save. Refuses
-    ``BF16_Optimizer`` files (no ``zero_stage``), whose expert groups are not read."""
+                       tag_dir: Path, *, what: str, bf16_optimizer_ok: bool = False) -> ExpertGroups:
+    """Open and cross-check the ZeRO-1/2 groups of a ``what`` ("Mixture-of-Experts", "AutoEP") save.
+    ``BF16_Optimizer`` files (no ``zero_stage``; the ZeRO-1 layout with each partition's padding kept) are read where
+    ``bf16_optimizer_ok``, else refused."""
     osd0 = cache.tree(optim_files[0]).get(OSD)
     if not isinstance(osd0, Mapping) or "single_partition_of_fp32_groups" not in osd0:
         raise CorruptCheckpointError(f"{optim_files[0]}: no 'single_partition_of_fp32_groups'; not a ZeRO-1/2 file")
     zs = osd0.get("zero_stage")
-    if not isinstance(zs, DeepSpeedEnum):
+    bf16_optimizer = zs is None and bf16_optimizer_ok
+    if not isinstance(zs, DeepSpeedEnum) and not bf16_optimizer:
         raise UnsupportedCheckpointError(
             f"'{tag_dir}': {what} with BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation) is not "
             "supported yet; only DeepSpeed's ZeRO-1/2 optimizer can be read")
@@ -196,14 +199,15 @@ def read_expert_groups(optim_files: list[Path], cache: FileCache, ms: Mapping[st
         raise CorruptCheckpointError(f"{ms_path}: no 'param_shapes' or no optimizer state; not a ZeRO-1/2 {what} save")
     param_groups = base.get("param_groups") or []
     counts = osd0.get("partition_count")
-    parts = group_partitions(optim_files, cache, keeps_padding=False)
+    parts = group_partitions(optim_files, cache, keeps_padding=bf16_optimizer)
     n_groups = len(parts.partition_numel)
     if len(param_shapes) != n_groups or len(param_groups) != n_groups or not isinstance(counts, list) \
             or len(counts) != n_groups:
         raise CorruptCheckpointError(
             f"'{tag_dir}': {len(param_shapes)} groups in 'param_shapes', {n_groups} fp32 groups, "
             f"{len(param_groups)} optimizer param groups and partition_count {counts}; the files disagree")
-    return ExpertGroups(osd0, int(zs.value), param_shapes, list(param_groups), counts, parts)
+    stage = int(zs.value) if isinstance(zs, DeepSpeedEnum) else 1
+    return ExpertGroups(osd0, stage, param_shapes, list(param_groups), counts, parts, bf16_optimizer)
 
 
 def zero12_param_entries(
