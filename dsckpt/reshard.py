@@ -559,11 +559,18 @@ def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool =
 
 def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = None) -> UniversalPlan:
     """Plan DeepSpeed's universal folder for ``ckpt`` (:mod:`dsckpt.ds_writers.universal`). Pure.
-    ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran."""
+    ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran, and for a stage-0
+    source (which ``ds_to_universal`` does not read) to plan the ZeRO-1 files of the same size whose universal folder
+    is written (:func:`dsckpt.ds_writers.universal.plan_universal`)."""
     from .ds_writers.universal import plan_universal
 
-    return plan_universal(ckpt, source_stage=source_layout_stage(ckpt), optimizer_files=source_optim_files(ckpt),
-                          model_files=source_model_files(ckpt))
+    stage = source_layout_stage(ckpt)
+    zero_layout = None
+    if ckpt.zero_stage == 0 and ckpt.moe is None and not ckpt.layout.startswith("universal"):
+        world = ckpt.dp_world_size * max(1, ckpt.tp_world_size) * max(1, ckpt.pp_world_size)
+        zero_layout = plan_reshard(ckpt, world, zero_stage=1, facts=facts, hf_files=False)
+    return plan_universal(ckpt, source_stage=stage, optimizer_files=source_optim_files(ckpt),
+                          model_files=source_model_files(ckpt), zero_layout=zero_layout)
 
 
 def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,
@@ -612,12 +619,13 @@ def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) 
     src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
     new_cache = FileCache()
     new = read_checkpoint(tmp, cache=new_cache)
+    stage = 1 if plan.zero_layout is not None else src.zero_stage  # a stage-0 source: written from its ZeRO-1 files
     if (new.layout, new.dp_world_size, new.optimizer_step, new.global_steps) != (
-            f"universal from zero{src.zero_stage}", src.dp_world_size, src.optimizer_step, src.global_steps):
+            f"universal from zero{stage}", src.dp_world_size, src.optimizer_step, src.global_steps):
         raise CorruptCheckpointError(
             f"verification failed: the written folder reads as {new.layout} ({new.dp_world_size} "
             f"ranks, optimizer step {new.optimizer_step}, global step {new.global_steps}), expected "
-            f"universal from zero{src.zero_stage} ({src.dp_world_size}, {src.optimizer_step}, "
+            f"universal from zero{stage} ({src.dp_world_size}, {src.optimizer_step}, "
             f"{src.global_steps}); nothing was written. This is a dsckpt bug: please report it")
     if src.pipeline is not None:  # ds_to_universal keeps a pipeline run's trainable params only (no layer files)
         import dataclasses

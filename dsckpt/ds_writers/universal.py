@@ -123,6 +123,11 @@ class UniversalPlan:
     optimizer_source: Path  # source rank 0's optimizer file
     notes: tuple[str, ...] = field(default_factory=tuple)
     autoep: bool = False  # an AutoEP source: record and partition counts as ds_to_universal rewrites them
+    # A stage-0 source: the ZeRO-1 files dsckpt writes from it at its own size (never on disk), whose model states
+    # and rank 0's optimizer dict the folder holds, as ds_to_universal would from those files; ``zero_source`` is the
+    # stage-0 checkpoint as read, which the trees are built from (build_jobs).
+    zero_layout: Any = None  # a ds_writers.plan.LayoutPlan
+    zero_source: LogicalCheckpoint | None = None
 
     @property
     def zero3(self) -> bool:
@@ -142,17 +147,30 @@ class UniversalPlan:
                          + ", ".join(f"{c.file.name}[{c.src_offset}:{c.src_offset + c.numel})" for c in f.spec.copies))
         lines += [f"  {f.path}: Adam step from {f.file.name}" for f in self.step_files]
         lines += [f"  {f.path}: {f.dtype} module copy as float32" for f in self.cast_files]
-        lines.append(f"  {UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}: from {self.optimizer_source.name}")
-        lines += [f"  copy {p.name}" for p in self.model_files]
+        if self.zero_layout is not None:
+            lines.append(f"  {UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}: from {self.optimizer_source.name}'s "
+                         "optimizer, as ZeRO-1 files hold it")
+            lines += [f"  {p.name} as ZeRO-1 writes it (param_shapes, no optimizer)" for p in self.model_files]
+        else:
+            lines.append(f"  {UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}: from {self.optimizer_source.name}")
+            lines += [f"  copy {p.name}" for p in self.model_files]
         return lines
 
 
 def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_files: tuple[Path, ...],
-                   model_files: tuple[Path, ...]) -> UniversalPlan:
+                   model_files: tuple[Path, ...], zero_layout: Any = None) -> UniversalPlan:
     """Plan the universal folder of ``ckpt``, a ZeRO-1/2/3 (or ``BF16_Optimizer``) checkpoint whose
-    files use ``source_stage``'s layout. Pure: no file is opened. ``optimizer_files`` in rank order."""
+    files use ``source_stage``'s layout. Pure: no file is opened. ``optimizer_files`` in rank order.
+
+    A stage-0 source (``ckpt.zero_stage`` 0; ds_to_universal reads none) is written as the universal folder of the
+    ZeRO-1 files ``zero_layout`` plans from it at its own size (:func:`dsckpt.reshard.plan_universal_reshard`): its
+    trainable params' fp32 masters (the module weights at fp32), optimizer states and steps come from the stage-0
+    files (:func:`~.stage0.stage0_as_zero_source`), ``zero/optimizer_state.pt`` and the model states from the
+    ZeRO-1 trees; ``model_files`` are the stage-0 model-states files they replace. A bf16 pipeline without ZeRO
+    (``BF16_Optimizer`` files, model states with ``param_shapes`` None) goes the same way."""
     problems = []
-    if source_stage not in (1, 2, 3):
+    stage0 = ckpt.zero_stage == 0 and zero_layout is not None
+    if source_stage not in (1, 2, 3) and not stage0:
         problems.append(f"ZeRO stage {source_stage} (ds_to_universal converts ZeRO-1/2/3 optimizer files)")
     if ckpt.moe is not None:
         problems.append("Mixture-of-Experts layers")
@@ -163,7 +181,9 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.tp_world_size > 1 and tp is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
-    if pipeline and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == "torch optimizer":
+    if pipeline and ckpt.zero_stage == 0 and stage0:
+        pass  # written from its ZeRO-1 files (zero_layout), whose model states name each stage's params
+    elif pipeline and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == "torch optimizer":
         problems.append("an fp32 pipeline run without ZeRO (dsckpt's stage-0 files); reshard it with --zero-stage 1 "
                         "first and convert that")
     elif pipeline and ckpt.zero_stage == 0:
@@ -180,11 +200,17 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
         problems.append("Muon param groups, whose ZeRO-1/2 momentum holds whole params and which ds_to_universal "
                         "does not convert")
-    if not optimizer_files:
+    if not optimizer_files and not stage0:
         problems.append("no ZeRO optimizer files")
     if problems:
         raise UnsupportedCheckpointError(
             f"cannot write a universal checkpoint of '{ckpt.tag_dir}': found " + "; ".join(problems))
+    zero_source = None
+    if stage0:
+        from .stage0 import stage0_as_zero_source
+
+        zero_source = ckpt  # as read: what build_jobs takes with zero_layout, as reshard's own writes do
+        ckpt, _ = stage0_as_zero_source(ckpt)  # fp32: the module weights as the master
     zero3 = source_stage == 3
     states: list[StateFile] = []
     steps: list[StepFile] = []
@@ -238,12 +264,17 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
              + (" and zero/<name>/fp32.pt" if not zero3 else "") + ")",
              "load with \"checkpoint\": {\"load_universal\": true} under ZeRO stage "
              + ("3" if zero3 else "1 or 2") + ", on any data-parallel size"]
+    if stage0:
+        notes.append("a ZeRO stage 0 save, which ds_to_universal does not read: written as the universal folder of "
+                     "the ZeRO-1 files of the same run (reshard --zero-stage 1), from the same masters, optimizer "
+                     "states and steps")
     return UniversalPlan(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, out_tag=f"{ckpt.tag}_universal",
         source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, state_files=tuple(states), step_files=tuple(steps),
         cast_files=tuple(casts), model_files=tuple(sorted(model_files, key=rank_of)),
-        optimizer_source=min(optimizer_files, key=rank_of), notes=tuple(notes), autoep=ckpt.autoep is not None)
+        optimizer_source=min(optimizer_files or model_files, key=rank_of), notes=tuple(notes),
+        autoep=ckpt.autoep is not None, zero_layout=zero_layout if stage0 else None, zero_source=zero_source)
 
 
 def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | None:
@@ -278,6 +309,12 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
     from ..writers.torch_stream import CastTensor
     from .common import own_copy, streamed
 
+    zero_trees: dict[str, Any] = {}
+    if plan.zero_layout is not None:  # a stage-0 source: its ZeRO-1 files' trees (their partitions never read)
+        from . import build_jobs
+
+        assert plan.zero_source is not None
+        zero_trees = {p.name: t for p, t in build_jobs(plan.zero_layout, plan.zero_source, Path(), cache)}
     for f in plan.state_files:
         t = streamed(f.spec, cache, shape=f.shape)
         if f.expert_keys:
@@ -297,13 +334,21 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
         yield s.path, own_copy(step)
     for c in plan.cast_files:
         yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}
-    opt = optimizer_state_tree(plan, cache.tree(plan.optimizer_source))
+    opt = optimizer_state_tree(plan, zero_trees[_rank0_optim_file(plan.zero_layout)] if zero_trees
+                               else cache.tree(plan.optimizer_source))
     if plan.autoep and not plan.zero3:  # ZeroCheckpoint._update_partition_count: every group at the source's DP size
         opt["partition_count"] = [plan.source_world_size] * len(opt.get("partition_count") or [])
     yield f"{UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}", opt
     for p in plan.model_files:
-        tree = dict(cache.tree(p))
+        tree = dict(zero_trees[p.name] if zero_trees else cache.tree(p))
         yield p.name, (_autoep_model_states(tree, plan.zero3) if plan.autoep else tree)
+
+
+def _rank0_optim_file(layout: Any) -> str:
+    """The name of (model-parallel rank 0's) data-parallel rank 0's optimizer file in a ZeRO-1/2 ``LayoutPlan``."""
+    part = layout.mp_ranks[0] if layout.mp_ranks else layout
+    name: str = part.ranks[0].optim_file
+    return name
 
 
 # deepspeed/checkpoint/deepspeed_checkpoint.py AUTOEP_METADATA_FIELDS: what ds_to_universal keeps of a ZeRO-1/2 record
