@@ -566,7 +566,9 @@ def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = 
 
     stage = source_layout_stage(ckpt)
     zero_layout = None
-    if ckpt.zero_stage == 0 and ckpt.moe is None and not ckpt.layout.startswith("universal"):
+    # without ZeRO optimizer files, or (a bf16 pipeline's BF16_Optimizer files) without param_shapes in the model
+    # states; DeepSpeed 0.10-0.16's stage-0 bf16 BF16_Optimizer saves have both and convert as they are
+    if (stage == 0 or (ckpt.zero_stage == 0 and ckpt.pipeline is not None)) and not ckpt.layout.startswith("universal"):
         world = ckpt.dp_world_size * max(1, ckpt.tp_world_size) * max(1, ckpt.pp_world_size)
         zero_layout = plan_reshard(ckpt, world, zero_stage=1, facts=facts, hf_files=False)
     return plan_universal(ckpt, source_stage=stage, optimizer_files=source_optim_files(ckpt),

@@ -22,8 +22,8 @@ def test_record_covers_every_tp_pipeline_and_autoep_fixture():
     rec = record()
     assert rec["deepspeed"] == "0.19.8"
     assert sorted(rec["fixtures"]) == recorder().fixtures()
-    # ds_to_universal converts ZeRO optimizer files: the AutoTP stage-0 fixtures have none (nor does dsckpt's
-    # reshard --universal take a stage-0 source)
+    # ds_to_universal converts ZeRO optimizer files: the AutoTP stage-0 fixtures have none (dsckpt's reshard
+    # --universal writes them as the folder of their ZeRO-1 files: test_universal.py test_stage0_source_*)
     assert {fx: r["error"][-1].split(" in directory")[0] for fx, r in rec["fixtures"].items() if r["rc"] != 0} == {
         fx: "FileNotFoundError: can't find *_optim_states.pt files" for fx in rec["fixtures"]
         if fx.startswith("autotp/autotp_z0_")}

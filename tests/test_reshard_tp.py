@@ -264,7 +264,8 @@ def test_cli_tp_kept(tmp_path):
     assert r.exit_code == 2 and "not a multiple of the tensor-parallel size 2" in r.stderr
 
 
-# ds_to_universal (and reshard --universal) take ZeRO optimizer files: stage-0 sources have none
+# ds_to_universal takes ZeRO optimizer files: stage-0 sources have none (reshard --universal writes them as the folder
+# of their ZeRO-1 files, tests/test_universal.py test_stage0_source_*)
 WITH_ZERO = [fx for fx in RESHARDABLE if meta(fx)["stage"] != 0]
 
 

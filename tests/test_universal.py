@@ -198,13 +198,13 @@ def test_cli_error_is_one_line(tmp_path):
 
 # --- writing ---------------------------------------------------------------------------------------
 
-def write_universal(src: Path, out: Path, verify: str = "full"):
+def write_universal(src: Path, out: Path, verify: str = "full", fsync: bool = True):
     from dsckpt.reshard import plan_universal_reshard, read_source_facts, run_universal
 
     cache = FileCache()
     ckpt = read_checkpoint(src, cache=cache)
     plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache))
-    return plan, run_universal(plan, out, cache=cache, verify=verify)
+    return plan, run_universal(plan, out, cache=cache, verify=verify, fsync=fsync)
 
 
 def _same(a, b, where):
@@ -285,15 +285,78 @@ def test_cli_reshard_universal_no_fsync_writes_the_same_files_without_fsync(tmp_
 
 
 @pytest.mark.parametrize("fixture, why", [
-    ("s0_fp32_w1", "found ZeRO stage 0"),
-    ("pp2_dp2_bf16_z0", "a pipeline run without ZeRO, whose model states save param_shapes None"),
     ("moe_s2_bf16_w2_ep2", "Mixture-of-Experts"),
+    ("moe_s0_fp32_w2_ep2", "Mixture-of-Experts"),
 ])
 def test_universal_refusals(fixture, why, tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(FIXTURES / fixture / "ckpt"), str(tmp_path / "u"), "--universal"])
     assert r.exit_code == 3, r.output
     assert why in r.stderr and r.stderr.count("\n") == 1
     assert not (tmp_path / "u").exists()
+
+
+# Stage-0 sources (ds_to_universal reads none): dense fp32 (the module is the master) and bf16
+# (FP16_UnfusedOptimizer, 0.19.8 and the ds0189 set), AutoTP at fp32 and bf16, a bf16 pipeline (BF16_Optimizer files,
+# model states without param_shapes)
+STAGE0_SOURCES = ["s0_fp32_w1", "s0_bf16_w2", "ds0189_s0_bf16_w2", "autotp/autotp_z0_fp32_tp2_dp2",
+                  "autotp/autotp_z0_bf16_tp2_dp1_kv6", "pp2_dp2_bf16_z0"]
+
+
+@pytest.mark.parametrize("name", STAGE0_SOURCES, ids=lambda n: n.split("/")[-1])
+def test_stage0_source_universal_holds_the_recorded_truth(name, tmp_path):
+    """--universal of a stage-0 save: every trainable param's zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt is the
+    recorded fp32 master and Adam moments (full, TP slices merged), its step.pt the recorded step; the folder read
+    back by dsckpt gives the same masters, moments, step and global steps, as a ZeRO-1 universal folder."""
+    from dsckpt.assemble import read_entry
+    from dsckpt.model import Role
+
+    fx = FIXTURES / name
+    meta = json.loads((fx / "truth.json").read_text())
+    truth = load_file(str(fx / "truth.safetensors"))
+    step = (meta.get("optimizer_step") or meta.get("adam_step"))[0]
+    plan, result = write_universal(fx / "ckpt", tmp_path / "out", verify="quick", fsync=False)
+    assert plan.zero_layout is not None and result.verified_tensors > 0
+    zero = tmp_path / "out" / f"{meta['tag']}_universal" / "zero"
+    trained = sorted(n for k in truth if k.startswith("exp_avg/")  # a tied alias's state is its source's
+                     for n in (k.split("/", 1)[1],) if n not in meta.get("tied", {}))
+    assert sorted(p.parent.name for p in zero.glob("*/exp_avg.pt")) == trained
+    for n in trained:
+        for key, fname in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            got = torch.load(zero / n / f"{fname}.pt", weights_only=False)["param"]
+            assert got.dtype == torch.float32 and torch.equal(got, truth[f"{key}/{n}"].float()), (n, key)
+        assert torch.load(zero / n / "step.pt", weights_only=False).item() == step, n
+    cache = FileCache()
+    back = read_checkpoint(tmp_path / "out", cache=cache)
+    assert (back.layout, back.optimizer_step, back.global_steps) == ("universal from zero1", step, meta["global_steps"])
+    by_name = {e.name: e for e in back.entries}
+    for n in trained:
+        e = by_name[n]
+        assert torch.equal(read_entry(e, cache, role=Role.MASTER), truth[f"param/{n}"].float()), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(read_entry(e, cache, state=key), truth[f"{key}/{n}"].float()), (n, key)
+
+
+@pytest.mark.parametrize("name, world", [("s0_bf16_w2", 2), ("autotp/autotp_z0_fp32_tp2_dp2", 4)],
+                         ids=["s0_bf16_w2", "autotp_z0_fp32_tp2_dp2"])
+def test_stage0_source_universal_is_that_of_its_zero1_files(name, world, tmp_path):
+    """A stage-0 save's universal folder is, file for file and value for value, the one written from its ZeRO-1
+    files (reshard --zero-stage 1 at the same size), whose folders equal ds_to_universal's
+    (test_written_folder_equals_ds_to_universal): zero/optimizer_state.pt holds the ZeRO-1 optimizer dict (loss
+    scaler, zero_stage, partition counts, param_groups) and the model states name the params (param_shapes)."""
+    src = FIXTURES / name / "ckpt"
+    write_universal(src, tmp_path / "direct", verify="none", fsync=False)
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "z1"), "-n", str(world), "--zero-stage", "1",
+                                  "-q", "--no-verify", "--no-fsync"])
+    assert r.exit_code == 0, r.output
+    write_universal(tmp_path / "z1", tmp_path / "via", verify="none", fsync=False)
+    direct, via = tmp_path / "direct", tmp_path / "via"
+    files = sorted(p.relative_to(via).as_posix() for p in via.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(direct).as_posix() for p in direct.rglob("*") if p.is_file()) == files
+    for rel in files:
+        if rel.endswith(".pt"):
+            _same(torch.load(via / rel, weights_only=False), torch.load(direct / rel, weights_only=False), [rel])
+    opt = torch.load(next(direct.glob("*/zero/optimizer_state.pt")), weights_only=False)
+    assert opt["zero_stage"] == 1 and "base_optimizer_state" not in opt and opt["param_groups"]
 
 
 def test_universal_source_to_universal_is_refused(tmp_path):
@@ -401,8 +464,10 @@ def test_plan_refuses_incomplete_fragments():
 
 # --- real DeepSpeed ---------------------------------------------------------------------------------
 
-# source fixture -> the rank count it is loaded on (each different from the source's)
-DS_UNIVERSAL_CASES = {3: ["s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s1_fp32_w2"], 2: ["s3_bf16_w3_subgroups"]}
+# the rank count -> the source fixtures loaded on it (each different from the source's); FIXTURE@STAGE: the ZeRO stage
+# of the loading engine (a stage-0 source's folder loads under ZeRO-1 or ZeRO-2)
+DS_UNIVERSAL_CASES = {3: ["s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s1_fp32_w2", "s0_bf16_w2@1"],
+                      2: ["s3_bf16_w3_subgroups", "s0_fp32_w1@2"]}
 TAMPERED = "s2_bf16_w2_2groups"  # its launch also loads a copy with fc1.weight's exp_avg and exp_avg_sq swapped
 
 
@@ -417,8 +482,8 @@ def ds_universal_runs(tmp_path_factory):
     for world, names in DS_UNIVERSAL_CASES.items():
         pairs = []
         for name in names:
-            out = base / f"{name}_universal"
-            write_universal(FIXTURES / name / "ckpt", out, verify="quick")
+            out = base / f"{name.replace('@', '_at')}_universal"
+            write_universal(FIXTURES / name.split("@")[0] / "ckpt", out, verify="quick")
             pairs.append(f"{name}={out}")
             if name == TAMPERED:  # a control the check must reject: one param's two Adam moments swapped
                 control = base / "tampered"
@@ -441,7 +506,8 @@ def ds_universal_runs(tmp_path_factory):
 def test_deepspeed_loads_universal_output(ds_universal_runs, world):
     """load_universal on another rank count: masters, Adam moments and step exact (fragment API and, at
     stage 1/2, the flat partitions), module weights, global steps; frozen params and buffers left exactly as
-    the new engine held them (DeepSpeed 0.19.8 restores neither); then one more training step."""
+    the new engine held them (DeepSpeed 0.19.8 restores neither); then one more training step. Stage-0 sources
+    (bf16 FP16_UnfusedOptimizer 2 -> 3 ranks under ZeRO-1, fp32 1 -> 2 ranks under ZeRO-2) too."""
     from ds_launch import passed_except_controls
 
     rc, results, log = ds_universal_runs[world]
