@@ -130,15 +130,17 @@ def test_cli_reshard_zero_stage_says_what_the_config_needs(tmp_path):
 
 
 def test_stage_and_universal_conversions_do_not_import_torch(tmp_path):
-    """Stage changes and --universal stream byte ranges like plain reshard (README); only a 16-bit ZeRO-3
-    source written as ZeRO-1/2 casts its masters with torch."""
+    """Stage changes and --universal (of a stage-0 save too) stream byte ranges like plain reshard (README); only a
+    16-bit ZeRO-3 source written as ZeRO-1/2 casts its masters with torch."""
     fx = {f.name: f.ckpt for f in ZERO}
+    s0 = Path(__file__).parent / "fixtures" / "s0_bf16_w2" / "ckpt"
     code = (
         "import sys\nfrom dsckpt.cli import main\n"
         "def run(*a):\n    try:\n        main(list(a))\n    except SystemExit as e:\n        assert e.code in (0, None), e.code\n"
         f"run('reshard', {str(fx['s2_bf16_w2_2groups'])!r}, {str(tmp_path / 'z3')!r}, '-n', '3', '--zero-stage', '3', '-q')\n"
         f"run('reshard', {str(fx['s3_bf16_w3_subgroups'])!r}, {str(tmp_path / 'z2')!r}, '-n', '2', '--zero-stage', '3', '-q')\n"
         f"run('reshard', {str(fx['s2_bf16_w2_2groups'])!r}, {str(tmp_path / 'u')!r}, '--universal', '-q')\n"
+        f"run('reshard', {str(s0)!r}, {str(tmp_path / 'u0')!r}, '--universal', '-q')\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         f"run('reshard', {str(fx['s3_bf16_w3_subgroups'])!r}, {str(tmp_path / 'z1')!r}, '-n', '2', '--zero-stage', '1', '-q')\n"
         "assert 'torch' in sys.modules\nprint('OK')\n"

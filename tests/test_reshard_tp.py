@@ -695,10 +695,13 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
 # The same route takes a checkpoint saved *without* TP to TP 2 (TP 1 -> 2; "NAME@tp1": the fixture first resharded
 # to TP 1 x DP 1, a plain checkpoint with no record, then written --universal): DeepSpeed's universal loader cuts each
 # param by the live AutoTP layer, which reshard cannot know from a TP-1 checkpoint.
-DS_TP_UNIVERSAL_CASES: dict[tuple[int, int], list[str]] = {
-    (2, 1): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 -> TP 1 x DP 2
-    (2, 2): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1",  # TP 2 x DP 1
-             "autotp_z1_bf16_tp2_dp1_kv6@tp1", "autotp_z2_fp32_tp2_dp2@tp1"],  # TP 1 -> TP 2
+# Stage-0 AutoTP saves (which ds_to_universal does not read; reshard --universal writes the folder of their ZeRO-1
+# files) are loaded by a ZeRO-1 engine (the third key: the loading engine's ZeRO stage, None for the fixture's).
+DS_TP_UNIVERSAL_CASES: dict[tuple[int, int, int | None], list[str]] = {
+    (2, 1, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 -> TP 1 x DP 2
+    (2, 2, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1",  # TP 2 x DP 1
+                   "autotp_z1_bf16_tp2_dp1_kv6@tp1", "autotp_z2_fp32_tp2_dp2@tp1"],  # TP 1 -> TP 2
+    (2, 2, 1): ["autotp_z0_fp32_tp2_dp2", "autotp_z0_bf16_tp2_dp1_kv6"],  # stage 0 TP 2 x DP 2 (1) -> ZeRO-1 x DP 1
 }
 
 
@@ -721,25 +724,27 @@ def ds_tp_universal_runs(tmp_path_factory):
         assert r.exit_code == 0, r.output
         written[name] = out
     runs = {}
-    for (world, tp), names in DS_TP_UNIVERSAL_CASES.items():
-        cwd = base / f"to{world}_tp{tp}"
+    for (world, tp, stage), names in DS_TP_UNIVERSAL_CASES.items():
+        cwd = base / f"to{world}_tp{tp}_zero{stage}"
         cwd.mkdir()
-        runs[(world, tp)] = run_check_script("ds_tp_reshard_check.py",
-                                             [f"{n.split('@')[0]}={written[n]}" for n in names],
-                                             args=["--tp-size", str(tp), "--universal"], world=world, cwd=cwd,
-                                             timeout=900)
+        runs[(world, tp, stage)] = run_check_script(
+            "ds_tp_reshard_check.py", [f"{n.split('@')[0]}={written[n]}" for n in names],
+            args=["--tp-size", str(tp), "--universal", *(["--zero-stage", str(stage)] if stage is not None else [])],
+            world=world, cwd=cwd, timeout=900)
     return runs
 
 
 @pytest.mark.live
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("case", list(DS_TP_UNIVERSAL_CASES), ids=lambda c: f"to{c[0]}ranks_tp{c[1]}")
+@pytest.mark.parametrize("case", list(DS_TP_UNIVERSAL_CASES),
+                         ids=lambda c: f"to{c[0]}ranks_tp{c[1]}" + ("" if c[2] is None else f"_zero{c[2]}"))
 def test_deepspeed_loads_padded_vocabulary_universal(ds_tp_universal_runs, case):
     """reshard --universal of a padded-vocabulary TP checkpoint, loaded with load_universal at TP 1 (the plain
     30-row model) and at TP 2 (model + mpu): fp32 masters, Adam moments, module weights, step exact -- the padding
     rows zero at TP 2, as DeepSpeed's universal loader re-pads them --, logits as for the reshard checks. And TP 1
     -> 2: a plain TP-1 checkpoint (no record) written --universal, loaded by AutoTP at TP 2: each rank's slices
-    equal the TP-2 run's own (same AutoTP widths), exactly."""
+    equal the TP-2 run's own (same AutoTP widths), exactly. And stage-0 AutoTP saves (fp32 TP 2 x DP 2, bf16 TP 2 x
+    DP 1) written --universal, loaded by a ZeRO-1 engine at TP 2 x DP 1: every slice exact, one more step."""
     rc, results, log = ds_tp_universal_runs[case]
     results, _ = passed_except_controls(results, log)
     assert [r["fixture"] for r in results] == [n.split("@")[0] for n in DS_TP_UNIVERSAL_CASES[case]]
