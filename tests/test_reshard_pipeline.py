@@ -485,7 +485,9 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     tensor x pipeline fixtures (with frozen params too) at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (the fp32 one also
     written without ZeRO, and so at PP 2 x TP 2 x DP 1; their TP-local slices): masters, moments, steps, global steps
     bit for bit, and one more train_batch runs. Three tampered controls fail. DeepSpeed's own route (ds_to_universal +
-    load_universal at 4 stages) is loaded beside them."""
+    load_universal at 4 stages) is loaded beside them, and so are reshard --universal folders of runs without ZeRO
+    (which ds_to_universal does not read), at 4 stages: the stage-0 bf16 run (BF16_Optimizer, loaded at ZeRO-1) and
+    the fp32 run written without ZeRO."""
     import subprocess
     import sys
 
@@ -542,6 +544,12 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (tmp_path / "ds_univ" / "latest_universal").write_text("global_step3")
     pairs.append(f"pp2_dp2_fp32@pp4@universal={tmp_path / 'ds_univ'}")
+    for label, z0 in (("pp2_dp2_bf16_z0@pp4@z1@universal", _fixture("pp2_dp2_bf16_z0").ckpt),
+                      ("pp2_dp2_fp32@pp4@universal", tmp_path / "fp32_z0_pp2")):  # no ZeRO: --universal of it
+        out = tmp_path / f"{z0.parent.name if z0.name == 'ckpt' else z0.name}_universal"
+        r = CliRunner().invoke(main, ["reshard", str(z0), str(out), "--universal", "-q"])
+        assert r.exit_code == 0, r.output
+        pairs.append(f"{label}={out}")
     rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=4, cwd=tmp_path, timeout=1200)
     results, controls = passed_except_controls(results, log)
     assert len(results) == len(pairs) - 3 and rc == 1, log

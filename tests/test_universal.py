@@ -336,6 +336,15 @@ def test_stage0_source_universal_holds_the_recorded_truth(name, tmp_path):
             assert torch.equal(read_entry(e, cache, state=key), truth[f"{key}/{n}"].float()), (n, key)
 
 
+def test_stage0_source_needs_its_zero1_layout():
+    """plan_universal alone (no ZeRO-1 layout planned by plan_universal_reshard) refuses a stage-0 source."""
+    from dsckpt.ds_writers.universal import plan_universal
+
+    ckpt = read_checkpoint(FIXTURES / "s0_fp32_w1" / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="ZeRO stage 0 without the ZeRO-1 layout it is written from"):
+        plan_universal(ckpt, source_stage=0, optimizer_files=(), model_files=ckpt.files[:1])
+
+
 @pytest.mark.parametrize("name, world", [("s0_bf16_w2", 2), ("autotp/autotp_z0_fp32_tp2_dp2", 4)],
                          ids=["s0_bf16_w2", "autotp_z0_fp32_tp2_dp2"])
 def test_stage0_source_universal_is_that_of_its_zero1_files(name, world, tmp_path):

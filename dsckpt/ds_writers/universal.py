@@ -45,7 +45,7 @@ from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
 from ..model import Kind, LogicalCheckpoint, Precision, Role
 from ..readers.common import lookup
 from ..tensor_ref import TensorRef
-from .plan import FlatSpec, coalesce, range_copies, rank_of
+from .plan import FlatSpec, LayoutPlan, coalesce, range_copies, rank_of
 
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
            "universal_trees"]
@@ -126,7 +126,7 @@ class UniversalPlan:
     # A stage-0 source: the ZeRO-1 files dsckpt writes from it at its own size (never on disk), whose model states
     # and rank 0's optimizer dict the folder holds, as ds_to_universal would from those files; ``zero_source`` is the
     # stage-0 checkpoint as read, which the trees are built from (build_jobs).
-    zero_layout: Any = None  # a ds_writers.plan.LayoutPlan
+    zero_layout: LayoutPlan | None = None
     zero_source: LogicalCheckpoint | None = None
 
     @property
@@ -158,7 +158,7 @@ class UniversalPlan:
 
 
 def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_files: tuple[Path, ...],
-                   model_files: tuple[Path, ...], zero_layout: Any = None) -> UniversalPlan:
+                   model_files: tuple[Path, ...], zero_layout: LayoutPlan | None = None) -> UniversalPlan:
     """Plan the universal folder of ``ckpt``, a ZeRO-1/2/3 (or ``BF16_Optimizer``) checkpoint whose
     files use ``source_stage``'s layout. Pure: no file is opened. ``optimizer_files`` in rank order.
 
@@ -169,27 +169,20 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     ZeRO-1 trees; ``model_files`` are the stage-0 model-states files they replace. A bf16 pipeline without ZeRO
     (``BF16_Optimizer`` files, model states with ``param_shapes`` None) goes the same way."""
     problems = []
-    stage0 = ckpt.zero_stage == 0 and zero_layout is not None
-    if source_stage not in (1, 2, 3) and not stage0:
-        problems.append(f"ZeRO stage {source_stage} (ds_to_universal converts ZeRO-1/2/3 optimizer files)")
-    if ckpt.moe is not None:
-        problems.append("Mixture-of-Experts layers")
     tp = ckpt.tensor_parallel
     pipeline = ckpt.pipeline is not None
+    stage0 = ckpt.zero_stage == 0 and zero_layout is not None
+    if not stage0 and (source_stage not in (1, 2, 3) or (pipeline and ckpt.zero_stage == 0)):
+        problems.append("ZeRO stage 0 without the ZeRO-1 layout it is written from (ds_to_universal converts ZeRO "
+                        "optimizer files and model states naming their params; plan it with "
+                        "dsckpt.reshard.plan_universal_reshard)")
+    if ckpt.moe is not None:
+        problems.append("Mixture-of-Experts layers")
     if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and not pipeline:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
     if ckpt.tp_world_size > 1 and tp is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
-    if pipeline and ckpt.zero_stage == 0 and stage0:
-        pass  # written from its ZeRO-1 files (zero_layout), whose model states name each stage's params
-    elif pipeline and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == "torch optimizer":
-        problems.append("an fp32 pipeline run without ZeRO (dsckpt's stage-0 files); reshard it with --zero-stage 1 "
-                        "first and convert that")
-    elif pipeline and ckpt.zero_stage == 0:
-        problems.append("a pipeline run without ZeRO, whose model states save param_shapes None (ds_to_universal "
-                        "fails on it: \"param_shapes must contain dictionaries\"); reshard it first (it is written as "
-                        "ZeRO-1 BF16_Optimizer files) and convert that")
     sub_params = [c.name for c in tp.name_to_cut.values() if universal_tp_keys(c, tp.source) is None] if tp else []
     if sub_params:
         problems.append(f"params with sub-params of varying shapes ({', '.join(sub_params[:5])}) in a Megatron-style "
@@ -334,20 +327,21 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
         yield s.path, own_copy(step)
     for c in plan.cast_files:
         yield c.path, {"param": CastTensor(cache.tensor(c.file, c.key))}
-    opt = optimizer_state_tree(plan, zero_trees[_rank0_optim_file(plan.zero_layout)] if zero_trees
+    opt = optimizer_state_tree(plan, zero_trees[_rank0_optim_file(plan.zero_layout)] if plan.zero_layout is not None
                                else cache.tree(plan.optimizer_source))
     if plan.autoep and not plan.zero3:  # ZeroCheckpoint._update_partition_count: every group at the source's DP size
         opt["partition_count"] = [plan.source_world_size] * len(opt.get("partition_count") or [])
     yield f"{UNIVERSAL_DIR}/{UNIVERSAL_OPTIMIZER_STATE}", opt
     for p in plan.model_files:
-        tree = dict(zero_trees[p.name] if zero_trees else cache.tree(p))
+        tree = dict(zero_trees[p.name] if plan.zero_layout is not None else cache.tree(p))
         yield p.name, (_autoep_model_states(tree, plan.zero3) if plan.autoep else tree)
 
 
-def _rank0_optim_file(layout: Any) -> str:
-    """The name of (model-parallel rank 0's) data-parallel rank 0's optimizer file in a ZeRO-1/2 ``LayoutPlan``."""
+def _rank0_optim_file(layout: LayoutPlan) -> str:
+    """The name of (model-parallel rank 0's) data-parallel rank 0's optimizer file in a ZeRO-1/2 plan."""
     part = layout.mp_ranks[0] if layout.mp_ranks else layout
-    name: str = part.ranks[0].optim_file
+    name = part.ranks[0].optim_file
+    assert name is not None
     return name
 
 
