@@ -486,8 +486,10 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     written without ZeRO, and so at PP 2 x TP 2 x DP 1; their TP-local slices): masters, moments, steps, global steps
     bit for bit, and one more train_batch runs. Three tampered controls fail. DeepSpeed's own route (ds_to_universal +
     load_universal at 4 stages) is loaded beside them, and so are reshard --universal folders of runs without ZeRO
-    (which ds_to_universal does not read), at 4 stages: the stage-0 bf16 run (BF16_Optimizer, loaded at ZeRO-1) and
-    the fp32 run written without ZeRO."""
+    (which ds_to_universal does not read): the stage-0 bf16 run (BF16_Optimizer, loaded at ZeRO-1 with fp32 gradient
+    accumulation at 1 stage x 4 DP: a BF16_Optimizer engine of 4 stages x 1 DP hung in DeepSpeed 0.19.8 loading any
+    universal folder here, one from the ZeRO-1 pp2_dp2_bf16 too) and the fp32 run written without ZeRO (at 4
+    stages)."""
     import subprocess
     import sys
 
@@ -544,7 +546,7 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (tmp_path / "ds_univ" / "latest_universal").write_text("global_step3")
     pairs.append(f"pp2_dp2_fp32@pp4@universal={tmp_path / 'ds_univ'}")
-    for label, z0 in (("pp2_dp2_bf16_z0@pp4@z1@universal", _fixture("pp2_dp2_bf16_z0").ckpt),
+    for label, z0 in (("pp2_dp2_bf16_z0@pp1@z1@universal", _fixture("pp2_dp2_bf16_z0").ckpt),
                       ("pp2_dp2_fp32@pp4@universal", tmp_path / "fp32_z0_pp2")):  # no ZeRO: --universal of it
         out = tmp_path / f"{z0.parent.name if z0.name == 'ckpt' else z0.name}_universal"
         r = CliRunner().invoke(main, ["reshard", str(z0), str(out), "--universal", "-q"])
