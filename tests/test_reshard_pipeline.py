@@ -585,7 +585,8 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     """One 4-rank launch: DeepSpeed's PipelineEngine loads with plain load_checkpoint() what reshard wrote for
     2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
     BF16_Optimizer), a stage-0 bf16 run (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files at 2 x 2 and 1 x 4,
-    DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed; dsckpt refuses to read it),
+    DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed) and resharded (its states
+    bound by shape and order) to 4 x 1 at stage 0 and to ZeRO-1 at 2 x 2,
     an fp32 ZeRO-1 run written without ZeRO (2 x 2 -> 2 x 2, 4 x 1, 1 x 4, loaded at stage 0), and the Megatron-style
     tensor x pipeline fixtures (with frozen params too) at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (the fp32 one also
     written without ZeRO, and so at PP 2 x TP 2 x DP 1; their TP-local slices): masters, moments, steps, global steps
@@ -612,8 +613,13 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
             out = tmp_path / f"bf16_z0_pp{pp}"
             _reshard(_fixture("pp2_dp2_bf16_z0").ckpt, out, 4, **kw)
             pairs.append(f"pp2_dp2_bf16_z0@pp{pp}@z1={out}")
-    # DeepSpeed's own fp32 stage-0 pipeline save (which dsckpt refuses to read) loads unchanged at DP 1 -> 2
-    pairs.append(f"pp2_fp32_z0@pp2={Path(__file__).parent / 'fixtures' / 'pp2_fp32_z0' / 'ckpt'}")
+    # DeepSpeed's own fp32 stage-0 pipeline save loads unchanged at DP 1 -> 2; resharded (its states bound by shape
+    # and order, the tied key given) to 4 stages at stage 0 and to ZeRO-1 at 2 x 2
+    pairs.append(f"pp2_fp32_z0@pp2={Z0 / 'ckpt'}")
+    for pp, kw in ((4, {"pp_size": 4, **UNIFORM}), (2, {"zero_stage": 1})):
+        out = tmp_path / f"ds_z0_pp{pp}"
+        _reshard(Z0 / "ckpt", out, 4, tied_keys=EMBED, **kw)
+        pairs.append(f"pp2_fp32_z0@pp{pp}@{'z1' if kw.get('zero_stage') else 'z0'}={out}")
     for pp, kw in ((2, {}), (4, {"pp_size": 4, **UNIFORM}), (1, {"pp_size": 1, **UNIFORM})):
         out = tmp_path / f"fp32_z0_pp{pp}"  # an fp32 ZeRO-1 run written without ZeRO, loaded at stage 0 (@z0)
         _reshard(_fixture("pp2_dp2_fp32").ckpt, out, 4, zero_stage=0, **kw)
