@@ -506,6 +506,62 @@ def test_stage0_pipeline_files_must_name_their_params(tmp_path):
             read_checkpoint(tmp_path / case)
 
 
+def test_stage0_pipeline_files_without_names_bind_to_the_same_names(tmp_path):
+    """dsckpt's stage-0 pipeline files at 4 stages x 2 ranks (tied module on stages 0 and 3, a ReLU and a frozen Linear
+    between cuts) with param_shapes removed from every stage -- DeepSpeed's own layout -- bind to exactly what their
+    param_shapes named: the same stage orders, frozen params and stored pieces."""
+    import shutil
+
+    fx = _fixture("pp2_dp2_fp32")
+    _reshard(fx.ckpt, tmp_path / "z0", 8, zero_stage=0, pp_size=4, **UNIFORM)
+    shutil.copytree(tmp_path / "z0", tmp_path / "bare")
+    for f in (tmp_path / "bare" / "global_step3").glob("mp_rank_*"):
+        torch.save({**torch.load(f, weights_only=False), "param_shapes": None}, f)
+    named, bound = read_checkpoint(tmp_path / "z0"), read_checkpoint(tmp_path / "bare", tied_keys=EMBED)
+    assert bound.pipeline.stage_group_orders == named.pipeline.stage_group_orders
+    assert named.pipeline.stage_group_orders[3] == (("tied_modules.embed.weight",),)
+
+    def pieces(ckpt):
+        return {e.name: (e.trainable, [(p.role, p.state_key, p.replica, [(f.file.name, f.key) for f in p.fragments])
+                                       for p in e.pieces]) for e in ckpt.entries}
+
+    assert pieces(bound) == pieces(named)
+
+
+def _adam(*shapes):
+    """A torch Adam state_dict whose states have ``shapes`` (params 0..n-1, one group); tensors as unread refs."""
+    import math
+
+    from dsckpt.tensor_ref import StorageRef, TensorRef
+
+    def ref(k, shape):
+        return TensorRef(StorageRef(Path("f.pt"), str(k), "float32", math.prod(shape), 0, "cpu"), 0, shape,
+                         tuple(math.prod(shape[i + 1:]) for i in range(len(shape))))
+
+    return {"param_groups": [{"params": list(range(len(shapes)))}],
+            "state": {k: {"step": 3, "exp_avg": ref(k, sh), "exp_avg_sq": ref(k, sh)} for k, sh in enumerate(shapes)}}
+
+
+def test_binding_puts_a_tied_module_first_and_keeps_its_frozen_params_frozen_everywhere():
+    """Pure: a tied module in layer 1 (its bias frozen) is first in stage 0's optimizer, before layer 0's params, and
+    first again on stage 1 beside layer 2: the one reading that fits; its bias frozen on both stages (a reading with
+    it trainable on stage 1 only is no reading). Without the first stage's states in that order nothing fits."""
+    from dsckpt.readers.pipeline_binding import LayerParams, bind_stage_optimizers
+
+    layers = [LayerParams(0, (("weight", (4, 3)), ("bias", (4,)))), LayerParams(1, (("weight", (5, 4)), ("bias", (5,)))),
+              LayerParams(2, (("weight", (3, 5)), ("bias", (3,))))]
+    files = [Path("mp_rank_00_model_states.pt"), Path("mp_rank_01_model_states.pt")]
+    got = bind_stage_optimizers([_adam((5, 4), (4, 3), (4,)), _adam((5, 4), (3, 5), (3,))], layers,
+                                model_files=files, tag_dir=Path("t"), tied_keys={1: "head"})
+    assert [[list(g) for g in st] for st in got.param_shapes] == [
+        [["tied_modules.head.weight", "0.weight", "0.bias"]], [["tied_modules.head.weight", "2.weight", "2.bias"]]]
+    assert got.renames == {"1.weight": "tied_modules.head.weight", "1.bias": "tied_modules.head.bias"}
+    assert got.unkeyed == ()
+    with pytest.raises(UnsupportedCheckpointError, match="fit no cut of its layer files into the stages"):
+        bind_stage_optimizers([_adam((4, 3), (5, 4), (4,)), _adam((5, 4), (3, 5), (3,))], layers, model_files=files,
+                              tag_dir=Path("t"))
+
+
 def test_pipeline_targets_at_zero2_refused_naming_why():
     with pytest.raises(UnsupportedCheckpointError, match="to ZeRO stage 2: DeepSpeed's PipelineEngine refuses ZeRO-2"):
         plan_reshard(read_checkpoint(_fixture("pp2_fp32").ckpt), 2, zero_stage=2)

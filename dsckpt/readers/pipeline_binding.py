@@ -10,13 +10,16 @@ contiguous runs (pipe/module.py ``_partition_layers``). The layer files give eac
 ``TiedLayerSpec`` module is saved once, in the file of its first use, under that layer's index and without its key
 (``layer.state_dict()``), and its later uses with a ``forward_fn`` have no file.
 
-So the binding is inferred and then proven (bind, then prove; :mod:`dsckpt.binding`): every cut of the layer files
-into the stages, every set of (at most :data:`MAX_TIED`) layer files that are tied modules used on a later stage too,
-every order of a stage's tied modules is tried; each stage's states are fitted to that reading's params by shape and
-module order (:func:`~dsckpt.binding.order_candidates` and :func:`~dsckpt.binding.resolve`, as the dense stage-0
-reader binds its torch optimizer state). The binding is proven when every reading that fits gives each state the
-same param; otherwise the names involved are ambiguous and the checkpoint is refused naming them. A tied module used
-on one stage only is indistinguishable from a plain layer there and is read as one.
+So the binding is inferred and then proven (bind, then prove; :mod:`dsckpt.binding`). A reading is: a set of (at
+most :data:`MAX_TIED`) layer files that are tied modules, each used on a stage without its file too (nothing else
+shows a module is tied), with the params of theirs that are frozen (on every stage alike); a cut of the layer files
+into the stages; per stage, which tied modules it uses and in which order. Every reading is tried (stage by stage,
+memoised), each stage's states fitted to its params by shape and module order (:func:`~dsckpt.binding
+.order_candidates` and :func:`~dsckpt.binding.resolve`, as the dense stage-0 reader binds its torch optimizer state).
+The binding is proven when every reading that fits gives each state the same param; otherwise the names involved are
+ambiguous and the checkpoint is refused naming them (a reading that fits only in part -- a tied param that only some
+bindings give a state -- leaves a state open, and is refused the same way). A tied module used on one stage only is
+indistinguishable from a plain layer there and is read as one.
 
 The key of a tied module (``tied_modules.<key>.<param>``, the name the run's optimizer and a universal checkpoint
 know it by) is stated by no file: it is taken from ``tied_keys`` (layer index -> key, ``reshard --tied-key``), else
@@ -85,7 +88,7 @@ def bind_stage_optimizers(optimizers: Sequence[Mapping[str, Any]], layers: Seque
         raise UnsupportedCheckpointError(
             f"'{tag_dir}' is a pipeline run without ZeRO whose optimizer states (stage by stage, by index) fit no "
             "cut of its layer files into the stages by shape and module order (tied modules first, frozen params "
-            f"absent; at most {MAX_TIED} tied modules, each with one layer file, tried); the files come from "
+            f"absent; at most {MAX_TIED} tied modules, each saved in one layer file, tried); the files come from "
             "different runs or from a model dsckpt cannot bind. DeepSpeed 0.19.8 loads such a save unchanged at "
             "another data-parallel size")
     if len(found) > 1 or any(len(n) != 1 for _, stages in found for names in stages for n in names):
@@ -141,23 +144,32 @@ class _Search:
         self.layers, self.slots, self.keys = layers, slots, keys
         self.fits = 0
         self.memo: dict[tuple[int, int, frozenset[int]], set[tuple[_Names, ...]]] = {}
+        self.frozen: frozenset[str] = frozenset()  # the tied modules' frozen params, in the reading tried
 
     def run(self) -> set[tuple[frozenset[int], tuple[_Names, ...]]]:
         found: set[tuple[frozenset[int], tuple[_Names, ...]]] = set()
-        for tied in self._tied_sets():
+        for tied, frozen in self._tied_sets():
+            self.frozen = frozen
             self.memo = {}
             for stages in self._stages(tied, 0, 0, frozenset()):
                 found.add((tied, stages))
         return found
 
-    def _tied_sets(self) -> Iterator[frozenset[int]]:
-        """Sets of layers that may be tied modules: a tied module used on a later stage comes first there, so its
-        first param has the shape of the first state of some stage after the first."""
-        firsts = {s[0].shape for s in self.slots[1:] if s and s[0].shape is not None}
-        cands = [layer.index for layer in self.layers if layer.params and layer.params[0][1] in firsts]
+    def _tied_sets(self) -> Iterator[tuple[frozenset[int], frozenset[str]]]:
+        """Sets of layers that may be tied modules, each with every choice of its frozen params (a tied module's
+        params are frozen on every stage or on none): a tied module used on a stage without its file has a param
+        whose shape is that of some state of a stage after the first."""
+        shapes = {x.shape for s in self.slots[1:] for x in s if x.shape is not None}
+        cands = [layer for layer in self.layers if any(sh in shapes for _, sh in layer.params)]
         for r in range(min(MAX_TIED, len(cands)) + 1):
             for combo in itertools.combinations(cands, r):
-                yield frozenset(combo)
+                per_layer = [[n for n, _ in _layer_names(layer, frozenset({layer.index}), self.keys)]
+                             for layer in combo]
+                names = [n for ns in per_layer for n in ns]
+                for chosen in _subsets(range(len(names))):
+                    frozen = frozenset(names[k] for k in chosen)
+                    if all(any(n not in frozen for n in ns) for ns in per_layer):  # all frozen: nothing shows it
+                        yield frozenset(layer.index for layer in combo), frozen
 
     def _stages(self, tied: frozenset[int], s: int, p: int,
                 revealed: frozenset[int]) -> set[tuple[_Names, ...]]:
@@ -189,11 +201,17 @@ class _Search:
             raise UnsupportedCheckpointError(
                 f"binding the pipeline stages' optimizer states took more than {MAX_READINGS} tries (many layers "
                 "whose cut between the stages the files leave open); dsckpt does not guess")
-        params = [nm for i in (*tied_order, *plain) for nm in _layer_names(self.layers[i], tied, self.keys)]
+        params = [nm for i in (*tied_order, *plain) for nm in _layer_names(self.layers[i], tied, self.keys)
+                  if nm[0] not in self.frozen]
+        n_tied = sum(1 for i in tied_order for nm in _layer_names(self.layers[i], tied, self.keys)
+                     if nm[0] not in self.frozen)
         slots = self.slots[s]
         cands = order_candidates(slots, [sh for _, sh in params])
         binding = resolve(cands, len(params))
-        if not binding.consistent:
+        # A tied module's params that are not frozen in this reading must be able to own a state on every stage
+        # using it; one that no state here can be would be frozen here and not elsewhere: no such reading. (One that
+        # only some bindings give a state leaves a slot undetermined: the result is then refused as ambiguous.)
+        if not binding.consistent or any(all(j not in c for c in cands) for j in range(n_tied)):
             return None
         taken = set(binding.slot_to_param.values())
         return tuple(frozenset({params[binding.slot_to_param[k]][0]}) if k in binding.slot_to_param
