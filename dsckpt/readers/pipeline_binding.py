@@ -12,10 +12,12 @@ contiguous runs (pipe/module.py ``_partition_layers``). The layer files give eac
 
 So the binding is inferred and then proven (bind, then prove; :mod:`dsckpt.binding`). A reading is: a set of (at
 most :data:`MAX_TIED`) layer files that are tied modules, each used on a stage without its file too (nothing else
-shows a module is tied), with the params of theirs that are frozen (on every stage alike); a cut of the layer files
+shows a module is tied; such a use is a layer without a file, so that stage's layers must leave room for one between
+its files), with the (at most :data:`MAX_FROZEN_TIED`) params of theirs that are frozen (on every stage
+alike); a cut of the layer files
 into the stages; per stage, which tied modules it uses and in which order. Every reading is tried (stage by stage,
-memoised), each stage's states fitted to its params by shape and module order (:func:`~dsckpt.binding
-.order_candidates` and :func:`~dsckpt.binding.resolve`, as the dense stage-0 reader binds its torch optimizer state).
+memoised), each stage's states fitted to its params by shape and module order (:func:`~dsckpt.binding.order_candidates`
+and :func:`~dsckpt.binding.resolve`, as the dense stage-0 reader binds its torch optimizer state).
 The binding is proven when every reading that fits gives each state the same param; otherwise the names involved are
 ambiguous and the checkpoint is refused naming them (a reading that fits only in part -- a tied param that only some
 bindings give a state -- leaves a state open, and is refused the same way). A tied module used on one stage only is
@@ -39,10 +41,12 @@ from ..binding import Ambiguity, AmbiguousBindingError, Slot, order_candidates, 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .stage0 import state_shape
 
-__all__ = ["MAX_READINGS", "MAX_TIED", "LayerParams", "StageBinding", "bind_stage_optimizers", "stand_in_key"]
+__all__ = ["MAX_FROZEN_TIED", "MAX_READINGS", "MAX_TIED", "LayerParams", "StageBinding", "bind_stage_optimizers",
+           "stand_in_key"]
 
 MAX_TIED = 2  # tied modules (layer files used on several stages) tried at once
-MAX_READINGS = 200_000  # stage fits tried before refusing (each costs one order_candidates + resolve)
+MAX_FROZEN_TIED = 2  # frozen params among them tried at once
+MAX_READINGS = 20_000  # stage fits tried before refusing (each costs one order_candidates + resolve)
 
 
 def stand_in_key(layer: int) -> str:
@@ -166,7 +170,7 @@ class _Search:
                 per_layer = [[n for n, _ in _layer_names(layer, frozenset({layer.index}), self.keys)]
                              for layer in combo]
                 names = [n for ns in per_layer for n in ns]
-                for chosen in _subsets(range(len(names))):
+                for chosen in _subsets(range(len(names)), MAX_FROZEN_TIED):
                     frozen = frozenset(names[k] for k in chosen)
                     if all(any(n not in frozen for n in ns) for ns in per_layer):  # all frozen: nothing shows it
                         yield frozenset(layer.index for layer in combo), frozen
@@ -184,7 +188,10 @@ class _Search:
         out: set[tuple[_Names, ...]] = set()
         for q in ([m] if s == n_stages - 1 else range(p, m + 1)):
             own = [i for i in range(p, q) if self.layers[i].index in tied]
-            earlier = [i for i in range(p) if self.layers[i].index in tied]
+            # a use of an earlier tied module is a layer without a file (a forward_fn use): its index lies between
+            # this stage's files, or past the last file on the last stage
+            room = q == m or self.layers[q].index - (self.layers[p - 1].index + 1 if p else 0) > q - p
+            earlier = [i for i in range(p) if self.layers[i].index in tied] if room else []
             for used in _subsets(earlier):
                 for order in set(itertools.permutations(own + list(used))):
                     names = self._fit(s, order, [i for i in range(p, q) if self.layers[i].index not in tied], tied)
@@ -199,8 +206,10 @@ class _Search:
         self.fits += 1
         if self.fits > MAX_READINGS:
             raise UnsupportedCheckpointError(
-                f"binding the pipeline stages' optimizer states took more than {MAX_READINGS} tries (many layers "
-                "whose cut between the stages the files leave open); dsckpt does not guess")
+                f"binding the pipeline stages' optimizer states took more than {MAX_READINGS} tries: with many "
+                "equally shaped layers, where the stages cut the layer list, which params are frozen and which layers "
+                "are tied modules are open in too many ways; dsckpt does not guess. DeepSpeed 0.19.8 loads such a "
+                "save unchanged at another data-parallel size")
         params = [nm for i in (*tied_order, *plain) for nm in _layer_names(self.layers[i], tied, self.keys)
                   if nm[0] not in self.frozen]
         n_tied = sum(1 for i in tied_order for nm in _layer_names(self.layers[i], tied, self.keys)
@@ -218,8 +227,8 @@ class _Search:
                      else frozenset(params[j][0] for j in cands[k] if j not in taken) for k in range(len(slots)))
 
 
-def _subsets(items: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    for r in range(len(items) + 1):
+def _subsets(items: Sequence[int], most: int | None = None) -> Iterator[tuple[int, ...]]:
+    for r in range(min(len(items), len(items) if most is None else most) + 1):
         yield from itertools.combinations(items, r)
 
 
@@ -235,9 +244,12 @@ def _ambiguous_message(tag_dir: Path, found: set[tuple[frozenset[int], tuple[_Na
                 names |= fits
     if not pairs:  # the same states, read with other tied modules
         pairs = [("tied modules", tuple(sorted(",".join(map(str, sorted(t))) or "none" for t, _ in found)))]
-    amb = Ambiguity(tuple(sorted(names)), "optimizer state", "shape and module order, stage by stage", tuple(pairs),
-                    values_agree=True)
+    shown = 8  # a model of many equal blocks leaves most states open: the first few name the problem
+    amb = Ambiguity(tuple(sorted(names)), "optimizer state", "shape and module order, stage by stage",
+                    tuple((label, fits if len(fits) <= shown else (*fits[:shown], f"{len(fits) - shown} more"))
+                          for label, fits in pairs[:shown]), values_agree=True)
+    more = f" (and {len(pairs) - shown} more open states)" if len(pairs) > shown else ""
     return (f"'{tag_dir}' is DeepSpeed's own fp32 pipeline save without ZeRO, whose optimizer states name no param, "
-            f"and more than one binding fits: {amb.describe()}. Which params are frozen and which moments belong to "
-            "which param depend on the choice; dsckpt does not guess, so it reads and reshards no such save. DeepSpeed "
-            "0.19.8 loads it unchanged at another data-parallel size")
+            f"and more than one binding fits: {amb.describe()}{more}. Which params are frozen and which moments belong "
+            "to which param depend on the choice; dsckpt does not guess, so it reads and reshards no such save. "
+            "DeepSpeed 0.19.8 loads it unchanged at another data-parallel size")
