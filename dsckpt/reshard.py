@@ -180,6 +180,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in zero_optim) if zero_optim
                              else ckpt.precision is Precision.BF16),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
+        tied_keys=ckpt.pipeline.tied_keys if ckpt.pipeline is not None else (),
     )
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
         raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
@@ -361,7 +362,7 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
     mode, out, cache = _prepare(plan.source_root, out, verify, cache)
     group.agree({"plan": describe_plan(plan, max_copies=1 << 30), "out": str(out), "tag": plan.tag,
                  "verify": mode.value}, "the reshard plan")
-    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache, tied_keys=dict(plan.tied_keys))
     checks = record_checks(cache)
     workers = default_workers() if workers is None else workers
 
@@ -521,7 +522,7 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int,
 
     # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
     # reads only the byte ranges its tree names.
-    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache, tied_keys=dict(plan.tied_keys))
     yield from _write_jobs(build_jobs(plan, ckpt, tag_dir, cache), workers, writeback=writeback)
 
 

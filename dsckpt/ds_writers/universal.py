@@ -164,8 +164,8 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     if ckpt.tp_world_size > 1 and tp is None:
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
     if pipeline and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == "torch optimizer":
-        problems.append("an fp32 pipeline run without ZeRO (dsckpt's stage-0 files); reshard it with --zero-stage 1 "
-                        "first and convert that")
+        problems.append("an fp32 pipeline run without ZeRO (a torch optimizer per stage); reshard it with "
+                        "--zero-stage 1 first and convert that")
     elif pipeline and ckpt.zero_stage == 0:
         problems.append("a pipeline run without ZeRO, whose model states save param_shapes None (ds_to_universal "
                         "fails on it: \"param_shapes must contain dictionaries\"); reshard it first (it is written as "
