@@ -535,13 +535,6 @@ def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -
             target_rows = padded_vocab_size(orig, vocab_divisor, tp_size)
         else:
             target_rows = orig
-        if tp_size == 1 and target_rows != orig:
-            raise UnsupportedCheckpointError(
-                f"at TP 1 --make-vocab-size-divisible-by {vocab_divisor} pads the {orig}-row vocabulary of "
-                f"{_list(list(vocab))} to {target_rows} rows, and dsckpt reads a checkpoint without tensor "
-                "parallelism as whole tensors (no universal_checkpoint_info applies at TP 1; DeepSpeed writes none "
-                "there), so the padding rows would read as vocabulary; write --universal and load it with DeepSpeed's "
-                "universal loader, which pads for the model")
     problems: list[str] = []
     cuts: dict[str, ParamCut] = {}
     for name, c in layout.name_to_cut.items():

@@ -456,11 +456,13 @@ def _ds_route(fx: Path, key: str, n: str, tp: int, t: int, rows: int = 32) -> to
 
 
 # (label, CLI arguments, stages, TP size, DP size, make_vocab_size_divisible_by): D = 8 pads the 30-row vocabulary to
-# 32 at TP 4 (as at TP 2); D = 2 leaves it unpadded at TP 1
+# 32 at TP 4 (as at TP 2); D = 2 leaves it unpadded at TP 1, D = 16 pads it to 32 there (the TP-1 files' Megatron
+# record says which rows are padding)
 TP_CHANGES = [("pp2_tp4", ["-n", "8", "--tp-size", "4"], 2, 4, 1, 8),
               ("pp1_tp4", ["-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 1, 8),
               ("pp1_tp4_dp2", ["-n", "8", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 2, 8),
-              ("pp2_tp1_dp2", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 2)]
+              ("pp2_tp1_dp2", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 2),
+              ("pp2_tp1_dp2_padded", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 16)]
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
@@ -476,7 +478,7 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
 
     out = tmp_path / label
     stdout = _reshard_cli(fx / "ckpt", out, *args, "--make-vocab-size-divisible-by", str(d))
-    rows = 32 if tp > 1 else 30
+    rows = -(-30 // (d * tp)) * (d * tp)  # Megatron's _vocab_size_with_padding
     assert f"(PP 2 x TP 2 x DP 1 -> PP {pp} x TP {tp} x DP {dp})" in stdout
     tag = out / "global_step3"
     assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_{i:02d}-model_{t:02d}-model_states.pt"
@@ -502,7 +504,7 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
     ms = torch.load(tag / f"mp_rank_{pp * tp - 1:02d}_model_states.pt", weights_only=False)
     assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]) == (pp * tp, {"pp_degree": pp, "tp_degree": tp})
     assert ms["args"]["tensor_model_parallel_size"] == tp and ms["args"]["padded_vocab_size"] == rows
-    assert ms.get("universal_checkpoint_info", {}).get("padded_vocab_size") == (32 if tp > 1 else None)
+    assert ms["universal_checkpoint_info"]["padded_vocab_size"] == rows  # kept at TP 1 too, as Megatron-DeepSpeed does
     back = read_checkpoint(out, cache=cache_)
     assert (back.pp_world_size, back.tp_world_size or 1, back.dp_world_size, back.optimizer_step) == (pp, tp, dp, 3)
     for n in meta(fx)["params"]:
