@@ -146,6 +146,15 @@ def test_tp1_padded_vocabulary_reads_as_original_rows(tmp_path):
     assert set(got) == set(meta(fx)["params"])
     for n, v in got.items():
         assert torch.equal(v, uni[f"fp32/{n}"]), n
+    # --universal of the TP-1 files: ds_to_universal's tensors (the vocabulary cut to 30 rows, vocab_tensor set),
+    # as DeepSpeed's own ds_to_universal writes them from these files (checked once by hand: all 56 files equal)
+    r = CliRunner().invoke(main, ["reshard", str(out), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    for n in meta(fx)["params"]:
+        for s in STATES:
+            d = _load(tmp_path / "u" / "global_step3_universal" / "zero" / n / f"{s}.pt")
+            assert torch.equal(d["param"], uni[f"{s}/{n}"]), (s, n)
+            assert d.get("vocab_tensor", False) == (n in ("embed.weight", "head.weight")), n
     cache = FileCache()
     back = read_checkpoint(out, cache=cache)
     assert back.tensor_parallel is not None and back.tensor_parallel.tp_size == 1

@@ -22,8 +22,8 @@ from ..parallel_layout import ParamCut, SplitKind, TpLayout
 from ..tensor_parallel import compose, tp_layout_from_record
 from .common import FileCache, alias_entry
 
-__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "read_tensor_parallel",
-           "with_tp1_record"]
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "is_megatron_record",
+           "read_tensor_parallel", "with_tp1_record"]
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 
@@ -179,10 +179,7 @@ def with_tp1_record(ckpt: LogicalCheckpoint, cache: FileCache, model_states: Seq
     if not model_states:
         return ckpt
     record, where = agreed_record(cache, model_states)
-    if record is None:
-        return ckpt
-    affine = record.get("affine_map")
-    if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping):
+    if not is_megatron_record(record):
         return ckpt
     entries, layout = combine_entries([{e.name: e for e in ckpt.entries}], record, where=where)
     vocab = [c for c in layout.name_to_cut.values() if c.padding_rows]
@@ -192,3 +189,12 @@ def with_tp1_record(ckpt: LogicalCheckpoint, cache: FileCache, model_states: Seq
             f"Megatron-style {UNIVERSAL_CHECKPOINT_INFO} at tensor parallelism 1: every param whole")
     return dataclasses.replace(ckpt, entries=tuple(entries[e.name] for e in ckpt.entries), tensor_parallel=layout,
                                notes=(*ckpt.notes, note))
+
+
+def is_megatron_record(record: Any) -> bool:
+    """Whether ``record`` (a ``universal_checkpoint_info`` value) is Megatron-style -- category patterns only -- and
+    not DeepSpeed AutoTP's (an ``affine_map``) or AutoEP's copy of its layers (``ds_autoep_layers``)."""
+    if not isinstance(record, Mapping) or record.get("ds_autoep_layers") is not None:
+        return False
+    affine = record.get("affine_map")
+    return not (isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping))
