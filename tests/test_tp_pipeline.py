@@ -517,6 +517,31 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
     cache_.finish_checks()
 
 
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_tp1_padded_round_trip_of_a_tensor_x_pipeline_run(fx, tmp_path):
+    """PP 2 x TP 2 -> PP 2 x TP 1 x DP 2 (D = 16: 32 rows, the record kept) -> PP 2 x TP 2: the TP-1 files read with
+    their Megatron record (the padding rows as padding) and re-cut for TP 2, layer files included: every stored copy
+    of every TP rank is DeepSpeed's own route's (:func:`_ds_route`) -- the source's real rows, its padding rows
+    zero."""
+    from dsckpt.assemble import read_piece
+
+    _reshard_cli(fx / "ckpt", tmp_path / "tp1", "-n", "4", "--tp-size", "1", "--make-vocab-size-divisible-by", "16")
+    stdout = _reshard_cli(tmp_path / "tp1", tmp_path / "tp2", "-n", "4", "--tp-size", "2",
+                          "--make-vocab-size-divisible-by", "16")
+    assert "(PP 2 x TP 1 x DP 2 -> PP 2 x TP 2 x DP 1)" in stdout
+    cache_ = FileCache()
+    files = classify_files(*find_tag_dir(tmp_path / "tp2", None))
+    checked = 0
+    for t in range(2):
+        ckpt = read_stages(tp_rank_files(files, t, 2), cache_)
+        for e in ckpt.entries:
+            for key, piece in _stored(e, "fp32"):
+                want = _ds_route(fx, key, e.name, 2, t)
+                assert torch.equal(read_piece(piece, e.shape, cache_, name=e.name), want), (t, key, e.name)
+                checked += 1
+    assert checked == 2 * copies(fx)
+
+
 @pytest.mark.parametrize("args", [["--world-size", "4", "--tp-size", "1"], ["--world-size", "8", "--tp-size", "4"]],
                          ids=["tp1", "tp4"])
 def test_reshard_tp_change_of_a_tensor_x_pipeline_run_needs_the_divisor(tmp_path, args):
