@@ -244,11 +244,11 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.changes_layout:
         lines.append("resume with: " + describe_target_config(plan))
-    if plan.zero_stage == 0 and plan.mp_ranks:  # a pipeline's stages: each file rebuilt from its stage's params
+    if plan.zero_stage == 0 and plan.stages is not None:  # pipeline stages: each file rebuilt from its stage's params
         lines.append("write " + ", ".join(f"mp_rank_{p.mp_rank:02d}_model_states.pt" for p in plan.mp_ranks)
                      + f" (each stage's optimizer state) with dp_world_size={plan.world_size}")
-    elif plan.zero_stage == 0:
-        lines.append("rewrite " + ", ".join(p.name for p in plan.source_model_files)
+    elif plan.zero_stage == 0:  # one model-states file per model-parallel (TP) rank
+        lines.append("rewrite " + ", ".join(f"mp_rank_{part.mp_rank:02d}_model_states.pt" for part in plan.parts())
                      + f" with dp_world_size={plan.world_size}")
     if plan.hf_files is not None:
         lines.append(f"{plan.hf_files.client} files from {plan.hf_files.folder} (byte for byte):")

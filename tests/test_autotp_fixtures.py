@@ -43,8 +43,15 @@ def truth(fx: Path) -> dict:
 
 @cache
 def universal(fx: Path) -> dict:
+    """DeepSpeed's own merge (``ds_to_universal``) as recorded at generation time. A stage-0 fixture has none:
+    ds_to_universal 0.19.8 needs optimizer files ("can't find *_optim_states.pt files", truth.json ``universal``), so
+    there it is the generator's own merge of the live TP slices (truth ``param/``, ``exp_avg/``, ``exp_avg_sq/``),
+    which equals ds_to_universal's on every fixture that has both (crosscheck ``live_merge_equals_ds_to_universal``)."""
     from safetensors.torch import load_file
 
+    if meta(fx)["stage"] == 0:
+        assert meta(fx)["universal"]["rc"] != 0 and "_optim_states.pt" in meta(fx)["universal"]["error"][-1]
+        return {f"{s}/{n}": truth(fx)[f"{TRUTH_KIND[s]}/{n}"] for s in STATES for n in meta(fx)["params"]}
     return load_file(str(fx / "universal_truth.safetensors"))
 
 
@@ -75,6 +82,8 @@ def file_slices(fx: Path, t: int) -> dict[str, dict[str, torch.Tensor]]:
     m = meta(fx)
     dp = m["dp_world_size"]
     out: dict = {s: {} for s in STATES}
+    if m["stage"] == 0:  # no optimizer files: everything is in mp_rank_0t_model_states.pt
+        return stage0_slices(load(model_file(fx, t)))
     if m["stage"] in (1, 2):
         param_shapes = load(model_file(fx, t))["param_shapes"]
         osds = [load(optim_file(fx, t, d))["optimizer_state_dict"] for d in range(dp)]
@@ -111,6 +120,19 @@ def file_slices(fx: Path, t: int) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def stage0_slices(ms: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """State -> name -> tensor of a stage-0 model-states file of one of these models (one param group, no saved
+    buffers, so every module entry is a param and index ``i`` of the optimizer side is the ``i``-th of them)."""
+    opt, names = ms["optimizer"], list(ms["module"])
+    if "fp32_groups" in opt:  # FP16_UnfusedOptimizer: fp32_groups[0][i] is the i-th param's master
+        masters, state = opt["fp32_groups"][0], opt["optimizer_state_dict"]["state"]
+    else:  # fp32: the module is the master; torch Adam's state index i is the i-th of model.parameters()
+        masters, state = [ms["module"][n] for n in names], opt["state"]
+    assert len(masters) == len(names) == len(state)
+    return {"fp32": dict(zip(names, masters)),
+            **{s: {n: state[i][s] for i, n in enumerate(names)} for s in ("exp_avg", "exp_avg_sq")}}
+
+
 def matches(patterns: list[str], name: str) -> bool:
     return any(re.match(p, name) for p in patterns)
 
@@ -145,14 +167,16 @@ def uc_info(fx: Path) -> dict:
 def test_files_per_rank(fx):
     m = meta(fx)
     tp, dp = m["tp_size"], m["dp_world_size"]
-    want = {"latest", "zero_to_fp32.py", "zero_to_torch.py"}
+    # DeepSpeed copies its zero_to_fp32 scripts only beside ZeRO optimizer files; stage 0 writes none
+    want = {"latest"} | (set() if m["stage"] == 0 else {"zero_to_fp32.py", "zero_to_torch.py"})
     if "config.json" in m["files"]:  # the HF config beside the tag folder (the kv6 fixtures, spec "hf_config")
         want.add("config.json")
         assert json.loads((fx / "ckpt" / "config.json").read_text())["num_key_value_heads"] == \
             m["model_config"]["num_key_value_heads"]
     for t in range(tp):
         for d in range(dp):
-            want.add(str(optim_file(fx, t, d).relative_to(fx / "ckpt")))
+            if m["stage"] != 0:
+                want.add(str(optim_file(fx, t, d).relative_to(fx / "ckpt")))
             want.add(str(model_file(fx, t, d).relative_to(fx / "ckpt")))
     have = {str(p.relative_to(fx / "ckpt")) for p in (fx / "ckpt").rglob("*") if p.is_file()}
     assert have == want == set(m["files"])
@@ -172,7 +196,7 @@ def test_model_states_record_tp(fx):
             assert sd["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": m["tp_size"]}
             assert sd["universal_checkpoint_info"] == first  # the same record in every model-states file
     for t in range(m["tp_size"]):
-        for d in range(m["dp_world_size"]):
+        for d in range(m["dp_world_size"] if m["stage"] else 0):
             osd = load(optim_file(fx, t, d))
             assert "universal_checkpoint_info" not in osd and "universal_checkpoint_info" not in osd[
                 "optimizer_state_dict"]

@@ -22,7 +22,11 @@ def test_record_covers_every_tp_pipeline_and_autoep_fixture():
     rec = record()
     assert rec["deepspeed"] == "0.19.8"
     assert sorted(rec["fixtures"]) == recorder().fixtures()
-    assert {fx: r["rc"] for fx, r in rec["fixtures"].items() if r["rc"] != 0} == {}
+    # ds_to_universal converts ZeRO optimizer files: the AutoTP stage-0 fixtures have none (nor does dsckpt's
+    # reshard --universal take a stage-0 source)
+    assert {fx: r["error"][-1].split(" in directory")[0] for fx, r in rec["fixtures"].items() if r["rc"] != 0} == {
+        fx: "FileNotFoundError: can't find *_optim_states.pt files" for fx in rec["fixtures"]
+        if fx.startswith("autotp/autotp_z0_")}
     # TP x PP: ds_to_universal copies only mp_rank_{stage * tp + t} (not the layer files) beside zero/
     files = rec["fixtures"]["tp_pipeline/megatron_pp2_tp2_z1_fp32"]["files"]
     assert sorted(f for f in files if f.endswith("_model_states.pt")) == [

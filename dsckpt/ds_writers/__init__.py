@@ -259,9 +259,11 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     src_stage = source_layout_stage(ckpt)
     # rebuilt as stage 0 from the logical checkpoint (.stage0): a ZeRO source; one stage of an fp32 pipeline without
     # ZeRO (dsckpt's own files, whose param_shapes name the params: its optimizer's order is the stage plan's,
-    # mp_rank_view); native MoE at stage 0 to another expert-parallel size (one expp_rank_* file per new rank)
+    # mp_rank_view); native MoE at stage 0 to another expert-parallel size (one expp_rank_* file per new rank); a
+    # stage-0 source at another TP size (each TP rank's module and optimizer state re-cut from its view, not copied)
     pipeline0 = src_stage == 0 and ckpt.layout == "pipeline"
-    if target.zero_stage == 0 and (src_stage != 0 or pipeline0 or common.get("moe_ep_size") is not None):
+    recut = common.get("tp_size", 1) != common.get("source_tp_size", 1)
+    if target.zero_stage == 0 and (src_stage != 0 or pipeline0 or recut or common.get("moe_ep_size") is not None):
         from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
 
         if pipeline0:
@@ -393,7 +395,8 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline" or plan.moe_ep_size is not None):
+    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline" or plan.moe_ep_size is not None
+                                 or plan.tp_size != plan.source_tp_size):
         from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 

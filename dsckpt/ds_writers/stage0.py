@@ -149,6 +149,7 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
         notes = [PIPELINE_NOTE]
     else:
         notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
+                 + (" (each TP rank's slices in its own mp_rank_XX file)" if common.get("tp_size", 1) > 1 else "")
                  + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params "
                     "too)" if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
     copied: tuple[Path, ...] = tuple(common.get("copied_model_files", ()))
@@ -185,12 +186,18 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     from .common import own_copy, shapes_tree, stage0_scale_fields, streamed, target_ds_config
     from .moe import moe_layout_at
     from .plan import FlatSpec, range_copies
-    from .zero12 import full_module
+    from .zero12 import full_module, module_from_copies
 
     if plan.moe_ep_size is not None and ckpt.moe is not None:  # --ep-size: the experts cut at the new size
         ckpt = dataclasses.replace(ckpt, moe=moe_layout_at(ckpt.moe, plan.moe_ep_size))
     src = dict(cache.tree(plan.source_model_files[0]))
-    module = src["module"] if plan.from_stage != 3 else full_module(ckpt, src["module"], cache)
+    module: Mapping[str, Any]
+    if plan.from_stage == 3:
+        module = full_module(ckpt, src["module"], cache)
+    elif plan.tp_size != plan.source_tp_size and src["module"] is not None:  # another TP cut: the slices re-cut too
+        module = module_from_copies(ckpt, src["module"], cache)
+    else:
+        module = src["module"]
     by_name = {e.name: e for e in ckpt.entries}
 
     def whole(name: str, role: Role, key: str | None = None) -> Any:

@@ -173,7 +173,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
         tree["param_shapes"] = shapes_tree(plan, tree.get("param_shapes"))
         if plan.tp_size != plan.source_tp_size and tree.get("module") is not None:
             # another TP cut: the module's 16-bit slices are re-cut too (a pipeline's are in its layer files)
-            tree["module"] = _module_from_copies(ckpt, tree["module"], cache)
+            tree["module"] = module_from_copies(ckpt, tree["module"], cache)
             _set_frozen(tree, plan, ckpt, tree["module"])
         if plan.from_stage != plan.zero_stage:
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
@@ -188,6 +188,8 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
 
         tree = dict(cache.tree(plan.source_model_files[0]))
         zero_keys_from_stage0(tree, ckpt)
+        if plan.tp_size != plan.source_tp_size:  # another TP cut: the module's slices are re-cut too
+            tree["module"] = module_from_copies(ckpt, tree["module"], cache)
         tree["dp_world_size"] = plan.world_size
         tree["param_shapes"] = shapes_tree(plan)
         _set_frozen(tree, plan, ckpt, dict(tree["module"] or {}))  # a pipeline's module is None (in layer files)
@@ -254,7 +256,7 @@ def full_module(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: A
     return out
 
 
-def _module_from_copies(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: Any) -> OrderedDict[str, Any]:
+def module_from_copies(ckpt: LogicalCheckpoint, src_module: Mapping[str, Any], cache: Any) -> OrderedDict[str, Any]:
     """The module state dict of ``ckpt`` (a TP rank's view, :func:`dsckpt.tensor_parallel.rank_view`) in the source's
     key order: every param streamed from its module copy's fragments at the view's shape, buffers as stored, tied
     aliases sharing their source's tensor."""

@@ -1,6 +1,6 @@
 """Tensor-parallel checkpoints (DeepSpeed AutoTP; Megatron-style models saved through DeepSpeed with an ``mpu``).
 
-Each TP rank ``t`` is an ordinary ZeRO-1/2/3 or ``BF16_Optimizer`` checkpoint of its local slices, in the files
+Each TP rank ``t`` is an ordinary stage-0, ZeRO-1/2/3 or ``BF16_Optimizer`` checkpoint of its local slices, in the files
 named ``mp_rank_{t:02d}`` (tests/fixtures/README.md, "AutoTP fixtures"). This reader reads every TP rank with the
 reader of its layout, parses the ``universal_checkpoint_info`` record of the model-states files into a
 :class:`~dsckpt.parallel_layout.TpLayout`, and maps each rank's local fragments to fragments of the full tensor
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import CheckpointFiles
 from ..model import Kind, LogicalCheckpoint, Piece, TensorEntry
 from ..parallel_layout import ParamCut, SplitKind, TpLayout
@@ -39,6 +39,7 @@ def rank_files(files: CheckpointFiles, t: int) -> CheckpointFiles:
 
 
 def read_tensor_parallel(files: CheckpointFiles, cache: FileCache, tp_size: int) -> LogicalCheckpoint:
+    from .stage0 import read_stage0
     from .zero3 import read_zero3
     from .zero12 import read_zero12
 
@@ -49,17 +50,17 @@ def read_tensor_parallel(files: CheckpointFiles, cache: FileCache, tp_size: int)
         raise IncompleteCheckpointError(
             f"'{files.tag_dir}' was saved with tensor parallelism {tp_size} but has no model-states file for TP "
             f"rank(s) {missing}; the save was probably interrupted; pick another tag with --tag")
-    if not files.dp_mp_to_optim_states:
-        raise UnsupportedCheckpointError(
-            f"'{files.tag_dir}': a tensor-parallel checkpoint without ZeRO optimizer files (stage 0), which is not "
-            "supported yet; only ZeRO-1/2/3 and BF16_Optimizer TP checkpoints can be read")
+    # Without ZeRO (stage 0) there are no optimizer files: each TP rank's mp_rank_{t} model-states file holds its
+    # module slices and its optimizer (torch's, or the 16-bit wrapper's masters), read as a dense stage-0 save.
+    stage0 = not zero3 and not files.dp_mp_to_optim_states
     no_optim = [t for t in range(tp_size) if not any(mp == t for _, mp in files.dp_mp_to_optim_states)]
-    if no_optim:
+    if no_optim and not stage0:
         raise IncompleteCheckpointError(
             f"'{files.tag_dir}' was saved with tensor parallelism {tp_size} but has no optimizer-state files for TP "
             f"rank(s) {no_optim} (no '*_mp_rank_{no_optim[0]:02d}_optim_states.pt'); the save was probably "
             "interrupted or files of another run were added; pick another tag with --tag")
-    reader: Callable[[CheckpointFiles, FileCache], LogicalCheckpoint] = read_zero3 if zero3 else read_zero12
+    reader: Callable[[CheckpointFiles, FileCache], LogicalCheckpoint] = (
+        read_zero3 if zero3 else read_stage0 if stage0 else read_zero12)
     ranks = [reader(rank_files(files, t), cache) for t in range(tp_size)]
     record_path = files.dp_mp_to_zero3_model_states[(0, 0)] if zero3 else files.mp_to_model_states[0]
     record = cache.tree(record_path).get(UNIVERSAL_CHECKPOINT_INFO)
