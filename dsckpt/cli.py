@@ -994,7 +994,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
     if plan.stages is not None:
-        tp = (f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if plan.source_tp_size > 1 else ("", "")
+        tp = ((f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if max(plan.source_tp_size, plan.tp_size) > 1
+              else ("", ""))
         stages = (f" (PP {plan.source_pp_size} x {tp[0]}DP {plan.source_world_size} -> PP {plan.pp_size} x {tp[1]}DP "
                   f"{plan.world_size})") + stages
     elif plan.tp_size > 1 or plan.source_tp_size > 1:

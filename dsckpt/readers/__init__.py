@@ -76,7 +76,7 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache,
           tied_keys: Mapping[int, str] | None = None) -> LogicalCheckpoint:
     from .pipeline import read_pipeline
     from .stage0 import read_stage0
-    from .tensor_parallel import read_tensor_parallel
+    from .tensor_parallel import read_tensor_parallel, with_tp1_record
     from .zero3 import read_zero3
     from .zero12 import read_zero12
 
@@ -96,7 +96,8 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache,
             return read_autoep(files, cache)
         if files.mp_world_size > 1:
             return read_tensor_parallel(files, cache, files.mp_world_size)
-        return read_zero3(files, cache)
+        return with_tp1_record(read_zero3(files, cache), cache,
+                               [p for _, p in sorted(files.dp_mp_to_zero3_model_states.items())])
     if 0 not in files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{tag_dir}' has no mp_rank_00_model_states.pt; the save is incomplete")
     meta = metadata_from_model_states(cache.tree(files.mp_to_model_states[0]))
@@ -113,11 +114,11 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache,
     if tp_size > 1:
         return read_tensor_parallel(files, cache, tp_size)
     if files.dp_mp_to_optim_states:
-        return read_zero12(files, cache)
+        return with_tp1_record(read_zero12(files, cache), cache, [files.mp_to_model_states[0]])
     ms = cache.tree(files.mp_to_model_states[0])
     if not isinstance(ms.get("module"), Mapping):
         raise CorruptCheckpointError(f"{files.mp_to_model_states[0]}: no 'module' state dict")
-    return read_stage0(files, cache)
+    return with_tp1_record(read_stage0(files, cache), cache, [files.mp_to_model_states[0]])
 
 
 def _refuse_tensor_parallel(mp_world_size: int, files: object) -> None:

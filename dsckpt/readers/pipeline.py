@@ -67,9 +67,11 @@ def read_pipeline(files: CheckpointFiles, cache: FileCache,
     if not files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{files.tag_dir}' has layer files but no mp_rank_XX_model_states.pt")
     tp_size = _tp_size(files, cache)
+    from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, agreed_record, combine_tp_ranks, with_tp1_record
+
     if tp_size == 1:
-        return read_stages(files, cache, tied_keys)
-    from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, agreed_record, combine_tp_ranks
+        return with_tp1_record(read_stages(files, cache, tied_keys), cache,
+                               [files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)])
 
     pp_size = len(files.mp_to_model_states) // tp_size
     ranks = [read_stages(tp_rank_files(files, t, tp_size), cache, tied_keys) for t in range(tp_size)]
