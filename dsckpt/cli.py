@@ -845,6 +845,20 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                f"re-scan: clean ({result.rescan.stored_tensors} stored tensors)")
 
 
+
+def _parse_tied_keys(items: tuple[str, ...]) -> dict[int, str]:
+    """``--tied-key LAYER=KEY`` items as layer index -> key."""
+    from .errors import UsageError
+
+    out: dict[int, str] = {}
+    for item in items:
+        layer, sep, key = item.partition("=")
+        if not sep or not layer.strip().isdigit() or not key.strip() or "." in key:
+            raise UsageError(f"--tied-key '{item}' is not LAYER=KEY (a layer index and a TiedLayerSpec key without "
+                             "dots, e.g. 0=embed)")
+        out[int(layer)] = key.strip()
+    return out
+
 @main.command()
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
@@ -870,6 +884,9 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                    "(functions, tied uses with a forward_fn) have no file (default: up to the last layer file).")
 @click.option("--layer-types", "layer_types", default=None, metavar="NAME,...",
               help="The PipelineModule layers' class names in order, for --partition-method type:REGEX.")
+@click.option("--tied-key", "tied_keys", multiple=True, metavar="LAYER=KEY",
+              help="For DeepSpeed's own fp32 pipeline save without ZeRO: the TiedLayerSpec key of the tied module "
+                   "saved in layer_LAYER-model_states.pt, which no file states (e.g. 0=embed). Repeatable.")
 @tag_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (which source ranges go to which rank) and exit "
                                              "(1 if there is work).")
@@ -903,7 +920,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             no_verify: bool, no_hf_files: bool, quiet: bool, workers: int | None, zero_stage: int | None,
             sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
             ep_size: int | None, pp_size: int | None, partition_method: str | None, num_layers: int | None,
-            layer_types: str | None, vocab_divisor: int | None, distributed: bool) -> None:
+            layer_types: str | None, tied_keys: tuple[str, ...], vocab_divisor: int | None,
+            distributed: bool) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 0, 1, 2 and 3 from any of them).
 
@@ -942,12 +960,14 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                              "--ep-size, --pp-size, --partition-method, --num-layers, --layer-types and "
                              "--make-vocab-size-divisible-by")
         _reshard_universal(ckpt, out, tag, dry_run=dry_run, force=force, verify="none" if no_verify else verify,
-                           quiet=quiet, workers=workers, fsync=not no_fsync, group=group)
+                           quiet=quiet, workers=workers, fsync=not no_fsync, group=group,
+                           tied_keys=_parse_tied_keys(tied_keys))
         return
     if world_size is None:
         raise UsageError("missing option '--world-size' / '-n' (or write a universal checkpoint with --universal)")
     cache = FileCache()
-    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True,
+                              tied_keys=_parse_tied_keys(tied_keys))
     plan = plan_reshard(logical, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size,
                         facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size,
                         ep_size=ep_size, pp_size=pp_size, partition_method=partition_method, num_layers=num_layers,
@@ -974,7 +994,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
     if plan.stages is not None:
-        tp = (f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if plan.source_tp_size > 1 else ("", "")
+        tp = ((f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if max(plan.source_tp_size, plan.tp_size) > 1
+              else ("", ""))
         stages = (f" (PP {plan.source_pp_size} x {tp[0]}DP {plan.source_world_size} -> PP {plan.pp_size} x {tp[1]}DP "
                   f"{plan.world_size})") + stages
     elif plan.tp_size > 1 or plan.source_tp_size > 1:
@@ -1014,7 +1035,8 @@ def _not_synced(no_fsync: bool) -> str:
 
 
 def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, force: bool, verify: str, quiet: bool,
-                       workers: int | None, fsync: bool = True, group: Any = None) -> None:
+                       workers: int | None, fsync: bool = True, group: Any = None,
+                       tied_keys: dict[int, str] | None = None) -> None:
     from .readers import FileCache, read_checkpoint
     from .reshard import (
         plan_universal_reshard,
@@ -1024,7 +1046,7 @@ def _reshard_universal(ckpt: str, out: str, tag: str | None, *, dry_run: bool, f
     )
 
     cache = FileCache()
-    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True)
+    logical = read_checkpoint(ckpt, tag=tag, cache=cache, check_master_copies=True, tied_keys=tied_keys)
     plan = plan_universal_reshard(logical, read_source_facts(logical, cache))
     if dry_run:
         click.echo("\n".join(plan.describe()))

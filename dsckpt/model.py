@@ -348,6 +348,15 @@ class LogicalCheckpoint:
         trainable/frozen ``flags``, or optimizer ``moments``; restricted to ``names`` if given."""
         from .binding import AmbiguousBindingError
 
+        unkeyed = self.pipeline.unkeyed_tied if self.pipeline is not None else ()
+        if unkeyed and (names is None or any(n.startswith("tied_modules.") for n in names)):
+            # DeepSpeed's own fp32 stage-0 pipeline save (readers/pipeline_binding.py): read with a stand-in key
+            layers = ", ".join(f"layer_{i:02d}-model_states.pt" for i in unkeyed)
+            raise AmbiguousBindingError(
+                f"'{self.tag_dir}': {purpose} names the tied module(s) saved in {layers}, whose TiedLayerSpec key no "
+                "file states (DeepSpeed's own fp32 pipeline save without ZeRO); dsckpt does not guess it, so nothing "
+                "was written. 'dsckpt reshard CKPT OUT -n N "
+                + " ".join(f"--tied-key {i}=KEY" for i in unkeyed) + "' writes a copy that names it")
         blocking = []
         for amb in self.ambiguities:
             if names is not None and not names.intersection(amb.names):

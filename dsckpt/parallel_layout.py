@@ -610,6 +610,11 @@ class PipelineRecord:
     #: rank's) and :meth:`tp_rank` gives another TP rank's
     tp_size: int = 1
     mp_model_files: tuple[Path, ...] = ()
+    #: DeepSpeed's own fp32 stage-0 save (no file names its params, dsckpt.readers.pipeline_binding): the tied
+    #: modules' TiedLayerSpec keys it was read with (layer index, key), and the layers of tied modules no key was
+    #: given for (named with a stand-in key: a rewrite would state a name the files do not)
+    tied_keys: tuple[tuple[int, str], ...] = ()
+    unkeyed_tied: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:

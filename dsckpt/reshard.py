@@ -180,6 +180,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in zero_optim) if zero_optim
                              else ckpt.precision is Precision.BF16),
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
+        tied_keys=ckpt.pipeline.tied_keys if ckpt.pipeline is not None else (),
     )
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
         raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
@@ -361,7 +362,7 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
     mode, out, cache = _prepare(plan.source_root, out, verify, cache)
     group.agree({"plan": describe_plan(plan, max_copies=1 << 30), "out": str(out), "tag": plan.tag,
                  "verify": mode.value}, "the reshard plan")
-    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache, tied_keys=dict(plan.tied_keys))
     checks = record_checks(cache)
     workers = default_workers() if workers is None else workers
 
@@ -521,7 +522,7 @@ def _write_files(plan: ReshardPlan, tag_dir: Path, cache: Any, *, workers: int,
 
     # Every tree is built here, in the calling thread (the file cache is not thread-safe); writing one
     # reads only the byte ranges its tree names.
-    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache, tied_keys=dict(plan.tied_keys))
     yield from _write_jobs(build_jobs(plan, ckpt, tag_dir, cache), workers, writeback=writeback)
 
 
@@ -618,7 +619,9 @@ def _verify_universal(plan: UniversalPlan, tmp: Path, cache: Any, mode: Verify) 
 
     if mode is Verify.NONE:
         return 0
-    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache)
+    # a stage-0 pipeline's tied keys, given with --tied-key, as the source was read (its ZeRO-1 plan keeps them)
+    tied_keys = dict(plan.zero_layout.tied_keys) if plan.zero_layout is not None else {}
+    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache, tied_keys=tied_keys)
     new_cache = FileCache()
     new = read_checkpoint(tmp, cache=new_cache)
     stage = 1 if plan.zero_layout is not None else src.zero_stage  # a stage-0 source: written from its ZeRO-1 files

@@ -500,7 +500,9 @@ def padded_vocab_size(vocab_size: int, divisor: int, tp_size: int) -> int:
 def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -> TpLayout:
     """A Megatron-style record's ``layout`` cut for ``tp_size`` ranks the way Megatron's layers (and DeepSpeed's
     universal loader, ``torch.chunk``) cut it: every split dim, and each sub-param of a fused param, in ``tp_size``
-    equal parts; a vocabulary padded to ``padded_vocab_size(original, vocab_divisor, tp_size)`` rows. Pure.
+    equal parts; a vocabulary padded to ``padded_vocab_size(original, vocab_divisor, tp_size)`` rows, at TP 1 too (the
+    TP-1 files keep the record, :func:`megatron_record_at`, which says the padding rows are padding:
+    :func:`dsckpt.readers.tensor_parallel.with_tp1_record`). Pure.
 
     Proven first on the source: its TP ranks must hold the equal parts of each split (and ``vocab_divisor`` must give
     the source's padded row count at the source's TP size). Raises
@@ -535,13 +537,6 @@ def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -
             target_rows = padded_vocab_size(orig, vocab_divisor, tp_size)
         else:
             target_rows = orig
-        if tp_size == 1 and target_rows != orig:
-            raise UnsupportedCheckpointError(
-                f"at TP 1 --make-vocab-size-divisible-by {vocab_divisor} pads the {orig}-row vocabulary of "
-                f"{_list(list(vocab))} to {target_rows} rows, and dsckpt reads a checkpoint without tensor "
-                "parallelism as whole tensors (no universal_checkpoint_info applies at TP 1; DeepSpeed writes none "
-                "there), so the padding rows would read as vocabulary; write --universal and load it with DeepSpeed's "
-                "universal loader, which pads for the model")
     problems: list[str] = []
     cuts: dict[str, ParamCut] = {}
     for name, c in layout.name_to_cut.items():
@@ -577,8 +572,9 @@ def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -
 
 
 def megatron_record_at(record: Mapping[str, Any], target: TpLayout) -> dict[str, Any]:
-    """The Megatron-style ``universal_checkpoint_info`` at ``target``'s TP size: the patterns unchanged,
-    ``padded_vocab_size`` the target's padded row count. Pure."""
+    """The Megatron-style ``universal_checkpoint_info`` at ``target``'s TP size (TP 1 included, where
+    Megatron-DeepSpeed saves it too): the patterns unchanged, ``padded_vocab_size`` the target's padded row count.
+    Pure."""
     out = dict(record)
     rows = target.vocab_rows
     if "padded_vocab_size" in out and rows:

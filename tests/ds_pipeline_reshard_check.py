@@ -12,8 +12,8 @@ true}``, DeepSpeed's own route from a ``ds_to_universal`` folder), then, on ever
 fp32 master and Adam moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``) equal to the recorded
 truth bit for bit, frozen params and buffers equal to the saved ones (not for ``@universal``, whose loader restores
 the optimizer's params only), every optimizer step and ``global_steps`` as saved; then one more ``train_batch``
-runs with a finite loss. ``@z1``: a stage-0 bf16 fixture's output, loaded at ZeRO-1 with fp32 gradient
-accumulation (BF16_Optimizer, as reshard writes it). ``@z0``: an fp32 fixture's output written without ZeRO, loaded
+runs with a finite loss. ``@z1``: a stage-0 fixture's output written as ZeRO-1 files, loaded at ZeRO-1 (bf16: with
+fp32 gradient accumulation, BF16_Optimizer, as reshard writes it). ``@z0``: an fp32 fixture's output written without ZeRO, loaded
 at ``"zero_optimization": {"stage": 0}`` (each stage's torch optimizer; the module weights are the master). Prints ``PASS``/``FAIL`` per pair on rank 0 (tests/ds_launch.py ``report_checks``).
 """
 import argparse
@@ -60,9 +60,10 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     truth = load_file(os.path.join(HERE, "fixtures", name, "truth.safetensors"))
     cfg = fm.ds_config(spec)
     cfg.pop("train_batch_size", None)
-    if "z1" in opts:  # a stage-0 bf16 pipeline run resharded as ZeRO-1 BF16_Optimizer files (same optimizer)
+    if "z1" in opts:  # a stage-0 run resharded as ZeRO-1 files (bf16: BF16_Optimizer, the same optimizer)
         cfg["zero_optimization"] = {"stage": 1}
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        if spec.get("dtype") == "bf16":
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if "z0" in opts:  # an fp32 pipeline written at stage 0 (a torch optimizer per stage, no ZeRO files)
         cfg["zero_optimization"] = {"stage": 0}
     if universal:

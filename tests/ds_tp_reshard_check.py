@@ -8,9 +8,11 @@ For each pair: the fixture's model (``tests/fixtures/autotp_models.py``, same se
 N / T data-parallel ranks) and, with ``--zero-stage``, that ZeRO stage; ``deepspeed.init_distributed("gloo")``, ``deepspeed.initialize``,
 plain ``engine.load_checkpoint(dir)``. ``megatron_*`` fixtures are rebuilt as generate_autotp.py built them: this TP
 rank's ``tp_megatron_models.MegatronNet`` (padded vocabulary: its local slices hold the padding rows) and its
-``MPU(T)`` passed to ``deepspeed.initialize`` (no AutoTP). With ``--universal`` the directories are ``reshard
---universal`` folders, loaded with ``"checkpoint": {"load_universal": true}`` (a padded vocabulary's padding rows are
-then expected zero: DeepSpeed's universal loader re-pads the cut vocabulary with zeros). Then, against ``truth.safetensors`` (what the source engine returned), exactly:
+``MPU(T)`` passed to ``deepspeed.initialize`` (no AutoTP); ``NAME@padded`` at T = 1: the model with its vocabulary
+still padded to 32 rows (``--make-vocab-size-divisible-by 16`` at TP 1; the padding rows expected zero). With
+``--universal`` the directories are ``reshard --universal`` folders, loaded with ``"checkpoint": {"load_universal":
+true}`` (a padded vocabulary's padding rows are then expected zero: DeepSpeed's universal loader re-pads the cut
+vocabulary with zeros). Then, against ``truth.safetensors`` (what the source engine returned), exactly:
 
 * per param, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(exp_avg / exp_avg_sq)`` -- at the
   source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``), at another
@@ -88,8 +90,9 @@ def forced_cpu_fp16(on: bool):
         CPU_Accelerator.is_fp16_supported, CPU_Accelerator.supported_dtypes = saved
 
 
-def build(name):
-    """``(spec, engine, tp_rank, dp_rank)`` of the fixture's model at TP size ``TP``."""
+def build(name, padded=False):
+    """``(spec, engine, tp_rank, dp_rank)`` of the fixture's model at TP size ``TP`` (``padded``: a Megatron-style
+    model whose vocabulary stays padded at TP 1)."""
     spec = dict(am.AUTOTP_FIXTURES[name])
     spec["tp"] = TP
     if args.zero_stage is not None:
@@ -103,7 +106,7 @@ def build(name):
         import tp_megatron_models as mm
 
         mpu = mm.MPU(TP)
-        model = mm.MegatronNet(mpu.tp_group, mpu.tp_rank, TP)
+        model = mm.MegatronNet(mpu.tp_group, mpu.tp_rank, TP, padded_at_tp1=padded)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
         return spec, engine, mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()
     model = am.make_model(spec["arch"])
@@ -113,7 +116,7 @@ def build(name):
     return spec, engine, groups.get_tensor_model_parallel_rank(), groups.get_data_parallel_rank()
 
 
-def expected(truth, key, n, q, tp_rank, same_tp, megatron):
+def expected(truth, key, n, q, tp_rank, same_tp, megatron, padded=False):
     """What the engine must hold for ``key`` of param ``n`` (live param ``q``): the recorded TP-local slice at the
     source's TP size, the full tensor at TP 1, and at another TP size > 1 the full (merged) truth cut by DeepSpeed
     itself: the live param's AutoTP metadata (its partition dim and frozen partition sizes / sub-param widths) through
@@ -126,7 +129,7 @@ def expected(truth, key, n, q, tp_rank, same_tp, megatron):
 
         want = want.clone()
         want[max(0, mm.VOCAB - tp_rank * want.shape[0]):] = 0
-    if megatron and not same_tp and TP > 1:
+    if megatron and not same_tp and (TP > 1 or padded):
         return megatron_slice(want, n, tp_rank)
     if same_tp or TP == 1:
         return want
@@ -164,16 +167,17 @@ def megatron_slice(full, n, tp_rank):
 def check_one(name, ckpt_dir):
     import json
 
+    name, _, variant = name.partition("@")
     with open(os.path.join(args.fixtures, name, "truth.json")) as f:
         meta = json.load(f)
     with forced_cpu_fp16(meta["dtype"] == "fp16"):
-        return _check_one(name, ckpt_dir, meta)
+        return _check_one(name, ckpt_dir, meta, padded=variant == "padded")
 
 
-def _check_one(name, ckpt_dir, meta):
+def _check_one(name, ckpt_dir, meta, padded=False):
     problems = []
     truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
-    spec, engine, tp_rank, dp_rank = build(name)
+    spec, engine, tp_rank, dp_rank = build(name, padded)
     megatron = spec["arch"] == "megatron"
     same_tp = TP == meta["tp_size"]
     path, _ = engine.load_checkpoint(ckpt_dir)
@@ -195,7 +199,7 @@ def _check_one(name, ckpt_dir, meta):
     for n, q in engine.module.named_parameters():
         for key in ("param", "exp_avg", "exp_avg_sq"):
             got = full_state(q, key)
-            want = expected(truth, key, n, q, tp_rank, same_tp, megatron)
+            want = expected(truth, key, n, q, tp_rank, same_tp, megatron, padded)
             if got is None or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.float().cpu(), want):
                 problems.append(f"{key} of '{n}' differs from the source"
                                 + (f" (shape {list(got.shape)}, expected {list(want.shape)})"
@@ -205,7 +209,7 @@ def _check_one(name, ckpt_dir, meta):
                 lowp = q.data.detach().cpu().clone()
         else:
             lowp = q.data.detach().cpu()
-        want = expected(truth, "lowp", n, q, tp_rank, same_tp, megatron)
+        want = expected(truth, "lowp", n, q, tp_rank, same_tp, megatron, padded)
         if tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp.to(want.dtype), want):
             problems.append(f"module weight '{n}' differs from the source")
     if engine.global_steps != meta["global_steps"] or engine.global_samples != meta["global_samples"]:

@@ -27,15 +27,16 @@ UNIFORM = {"partition_method": "uniform", "num_layers": 7}
 LAYER_TYPES = ["Embedding[embed]", "Linear", "BatchNormPipe", "ReLU", "FrozenLinear", "Linear", "Embedding[embed]"]
 
 
-def _reshard(src: Path, out: Path, world_size: int, **kw):
+def _reshard(src: Path, out: Path, world_size: int, tied_keys: dict[int, str] | None = None, **kw):
     cache = FileCache()
-    ckpt = read_checkpoint(src, cache=cache)
+    ckpt = read_checkpoint(src, cache=cache, tied_keys=tied_keys)
     plan = plan_reshard(ckpt, world_size, facts=read_source_facts(ckpt, cache), **kw)
     return plan, run_reshard(plan, out, cache=cache)
 
 
 def _fixture(name: str):
-    fx = [f for f in PIPELINE if f.name == name]
+    # pp2_fp32_z0 leaves its tied module's key open (expect_ambiguous): the tests here give it
+    fx = [f for f in all_fixtures(include_ambiguous=True) if f.name == name]
     if not fx:
         pytest.skip(f"no fixture {name}")
     return fx[0]
@@ -274,15 +275,118 @@ def test_pipeline_record_tp_rank_is_pure_file_arithmetic():
     assert plain.tp_rank(0) is plain
 
 
-def test_fp32_pipeline_without_zero_is_refused_naming_why():
-    """fp32 at stage 0: each stage's torch optimizer state_dict (params by index) sits in its model states and the
-    layer files save the tied module under its layer index without its key; nothing binds either, so the reader
-    refuses instead of guessing (the fixture's truth names tied_modules.embed.weight, which no file states)."""
-    fx = Path(__file__).parent / "fixtures" / "pp2_fp32_z0"
-    r = CliRunner().invoke(main, ["info", str(fx / "ckpt")])
+Z0 = Path(__file__).parent / "fixtures" / "pp2_fp32_z0"
+EMBED = {0: "embed"}  # the fixture's TiedLayerSpec key, which no file of DeepSpeed's own stage-0 save states
+
+
+def test_ds_stage0_pipeline_is_bound_by_shape_and_order():
+    """DeepSpeed's own fp32 pipeline save without ZeRO names no param of its stages' torch optimizers: each stage's
+    states are bound to the layer files' params by shape and module order (the tied module first on both stages, the
+    frozen Linear absent), proven (no other cut of the layers fits), and every moment, module weight and step equals
+    the recorded truth. The tied module's key is in no file: read with the key it is named by it, else by a stand-in
+    key, noted, and reshard refuses to write that name, asking for --tied-key."""
+    from dsckpt.assemble import read_piece
+    from dsckpt.model import Kind
+    from dsckpt.readers.pipeline import BOUND_NOTE, unkeyed_note
+
+    fx = _fixture("pp2_fp32_z0")
+    cache = FileCache()
+    ckpt = read_checkpoint(fx.ckpt, cache=cache, tied_keys=EMBED)
+    assert (ckpt.zero_stage, ckpt.optimizer_wrapper, ckpt.optimizer_step) == (0, "torch optimizer", 3)
+    assert ckpt.pipeline.stage_group_orders == ((("tied_modules.embed.weight", "1.weight", "1.bias", "2.weight",
+                                                  "2.bias"),), (("tied_modules.embed.weight", "5.weight", "5.bias"),))
+    assert ckpt.notes == (BOUND_NOTE,) and ckpt.pipeline.unkeyed_tied == ()
+    assert sorted(e.name for e in ckpt.params if not e.trainable) == sorted(fx.meta["frozen"])
+    truth = fx.truth()
+    checked = 0
+    for e in ckpt.entries:
+        for key, piece in (("param" if e.kind is Kind.PARAM else "buffer", e.piece(Role.MODULE)),
+                           ("exp_avg", e.state_piece("exp_avg")), ("exp_avg_sq", e.state_piece("exp_avg_sq"))):
+            if piece is not None:
+                got = read_piece(piece, e.shape, cache, name=e.name)
+                assert torch.equal(got, truth[f"{key}/{e.name}"].to(got.dtype)), (key, e.name)
+                checked += 1
+    assert checked == 3 * len(fx.meta["trainable"]) + 2 + 3  # frozen 4.weight/4.bias, 3 buffers
+    # the tied module's copies on stage 1 are replicas of stage 0's, which must equal them
+    assert len({p.replica for p in ckpt.entry("tied_modules.embed.weight").pieces}) == 2
+    unkeyed = read_checkpoint(fx.ckpt)
+    assert unkeyed.pipeline.stage_group_orders[1][0][0] == "tied_modules.layer_00.weight"
+    assert unkeyed.pipeline.unkeyed_tied == (0,) and unkeyed_note(0) in unkeyed.notes
+    r = CliRunner().invoke(main, ["reshard", str(fx.ckpt), "/nonexistent/out", "-n", "2"])
     assert r.exit_code == 3, r.output
-    assert "pipeline run without ZeRO" in r.stderr and "names its params by index only" in r.stderr
-    assert "tied_modules.<key> names are stated nowhere" in r.stderr
+    assert "tied module(s) in layer_00-model_states.pt whose TiedLayerSpec key no file states" in r.stderr
+    assert "give it with --tied-key 0=KEY" in r.stderr
+    r = CliRunner().invoke(main, ["reshard", str(fx.ckpt), "/nonexistent/out", "-n", "2", "--tied-key", "5=embed"])
+    assert r.exit_code == 2 and "--tied-key names layer(s) [5]" in r.stderr and "(its tied modules: layer 0)" in r.stderr
+
+
+Z0_SOURCE = [  # DeepSpeed's own stage-0 save -> (--world-size, options, stages, data-parallel size, ZeRO stage)
+    (4, {"pp_size": 4, **UNIFORM}, 4, 1, 0),
+    (2, {"pp_size": 1, **UNIFORM}, 1, 2, 0),
+    (2, {}, 2, 1, 0),
+    (4, {"zero_stage": 1}, 2, 2, 1),
+    (4, {"zero_stage": 1, "pp_size": 4, **UNIFORM}, 4, 1, 1),
+]
+
+
+@pytest.mark.parametrize("world, kw, pp, dp, stage", Z0_SOURCE, ids=[f"pp{c[2]}xdp{c[3]}-z{c[4]}" for c in Z0_SOURCE])
+def test_ds_stage0_pipeline_resharded_matches_truth(world, kw, pp, dp, stage, tmp_path):
+    """DeepSpeed's own fp32 stage-0 pipeline save resharded (--tied-key 0=embed) to 4 x 1 and 1 x 2 stages x ranks at
+    stage 0, and to ZeRO-1: every fp32 master (at stage 0 the module weight) and Adam moment equals the recorded truth
+    bit for bit, every optimizer state's step is the saved one, the frozen params stay frozen, the layer files are
+    unchanged and the input too."""
+    fx = _fixture("pp2_fp32_z0")
+    before = tree_digest(fx.ckpt)
+    out = tmp_path / "out"
+    _reshard(fx.ckpt, out, world, tied_keys=EMBED, **kw)
+    new = _check_truth(fx, out, pp, dp)
+    assert new.zero_stage == stage
+    assert sorted(e.name for e in new.params if not e.trainable) == sorted(fx.meta["frozen"])
+    tag = fx.meta["tag"]
+    steps = []
+    for f in sorted((out / tag).glob("*.pt")):
+        if f.name.startswith("mp_rank_") and stage == 0:
+            steps += [st["step"] for st in _materialized(f)["optimizer"]["state"].values()]
+        elif "optim_states" in f.name:
+            steps += [st["step"] for st in _materialized(f)["optimizer_state_dict"]["base_optimizer_state"][
+                "state"].values()]
+    assert len(steps) >= pp and {float(x) for x in steps} == {float(fx.meta["optimizer_step"][0])}
+    for f in sorted(p.name for p in (fx.ckpt / tag).glob("layer_*")):
+        _same(_materialized(fx.ckpt / tag / f), _materialized(out / tag / f), f)
+    assert tree_digest(fx.ckpt) == before
+
+
+def test_ds_stage0_pipeline_ambiguous_or_unfit_binding_is_refused(tmp_path):
+    """Hand-edited copies (malformed inputs): stage 0's optimizer without its last state leaves three [7] params
+    (1.bias, 2.weight, 2.bias) for two states in module order, so which one is frozen is open -- refused as
+    ambiguous, naming each state's candidates, as the dense stage-0 reader refuses it --; a state whose shape no param of its stage has fits no cut
+    of the layers at all."""
+    import shutil
+
+    from dsckpt.binding import AmbiguousBindingError
+
+    fx = _fixture("pp2_fp32_z0")
+    for case in ("ambiguous", "unfit"):
+        shutil.copytree(fx.ckpt, tmp_path / case)
+    f = tmp_path / "ambiguous" / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    del sd["optimizer"]["state"][4]
+    sd["optimizer"]["param_groups"][0]["params"].remove(4)
+    torch.save(sd, f)
+    with pytest.raises(AmbiguousBindingError) as e:
+        read_checkpoint(tmp_path / "ambiguous", tied_keys=EMBED)
+    msg = str(e.value)
+    assert "more than one binding fits: cannot tell which params own 2 stored optimizer state tensor(s)" in msg
+    assert ("stage 0 optimizer.state[2] fits 1.bias or 2.weight; stage 0 optimizer.state[3] fits 2.bias or 2.weight"
+            in msg and "dsckpt does not guess" in msg)
+    r = CliRunner().invoke(main, ["info", str(tmp_path / "ambiguous")])
+    assert r.exit_code == 3 and "more than one binding fits" in r.stderr
+    f = tmp_path / "unfit" / "global_step3" / "mp_rank_01_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["optimizer"]["state"][1]["exp_avg"] = sd["optimizer"]["state"][1]["exp_avg_sq"] = torch.zeros(3, 10)
+    torch.save(sd, f)
+    with pytest.raises(UnsupportedCheckpointError, match="fit no cut of its layer files into the stages"):
+        read_checkpoint(tmp_path / "unfit")
 
 
 # ---------------------------------------------------------------------------------------------- fp32 targets at stage 0
@@ -380,7 +484,7 @@ def test_stage0_pipeline_files_round_trip(tmp_path):
 
 
 def test_stage0_pipeline_files_must_name_their_params(tmp_path):
-    """Without param_shapes the files are DeepSpeed's own stage-0 save, refused as unnamed; param_shapes that do not
+    """param_shapes on some stages only is refused (DeepSpeed's own stage-0 save names none); param_shapes that do not
     fit the layer files or the optimizer's groups are refused as damaged (hand-edited copies: malformed inputs)."""
     import shutil
 
@@ -391,14 +495,71 @@ def test_stage0_pipeline_files_must_name_their_params(tmp_path):
     f = tmp_path / "z0" / "global_step3" / "mp_rank_01_model_states.pt"
     ms = torch.load(f, weights_only=False)
     for case, shapes, match in (
-            ("unnamed", None, "names its params by index only"),
+            ("unnamed", None, r"stages disagree: stage\(s\) \[0, 1\] of \[0, 1\] hold a torch optimizer state in "
+                              r"mp_rank_XX_model_states.pt, stage\(s\) \[0\] name its params"),
             ("swapped", [dict(reversed(list(ms["param_shapes"][0].items())))],
              r"param_shapes\[0\] names '5.bias' \[6\] \(optimizer.state\[0\] \[11, 6\]\)"),
             ("short", [dict(list(ms["param_shapes"][0].items())[:2])], "group 0 holds 3 params and param_shapes")):
         shutil.copytree(tmp_path / "z0", tmp_path / case)
         torch.save({**ms, "param_shapes": shapes}, tmp_path / case / "global_step3" / f.name)
-        with pytest.raises(UnsupportedCheckpointError if shapes is None else CorruptCheckpointError, match=match):
+        with pytest.raises(CorruptCheckpointError, match=match):
             read_checkpoint(tmp_path / case)
+
+
+def test_stage0_pipeline_files_without_names_bind_to_the_same_names(tmp_path):
+    """dsckpt's stage-0 pipeline files at 4 stages x 2 ranks (tied module on stages 0 and 3, a ReLU and a frozen Linear
+    between cuts) with param_shapes removed from every stage -- DeepSpeed's own layout -- bind to exactly what their
+    param_shapes named: the same stage orders, frozen params and stored pieces."""
+    import shutil
+
+    fx = _fixture("pp2_dp2_fp32")
+    _reshard(fx.ckpt, tmp_path / "z0", 8, zero_stage=0, pp_size=4, **UNIFORM)
+    shutil.copytree(tmp_path / "z0", tmp_path / "bare")
+    for f in (tmp_path / "bare" / "global_step3").glob("mp_rank_*"):
+        torch.save({**torch.load(f, weights_only=False), "param_shapes": None}, f)
+    named, bound = read_checkpoint(tmp_path / "z0"), read_checkpoint(tmp_path / "bare", tied_keys=EMBED)
+    assert bound.pipeline.stage_group_orders == named.pipeline.stage_group_orders
+    assert named.pipeline.stage_group_orders[3] == (("tied_modules.embed.weight",),)
+
+    def pieces(ckpt):
+        return {e.name: (e.trainable, [(p.role, p.state_key, p.replica, [(f.file.name, f.key) for f in p.fragments])
+                                       for p in e.pieces]) for e in ckpt.entries}
+
+    assert pieces(bound) == pieces(named)
+
+
+def _adam(*shapes):
+    """A torch Adam state_dict whose states have ``shapes`` (params 0..n-1, one group); tensors as unread refs."""
+    import math
+
+    from dsckpt.tensor_ref import StorageRef, TensorRef
+
+    def ref(k, shape):
+        return TensorRef(StorageRef(Path("f.pt"), str(k), "float32", math.prod(shape), 0, "cpu"), 0, shape,
+                         tuple(math.prod(shape[i + 1:]) for i in range(len(shape))))
+
+    return {"param_groups": [{"params": list(range(len(shapes)))}],
+            "state": {k: {"step": 3, "exp_avg": ref(k, sh), "exp_avg_sq": ref(k, sh)} for k, sh in enumerate(shapes)}}
+
+
+def test_binding_puts_a_tied_module_first_and_keeps_its_frozen_params_frozen_everywhere():
+    """Pure: a tied module in layer 1 (its bias frozen) is first in stage 0's optimizer, before layer 0's params, and
+    first again on stage 1 beside layer 2: the one reading that fits; its bias frozen on both stages (a reading with
+    it trainable on stage 1 only is no reading). Without the first stage's states in that order nothing fits."""
+    from dsckpt.readers.pipeline_binding import LayerParams, bind_stage_optimizers
+
+    layers = [LayerParams(0, (("weight", (4, 3)), ("bias", (4,)))), LayerParams(1, (("weight", (5, 4)), ("bias", (5,)))),
+              LayerParams(2, (("weight", (3, 5)), ("bias", (3,))))]
+    files = [Path("mp_rank_00_model_states.pt"), Path("mp_rank_01_model_states.pt")]
+    got = bind_stage_optimizers([_adam((5, 4), (4, 3), (4,)), _adam((5, 4), (3, 5), (3,))], layers,
+                                model_files=files, tag_dir=Path("t"), tied_keys={1: "head"})
+    assert [[list(g) for g in st] for st in got.param_shapes] == [
+        [["tied_modules.head.weight", "0.weight", "0.bias"]], [["tied_modules.head.weight", "2.weight", "2.bias"]]]
+    assert got.renames == {"1.weight": "tied_modules.head.weight", "1.bias": "tied_modules.head.bias"}
+    assert got.unkeyed == ()
+    with pytest.raises(UnsupportedCheckpointError, match="fit no cut of its layer files into the stages"):
+        bind_stage_optimizers([_adam((4, 3), (5, 4), (4,)), _adam((5, 4), (3, 5), (3,))], layers, model_files=files,
+                              tag_dir=Path("t"))
 
 
 def test_pipeline_targets_at_zero2_refused_naming_why():
@@ -480,7 +641,8 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
     """One 4-rank launch: DeepSpeed's PipelineEngine loads with plain load_checkpoint() what reshard wrote for
     2 stages x 2 DP -> 4 stages, -> 1 stage x 4 DP, 2 stages x 1 DP -> 2 x 2 (fp32, bf16 ZeRO-1, bf16
     BF16_Optimizer), a stage-0 bf16 run (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files at 2 x 2 and 1 x 4,
-    DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed; dsckpt refuses to read it),
+    DeepSpeed's own fp32 stage-0 pipeline save at DP 1 -> 2 unchanged (no rewrite needed) and resharded (its states
+    bound by shape and order) to 4 x 1 at stage 0 and to ZeRO-1 at 2 x 2,
     an fp32 ZeRO-1 run written without ZeRO (2 x 2 -> 2 x 2, 4 x 1, 1 x 4, loaded at stage 0), and the Megatron-style
     tensor x pipeline fixtures (with frozen params too) at PP 2 x TP 2 x DP 1 -> PP 1 x TP 2 x DP 2 (the fp32 one also
     written without ZeRO, and so at PP 2 x TP 2 x DP 1; their TP-local slices): masters, moments, steps, global steps
@@ -511,8 +673,13 @@ def test_deepspeed_pipeline_engine_loads_resharded_outputs(tmp_path):
             out = tmp_path / f"bf16_z0_pp{pp}"
             _reshard(_fixture("pp2_dp2_bf16_z0").ckpt, out, 4, **kw)
             pairs.append(f"pp2_dp2_bf16_z0@pp{pp}@z1={out}")
-    # DeepSpeed's own fp32 stage-0 pipeline save (which dsckpt refuses to read) loads unchanged at DP 1 -> 2
-    pairs.append(f"pp2_fp32_z0@pp2={Path(__file__).parent / 'fixtures' / 'pp2_fp32_z0' / 'ckpt'}")
+    # DeepSpeed's own fp32 stage-0 pipeline save loads unchanged at DP 1 -> 2; resharded (its states bound by shape
+    # and order, the tied key given) to 4 stages at stage 0 and to ZeRO-1 at 2 x 2
+    pairs.append(f"pp2_fp32_z0@pp2={Z0 / 'ckpt'}")
+    for pp, kw in ((4, {"pp_size": 4, **UNIFORM}), (2, {"zero_stage": 1})):
+        out = tmp_path / f"ds_z0_pp{pp}"
+        _reshard(Z0 / "ckpt", out, 4, tied_keys=EMBED, **kw)
+        pairs.append(f"pp2_fp32_z0@pp{pp}@{'z1' if kw.get('zero_stage') else 'z0'}={out}")
     for pp, kw in ((2, {}), (4, {"pp_size": 4, **UNIFORM}), (1, {"pp_size": 1, **UNIFORM})):
         out = tmp_path / f"fp32_z0_pp{pp}"  # an fp32 ZeRO-1 run written without ZeRO, loaded at stage 0 (@z0)
         _reshard(_fixture("pp2_dp2_fp32").ckpt, out, 4, zero_stage=0, **kw)

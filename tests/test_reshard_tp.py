@@ -536,15 +536,19 @@ DS_TP_CASES: dict[tuple[int, int, int | None], list[str]] = {
                    "autotp_z3_bf16_tp2_dp1", "autotp_z1_bf16_tp2_dp1_kv3", "autotp_z1_bf16_tp2_dp1_vocab33",
                    "autotp_z1_bf16_tp2_dp1_falcon", "autotp_z1_fp16_tp2_dp1_cpuforced",
                    "autotp_z3_fp16_tp2_dp1_cpuforced", "autotp_z0_fp32_tp2_dp2", "autotp_z0_bf16_tp2_dp1_kv6",
-                   # Megatron-style at TP 1: the plain 30-row model (MEGATRON_DIVISOR pads nothing at TP 1)
-                   "megatron_z1_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt"],
+                   # Megatron-style at TP 1: the plain 30-row model (MEGATRON_DIVISOR pads nothing at TP 1) and
+                   # ("@padded", PADDED_TP1_DIVISOR) the model whose vocabulary stays padded to 32 rows at TP 1
+                   "megatron_z1_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt",
+                   "megatron_z2_fp32_tp2_dp2@padded", "megatron_z1_bf16_tp2_dp1@padded"],
 }
 # make_vocab_size_divisible_by of tp_megatron_models.MegatronNet: 30 rows -> 30 at TP 1, 32 at TP 2 and at TP 4
 MEGATRON_DIVISOR = 2
+# ... and of MegatronNet(padded_at_tp1=True): 30 rows -> 32 at TP 1 (the TP-1 files keep the Megatron record)
+PADDED_TP1_DIVISOR = 16
 # case -> (fixture, launch ranks) of its tampered control
 TAMPERED_CASES = {(2, 2, None): ("autotp_z2_fp32_tp2_dp2", 2), (2, 1, None): ("autotp_z2_fp32_tp2_dp2", 2),
                   (4, 4, None): ("autotp_z1_bf16_tp2_dp1_kv6", 4), (4, 2, 0): ("autotp_z0_bf16_tp2_dp1_kv6", 4)}
-PADDING_TAMPERED_CASES = {(2, 2, None), (4, 4, None)}
+PADDING_TAMPERED_CASES = {(2, 2, None), (4, 4, None), (2, 1, None)}
 # cases with an fp16 control whose loss scale was changed on one rank (the check must see the loss scaler)
 SCALER_TAMPERED_CASES = {(4, 2, None)}
 SCALER = "<loss scaler>"
@@ -590,18 +594,23 @@ def _write_scaler_tampered(out: Path) -> tuple[str, int]:
 def _write_padding_tampered(out: Path, tp: int) -> tuple[str, int]:
     """megatron_z2_fp32_tp2_dp2 at TP ``tp`` x DP 1 with the fp32 master of head.weight's last padding element (row
     31, past the 30-row vocabulary, on the last TP rank: carried at TP 2, a new zero row at TP 4) changed: the check
-    must see the padding rows. Returns the param and the global rank that holds it."""
-    _reshard(TP_DIR / "megatron_z2_fp32_tp2_dp2", out, tp, tp_size=tp, **_divisor("megatron_z2_fp32_tp2_dp2", tp))
+    must see the padding rows. At TP 1: TP 1 x DP 2 with the vocabulary padded to 32 rows (PADDED_TP1_DIVISOR), the
+    element in DP rank 1's partition (every DP rank gathers it). Returns the param and the global rank that holds
+    it."""
+    world = 2 if tp == 1 else tp
+    kw = {"make_vocab_size_divisible_by": PADDED_TP1_DIVISOR} if tp == 1 else _divisor("megatron_z2_fp32_tp2_dp2", tp)
+    _reshard(TP_DIR / "megatron_z2_fp32_tp2_dp2", out, world, tp_size=tp, **kw)
     shapes = _load(out / "global_step3" / f"mp_rank_{tp - 1:02d}_model_states.pt")["param_shapes"][0]
     assert list(shapes)[-1] == "head.weight"
     end = sum(math.prod(s) for s in shapes.values())
-    f = out / "global_step3" / f"zero_pp_rank_0_mp_rank_{tp - 1:02d}_optim_states.pt"
-    sd = _load(f)
-    flat = sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
-    assert flat.numel() == end  # the last element is head.weight[-1, 7]: the last TP rank's last row = padding row 31
+    files = [out / "global_step3" / f"zero_pp_rank_{d}_mp_rank_{tp - 1:02d}_optim_states.pt" for d in range(world // tp)]
+    sds = [_load(f) for f in files]
+    flats = [sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] for sd in sds]
+    # the last element is head.weight[-1, 7]: the last TP rank's last row = padding row 31
+    assert sum(f.numel() for f in flats) == end
     with torch.no_grad():
-        flat[end - 1] += 1.0
-    torch.save(sd, f)
+        flats[-1][-1] += 1.0
+    torch.save(sds[-1], files[-1])
     return "head.weight", tp - 1
 
 
@@ -634,6 +643,11 @@ def _ds_tp_run(base: Path, world: int, tp: int, stage: int | None):
     pairs = []
     for name in names:
         out = cwd / name
+        if name.endswith("@padded"):
+            _reshard(TP_DIR / name.split("@")[0], out, world, tp_size=tp, zero_stage=stage,
+                     make_vocab_size_divisible_by=PADDED_TP1_DIVISOR)
+            pairs.append(f"{name}={out}")
+            continue
         via = VIA_TP.get((world, tp, stage), {}).get(name)
         if via is not None:
             _reshard(TP_DIR / name, cwd / f"{name}_tp{via}", via, tp_size=via)
@@ -651,7 +665,7 @@ def _ds_tp_run(base: Path, world: int, tp: int, stage: int | None):
         pairs.append(f"{fixture}={cwd / 'tampered'}")
     if (world, tp, stage) in PADDING_TAMPERED_CASES:
         tampered[str(cwd / "padding_tampered")] = _write_padding_tampered(cwd / "padding_tampered", tp)
-        pairs.append(f"megatron_z2_fp32_tp2_dp2={cwd / 'padding_tampered'}")
+        pairs.append(f"megatron_z2_fp32_tp2_dp2{'@padded' if tp == 1 else ''}={cwd / 'padding_tampered'}")
     if (world, tp, stage) in SCALER_TAMPERED_CASES:
         tampered[str(cwd / "scaler_tampered")] = _write_scaler_tampered(cwd / "scaler_tampered")
         pairs.append(f"autotp_z1_fp16_tp2_dp1_cpuforced={cwd / 'scaler_tampered'}")

@@ -35,8 +35,9 @@ from dsckpt.tensor_parallel import padded_vocab_size
 TP_DIR = Path(__file__).parent / "fixtures" / "autotp"
 MEGATRON = ["megatron_z1_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt"]
 # (fixture, target TP, target DP, make_vocab_size_divisible_by): D = 2 keeps 32 rows at TP 4 (the padding moves to
-# TP rank 3) and gives the unpadded 30 at TP 1; D = 16 pads to 64 at TP 4 (TP ranks 2 and 3: padding only)
-CASES = [(fx, tp, dp, d) for fx in MEGATRON for tp, dp, d in ((4, 1, 2), (4, 1, 16), (1, 2, 2))] + [
+# TP rank 3) and gives the unpadded 30 at TP 1; D = 16 pads to 64 at TP 4 (TP ranks 2 and 3: padding only) and to 32
+# at TP 1 (the TP-1 files keep the Megatron record, which says rows 30 and 31 are padding)
+CASES = [(fx, tp, dp, d) for fx in MEGATRON for tp, dp, d in ((4, 1, 2), (4, 1, 16), (1, 2, 2), (1, 2, 16))] + [
     ("megatron_z1_bf16_tp2_dp1", 4, 2, 16)]
 
 
@@ -80,10 +81,8 @@ def test_megatron_tp_change_equals_deepspeed_universal_route(name, tp, dp, d, tm
         assert ms["mp_world_size"] == ms["checkpoint_parallel_dimensions"]["tp_degree"] == tp
         assert ms["args"]["tensor_model_parallel_size"] == tp
         assert ms["args"]["padded_vocab_size"] == ms["checkpoint_info"]["padded_vocab_size"] == padded
-        if tp > 1:
-            assert ms["universal_checkpoint_info"] == {**m["universal_checkpoint_info"], "padded_vocab_size": padded}
-        else:
-            assert "universal_checkpoint_info" not in ms
+        # Megatron-DeepSpeed saves its record at every TP size (megatron/checkpointing.py), TP 1 included
+        assert ms["universal_checkpoint_info"] == {**m["universal_checkpoint_info"], "padded_vocab_size": padded}
         for f in (out / m["tag"]).glob(f"*zero_pp_rank_*_mp_rank_{t:02d}_optim_states.pt"):
             steps = {float(st["step"]) for st in _load(f)["optimizer_state_dict"]["base_optimizer_state"]["state"]
                      .values()}
@@ -103,28 +102,77 @@ def test_megatron_tp_change_equals_deepspeed_universal_route(name, tp, dp, d, tm
             assert not read_piece(p, (e.padding_rows, *e.shape[1:]), cache, name=n).any(), (n, p.label)
 
 
-def test_round_trip_keeps_real_rows_and_zeroes_old_padding(tmp_path):
-    """TP 2 -> 4 -> 2 (D = 2): every real row of every copy as in the source; the source's padding rows (trained
-    values) are not carried, as in DeepSpeed's route: zero after the round trip."""
+@pytest.mark.parametrize(("mid_tp", "mid_dp", "d"), [(4, 1, 2), (1, 2, 16)], ids=["via-tp4-D2", "via-tp1-D16"])
+def test_round_trip_keeps_real_rows_and_zeroes_old_padding(mid_tp, mid_dp, d, tmp_path):
+    """TP 2 -> 4 -> 2 (D = 2) and TP 2 -> 1 -> 2 (D = 16: 32 rows at TP 1, the padding rows said by the TP-1 files'
+    Megatron record): every real row of every copy as in the source; the source's padding rows (trained values) are
+    not carried, as in DeepSpeed's route: zero after the round trip. Both reshards verify what they wrote in full."""
     fx = TP_DIR / "megatron_z2_fp32_tp2_dp2"
-    _reshard(fx, tmp_path / "a", 4, tp_size=4, make_vocab_size_divisible_by=2)
+    _reshard(fx, tmp_path / "a", mid_tp * mid_dp, tp_size=mid_tp, make_vocab_size_divisible_by=d)
     cache = FileCache()
     from dsckpt.reshard import read_source_facts, run_reshard
 
     mid = read_checkpoint(tmp_path / "a", cache=cache)
-    run_reshard(plan_reshard(mid, 4, tp_size=2, make_vocab_size_divisible_by=2, facts=read_source_facts(mid, cache)),
+    run_reshard(plan_reshard(mid, 4, tp_size=2, make_vocab_size_divisible_by=d, facts=read_source_facts(mid, cache)),
                 tmp_path / "b", cache=cache, verify="full", workers=1)
-    src = local_slices(fx / "ckpt" / "global_step3", 1, stage=2, dp=2, bf16=False)
-    back = local_slices(tmp_path / "b" / "global_step3", 1, stage=2, dp=2, bf16=False)
-    for s in STATES:
-        for n, v in src[s].items():
-            if n in ("embed.weight", "head.weight"):  # TP rank 1's rows 16-31: 14 real rows, then padding
-                assert torch.equal(back[s][n][:14], v[:14]) and not back[s][n][14:].any(), (s, n)
-                # the source's padding rows held values (this model's loss never sees them: their initial values,
-                # weight-decayed; no gradient, so zero moments)
-                assert s != "fp32" or v[14:].any(), (s, n)
-            else:
-                assert torch.equal(back[s][n], v), (s, n)
+    for t in range(2):
+        src = local_slices(fx / "ckpt" / "global_step3", t, stage=2, dp=2, bf16=False)
+        back = local_slices(tmp_path / "b" / "global_step3", t, stage=2, dp=2, bf16=False)
+        for s in STATES:
+            for n, v in src[s].items():
+                if t == 1 and n in ("embed.weight", "head.weight"):  # TP rank 1's rows 16-31: 14 real, then padding
+                    assert torch.equal(back[s][n][:14], v[:14]) and not back[s][n][14:].any(), (s, n)
+                    # the source's padding rows held values (this model's loss never sees them: their initial values,
+                    # weight-decayed; no gradient, so zero moments)
+                    assert s != "fp32" or v[14:].any(), (s, n)
+                else:
+                    assert torch.equal(back[s][n], v), (t, s, n)
+
+
+def test_tp1_padded_vocabulary_reads_as_original_rows(tmp_path):
+    """TP 2 -> TP 1 with D = 16 (32 rows at TP 1): the TP-1 files keep the Megatron record (padded_vocab_size 32), so
+    dsckpt reads the vocabulary as its 30 original rows -- ``to-fp32`` exports ds_to_universal's tensors exactly --
+    and the 2 padding rows apart, zero. Control: the same files without the record read 32 rows (what every
+    reader of a TP-1 checkpoint without it must do), and a record whose padded size disagrees with the rows is
+    refused."""
+    from safetensors.torch import load_file
+
+    fx = TP_DIR / "megatron_z1_bf16_tp2_dp1"
+    out = tmp_path / "tp1"
+    _reshard(fx, out, 2, tp_size=1, make_vocab_size_divisible_by=16)
+    r = CliRunner().invoke(main, ["to-fp32", str(out), str(tmp_path / "m.safetensors"), "-q"])
+    assert r.exit_code == 0, r.output
+    got, uni = load_file(tmp_path / "m.safetensors"), universal(fx)
+    assert set(got) == set(meta(fx)["params"])
+    for n, v in got.items():
+        assert torch.equal(v, uni[f"fp32/{n}"]), n
+    # --universal of the TP-1 files: ds_to_universal's tensors (the vocabulary cut to 30 rows, vocab_tensor set),
+    # as DeepSpeed's own ds_to_universal writes them from these files (checked once by hand: all 56 files equal)
+    r = CliRunner().invoke(main, ["reshard", str(out), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    for n in meta(fx)["params"]:
+        for s in STATES:
+            d = _load(tmp_path / "u" / "global_step3_universal" / "zero" / n / f"{s}.pt")
+            assert torch.equal(d["param"], uni[f"{s}/{n}"]), (s, n)
+            assert d.get("vocab_tensor", False) == (n in ("embed.weight", "head.weight")), n
+    cache = FileCache()
+    back = read_checkpoint(out, cache=cache)
+    assert back.tensor_parallel is not None and back.tensor_parallel.tp_size == 1
+    assert any("read as its 30 original rows, 2 padding rows kept apart" in n for n in back.notes)
+    e = back.entry("embed.weight")
+    assert (e.shape, e.padding_rows, len(e.padding)) == ((30, 8), 2, len(e.pieces))
+    for p in e.padding:
+        assert not read_piece(p, (2, 8), cache, name=e.name).any(), p.label
+    ms_path = out / "global_step3" / "mp_rank_00_model_states.pt"
+    ms = _load(ms_path)
+    del ms["universal_checkpoint_info"]
+    torch.save(ms, ms_path)
+    assert read_checkpoint(out).entry("embed.weight").shape == (32, 8)
+    ms["universal_checkpoint_info"] = {**meta(fx)["universal_checkpoint_info"], "padded_vocab_size": 64}
+    torch.save(ms, ms_path)
+    with pytest.raises(UnsupportedCheckpointError, match=r"'embed.weight': TP ranks hold 32 rows, padded_vocab_size "
+                                                         r"says 64"):
+        read_checkpoint(out)
 
 
 @pytest.mark.parametrize("name", MEGATRON)
@@ -141,17 +189,14 @@ def test_tp_change_without_divisor_refused(name, tmp_path):
         assert not (tmp_path / "o").exists()
 
 
-def test_wrong_or_unwritable_divisor_refused(tmp_path):
-    """A divisor that does not give the source's padded size is a usage error (exit 2); one that pads at TP 1 is
-    refused (exit 3): a TP-1 checkpoint keeps no record of its padding rows."""
+def test_wrong_divisor_or_uneven_split_refused(tmp_path):
+    """A divisor that does not give the source's padded size is a usage error (exit 2); a split dim that does not
+    divide by the new TP size is refused (exit 3)."""
     fx = TP_DIR / "megatron_z1_bf16_tp2_dp1"
     ckpt = read_checkpoint(fx / "ckpt")
     with pytest.raises(UsageError, match=r"--make-vocab-size-divisible-by 32 pads the 30-row vocabulary to 64 rows at "
                                          r"the source's TP size 2, but embed.weight, head.weight hold 32"):
         plan_reshard(ckpt, 4, tp_size=4, make_vocab_size_divisible_by=32, facts=derive_facts(ckpt))
-    with pytest.raises(UnsupportedCheckpointError, match=r"at TP 1 --make-vocab-size-divisible-by 16 pads the 30-row "
-                                                         r"vocabulary of embed.weight, head.weight to 32 rows"):
-        plan_reshard(ckpt, 1, tp_size=1, make_vocab_size_divisible_by=16, facts=derive_facts(ckpt))
     with pytest.raises(UnsupportedCheckpointError, match=r"'layers.0.fc1.weight': 12 \+ 12 on dim 0 do not split into "
                                                          r"5 equal parts"):
         plan_reshard(ckpt, 5, tp_size=5, make_vocab_size_divisible_by=2, facts=derive_facts(ckpt))

@@ -456,11 +456,13 @@ def _ds_route(fx: Path, key: str, n: str, tp: int, t: int, rows: int = 32) -> to
 
 
 # (label, CLI arguments, stages, TP size, DP size, make_vocab_size_divisible_by): D = 8 pads the 30-row vocabulary to
-# 32 at TP 4 (as at TP 2); D = 2 leaves it unpadded at TP 1
+# 32 at TP 4 (as at TP 2); D = 2 leaves it unpadded at TP 1, D = 16 pads it to 32 there (the TP-1 files' Megatron
+# record says which rows are padding)
 TP_CHANGES = [("pp2_tp4", ["-n", "8", "--tp-size", "4"], 2, 4, 1, 8),
               ("pp1_tp4", ["-n", "4", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 1, 8),
               ("pp1_tp4_dp2", ["-n", "8", "--tp-size", "4", "--pp-size", "1", *TYPED], 1, 4, 2, 8),
-              ("pp2_tp1_dp2", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 2)]
+              ("pp2_tp1_dp2", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 2),
+              ("pp2_tp1_dp2_padded", ["-n", "4", "--tp-size", "1"], 2, 1, 2, 16)]
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
@@ -476,7 +478,7 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
 
     out = tmp_path / label
     stdout = _reshard_cli(fx / "ckpt", out, *args, "--make-vocab-size-divisible-by", str(d))
-    rows = 32 if tp > 1 else 30
+    rows = -(-30 // (d * tp)) * (d * tp)  # Megatron's _vocab_size_with_padding
     assert f"(PP 2 x TP 2 x DP 1 -> PP {pp} x TP {tp} x DP {dp})" in stdout
     tag = out / "global_step3"
     assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_{i:02d}-model_{t:02d}-model_states.pt"
@@ -502,7 +504,7 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
     ms = torch.load(tag / f"mp_rank_{pp * tp - 1:02d}_model_states.pt", weights_only=False)
     assert (ms["mp_world_size"], ms["checkpoint_parallel_dimensions"]) == (pp * tp, {"pp_degree": pp, "tp_degree": tp})
     assert ms["args"]["tensor_model_parallel_size"] == tp and ms["args"]["padded_vocab_size"] == rows
-    assert ms.get("universal_checkpoint_info", {}).get("padded_vocab_size") == (32 if tp > 1 else None)
+    assert ms["universal_checkpoint_info"]["padded_vocab_size"] == rows  # kept at TP 1 too, as Megatron-DeepSpeed does
     back = read_checkpoint(out, cache=cache_)
     assert (back.pp_world_size, back.tp_world_size or 1, back.dp_world_size, back.optimizer_step) == (pp, tp, dp, 3)
     for n in meta(fx)["params"]:
@@ -513,6 +515,31 @@ def test_reshard_changes_the_tp_size_of_a_tensor_x_pipeline_run(fx, label, args,
         assert torch.equal(read_entry(e, cache_, Role.MODULE),
                            _merge_local(n, [truth(fx)[f"tp{r}/lowp/{n}"] for r in range(2)])), n
     cache_.finish_checks()
+
+
+@pytest.mark.parametrize("fx", FIXTURES, ids=IDS)
+def test_tp1_padded_round_trip_of_a_tensor_x_pipeline_run(fx, tmp_path):
+    """PP 2 x TP 2 -> PP 2 x TP 1 x DP 2 (D = 16: 32 rows, the record kept) -> PP 2 x TP 2: the TP-1 files read with
+    their Megatron record (the padding rows as padding) and re-cut for TP 2, layer files included: every stored copy
+    of every TP rank is DeepSpeed's own route's (:func:`_ds_route`) -- the source's real rows, its padding rows
+    zero."""
+    from dsckpt.assemble import read_piece
+
+    _reshard_cli(fx / "ckpt", tmp_path / "tp1", "-n", "4", "--tp-size", "1", "--make-vocab-size-divisible-by", "16")
+    stdout = _reshard_cli(tmp_path / "tp1", tmp_path / "tp2", "-n", "4", "--tp-size", "2",
+                          "--make-vocab-size-divisible-by", "16")
+    assert "(PP 2 x TP 1 x DP 2 -> PP 2 x TP 2 x DP 1)" in stdout
+    cache_ = FileCache()
+    files = classify_files(*find_tag_dir(tmp_path / "tp2", None))
+    checked = 0
+    for t in range(2):
+        ckpt = read_stages(tp_rank_files(files, t, 2), cache_)
+        for e in ckpt.entries:
+            for key, piece in _stored(e, "fp32"):
+                want = _ds_route(fx, key, e.name, 2, t)
+                assert torch.equal(read_piece(piece, e.shape, cache_, name=e.name), want), (t, key, e.name)
+                checked += 1
+    assert checked == 2 * copies(fx)
 
 
 @pytest.mark.parametrize("args", [["--world-size", "4", "--tp-size", "1"], ["--world-size", "8", "--tp-size", "4"]],

@@ -198,11 +198,11 @@ def test_cli_error_is_one_line(tmp_path):
 
 # --- writing ---------------------------------------------------------------------------------------
 
-def write_universal(src: Path, out: Path, verify: str = "full", fsync: bool = True):
+def write_universal(src: Path, out: Path, verify: str = "full", fsync: bool = True, tied_keys=None):
     from dsckpt.reshard import plan_universal_reshard, read_source_facts, run_universal
 
     cache = FileCache()
-    ckpt = read_checkpoint(src, cache=cache)
+    ckpt = read_checkpoint(src, cache=cache, tied_keys=tied_keys)
     plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache))
     return plan, run_universal(plan, out, cache=cache, verify=verify, fsync=fsync)
 
@@ -297,9 +297,10 @@ def test_universal_refusals(fixture, why, tmp_path):
 
 # Stage-0 sources (ds_to_universal reads none): dense fp32 (the module is the master) and bf16
 # (FP16_UnfusedOptimizer, 0.19.8 and the ds0189 set), AutoTP at fp32 and bf16, a bf16 pipeline (BF16_Optimizer files,
-# model states without param_shapes)
+# model states without param_shapes), DeepSpeed's own fp32 pipeline save (its tied module's key given: --tied-key)
 STAGE0_SOURCES = ["s0_fp32_w1", "s0_bf16_w2", "ds0189_s0_bf16_w2", "autotp/autotp_z0_fp32_tp2_dp2",
-                  "autotp/autotp_z0_bf16_tp2_dp1_kv6", "pp2_dp2_bf16_z0"]
+                  "autotp/autotp_z0_bf16_tp2_dp1_kv6", "pp2_dp2_bf16_z0", "pp2_fp32_z0"]
+STAGE0_TIED_KEYS = {"pp2_fp32_z0": {0: "embed"}}
 
 
 @pytest.mark.parametrize("name", STAGE0_SOURCES, ids=lambda n: n.split("/")[-1])
@@ -314,7 +315,8 @@ def test_stage0_source_universal_holds_the_recorded_truth(name, tmp_path):
     meta = json.loads((fx / "truth.json").read_text())
     truth = load_file(str(fx / "truth.safetensors"))
     step = (meta.get("optimizer_step") or meta.get("adam_step"))[0]
-    plan, result = write_universal(fx / "ckpt", tmp_path / "out", verify="quick", fsync=False)
+    plan, result = write_universal(fx / "ckpt", tmp_path / "out", verify="quick", fsync=False,
+                                   tied_keys=STAGE0_TIED_KEYS.get(name))
     assert plan.zero_layout is not None and result.verified_tensors > 0
     zero = tmp_path / "out" / f"{meta['tag']}_universal" / "zero"
     trained = sorted(n for k in truth if k.startswith("exp_avg/")  # a tied alias's state is its source's

@@ -51,9 +51,10 @@ ALL = list(SAVE_DIRS)
 # Designed so that which stage-0 params own the optimizer's tensors cannot be told, and the exported values
 # differ by choice (fixture_models.FIXTURES expect_ambiguous): dsckpt refuses rather than guess.
 AMBIGUOUS_VALUES = {"s0_bf16_w1_adapter_ambiguous"}
-# A pipeline run without ZeRO in fp32: its optimizer state names params by index only and its layer files keep
-# tied modules without their key, so dsckpt refuses it by name (docs/support-matrix.md); DeepSpeed's raises too.
-REFUSED = {"pp2_fp32_z0": "pipeline run without ZeRO"}
+# A pipeline run without ZeRO in fp32: its optimizer state names params by index only (dsckpt binds them by shape
+# and order) and its layer files keep the tied module without its key, which no file states: dsckpt refuses to name
+# it (docs/support-matrix.md; reshard --tied-key writes a copy that names it); DeepSpeed's raises too.
+REFUSED = {"pp2_fp32_z0": "names the tied module.s. saved in layer_00-model_states.pt, whose TiedLayerSpec key no file"}
 
 
 def ds(fx: str, call: str) -> dict:

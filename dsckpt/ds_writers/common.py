@@ -345,11 +345,14 @@ def target_ds_config(config: Any, zero_stage: int, sub_group_size: int | None) -
 def retarget_tp_keys(tree: Any, plan: LayoutPlan, layouts: tuple[Any, Any] | None = None) -> Any:
     """A file's top-level keys that record the tensor-parallel size, rewritten for ``plan.tp_size``:
     ``mp_world_size``, ``checkpoint_parallel_dimensions.tp_degree`` (engine.py:420-428), ``ds_config``'s
-    ``tensor_parallel`` section, and ``universal_checkpoint_info``. DeepSpeed 0.19.8 attaches that record only when
-    AutoTP partitions the model (``finalize_autotp(attach_uc_metadata=True)``; with ``autotp_size`` <= 1
-    ``_configure_tensor_parallel`` returns before, engine.py), so a TP-1 file has none: it is dropped. At another
-    TP size > 1 it is rewritten for the target's cut (``layouts``: the source's and the target's
-    :class:`~dsckpt.parallel_layout.TpLayout`; :func:`dsckpt.autotp_widths.record_at`)."""
+    ``tensor_parallel`` section, and ``universal_checkpoint_info``. DeepSpeed 0.19.8 attaches an AutoTP record only
+    when AutoTP partitions the model (``finalize_autotp(attach_uc_metadata=True)``; with ``autotp_size`` <= 1
+    ``_configure_tensor_parallel`` returns before, engine.py), so an AutoTP TP-1 file has none: it is dropped.
+    Megatron-DeepSpeed keeps its record in ``client_state`` at every TP size, TP 1 included (``megatron/
+    checkpointing.py``), so a Megatron-style record is kept at TP 1 too, where it says which vocabulary rows are
+    padding (:func:`dsckpt.readers.tensor_parallel.with_tp1_record`). Elsewhere it is rewritten for the target's cut
+    (``layouts``: the source's and the target's :class:`~dsckpt.parallel_layout.TpLayout`;
+    :func:`dsckpt.tensor_parallel.megatron_record_at`, :func:`dsckpt.autotp_widths.record_at`)."""
     if not isinstance(tree, Mapping):
         return tree
     out = dict(tree)
@@ -368,13 +371,13 @@ def retarget_tp_keys(tree: Any, plan: LayoutPlan, layouts: tuple[Any, Any] | Non
             cfg["tensor_parallel"] = {**cfg["tensor_parallel"], "autotp_size": tp}
         out["ds_config"] = cfg
     megatron = layouts is not None and layouts[1] is not None and layouts[1].source == "megatron"
-    if tp == 1:
+    if tp == 1 and not megatron:
         out.pop("universal_checkpoint_info", None)
     elif isinstance(out.get("universal_checkpoint_info"), Mapping):
         from ..autotp_widths import record_at
         from ..tensor_parallel import megatron_record_at
 
-        assert layouts is not None, "a TP size change to TP > 1 plans both layouts"
+        assert layouts is not None, "a TP size change plans both layouts"
         out["universal_checkpoint_info"] = (megatron_record_at(out["universal_checkpoint_info"], layouts[1])
                                             if megatron else record_at(out["universal_checkpoint_info"], *layouts))
     if megatron:

@@ -183,6 +183,15 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
         # "torch optimizer": its param_shapes name each stage's params (readers/pipeline.py), as dsckpt writes them
         problems.append("a pipeline run without ZeRO or BF16_Optimizer (its optimizer state sits in each stage's "
                         "mp_rank_XX_model_states.pt, which dsckpt does not read yet)")
+    if ckpt.pipeline is not None and ckpt.pipeline.unkeyed_tied:
+        # DeepSpeed's own fp32 stage-0 pipeline save (readers/pipeline_binding.py): the output names every param
+        # (param_shapes, param_slice_mappings), and a universal checkpoint made from it is loaded by those names
+        layers = ckpt.pipeline.unkeyed_tied
+        problems.append(
+            f"tied module(s) in {', '.join(f'layer_{i:02d}-model_states.pt' for i in layers)} whose TiedLayerSpec key "
+            "no file states (DeepSpeed's own stage-0 pipeline save), which the output would have to name "
+            f"(tied_modules.<key>.*); give it with {' '.join(f'--tied-key {i}=KEY' for i in layers)}, KEY as in "
+            "the run's TiedLayerSpec(KEY, ...)")
     if ckpt.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {ckpt.zero_stage}")
     if ckpt.layout.startswith("universal") and (ckpt.tensor_parallel is not None or ckpt.autoep is not None):

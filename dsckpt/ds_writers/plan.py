@@ -186,6 +186,9 @@ class LayoutPlan:
     # tensor x pipeline at another TP size: TP rank 0's layer_XX-model_00 files, each re-cut for every target TP rank
     # (the module's slices of its layer's params; dsckpt.ds_writers.layer_file_jobs)
     recut_layer_files: tuple[Path, ...] = ()
+    # DeepSpeed's own fp32 stage-0 pipeline save: the TiedLayerSpec keys the source is read with (layer, key)
+    # (dsckpt.readers.read_checkpoint's tied_keys; PipelineRecord.tied_keys)
+    tied_keys: tuple[tuple[int, str], ...] = ()
 
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""

@@ -32,7 +32,7 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
     """
     from ..readers import FileCache, read_checkpoint
 
-    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache)
+    src = read_checkpoint(plan.source_root, tag=plan.tag, cache=src_cache, tied_keys=dict(plan.tied_keys))
     new_cache = FileCache()
     new = read_checkpoint(new_root, tag=plan.tag, cache=new_cache)
     if (new.dp_world_size, max(1, new.tp_world_size)) != (plan.world_size, plan.tp_size):

@@ -18,7 +18,8 @@ __all__ = ["FileCache", "read_checkpoint"]
 
 def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
                     cache: FileCache | None = None, allow_mixed_saves: bool = False,
-                    check_master_copies: bool = False) -> LogicalCheckpoint:
+                    check_master_copies: bool = False,
+                    tied_keys: Mapping[int, str] | None = None) -> LogicalCheckpoint:
     """Open the DeepSpeed checkpoint at ``path`` (save dir or tag folder) as one logical model.
 
     A rank file that is a copy of another (renamed, or two ranks holding the same bytes) is refused always; rank
@@ -29,9 +30,12 @@ def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None,
     both an fp32 master and a module copy are saved (ZeRO-1/2, TP), their first and last elements of every param are
     compared (:func:`.same_save.sampled_copy_disagreements`, ``verify``'s check in its cheap form), so that files of
     two saves of one step cannot be exported together silently. ``scan`` and ``verify`` compare every element and
-    report disagreements as findings instead."""
+    report disagreements as findings instead.
+
+    ``tied_keys`` (layer index -> ``TiedLayerSpec`` key): the keys of the tied modules of DeepSpeed's own fp32 stage-0
+    pipeline save, which no file states (:mod:`.pipeline_binding`); elsewhere unused."""
     cache = cache if cache is not None else FileCache()
-    logical = _read(path, tag, cache)
+    logical = _read(path, tag, cache, tied_keys)
     _check_rank_identity(logical, cache)
     if not allow_mixed_saves:
         _check_one_save(logical, cache, check_master_copies)
@@ -68,10 +72,11 @@ def _check_one_save(ckpt: LogicalCheckpoint, cache: FileCache, check_master_copi
                                      f"'{ckpt.tag_dir}': " + "; ".join(msg for msg, _ in disagreements))
 
 
-def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> LogicalCheckpoint:
+def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache,
+          tied_keys: Mapping[int, str] | None = None) -> LogicalCheckpoint:
     from .pipeline import read_pipeline
     from .stage0 import read_stage0
-    from .tensor_parallel import read_tensor_parallel
+    from .tensor_parallel import read_tensor_parallel, with_tp1_record
     from .zero3 import read_zero3
     from .zero12 import read_zero12
 
@@ -82,7 +87,7 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
         return read_universal(root, tag_name, tag_dir, cache)
     files = classify_files(root, tag_name, tag_dir)
     if files.layer_files:
-        return read_pipeline(files, cache)
+        return read_pipeline(files, cache, tied_keys)
     if files.dp_mp_to_zero3_model_states:
         first = files.dp_mp_to_zero3_model_states[min(files.dp_mp_to_zero3_model_states)]
         if cache.tree(first).get("ds_autoep_layers"):
@@ -91,7 +96,8 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
             return read_autoep(files, cache)
         if files.mp_world_size > 1:
             return read_tensor_parallel(files, cache, files.mp_world_size)
-        return read_zero3(files, cache)
+        return with_tp1_record(read_zero3(files, cache), cache,
+                               [p for _, p in sorted(files.dp_mp_to_zero3_model_states.items())])
     if 0 not in files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{tag_dir}' has no mp_rank_00_model_states.pt; the save is incomplete")
     meta = metadata_from_model_states(cache.tree(files.mp_to_model_states[0]))
@@ -108,11 +114,11 @@ def _read(path: str | os.PathLike[str], tag: str | None, cache: FileCache) -> Lo
     if tp_size > 1:
         return read_tensor_parallel(files, cache, tp_size)
     if files.dp_mp_to_optim_states:
-        return read_zero12(files, cache)
+        return with_tp1_record(read_zero12(files, cache), cache, [files.mp_to_model_states[0]])
     ms = cache.tree(files.mp_to_model_states[0])
     if not isinstance(ms.get("module"), Mapping):
         raise CorruptCheckpointError(f"{files.mp_to_model_states[0]}: no 'module' state dict")
-    return read_stage0(files, cache)
+    return with_tp1_record(read_stage0(files, cache), cache, [files.mp_to_model_states[0]])
 
 
 def _refuse_tensor_parallel(mp_world_size: int, files: object) -> None:

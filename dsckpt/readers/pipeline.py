@@ -41,22 +41,40 @@ from .common import (
     step_of,
     whole,
 )
+from .pipeline_binding import LayerParams, StageBinding, bind_stage_optimizers, stand_in_key
 from .stage0 import moment_pieces, state_shape
 from .zero12 import zero12_optimizer_groups, zero12_param_entries
 
-__all__ = ["read_pipeline", "read_stages", "tp_rank_files"]
+__all__ = ["BOUND_NOTE", "read_pipeline", "read_stages", "tp_rank_files", "unkeyed_note"]
+
+#: the note of a DeepSpeed-own fp32 stage-0 pipeline save read through :mod:`.pipeline_binding`
+BOUND_NOTE = ("each stage's torch optimizer state (DeepSpeed's own stage-0 save: params by index, param_shapes None) "
+              "bound to the layer files' params by shape and module order (tied modules first, frozen params absent), "
+              "proven: no other cut of the layers into the stages fits")
 
 
-def read_pipeline(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+def unkeyed_note(layer: int) -> str:
+    """The note of a tied module whose ``TiedLayerSpec`` key no file states."""
+    return (f"the tied module saved in layer_{layer:02d}-model_states.pt is used on several stages, but no file states "
+            f"its TiedLayerSpec key: named tied_modules.{stand_in_key(layer)}.*; give the key with --tied-key "
+            f"{layer}=KEY")
+
+
+def read_pipeline(files: CheckpointFiles, cache: FileCache,
+                  tied_keys: Mapping[int, str] | None = None) -> LogicalCheckpoint:
+    """``tied_keys``: layer index -> ``TiedLayerSpec`` key of the tied modules of DeepSpeed's own fp32 stage-0 save,
+    which no file names (:mod:`.pipeline_binding`)."""
     if not files.mp_to_model_states:
         raise CorruptCheckpointError(f"'{files.tag_dir}' has layer files but no mp_rank_XX_model_states.pt")
     tp_size = _tp_size(files, cache)
+    from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, agreed_record, combine_tp_ranks, with_tp1_record
+
     if tp_size == 1:
-        return read_stages(files, cache)
-    from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, agreed_record, combine_tp_ranks
+        return with_tp1_record(read_stages(files, cache, tied_keys), cache,
+                               [files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)])
 
     pp_size = len(files.mp_to_model_states) // tp_size
-    ranks = [read_stages(tp_rank_files(files, t, tp_size), cache) for t in range(tp_size)]
+    ranks = [read_stages(tp_rank_files(files, t, tp_size), cache, tied_keys) for t in range(tp_size)]
     record, where = agreed_record(cache, [files.mp_to_model_states[m] for m in sorted(files.mp_to_model_states)])
     ckpt = combine_tp_ranks(ranks, record, where=where)
     assert ckpt.pipeline is not None
@@ -122,7 +140,8 @@ def tp_rank_files(files: CheckpointFiles, t: int, tp_size: int) -> CheckpointFil
     )
 
 
-def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
+def read_stages(files: CheckpointFiles, cache: FileCache,
+                tied_keys: Mapping[int, str] | None = None) -> LogicalCheckpoint:
     """A pipeline checkpoint without tensor parallelism (or one TP rank's files of one, see :func:`tp_rank_files`)."""
     stages = sorted(files.mp_to_model_states)
     metas = {s: metadata_from_model_states(cache.tree(files.mp_to_model_states[s])) for s in stages}
@@ -132,15 +151,20 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     optim = files.dp_mp_to_optim_states
     world = meta0.dp_world_size or max(files.optim_dp_world_size, 1)
     named0: dict[int, Mapping[str, Any]] = {}  # stage -> its torch optimizer state dict (fp32, no ZeRO)
+    bound: StageBinding | None = None  # DeepSpeed's own stage-0 save: its states bound to names by shape and order
     if optim:
         expect_dp_ranks(files, "optimizer-state", optim, world)
     else:
         named0 = _named_stage0_optimizers(files, cache, stages)
+        if named0 and not isinstance(cache.tree(files.mp_to_model_states[stages[0]]).get("param_shapes"), list):
+            bound = _bind_unnamed(files, cache, stages, named0, buffer_names, tied_keys)
     # BF16_Optimizer without ZeRO (bf16 pipeline at stage 0) saves param_shapes None: its optimizer files name the
     # params of each partition (param_slice_mappings), which give the flat order; the layer files give the shapes
     flat_names = {s: _slice_mapping_order([optim[(d, s)] for d in range(world)], cache) for s in stages
                   if optim and cache.tree(files.mp_to_model_states[s]).get("param_shapes") is None}
     known = _param_names(files, cache, stages) | {n for order in flat_names.values() for g in order for n, _ in g}
+    renames = bound.renames if bound is not None else {}
+    known |= set(renames.values())
     tied_names = [n for n in known if n.startswith("tied_modules.")]
     # name -> (file, key, ref) for every tensor of every layer file
     layer_tensors: dict[str, tuple[Path, tuple[Any, ...], TensorRef]] = {}
@@ -149,13 +173,15 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         tree = cache.tree(path)
         for key, ref in tree.items():
             if isinstance(ref, TensorRef):
-                name = f"{layer}.{key}"
+                name = renames.get(f"{layer}.{key}", f"{layer}.{key}")
                 if name not in known and name not in buffer_names:
                     name = _tied_name(key, ref, tied_names, layer_tensors) or name
                 layer_tensors[name] = (path, (key,), ref)
                 order.append(name)
 
     shapes_of = {s: cache.tree(files.mp_to_model_states[s]).get("param_shapes") for s in stages}
+    if bound is not None:
+        shapes_of.update({s: list(bound.param_shapes[i]) for i, s in enumerate(stages)})
     shapes_of.update({s: _shapes_from_layers(order, layer_tensors, files.mp_to_model_states[s])
                       for s, order in flat_names.items()})
     entries: dict[str, TensorEntry] = {}
@@ -211,6 +237,11 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
     ordered = [entries[n] for n in order if n in entries] + [e for n, e in entries.items() if n not in layer_tensors]
     record = dataclasses.replace(_record(files, cache, stages, layer_tensors, entries, buffer_names, shapes_of),
                                  stage_optimizer_groups=tuple(stage_groups))
+    notes: tuple[str, ...] = ()
+    if bound is not None:
+        record = dataclasses.replace(record, unkeyed_tied=bound.unkeyed,
+                                     tied_keys=tuple(sorted((tied_keys or {}).items())))
+        notes = (BOUND_NOTE,) + tuple(unkeyed_note(i) for i in bound.unkeyed)
     groups, _ = merge_stage_groups(stage_groups)
     return LogicalCheckpoint(
         root=files.root, tag=files.tag, tag_dir=files.tag_dir, layout="pipeline",
@@ -219,7 +250,7 @@ def read_stages(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         global_steps=meta0.global_steps, global_samples=meta0.global_samples, optimizer_step=step,
         optimizer_wrapper=wrapper, entries=tuple(ordered), files=tuple(files.all_files()),
         ds_config=meta0.ds_config, pipeline=record, optimizer_groups=groups,
-        optimizer_type=optimizer_type(meta0.ds_config),
+        optimizer_type=optimizer_type(meta0.ds_config), notes=notes,
     )
 
 
@@ -273,28 +304,35 @@ def _with_stage_copy(first: TensorEntry, later: TensorEntry) -> TensorEntry:
 def _named_stage0_optimizers(files: CheckpointFiles, cache: FileCache,
                              stages: list[int]) -> dict[int, Mapping[str, Any]]:
     """Per stage, the torch optimizer ``state_dict()`` an fp32 pipeline run without ZeRO keeps in its
-    ``mp_rank_XX_model_states.pt``, where every stage's ``param_shapes`` names its params (dsckpt's stage-0 pipeline
-    files, ``ds_writers.stage0.PIPELINE_NOTE``); ``{}`` where no stage holds optimizer state.
-
-    DeepSpeed 0.19.8's own save (seen) names them nowhere: params by index only, ``param_shapes`` None, and the
-    layer files save a ``TiedLayerSpec`` module under its layer index without its key. Which param each state
-    belongs to, which params are frozen, which stages hold a tied module and the ``tied_modules.<key>`` names are
-    stated nowhere; rather than bind them by shape (a guess), such a checkpoint is refused."""
+    ``mp_rank_XX_model_states.pt``; ``{}`` where no stage holds optimizer state. Either every stage's
+    ``param_shapes`` names its params (dsckpt's stage-0 pipeline files, ``ds_writers.stage0.PIPELINE_NOTE``) or none
+    does (DeepSpeed 0.19.8's own save: params by index only, bound by :mod:`.pipeline_binding`); a mix, or a stage
+    without optimizer state, is refused."""
     trees = {s: cache.tree(files.mp_to_model_states[s]) for s in stages}
     held = [s for s in stages if isinstance(opt := trees[s].get("optimizer"), Mapping)
             and (opt.get("state") or opt.get("param_groups"))]
     if not held:
         return {}
-    if held == stages and all(isinstance(trees[s].get("param_shapes"), list) for s in stages):
+    named = [s for s in stages if isinstance(trees[s].get("param_shapes"), list)]
+    if held == stages and named in (stages, []):
         return {s: trees[s]["optimizer"] for s in stages}
-    raise UnsupportedCheckpointError(
-        f"'{files.tag_dir}' is a pipeline run without ZeRO whose optimizer state (stage(s) {held}) sits in "
-        "mp_rank_XX_model_states.pt as a torch state_dict that names its params by index only, and whose layer "
-        "files save tied modules (TiedLayerSpec) under their layer index without their key: which param each "
-        "state belongs to, which params are frozen and the tied_modules.<key> names are stated nowhere, and "
-        "dsckpt does not guess them. DeepSpeed 0.19.8 loads such a save unchanged at another data-parallel size "
-        "(its stage-0 state is not partitioned); dsckpt reads and reshards pipeline runs saved with ZeRO-1 or "
-        "BF16_Optimizer, and the stage-0 files it writes from them (whose param_shapes name the params)")
+    raise CorruptCheckpointError(
+        f"'{files.tag_dir}' is a pipeline run without ZeRO whose stages disagree: stage(s) {held} of {stages} hold a "
+        f"torch optimizer state in mp_rank_XX_model_states.pt, stage(s) {named} name its params (param_shapes); the "
+        "files come from different runs or are damaged; pick another tag with --tag")
+
+
+def _bind_unnamed(files: CheckpointFiles, cache: FileCache, stages: list[int], optimizers: dict[int, Mapping[str, Any]],
+                  buffer_names: set[str], tied_keys: Mapping[int, str] | None) -> StageBinding:
+    """DeepSpeed's own fp32 stage-0 save: each stage's optimizer state bound to the layer files' params
+    (:func:`.pipeline_binding.bind_stage_optimizers`)."""
+    layers = []
+    for (layer, _), path in sorted(files.layer_files.items()):
+        params = tuple((str(k), tuple(ref.shape)) for k, ref in cache.tree(path).items()
+                       if isinstance(ref, TensorRef) and f"{layer}.{k}" not in buffer_names)
+        layers.append(LayerParams(layer, params))
+    return bind_stage_optimizers([optimizers[s] for s in stages], layers, tied_keys=tied_keys, tag_dir=files.tag_dir,
+                                 model_files=[files.mp_to_model_states[s] for s in stages])
 
 
 def _stage0_param_entries(path: Path, optimizer: Mapping[str, Any], param_shapes: Any,

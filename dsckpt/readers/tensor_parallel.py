@@ -22,7 +22,8 @@ from ..parallel_layout import ParamCut, SplitKind, TpLayout
 from ..tensor_parallel import compose, tp_layout_from_record
 from .common import FileCache, alias_entry
 
-__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "read_tensor_parallel"]
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "agreed_record", "combine_tp_ranks", "rank_files", "is_megatron_record",
+           "read_tensor_parallel", "with_tp1_record"]
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 
@@ -162,3 +163,39 @@ def agreed_record(cache: FileCache, model_states: Sequence[Path]) -> tuple[Mappi
                 f"{other}: its {UNIVERSAL_CHECKPOINT_INFO} differs from {first.name}'s; the model-parallel ranks' "
                 "files come from different runs")
     return (record if isinstance(record, Mapping) else None), str(first)
+
+
+def with_tp1_record(ckpt: LogicalCheckpoint, cache: FileCache, model_states: Sequence[Path]) -> LogicalCheckpoint:
+    """``ckpt`` (read without tensor parallelism) with the Megatron-style ``universal_checkpoint_info`` record its
+    ``model_states`` files carry, if any, applied at TP 1: a vocabulary padded past ``original_vocab_size`` reads as
+    its original rows, the padding rows kept apart (:attr:`~dsckpt.model.TensorEntry.padding`) as at TP > 1.
+
+    Megatron-DeepSpeed saves the record at every TP size, TP 1 included (``megatron/checkpointing.py``:
+    ``if args.deepspeed: state_dict[UNIVERSAL_CHECKPOINT_INFO] = _universal_checkpoint_info(model)``), and
+    ``dsckpt reshard --tp-size 1`` of a Megatron-style record writes it too (:func:`dsckpt.tensor_parallel.
+    megatron_record_at`). DeepSpeed AutoTP writes none at TP 1; an AutoTP record (an ``affine_map``) found there is
+    left alone. Raises :class:`~dsckpt.errors.UnsupportedCheckpointError` where the record does not say how to read a
+    param (:func:`~dsckpt.tensor_parallel.tp_layout_from_record`): its padding rows would otherwise read as
+    vocabulary."""
+    if not model_states:
+        return ckpt
+    record, where = agreed_record(cache, model_states)
+    if not is_megatron_record(record):
+        return ckpt
+    entries, layout = combine_entries([{e.name: e for e in ckpt.entries}], record, where=where)
+    vocab = [c for c in layout.name_to_cut.values() if c.padding_rows]
+    note = (f"Megatron-style {UNIVERSAL_CHECKPOINT_INFO} at tensor parallelism 1: vocabulary of "
+            f"{', '.join(c.name for c in vocab)} read as its {vocab[0].keep_rows} original rows, "
+            f"{vocab[0].padding_rows} padding rows kept apart" if vocab else
+            f"Megatron-style {UNIVERSAL_CHECKPOINT_INFO} at tensor parallelism 1: every param whole")
+    return dataclasses.replace(ckpt, entries=tuple(entries[e.name] for e in ckpt.entries), tensor_parallel=layout,
+                               notes=(*ckpt.notes, note))
+
+
+def is_megatron_record(record: Any) -> bool:
+    """Whether ``record`` (a ``universal_checkpoint_info`` value) is Megatron-style -- category patterns only -- and
+    not DeepSpeed AutoTP's (an ``affine_map``) or AutoEP's copy of its layers (``ds_autoep_layers``)."""
+    if not isinstance(record, Mapping) or record.get("ds_autoep_layers") is not None:
+        return False
+    affine = record.get("affine_map")
+    return not (isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping))

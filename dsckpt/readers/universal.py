@@ -56,7 +56,8 @@ STATE_FILES = ((Role.MASTER, None, "fp32.pt"), (Role.OPTIM_STATE, "exp_avg", "ex
 STEP_FILE = "step.pt"
 # Keys of a per-param state dict this reader understands. Others (is_expert_param ...) describe expert slicing
 # (universal_checkpoint.py). The tensor-parallel ones say how the loader re-cuts an already merged tensor; the
-# cut itself is read from the record (dsckpt.tensor_parallel), so they are accepted only with TP > 1.
+# cut itself is read from the record (dsckpt.tensor_parallel), so they are accepted only with a record (TP > 1, or a
+# Megatron-style one at TP 1).
 UNIVERSAL_KEYS = frozenset({"param", "cat_dim"})
 UNIVERSAL_TP_KEYS = frozenset({"vocab_tensor", "param_n_sub_params", "sub_param_shape"})
 UNIVERSAL_EP_KEYS = frozenset({"is_expert_param", "ep_num_experts"})  # AutoEP's stacked expert params
@@ -210,9 +211,11 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     per_rank = [_rank_module_entries(rank_ms(t), [ms_files[(d, t)] for d in range(world)] if zero3 else [],
                                      meta.buffer_names, zero3, cache, extra_shared) for t in range(tp)]
     tp_layout = None
-    if tp > 1:
-        from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, combine_entries
+    from .tensor_parallel import UNIVERSAL_CHECKPOINT_INFO, combine_entries, is_megatron_record
 
+    # at TP 1 too where a Megatron-style record says which vocabulary rows of the module copies are padding
+    # (ds_to_universal cuts them from the merged tensors at any TP size, writing vocab_tensor)
+    if tp > 1 or is_megatron_record(ms.get(UNIVERSAL_CHECKPOINT_INFO)):
         module_entries, tp_layout = combine_entries(per_rank, ms.get(UNIVERSAL_CHECKPOINT_INFO), where=str(ms_path))
     else:
         module_entries = per_rank[0]
@@ -239,7 +242,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 if not path.is_file():
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{fname}")
                     continue
-                pieces.append(_state_piece(path, cache, tp > 1, name, shape, role, state_key,
+                pieces.append(_state_piece(path, cache, tp_layout is not None, name, shape, role, state_key,
                                            cut.full_shape[0] if cut is not None else None))
                 state_files.append(path)
             if not zero3:
