@@ -47,6 +47,7 @@ from .model import (
     reading_fragments,
 )
 from .readers.common import FileCache, lookup
+from .safe_load import load_work_batch
 from .scan_plan import FP16_MAX, MAX_INDICES, Check, Finding, RawScan, ScanPlan, StoredKind
 from .tensor_ref import TensorRef, byte_view
 
@@ -427,16 +428,6 @@ class _TaskPickler(pickle.Pickler):
         return None
 
 
-class _TaskUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, out: list[_CrcPart]) -> None:
-        super().__init__(file)
-        self.out = out
-
-    def persistent_load(self, pid: Any) -> _CrcParts:
-        token, done = pid
-        return _CrcParts(token, done, self.out)
-
-
 class _CrcParts:
     """A worker process's stand-in for one record's :class:`~dsckpt.crc.RecordCheck` (the reads' interface:
     ``done``, ``add_crc``, ``update``): it appends ``(token, offset, crc32, nbytes)`` for the parent to add.
@@ -473,7 +464,7 @@ def _work_batch(data: bytes) -> tuple[list[tuple[list[_Update], list[_CrcPart]]]
     """Run a pickled batch of tasks (in a worker process): each task's updates and CRC-32 parts, and the error
     that stopped the batch, if any, with the CRC parts of its task read before it."""
     out: list[_CrcPart] = []
-    tasks = _TaskUnpickler(io.BytesIO(data), out).load()
+    tasks = load_work_batch(data, lambda pid: _CrcParts(pid[0], pid[1], out))
     results: list[tuple[list[_Update], list[_CrcPart]]] = []
     for task in tasks:
         try:

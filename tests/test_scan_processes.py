@@ -153,3 +153,18 @@ def test_a_killed_worker_is_one_clear_error(monkeypatch):
     with pytest.raises(WorkerLostError, match=r"worker process ended without a result .*DSCKPT_SCAN_PROCESSES=0") as e:
         scan_engine.run_processes(scan_engine._tasks(plan, cache, 7, set()), lambda t, u: None, 2)
     assert e.value.exit_code == EXIT_INTERNAL
+
+
+def test_a_work_batch_is_unpickled_under_its_allow_list():
+    """Worker processes unpickle their task batches through dsckpt.safe_load (the one place dsckpt unpickles): the
+    task classes load, any other global is refused before it is called."""
+    import os
+    import pickle
+
+    from dsckpt.errors import UnsafeCheckpointError
+    from dsckpt.safe_load import load_work_batch
+    from dsckpt.scan_plan import StoredKind
+
+    assert load_work_batch(pickle.dumps([StoredKind.PARAM]), lambda pid: pid) == [StoredKind.PARAM]
+    with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system"):
+        load_work_batch(pickle.dumps(os.system), lambda pid: pid)
