@@ -738,13 +738,9 @@ def _replace_legacy(obj: Any, resolved: dict[str, StorageRef]) -> Any:
     return map_structure(fix, obj)
 
 
-#: The globals a batch of dsckpt's own work may name when one of its processes hands it to another
-#: (:mod:`dsckpt.scan_engine`'s worker processes): its task classes and what they hold, nothing else.
-_WORK_ALLOWED = frozenset({
-    ("dsckpt.scan_engine", "_Task"), ("dsckpt.scan_engine", "_Part"), ("dsckpt.scan_engine", "_Where"),
-    ("dsckpt.scan_plan", "StoredKind"), ("dsckpt.model", "Fragment"), ("dsckpt.tensor_ref", "TensorRef"),
-    ("dsckpt.tensor_ref", "StorageRef"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-})
+#: Besides classes defined in dsckpt's own modules, the globals a batch of dsckpt's own work may name when one of its
+#: processes hands it to another (:mod:`dsckpt.scan_engine`'s worker processes).
+_WORK_ALLOWED = frozenset({("pathlib", "PosixPath"), ("pathlib", "WindowsPath")})
 
 
 class _WorkUnpickler(pickle.Unpickler):
@@ -753,10 +749,14 @@ class _WorkUnpickler(pickle.Unpickler):
         self._persistent = persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _WORK_ALLOWED:
-            raise UnsafeCheckpointError(f"refusing to unpickle global '{module}.{name}' in a batch of dsckpt's own "
-                                        "work: it is not one of the task classes its worker processes are sent")
-        return super().find_class(module, name)
+        if (module, name) in _WORK_ALLOWED:
+            return super().find_class(module, name)
+        if module.startswith("dsckpt.") and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:  # a class of dsckpt's, not a name it imported
+                return obj
+        raise UnsafeCheckpointError(f"refusing to unpickle global '{module}.{name}' in a batch of dsckpt's own work: "
+                                    "only dsckpt's own classes travel to its worker processes")
 
     def persistent_load(self, pid: Any) -> Any:
         return self._persistent(pid)
@@ -765,6 +765,6 @@ class _WorkUnpickler(pickle.Unpickler):
 def load_work_batch(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
     """A batch of dsckpt's own work that a parent process pickled for a worker (``scan_engine``'s task batches),
     its persistent ids mapped by ``persistent_load``. The bytes are dsckpt's, not a checkpoint's, yet they are
-    unpickled here, under an allow-list of the task classes, so that this module stays the one place dsckpt
-    unpickles anything."""
+    unpickled here, allowing only classes defined in dsckpt's modules (not names they import, not dotted paths)
+    and paths, so that this module stays the one place dsckpt unpickles anything."""
     return _WorkUnpickler(io.BytesIO(data), persistent_load).load()

@@ -166,5 +166,18 @@ def test_a_work_batch_is_unpickled_under_its_allow_list():
     from dsckpt.scan_plan import StoredKind
 
     assert load_work_batch(pickle.dumps([StoredKind.PARAM]), lambda pid: pid) == [StoredKind.PARAM]
-    with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system"):
+    with pytest.raises(UnsafeCheckpointError, match="only dsckpt.s own classes"):
         load_work_batch(pickle.dumps(os.system), lambda pid: pid)
+
+
+def test_a_work_batch_may_not_reach_past_dsckpt_classes():
+    """A name a dsckpt module imports (``dsckpt.scan_engine.os``) or a dotted path through it is no dsckpt class."""
+    from dsckpt.errors import UnsafeCheckpointError
+    from dsckpt.safe_load import load_work_batch
+
+    for module, name in (("dsckpt.scan_engine", "os"), ("dsckpt.scan_engine", "os.system")):
+        # protocol 4: two short strings and a STACK_GLOBAL of them
+        data = (b"\x80\x04\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)])
+                + name.encode() + b"\x93.")
+        with pytest.raises(UnsafeCheckpointError, match="only dsckpt's own classes"):
+            load_work_batch(data, lambda pid: pid)
