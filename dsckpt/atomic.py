@@ -46,6 +46,7 @@ from .errors import (
     OutputWriteError,
     UsageError,
 )
+from .interrupts import uninterrupted
 
 __all__ = [
     "WRITE_ERRNOS",
@@ -256,7 +257,7 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
         if fsync:
             fsync_dir(target.parent)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with uninterrupted(), contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
@@ -294,7 +295,8 @@ def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bo
                         os.fsync(f.fileno())
             replace_into_place(tmp, target, fsync=fsync)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with uninterrupted():  # a SIGTERM now (torchrun stopping a rank that is unwinding) waits for it
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -376,7 +378,8 @@ def scratch_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with uninterrupted():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import EXIT_DISTRIBUTED, EXIT_INTERNAL, DsckptError, UsageError
+from .interrupts import received
 
 if TYPE_CHECKING:
     from .readers import FileCache
@@ -145,6 +146,7 @@ class Group:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.lost_peer = False  # a collective failed: a rank died or was stopped
 
     @property
     def is_root(self) -> bool:
@@ -157,7 +159,7 @@ class Group:
         try:
             dist.all_gather_object(out, obj)
         except RuntimeError as e:
-            raise _lost_peer(self.rank, e) from e
+            raise self._lost(e) from e
         return out
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -168,7 +170,7 @@ class Group:
         try:
             dist.gather_object(obj, out, dst=0)
         except RuntimeError as e:
-            raise _lost_peer(self.rank, e) from e
+            raise self._lost(e) from e
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -179,7 +181,7 @@ class Group:
         try:
             dist.broadcast_object_list(box, src=0)
         except RuntimeError as e:
-            raise _lost_peer(self.rank, e) from e
+            raise self._lost(e) from e
         return box[0]
 
     def agree(self, value: Any, what: str) -> None:
@@ -219,6 +221,10 @@ class Group:
             raise RankFailedError(f"rank {r} failed during {what}: {s.message}{others}", s.exit_code, r)
         return [s.value for s in statuses]
 
+    def _lost(self, e: BaseException) -> DistributedError:
+        self.lost_peer = True
+        return _lost_peer(self.rank, e)
+
     def barrier(self) -> None:
         self.all_gather(None)
 
@@ -229,7 +235,9 @@ class Group:
         inside ``destroy_process_group`` could lose its connections mid-shutdown and abort (seen once in CI:
         rank 1 of a ``to-dcp --distributed`` ended by SIGABRT after the output was in place). So every other
         rank destroys its group first and then checks in on the store; rank 0 waits for all of them (at most
-        ``timeout_s``: a peer that died is not waited for) before destroying its own."""
+        ``timeout_s``: a peer that died is not waited for) before destroying its own. Once a collective lost a
+        peer, or this process got SIGTERM/SIGHUP (torchrun stopping every rank), rank 0 does not wait: nobody
+        will check in, and torchrun kills a rank that outlives its grace period (30 s) before it exits."""
         import time
 
         import torch.distributed as dist
@@ -243,6 +251,8 @@ class Group:
             dist.destroy_process_group()
             store.add(key, 1)
             return
+        if self.lost_peer or received() is not None:
+            timeout_s = 0.0
         deadline = time.monotonic() + timeout_s
         while store.add(key, 0) < self.world_size - 1 and time.monotonic() < deadline:
             time.sleep(0.01)

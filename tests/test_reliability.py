@@ -23,6 +23,7 @@ from conftest import FIXTURES, tree_digest
 from dsckpt import atomic
 from dsckpt.cli import main
 from dsckpt.errors import NotEnoughSpaceError
+from dsckpt.interrupts import Terminated, signals_as_exceptions, uninterrupted
 
 FIXTURE = "s2_fp16_w1_bnoverflow"  # fp16 ZeRO-2 with an inf BN buffer: every writing command has work
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,53 @@ def test_sigterm_and_sighup_remove_the_temp_and_exit_128_plus_signal(tmp_path, c
     _one_error_line(stderr, f"terminated by {sig.name}", "no output was left behind")
     assert _beside(out) == []  # no temp, no lock file, no OUT
     assert tree_digest(fx) == before
+
+
+@pytest.mark.parametrize("kind", ["atomic_dir", "atomic_dir-leased", "scratch_dir"])
+def test_a_sigterm_during_cleanup_waits_for_the_whole_temp_to_be_removed(tmp_path, monkeypatch, kind):
+    """Under torchrun, a rank that lost a peer is removing its temp output when torchrun's SIGTERM lands (CI saw
+    half a temp folder left): the signal is held until the removal is done, then raised."""
+    real_rmtree = shutil.rmtree
+
+    def rmtree_signalled_first(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler right here, before the real removal
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", rmtree_signalled_first)
+    out = tmp_path / "out"
+    with pytest.raises(Terminated) as caught, signals_as_exceptions():
+        if kind == "scratch_dir":
+            with atomic.scratch_dir(out) as tmp:
+                (tmp / "a").mkdir()
+                (tmp / "a" / "f").write_bytes(b"x" * 100)
+        else:
+            with atomic.atomic_dir(out, leased=kind.endswith("leased")) as tmp:
+                for i in range(20):
+                    (tmp / f"f{i}").write_bytes(b"x" * 100)
+                raise RuntimeError("a peer was lost")  # the unwinding the SIGTERM lands in
+    assert caught.value.exit_code == 128 + signal.SIGTERM
+    assert os.listdir(tmp_path) == []
+
+
+def test_uninterrupted_holds_one_signal_to_its_end_and_drops_it_under_an_exception(monkeypatch):
+    from dsckpt import interrupts
+
+    monkeypatch.setattr(interrupts._State, "received", None)
+    done = []
+    with pytest.raises(Terminated), signals_as_exceptions():
+        with uninterrupted():
+            with uninterrupted():
+                os.kill(os.getpid(), signal.SIGHUP)
+                done.append("inner")
+            done.append("outer")  # the held signal waits for the outermost block
+    assert done == ["inner", "outer"]
+    assert interrupts.received() == signal.SIGHUP
+    with pytest.raises(ValueError), signals_as_exceptions():  # an exception on its way up is the one that propagates
+        with uninterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise ValueError("first")
+    with signals_as_exceptions(), uninterrupted():  # and the dropped signal is not raised later
+        pass
 
 
 @pytest.mark.parametrize("cmd", [by_name("to-fp32"), by_name("reshard"), by_name("repair")],
