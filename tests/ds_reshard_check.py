@@ -250,6 +250,8 @@ def check_optim(name, ckpt_dir):
     cfg = json.loads(json.dumps(meta["config"]))
     cfg["zero_optimization"]["stage"] = stage
     cfg["train_batch_size"] = fm.MICRO_BATCH * world
+    if args.universal:  # the checks below read what the universal loader restores: masters, states, steps
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
     use_gloo_safe_all_gather(stage)
     model = fm.build_model({}).to(dev)
     go.tag_muon(model, spec)

@@ -208,9 +208,9 @@ def test_state_not_per_element_refused_by_name(tmp_path, key, why):
     assert not (tmp_path / "out").exists()
 
 
-# FusedLamb and DeepSpeedCPULion keep each group's step as a Python int (test_int_step_refused_for_universal)
+# FusedLamb and DeepSpeedCPULion keep each group's step as a Python int: step.pt holds it so, as ds_to_universal's does
 INT_STEP = [f for f in OK if f.name.startswith(("lamb", "lion"))]
-UNIVERSAL_OK = [f for f in OK if f not in INT_STEP and not f.name.startswith("muon")]
+UNIVERSAL_OK = [f for f in OK if not f.name.startswith("muon")]
 
 
 @pytest.mark.parametrize("fx", UNIVERSAL_OK, ids=[f.name for f in UNIVERSAL_OK])
@@ -235,6 +235,11 @@ def test_universal_folder_keeps_every_state(fx, tmp_path):
             assert torch.equal(read_copy(e, ucache, k), truth[f"{k}/{n}"].float()), (n, k)
         step_file = tmp_path / "u" / f"{fx.meta['tag']}_universal" / "zero" / n / "step.pt"
         assert step_file.exists() == (steps[n] is not None and fx.meta["stage"] != 3), n
+        if step_file.exists():  # the step as the optimizer kept it: a Python int for FusedLamb/DeepSpeedCPULion
+            saved = torch.load(step_file, weights_only=True)
+            assert type(saved) is (int if fx in INT_STEP else torch.Tensor), (n, saved)
+            assert saved == steps[n], (n, saved, steps[n])
+    assert u.optimizer_step == ckpt.optimizer_step, (u.optimizer_step, ckpt.optimizer_step)
 
 
 def test_muon_refused_where_no_rewrite_exists(tmp_path):
@@ -251,17 +256,3 @@ def test_muon_refused_where_no_rewrite_exists(tmp_path):
         plan_reshard(ckpt, 2, zero_stage=3, facts=facts)
     with pytest.raises(UnsupportedCheckpointError, match="Muon param groups"):
         plan_universal_reshard(ckpt, facts)
-
-
-@pytest.mark.parametrize("fx", INT_STEP, ids=[f.name for f in INT_STEP])
-def test_int_step_refused_for_universal(fx, tmp_path):
-    """FusedLamb and DeepSpeedCPULion keep their step as a Python int; a universal folder holds a tensor per step.pt:
-    refused, nothing written (their ZeRO reshard keeps the int as saved: test_reshard_keeps_every_state_tensor)."""
-    from dsckpt.reshard import plan_universal_reshard, run_universal
-
-    cache = FileCache()
-    ckpt = read_checkpoint(fx.ckpt, cache=cache)
-    plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache))
-    with pytest.raises(UnsupportedCheckpointError, match="is a Python int .DeepSpeed's FusedLamb and DeepSpeedCPULion"):
-        run_universal(plan, tmp_path / "u", cache=cache)
-    assert not (tmp_path / "u").exists()

@@ -297,9 +297,10 @@ def test_universal_refusals(fixture, why, tmp_path):
 
 # Stage-0 sources (ds_to_universal reads none): dense fp32 (the module is the master) and bf16
 # (FP16_UnfusedOptimizer, 0.19.8 and the ds0189 set), AutoTP at fp32 and bf16, a bf16 pipeline (BF16_Optimizer files,
-# model states without param_shapes), DeepSpeed's own fp32 pipeline save (its tied module's key given: --tied-key)
+# model states without param_shapes), DeepSpeed's own fp32 pipeline save (its tied module's key given: --tied-key), and
+# a fused FP16_Optimizer (FusedAdam, its step a Python int: step.pt holds the int, as ds_to_universal's would)
 STAGE0_SOURCES = ["s0_fp32_w1", "s0_bf16_w2", "ds0189_s0_bf16_w2", "autotp/autotp_z0_fp32_tp2_dp2",
-                  "autotp/autotp_z0_bf16_tp2_dp1_kv6", "pp2_dp2_bf16_z0", "pp2_fp32_z0"]
+                  "autotp/autotp_z0_bf16_tp2_dp1_kv6", "pp2_dp2_bf16_z0", "pp2_fp32_z0", "s0_fp16_w1_fused"]
 STAGE0_TIED_KEYS = {"pp2_fp32_z0": {0: "embed"}}
 
 
@@ -326,7 +327,8 @@ def test_stage0_source_universal_holds_the_recorded_truth(name, tmp_path):
         for key, fname in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             got = torch.load(zero / n / f"{fname}.pt", weights_only=False)["param"]
             assert got.dtype == torch.float32 and torch.equal(got, truth[f"{key}/{n}"].float()), (n, key)
-        assert torch.load(zero / n / "step.pt", weights_only=False).item() == step, n
+        saved = torch.load(zero / n / "step.pt", weights_only=True)
+        assert type(saved) is (int if "fused" in name else torch.Tensor) and saved == step, (n, saved)
     cache = FileCache()
     back = read_checkpoint(tmp_path / "out", cache=cache)
     assert (back.layout, back.optimizer_step, back.global_steps) == ("universal from zero1", step, meta["global_steps"])
@@ -477,8 +479,18 @@ def test_plan_refuses_incomplete_fragments():
 
 # the rank count -> the source fixtures loaded on it (each different from the source's); FIXTURE@STAGE: the ZeRO stage
 # of the loading engine (a stage-0 source's folder loads under ZeRO-1 or ZeRO-2)
-DS_UNIVERSAL_CASES = {3: ["s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s1_fp32_w2", "s0_bf16_w2@1"],
-                      2: ["s3_bf16_w3_subgroups", "s0_fp32_w1@2"]}
+def _universal_cases() -> dict[int, list[str]]:
+    from ds_launch import jit_op_built
+
+    # Python-int steps (step.pt holds the int, as ds_to_universal's): a fused FP16_Optimizer stage-0 save (FusedAdam)
+    # and DeepSpeedCPULion under CPU offload, each where DeepSpeed's JIT op is built (tests/ds_launch.py jit_op_built)
+    int_steps = (["s0_bf16_w1_adapter_fused@1"] if jit_op_built("fused_adam") else []) + (
+        ["optim/lion_s2_bf16_w2_offload"] if jit_op_built("cpu_lion") else [])
+    return {3: ["s2_bf16_w2_2groups", "s1_bf16_w2_bf16opt", "s1_fp32_w2", "s0_bf16_w2@1", *int_steps],
+            2: ["s3_bf16_w3_subgroups", "s0_fp32_w1@2"]}
+
+
+DS_UNIVERSAL_CASES = _universal_cases()
 TAMPERED = "s2_bf16_w2_2groups"  # its launch also loads a copy with fc1.weight's exp_avg and exp_avg_sq swapped
 
 

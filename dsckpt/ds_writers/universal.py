@@ -12,7 +12,8 @@ ZeRO-1/2 and ``BF16_Optimizer`` sources (loaded by ZeRO-1/2 or ``BF16_Optimizer`
     every ``<key>.pt`` in the folder);
     (the loader reads ``param`` and cuts it with ``cat_dim``, ``chunk(tp_world_size)[tp_rank]``);
   * ``zero/<param>/step.pt``: the param group's ``step``, bare (the loader sets each group's step from it),
-    where the optimizer keeps one;
+    where the optimizer keeps one: a tensor, or the Python int that FusedLamb, DeepSpeedCPULion and FusedAdam keep
+    (``ds_to_universal`` saves it as it is, and the loader hands back what it unpickles);
   * ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other module tensor
     (buffers, frozen params, tied aliases; never read by the loader);
   * ``zero/optimizer_state.pt``: rank 0's ZeRO optimizer dict without ``base_optimizer_state``,
@@ -318,11 +319,16 @@ def universal_trees(plan: UniversalPlan, cache: Any) -> Iterator[tuple[str, Any]
             yield f.path, ({"cat_dim": 0, "param": t} if f.wrapped else t)
     for s in plan.step_files:
         step = lookup(cache.tree(s.file), s.key, s.file)
-        if not isinstance(step, TensorRef):  # FusedLamb and DeepSpeedCPULion keep their step as a Python int
+        if isinstance(step, int) and not isinstance(step, bool):
+            # FusedLamb, DeepSpeedCPULion and FusedAdam (FP16_Optimizer) keep their step as a Python int:
+            # ds_to_universal saves it as it is (_save_checkpoint(step.pt, step)), and DeepSpeed's universal loader
+            # puts what it unpickles back into the optimizer's state (base_optimizer.py: state['step'] = steps[0])
+            yield s.path, step
+            continue
+        if not isinstance(step, TensorRef):
             raise UnsupportedCheckpointError(
                 f"cannot write a universal checkpoint of '{plan.source_tag_dir}': the step of '{s.name}''s param group "
-                f"is a Python {type(step).__name__} (DeepSpeed's FusedLamb and DeepSpeedCPULion keep it so), and a "
-                "universal folder holds each step as a tensor (zero/<param>/step.pt); reshard it as ZeRO files "
+                f"in '{s.file}' is a {type(step).__name__}, neither a tensor nor an int; reshard it as ZeRO files "
                 "instead (reshard -n N)")
         yield s.path, own_copy(step)
     for c in plan.cast_files:

@@ -40,8 +40,10 @@ class FileCache:
                 return self._trees[path]
             obj, self.infos[path] = safe_load.load_with_info(path)
             # A bare tensor is a whole file only in universal checkpoints (ds_to_universal's ZeRO-3
-            # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is ().
-            if not isinstance(obj, (dict, TensorRef)):
+            # fp32/exp_avg/exp_avg_sq.pt and step.pt); its key path is (). A bare int only in their step.pt, for an
+            # optimizer keeping its step as a Python int (FusedLamb, DeepSpeedCPULion, FusedAdam).
+            bare_step = path.name == "step.pt" and isinstance(obj, int) and not isinstance(obj, bool)
+            if not isinstance(obj, (dict, TensorRef)) and not bare_step:
                 raise CorruptCheckpointError(
                     f"{path}: expected a dict at the top level, found {type(obj).__name__}; "
                     "this is not a DeepSpeed checkpoint file"

@@ -6,7 +6,8 @@ Layout written by DeepSpeed 0.19.8 ``checkpoint/ds_to_universal.py`` (the tag fo
 
 * ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`` for every param in ``param_shapes``. From a ZeRO-1/2
   or ``BF16_Optimizer`` source: ``{"cat_dim": 0, "param": <fp32 tensor of the param's shape>}``
-  (``merge_tp_slices``) and ``step.pt``, the group's Adam step as a bare tensor. From a ZeRO-3 source:
+  (``merge_tp_slices``) and ``step.pt``, the group's step as saved: a bare tensor (torch's Adam), or a Python int
+  (FusedLamb, DeepSpeedCPULion, FusedAdam). From a ZeRO-3 source:
   a bare flat fp32 tensor (``merge_zero3_slices``) and no ``step.pt`` (the step is in
   ``optimizer_state.pt``).
 * ZeRO-1/2 sources also get ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other
@@ -107,6 +108,12 @@ def _state_key(path: Path, cache: FileCache, tp: bool, num_experts: int | None =
         raise CorruptCheckpointError(f"{path}: no tensor under 'param'; the file is not a universal checkpoint "
                                      "state file")
     return ("param",), ref
+
+
+def _is_step(x: object) -> bool:
+    """A ``step.pt``'s content: a tensor (Adam's), or a Python int where the optimizer keeps one (FusedLamb,
+    DeepSpeedCPULion, FusedAdam under FP16_Optimizer; ``ds_to_universal`` saves the group's step as it is)."""
+    return isinstance(x, TensorRef) or (isinstance(x, int) and not isinstance(x, bool))
 
 
 def _state_names(tag_dir: Path, names: list[str]) -> tuple[tuple[str, ...], bool]:
@@ -223,7 +230,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
     trainable: dict[str, TensorEntry] = {}
     missing: list[str] = []
     state_files: list[Path] = []
-    step_ref: TensorRef | None = None
+    step_ref: TensorRef | int | None = None
     module = ms.get("module") or {}
     state_names, has_step = _state_names(tag_dir, [str(n) for shapes in param_shapes for n in shapes])
     for g, shapes in enumerate(param_shapes):
@@ -250,7 +257,7 @@ def read_universal(root: Path, tag: str, tag_dir: Path, cache: FileCache) -> Log
                 if step_path.is_file():
                     state_files.append(step_path)
                     ref = cache.tree(step_path)
-                    if step_ref is None and isinstance(ref, TensorRef):
+                    if step_ref is None and _is_step(ref):
                         step_ref = ref
                 elif has_step:
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
@@ -313,7 +320,7 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
     entries: dict[str, TensorEntry] = {}
     state_files: list[Path] = []
     missing: list[str] = []
-    step_ref: TensorRef | None = None
+    step_ref: TensorRef | int | None = None
     for s in sorted(files.mp_to_model_states):
         ms = cache.tree(files.mp_to_model_states[s])
         shapes_groups = ms.get("param_shapes") if isinstance(ms, Mapping) else None
@@ -341,7 +348,7 @@ def _read_pipeline_universal(root: Path, tag: str, tag_dir: Path, files: Any, op
                 if step_path.is_file():
                     state_files.append(step_path)
                     ref = cache.tree(step_path)
-                    if step_ref is None and isinstance(ref, TensorRef):
+                    if step_ref is None and _is_step(ref):
                         step_ref = ref
                 else:
                     missing.append(f"{UNIVERSAL_DIR}/{name}/{STEP_FILE}")
