@@ -178,7 +178,10 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                         "optimizer files and model states naming their params; plan it with "
                         "dsckpt.reshard.plan_universal_reshard)")
     if ckpt.moe is not None:
-        problems.append("Mixture-of-Experts layers")
+        problems.append("native Mixture-of-Experts layers (no universal form holds them: DeepSpeed 0.19.8's universal "
+                        "loader looks each param up by its engine name, and an expert's is its local one, "
+                        "deepspeed_experts.<i>, the same on every expert-parallel rank; reshard it as ZeRO files, "
+                        "--ep-size for another expert-parallel size)")
     if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and not pipeline:
         problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
             f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
