@@ -46,6 +46,7 @@ from .ds_writers.facts import (
     read_source_facts,
     refusal_message,
     refusals_from_logical,
+    refuse_elastic_target,
 )
 from .ds_writers.plan import source_model_files, source_optim_files
 from .ds_writers.readback import compare_checkpoints, verify_written
@@ -166,6 +167,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         # AutoTP's widths at another TP size depend on the model's key/value heads: its config.json, beside the tag
         facts = replace(facts, autotp_meta=read_autotp_meta(ckpt.root, ckpt.ds_config))
     stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
+    refuse_elastic_target(ckpt, zero_stage=stage, tp_size=tp, ep_size=ep_size)
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
     optim = source_optim_files(ckpt)
@@ -565,6 +567,7 @@ def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = 
     is written (:func:`dsckpt.ds_writers.universal.plan_universal`)."""
     from .ds_writers.universal import plan_universal
 
+    refuse_elastic_target(ckpt, zero_stage=None, universal=True)
     stage = source_layout_stage(ckpt)
     zero_layout = None
     # without ZeRO optimizer files, or (a bf16 pipeline's BF16_Optimizer files) without param_shapes in the model
