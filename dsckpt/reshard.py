@@ -42,7 +42,9 @@ from .ds_writers import (
 )
 from .ds_writers.common import fmt_key as _fmt_key
 from .ds_writers.facts import (
+    ELASTIC_NOTE,
     derive_facts,
+    is_elastic,
     read_source_facts,
     refusal_message,
     refusals_from_logical,
@@ -184,6 +186,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
         tied_keys=ckpt.pipeline.tied_keys if ckpt.pipeline is not None else (),
     )
+    if is_elastic(ckpt):
+        common["notes"] = (ELASTIC_NOTE,)
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
         raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
     if make_vocab_size_divisible_by is not None and (not isinstance(make_vocab_size_divisible_by, int)
@@ -269,9 +273,11 @@ def describe_target_config(plan: ReshardPlan) -> str:
     if plan.zero_stage in (1, 2):
         rr = any(n.startswith("round_robin_gradients") for n in plan.notes)
         aligned = any(any(p) for p in plan.alignment_paddings)
-        if rr or aligned:
+        elastic = ELASTIC_NOTE in plan.notes
+        if rr or aligned or elastic:
             parts.append("with " + " and ".join(k for k, on in (("round_robin_gradients", rr),
-                                                                  ("parameter_alignment", aligned)) if on) + " true")
+                                                                  ("parameter_alignment", aligned),
+                                                                  ("elastic_checkpoint", elastic)) if on) + " true")
     if plan.optimizer_wrapper == "BF16_Optimizer":
         parts.append('BF16_Optimizer: "data_types": {"grad_accum_dtype": "fp32"} at stage 1')
     elif plan.from_wrapper == "BF16_Optimizer":

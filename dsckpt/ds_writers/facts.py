@@ -24,8 +24,8 @@ from ..readers.zero3 import zero3_ds_ids
 from .moe import held_by_ep_rank_0
 from .plan import SourceFacts, source_layout_stage
 
-__all__ = ["derive_facts", "entries_by_name", "is_elastic", "read_source_facts", "refuse_elastic_target",
-           "refusal_message", "refusals_from_logical"]
+__all__ = ["ELASTIC_NOTE", "derive_facts", "entries_by_name", "is_elastic", "read_source_facts",
+           "refuse_elastic_target", "refusal_message", "refusals_from_logical"]
 
 # ds_config optimizer types whose state holds buffers sized by the world size (1-bit error feedback)
 ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
@@ -206,6 +206,12 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
     return problems
 
 
+ELASTIC_NOTE = ("elastic_checkpoint: written as elastic files again (each group's state cut at the new partition "
+                "boundaries, no param groups); base_optimizer_state_step, the groups' step, added where the source "
+                "lacks it (DeepSpeed 0.19.8 saves it only for optimizers that keep a step in their param groups, not "
+                "torch's Adam/AdamW, yet its elastic load asserts it)")
+
+
 def is_elastic(ckpt: LogicalCheckpoint) -> bool:
     """Whether ``ckpt`` is a ZeRO-1/2 ``elastic_checkpoint`` save: DeepSpeed's ZeRO-1/2 optimizer under a ds_config
     with ``zero_optimization.elastic_checkpoint`` true, which makes it save a list of per-group states, each rank's
@@ -232,7 +238,7 @@ def refuse_elastic_target(ckpt: LogicalCheckpoint, *, zero_stage: int | None, tp
     raise UnsupportedCheckpointError(
         f"cannot reshard '{ckpt.tag_dir}' (a ZeRO-{ckpt.zero_stage} zero_optimization.elastic_checkpoint save) to "
         f"{target}: its optimizer files keep each param group's state but not the param groups themselves "
-        "(lr, betas, eps, weight_decay: DeepSpeed's elastic state_dict leaves them out and takes them from the "
+        "(lr, betas, eps, weight_decay: DeepSpeed's elastic save leaves them out, and its load keeps those of the "
         f"resuming run's config), and {target} stores them, so dsckpt would have to invent them. Reshard it to "
         "ZeRO stage 1 or 2 instead: elastic files again, at any data-parallel size, which DeepSpeed loads with the "
         "run's config (elastic_checkpoint kept)")
