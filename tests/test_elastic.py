@@ -78,8 +78,8 @@ def test_reshard_writes_the_elastic_layout(fx, world, tmp_path):
 
 @pytest.mark.parametrize("fx", ELASTIC, ids=ids(ELASTIC))
 def test_other_targets_refused_by_name(fx, tmp_path):
-    """Every target that would store param groups (ZeRO-3, stage 0, a universal folder, another TP size) is refused
-    up front, saying why; the CLI exits 3 and writes nothing."""
+    """Every target that would store param groups (ZeRO-3, stage 0, a universal folder, another TP size, a DCP
+    folder) is refused up front, saying why; the CLI exits 3 and writes nothing."""
     ckpt = read_checkpoint(fx.ckpt)
     for kwargs, target in (({"zero_stage": 3}, "ZeRO stage 3"), ({"zero_stage": 0}, "ZeRO stage 0"),
                            ({"tp_size": 2}, "tensor parallel size 2")):
@@ -88,8 +88,8 @@ def test_other_targets_refused_by_name(fx, tmp_path):
     with pytest.raises(UnsupportedCheckpointError, match=f"to a universal checkpoint \\(--universal\\): {INVENT}"):
         plan_universal_reshard(ckpt)
     before = tree_digest(fx.ckpt)
-    for args in (["--world-size", "2", "--zero-stage", "3"], ["--universal"]):
-        res = CliRunner().invoke(main, ["reshard", str(fx.ckpt), str(tmp_path / "out"), *args])
+    for args in (["reshard", "--world-size", "2", "--zero-stage", "3"], ["reshard", "--universal"], ["to-dcp"]):
+        res = CliRunner().invoke(main, [args[0], str(fx.ckpt), str(tmp_path / "out"), *args[1:]])
         assert res.exit_code == 3, res.output
         assert "would have to invent them" in res.stderr and res.stdout == ""
         assert not (tmp_path / "out").exists()
