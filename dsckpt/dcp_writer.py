@@ -247,6 +247,14 @@ def plan_to_dcp(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *,
             f"'{ckpt.tag_dir}': the pipeline stages' optimizers cannot be one optimizer's param groups: {why}; "
             "to-dcp merges group g of every stage into group g; 'dsckpt to-fp32' exports the weights")
     if not groups_in:
+        from .ds_writers.facts import is_elastic
+
+        if is_elastic(ckpt):
+            raise UnsupportedCheckpointError(
+                f"'{ckpt.tag_dir}': a zero_optimization.elastic_checkpoint save keeps no optimizer param groups (lr, "
+                "betas, eps, weight_decay), which get_optimizer_state_dict() holds, so dsckpt would have to invent "
+                "them; 'dsckpt to-fp32' exports the weights, 'dsckpt reshard' rewrites it as elastic ZeRO-1/2 files "
+                "at another size")
         raise UnsupportedCheckpointError(
             f"'{ckpt.tag_dir}': dsckpt does not read the optimizer's param groups of this layout ({ckpt.layout}), so "
             "it cannot write the optimizer state as get_optimizer_state_dict() does; 'dsckpt to-fp32' exports the "

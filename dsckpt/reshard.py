@@ -42,10 +42,13 @@ from .ds_writers import (
 )
 from .ds_writers.common import fmt_key as _fmt_key
 from .ds_writers.facts import (
+    ELASTIC_NOTE,
     derive_facts,
+    is_elastic,
     read_source_facts,
     refusal_message,
     refusals_from_logical,
+    refuse_elastic_target,
 )
 from .ds_writers.plan import source_model_files, source_optim_files
 from .ds_writers.readback import compare_checkpoints, verify_written
@@ -166,6 +169,7 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         # AutoTP's widths at another TP size depend on the model's key/value heads: its config.json, beside the tag
         facts = replace(facts, autotp_meta=read_autotp_meta(ckpt.root, ckpt.ds_config))
     stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
+    refuse_elastic_target(ckpt, zero_stage=stage, tp_size=tp, ep_size=ep_size)
     if sub_group_size is not None and stage != 3:
         raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
     optim = source_optim_files(ckpt)
@@ -182,6 +186,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
         hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
         tied_keys=ckpt.pipeline.tied_keys if ckpt.pipeline is not None else (),
     )
+    if is_elastic(ckpt):
+        common["notes"] = (ELASTIC_NOTE,)
     if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
         raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
     if make_vocab_size_divisible_by is not None and (not isinstance(make_vocab_size_divisible_by, int)
@@ -267,9 +273,11 @@ def describe_target_config(plan: ReshardPlan) -> str:
     if plan.zero_stage in (1, 2):
         rr = any(n.startswith("round_robin_gradients") for n in plan.notes)
         aligned = any(any(p) for p in plan.alignment_paddings)
-        if rr or aligned:
+        elastic = ELASTIC_NOTE in plan.notes
+        if rr or aligned or elastic:
             parts.append("with " + " and ".join(k for k, on in (("round_robin_gradients", rr),
-                                                                  ("parameter_alignment", aligned)) if on) + " true")
+                                                                  ("parameter_alignment", aligned),
+                                                                  ("elastic_checkpoint", elastic)) if on) + " true")
     if plan.optimizer_wrapper == "BF16_Optimizer":
         parts.append('BF16_Optimizer: "data_types": {"grad_accum_dtype": "fp32"} at stage 1')
     elif plan.from_wrapper == "BF16_Optimizer":
@@ -565,6 +573,7 @@ def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = 
     is written (:func:`dsckpt.ds_writers.universal.plan_universal`)."""
     from .ds_writers.universal import plan_universal
 
+    refuse_elastic_target(ckpt, zero_stage=None, universal=True)
     stage = source_layout_stage(ckpt)
     zero_layout = None
     # without ZeRO optimizer files, or (a bf16 pipeline's BF16_Optimizer files) without param_shapes in the model

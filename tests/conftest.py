@@ -34,6 +34,12 @@ class Fixture:
         sizes it does not divide are refused rather than resharded."""
         return int((self.meta.get("moe") or {}).get("ep_size", 1))
 
+    @property
+    def elastic(self) -> bool:
+        """A ZeRO-1/2 ``elastic_checkpoint`` save: reshard rewrites it only to elastic ZeRO-1/2 files (its
+        optimizer files keep no param groups), and refuses every other target by name."""
+        return bool((self.meta.get("config", {}).get("zero_optimization") or {}).get("elastic_checkpoint"))
+
     def truth(self) -> dict:
         from safetensors.torch import load_file
 

@@ -101,6 +101,12 @@ def test_same_size_reshard_reproduces_deepspeed_files(fx, tmp_path):
     tag = fx.meta["tag"]
     for f in sorted((fx.ckpt / tag).glob("*.pt")):
         a, b = _materialized(f), _materialized(tmp_path / "out" / tag / f.name)
+        if fx.elastic and "optimizer_state_dict" in a and "base_optimizer_state_step" not in a["optimizer_state_dict"]:
+            # the one key dsckpt adds to an elastic save (ds_writers.zero12._with_elastic_step: DeepSpeed's elastic
+            # load asserts it): the groups' step, right after base_optimizer_state
+            osd = b["optimizer_state_dict"]
+            assert list(osd).index("base_optimizer_state_step") == list(osd).index("base_optimizer_state") + 1
+            assert osd.pop("base_optimizer_state_step") == fx.meta["optimizer_step"][0] == 3
         if fx.meta["stage"] == 3:
             for tree in (a, b):
                 osd = tree.get("optimizer_state_dict")

@@ -278,6 +278,10 @@ def test_optimizer_groups_as_saved(fx):
         pytest.skip(f"{c.layout}: groups not read")
     want = [[n for n in g if n in fx.meta["trainable"] and n not in fx.meta.get("tied", {})]
             for g in fx.meta["param_groups"]]
+    if fx.meta["config"].get("zero_optimization", {}).get("elastic_checkpoint"):
+        # an elastic save keeps a list of per-group states and no param_groups: no hyper-parameters to show
+        assert c.optimizer_groups == () and {float(c.optimizer_step)} == set(fx.meta["optimizer_step"])
+        return
     if fx.meta.get("frozen_in_optimizer"):  # requires_grad=False params the stage-0 wrapper holds (README)
         assert sorted(n for g in c.optimizer_groups for n in g.param_names) == sorted(
             n for n in fx.meta["trainable"] if n not in fx.meta.get("tied", {}))

@@ -4,8 +4,9 @@
 ``param_shapes``, stage-3 sub-groups and ``ds_id`` s, round robin, parameter alignment) from the
 source's rank-0 files -- pickles only, no tensor bytes -- and refuses up front, in one message, what
 no writer can reproduce (tensor/pipeline parallel sizes, optimizer state that is not one value per
-element -- 1-bit Adam/Lamb error feedback, factored second moments --, Adagrad at ZeRO-3, elastic or AutoEP
-layouts). Every optimizer whose state is per element is rewritten, whatever its keys; each group keeps its own
+element -- 1-bit Adam/Lamb error feedback, factored second moments --, Adagrad at ZeRO-3, AutoEP
+partition groups); :func:`refuse_elastic_target` refuses every target of an ``elastic_checkpoint`` save but its own
+layout. Every optimizer whose state is per element is rewritten, whatever its keys; each group keeps its own
 ``step`` and hyper-parameters. :func:`derive_facts` recovers the same facts from the logical model alone (pure;
 used by tests and dry runs without a cache).
 """
@@ -23,7 +24,8 @@ from ..readers.zero3 import zero3_ds_ids
 from .moe import held_by_ep_rank_0
 from .plan import SourceFacts, source_layout_stage
 
-__all__ = ["derive_facts", "entries_by_name", "read_source_facts", "refusal_message", "refusals_from_logical"]
+__all__ = ["ELASTIC_NOTE", "derive_facts", "entries_by_name", "is_elastic", "read_source_facts",
+           "refuse_elastic_target", "refusal_message", "refusals_from_logical"]
 
 # ds_config optimizer types whose state holds buffers sized by the world size (1-bit error feedback)
 ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
@@ -80,11 +82,14 @@ def read_source_facts(ckpt: LogicalCheckpoint, cache: Any) -> SourceFacts:
         ms0 = cache.tree(files.mp_to_model_states[0])
         base = osd0.get("base_optimizer_state")
         if isinstance(base, list):
-            problems.append("an elastic-checkpoint optimizer state (zero_optimization.elastic_checkpoint); "
-                            "save without elastic_checkpoint")
-            base = {}
-        state = (base or {}).get("state") or {}
-        param_groups = (base or {}).get("param_groups") or []
+            if not is_elastic(ckpt):
+                problems.append("an elastic-checkpoint optimizer state (a list of per-group states) although the "
+                                "saved ds_config does not set zero_optimization.elastic_checkpoint")
+            state = dict(enumerate(base))
+            param_groups = []
+        else:
+            state = (base or {}).get("state") or {}
+            param_groups = (base or {}).get("param_groups") or []
         counts = osd0.get("partition_count")
         if ckpt.moe is None and ckpt.autoep is None and isinstance(counts, list) and any(
                 int(c) != ckpt.dp_world_size for c in counts):
@@ -199,6 +204,44 @@ def refusals_from_logical(ckpt: LogicalCheckpoint) -> list[str]:
                         "ZeRO files for data-parallel runs only; DeepSpeed loads it on any rank count with "
                         "load_universal")
     return problems
+
+
+ELASTIC_NOTE = ("elastic_checkpoint: written as elastic files again (each group's state cut at the new partition "
+                "boundaries, no param groups); base_optimizer_state_step, the groups' step, added where the source "
+                "lacks it (DeepSpeed 0.19.8 saves it only for optimizers that keep a step in their param groups, not "
+                "torch's Adam/AdamW, yet its elastic load asserts it)")
+
+
+def is_elastic(ckpt: LogicalCheckpoint) -> bool:
+    """Whether ``ckpt`` is a ZeRO-1/2 ``elastic_checkpoint`` save: DeepSpeed's ZeRO-1/2 optimizer under a ds_config
+    with ``zero_optimization.elastic_checkpoint`` true, which makes it save a list of per-group states, each rank's
+    tail padding stripped, and no param groups (stage_1_and_2.py state_dict; :func:`read_source_facts` checks that
+    the files agree)."""
+    z = (ckpt.ds_config or {}).get("zero_optimization")
+    return (ckpt.layout in ("zero1", "zero2") and ckpt.optimizer_wrapper == "DeepSpeedZeroOptimizer"
+            and isinstance(z, Mapping) and z.get("elastic_checkpoint") is True)
+
+
+def refuse_elastic_target(ckpt: LogicalCheckpoint, *, zero_stage: int | None, tp_size: int | None = None,
+                          ep_size: int | None = None, universal: bool = False) -> None:
+    """Refuse, by name and why, every target of an ``elastic_checkpoint`` source but its own layout: ZeRO-1/2
+    elastic files (at any data-parallel size; the config keeps ``elastic_checkpoint``) are its one lossless rewrite.
+    Every other layout stores the optimizer's param groups, which the elastic files do not keep."""
+    if not is_elastic(ckpt):
+        return
+    target = ("a universal checkpoint (--universal)" if universal
+              else f"ZeRO stage {zero_stage}" if zero_stage not in (None, 1, 2)
+              else f"tensor parallel size {tp_size}" if tp_size not in (None, 1)
+              else f"expert-parallel size {ep_size}" if ep_size is not None else None)
+    if target is None:
+        return
+    raise UnsupportedCheckpointError(
+        f"cannot reshard '{ckpt.tag_dir}' (a ZeRO-{ckpt.zero_stage} zero_optimization.elastic_checkpoint save) to "
+        f"{target}: its optimizer files keep each param group's state but not the param groups themselves "
+        "(lr, betas, eps, weight_decay: DeepSpeed's elastic save leaves them out, and its load keeps those of the "
+        f"resuming run's config), and {target} stores them, so dsckpt would have to invent them. Reshard it to "
+        "ZeRO stage 1 or 2 instead: elastic files again, at any data-parallel size, which DeepSpeed loads with the "
+        "run's config (elastic_checkpoint kept)")
 
 
 def refusal_message(ckpt: LogicalCheckpoint, problems: list[str]) -> str:

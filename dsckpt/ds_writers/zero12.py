@@ -306,12 +306,17 @@ def zero12_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sc
         src0 = _template(plan, scalars)
     osd0 = src0[OSD]
     base0 = osd0["base_optimizer_state"]
-    states = group_states(base0)
-    state: dict[Any, Any] = {}
-    for g, pg in zip(r.groups, base0["param_groups"]):
-        state[pg["params"][0]] = group_state_tree(states[g.group], g.state_specs, cache)
     osd = dict(osd0)
-    osd["base_optimizer_state"] = {**base0, "state": state}
+    if isinstance(base0, list):  # elastic_checkpoint (facts.is_elastic): per group, its lean state
+        osd["base_optimizer_state"] = [group_state_tree(base0[g.group], _lean(g), cache) for g in r.groups]
+        if "base_optimizer_state_step" not in osd0:
+            osd = _with_elastic_step(osd, base0)
+    else:
+        states = group_states(base0)
+        state: dict[Any, Any] = {}
+        for g, pg in zip(r.groups, base0["param_groups"]):
+            state[pg["params"][0]] = group_state_tree(states[g.group], g.state_specs, cache)
+        osd["base_optimizer_state"] = {**base0, "state": state}
     osd["single_partition_of_fp32_groups"] = [streamed(g.master, cache) for g in r.groups]
     osd["group_paddings"] = [g.padding_numel for g in r.groups]
     osd["partition_count"] = [g.partition_count or plan.world_size for g in r.groups]
@@ -327,6 +332,40 @@ def zero12_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sc
     if _stage0_pipeline(plan, src0):
         return {**src0, OSD: osd, "ds_config": target_ds_config(src0.get("ds_config"), plan.zero_stage, None)}
     return {**src0, OSD: osd}
+
+
+def _with_elastic_step(osd: Mapping[str, Any], base: list[Any]) -> dict[str, Any]:
+    """``osd`` with ``base_optimizer_state_step`` (right after ``base_optimizer_state``, where DeepSpeed puts it): the
+    groups' common ``step``. DeepSpeed 0.19.8 saves that key only where the inner optimizer keeps ``step`` in its param
+    groups, which torch's Adam/AdamW do not, yet its elastic load asserts it (stage_1_and_2.py
+    _restore_step_from_elastic_checkpoint): without it no engine loads the files, not even DeepSpeed's own save at its
+    own size. The value is exact (each group state's saved ``step``); the load writes it into the param groups, where
+    torch's Adam does not read it. Unchanged when the groups disagree or keep no step."""
+    from ..readers.common import saved_step
+
+    steps = {saved_step(st.get("step")) if isinstance(st, Mapping) else None for st in base}
+    step = steps.pop() if len(steps) == 1 else None
+    if step is None:
+        return dict(osd)
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    out: dict[str, Any] = {}
+    for k, v in osd.items():
+        out[k] = v
+        if k == "base_optimizer_state":
+            out["base_optimizer_state_step"] = step
+    return out
+
+
+def _lean(g: GroupPartition) -> dict[str, FlatSpec]:
+    """Group ``g``'s per-element optimizer states as an ``elastic_checkpoint`` save keeps them: cut to the stored fp32
+    partition, the rank's tail padding stripped (stage_1_and_2.py _get_state_without_padding)."""
+    stored = g.master.numel
+    out = {}
+    for key, spec in g.state_specs.items():
+        assert all(c.dst_offset + c.numel <= stored for c in spec.copies), "state values in the tail padding"
+        out[key] = FlatSpec(stored, spec.dtype, spec.copies)
+    return out
 
 
 def _template(plan: LayoutPlan, s: OptimizerScalars) -> dict[str, Any]:

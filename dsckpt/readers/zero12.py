@@ -118,8 +118,32 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
             isinstance(base, Mapping) and not isinstance(base.get("state") or {}, Mapping)):
         raise CorruptCheckpointError(
             f"{optim_files[0]}: no optimizer state under '{OSD}.base_optimizer_state'; the file is damaged")
-    if isinstance(base, list):  # elastic_checkpoint: per-group state, padding stripped
+    if isinstance(base, list):
+        # elastic_checkpoint: base_optimizer_state[g] is group g's state with each rank's tail padding stripped
+        # (stage_1_and_2.py _get_base_optimizer_state), so its per-element tensors are as long as the rank's stored
+        # fp32 partition
+        if len(base) != n_groups:
+            raise CorruptCheckpointError(f"{optim_files[0]}: {len(base)} elastic optimizer group states for "
+                                         f"{n_groups} fp32 groups; the file is damaged")
         moment_keys: list[tuple[Any, ...] | None] = [(OSD, "base_optimizer_state", g) for g in range(n_groups)]
+        keys_of, dtypes = [], []
+        for g in range(n_groups):
+            found: dict[str, str] | None = None
+            for rank, t in enumerate(trees):
+                b = t.get("base_optimizer_state")
+                st = b[g] if isinstance(b, list) and len(b) == n_groups else None
+                if stored[g][rank] <= 1:
+                    continue  # a one-element state cannot be told from a scalar
+                got = per_element_keys(st, stored[g][rank])
+                if found is not None and got != found:
+                    raise CorruptCheckpointError(
+                        f"{optim_files[rank]}: group {g}'s per-element elastic optimizer states are {sorted(got)}, "
+                        f"another rank's {sorted(found)}; the optimizer files come from different runs")
+                found = got
+            found = found if found is not None else dict.fromkeys(ADAM_STATE_KEYS, "float32")
+            keys_of.append(tuple(found))
+            dtypes.append(found)
+        return GroupPartitions(partition_numel, stored, moment_keys, keys_of, dtypes)
     else:
         keys = list((base.get("state") or {}).keys())
         if not all(isinstance(k, int) for k in keys):
@@ -156,7 +180,6 @@ def group_partitions(optim_files: list[Path], cache: FileCache, keeps_padding: b
             keys_of.append(tuple(found))
             dtypes.append(found)
         return GroupPartitions(partition_numel, stored, moment_keys, keys_of, dtypes, muon)
-    return GroupPartitions(partition_numel, stored, moment_keys)
 
 
 @dataclass(frozen=True)
@@ -420,7 +443,7 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
         zero_stage=stage, precision=precision_of(meta.ds_config, sample),
         dp_world_size=world, pp_world_size=1, tp_world_size=1,
         ds_version=meta.ds_version, global_steps=meta.global_steps, global_samples=meta.global_samples,
-        optimizer_step=step_of(base.get("state") if isinstance(base, Mapping) else None),
+        optimizer_step=step_of(base.get("state")) if isinstance(base, Mapping) else elastic_step(osd0),
         optimizer_wrapper=wrapper,
         entries=tuple(order_like_module(entries, list(module))),
         files=tuple(files.all_files()), ds_config=meta.ds_config,
@@ -431,6 +454,17 @@ def read_zero12(files: CheckpointFiles, cache: FileCache) -> LogicalCheckpoint:
                                                  is_bf16_optimizer),
         optimizer_type=optimizer_type(meta.ds_config),
     )
+
+
+def elastic_step(osd: Mapping[str, Any]) -> int | None:
+    """The step of an ``elastic_checkpoint`` save (a list of per-group states): the first group state's ``step`` (the
+    count the optimizer steps by), else ``base_optimizer_state_step``, the param groups' ``step``, which DeepSpeed
+    0.19.8 writes only where the inner optimizer keeps one there (stage_1_and_2.py state_dict): torch's Adam/AdamW do
+    not, and DeepSpeed's FusedAdam leaves it at 0 while it counts in each state."""
+    base = osd.get("base_optimizer_state")
+    step = step_of(dict(enumerate(base))) if isinstance(base, list) else None
+    saved = osd.get("base_optimizer_state_step")
+    return step if step is not None or saved is None else step_of({0: {"step": saved}})
 
 
 def zero12_optimizer_groups(base: Any, param_shapes: Any, ds_config: Any, world: int,
