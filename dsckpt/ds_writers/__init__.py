@@ -261,18 +261,12 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     # ZeRO (dsckpt's own files, whose param_shapes name the params: its optimizer's order is the stage plan's,
     # mp_rank_view); native MoE at stage 0 to another expert-parallel size (one expp_rank_* file per new rank); a
     # stage-0 source at another TP size (each TP rank's module and optimizer state re-cut from its view, not copied)
-    pipeline0 = src_stage == 0 and ckpt.layout == "pipeline"
     recut = common.get("tp_size", 1) != common.get("source_tp_size", 1)
-    if target.zero_stage == 0 and (src_stage != 0 or pipeline0 or recut or common.get("moe_ep_size") is not None):
-        from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
+    if target.zero_stage == 0 and (src_stage != 0 or ckpt.layout == "pipeline" or recut
+                                   or common.get("moe_ep_size") is not None):
+        from .stage0 import plan_stage0_from_zero
 
-        if pipeline0:
-            orders = [list(g) for g in facts.group_flat_order]
-        elif src_stage == 0:
-            ckpt, orders = stage0_as_zero_source(ckpt)
-        else:
-            orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
-                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
+        ckpt, orders = source_group_orders(ckpt, facts)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
@@ -293,15 +287,7 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         from .stage0 import plan_stage0
 
         return plan_stage0(ckpt, common)
-    src_bf16_opt = ckpt.optimizer_wrapper == BF16_WRAPPER
-    if src_stage == 0:  # stage 0 -> ZeRO: the module (fp32) or the wrapper's fp32 groups become partitions
-        from .stage0 import stage0_as_zero_source
-
-        ckpt, orders = stage0_as_zero_source(ckpt)
-        if pipeline0:
-            orders = [list(g) for g in facts.group_flat_order]
-    else:
-        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
+    ckpt, orders = source_group_orders(ckpt, facts)
     models = source_model_files(ckpt)
     common = {**common, "source_model_files": models}
     if target.zero_stage == 3:
@@ -320,6 +306,25 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
                  else facts.parameter_alignment and src_stage != 3)
     return plan_zero12(ckpt, target.world_size, orders, round_robin=round_robin, parameter_alignment=alignment,
                        bf16_optimizer=wrapper == BF16_WRAPPER, common=common)
+
+
+def source_group_orders(ckpt: LogicalCheckpoint, facts: SourceFacts) -> tuple[LogicalCheckpoint, list[list[str]]]:
+    """``ckpt`` as the source of a plan, and per optimizer param group its trainable params in the source optimizer's
+    order. A ZeRO source (or a ``BF16_Optimizer`` one, :func:`source_layout_stage`) as it is, the order from its flat
+    buffers (:func:`optimizer_group_orders`); a stage-0 source with the fp32 masters a plan reads
+    (:func:`.stage0.stage0_as_zero_source`), the order from its optimizer -- except one stage of an fp32 pipeline
+    without ZeRO, whose order is the stage plan's (:func:`mp_rank_view` put it in ``facts``: dsckpt's own files name
+    the params in ``param_shapes``, DeepSpeed's are bound by :mod:`dsckpt.readers.pipeline_binding`)."""
+    src_stage = source_layout_stage(ckpt)
+    if src_stage != 0:
+        return ckpt, optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
+                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
+    from .stage0 import stage0_as_zero_source
+
+    ckpt, orders = stage0_as_zero_source(ckpt)
+    if ckpt.layout == "pipeline":
+        orders = [list(g) for g in facts.group_flat_order]
+    return ckpt, orders
 
 
 def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: int,
