@@ -30,6 +30,22 @@ the fp32 master there; they are cast with torch, one file's worth in memory.
 :func:`plan_layout` picks the writer; :func:`build_jobs` produces ``(path, tree)`` per target file.
 ``dsckpt reshard`` (:mod:`dsckpt.reshard`) is only read -> :func:`plan_layout` -> write -> verify.
 
+One plan for every kind of parallelism: :func:`plan_layout` resolves the target's data-parallel size, tensor-parallel
+cut, pipeline stages and expert cut once, into one :class:`~dsckpt.parallel_layout.ParallelTarget`
+(:attr:`LayoutPlan.parallel`, the same record in every part of a plan), and everything downstream asks it:
+
+* a target with TP or stages is written per model-parallel rank ``m = stage * tp + t``, each an ordinary
+  data-parallel checkpoint of that rank's params and slices (:func:`.retarget.rank_view`: the TP cut, then the
+  stage's), planned by the writers above exactly as a checkpoint without TP or stages;
+* the expert cut is planned inside the layout writers, per param group, because ZeRO partitions an expert group over
+  the ranks holding the same experts (AutoEP: :func:`.autoep.autoep_groups`; native MoE, whose logical checkpoint is
+  re-cut at another expert-parallel size first, :func:`.moe.retarget_moe`: :func:`.moe.rank_in_group`);
+* every built tree has the keys that record a parallel size rewritten in one pass (:func:`.retarget.retarget_tree`:
+  the expert cut's, TP's, the stage count's).
+
+A new dimension is a field of that record with its cut in :func:`.retarget.rank_view` and its rewrite in
+:func:`.retarget.retarget_tree`, not another set of hooks in the planner.
+
 Stage changes: the fp32 master, Adam moments and step are layout-independent in the logical
 checkpoint, so any ZeRO stage 1-3 source can be planned for any stage 1-3 target. What a layout
 stores besides them (loss scaler, ``clip_grad``, optimizer hyperparameters, client state) is carried
@@ -39,8 +55,9 @@ set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` f
 is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
 model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
 with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`); a pipeline
-(and tensor x pipeline) run is written so per model-parallel rank (:func:`_plan_mp_ranks`), each stage's file naming
-its optimizer's params in ``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`).
+(and tensor x pipeline) run is written so per model-parallel rank, each stage's file naming its optimizer's params in
+``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`). Which source order each optimizer group is planned in is decided
+in one place for every target (:func:`source_group_orders`).
 """
 
 from __future__ import annotations
