@@ -8,6 +8,8 @@ size of one expert param group: the experts of a MoE layer spread over ``ep`` ra
 partitions over the ``expert_dp = dp / ep`` ranks holding the same experts). Its rank arithmetic says which global
 rank is which :class:`RankCoordinate` and back, which data-parallel ranks hold an expert-parallel rank's experts (the
 readers' direction) and which experts and partition a data-parallel rank holds (the ds_writers' direction).
+:class:`ParallelTarget` is what a reshard writes, every dimension's cut in one record: the data-parallel size, the
+:class:`TpLayout`, the pipeline :class:`StagePlan` and the expert cut (:class:`AutoEpLayout` or :class:`MoeLayout`).
 
 Global ranks (DeepSpeed 0.19.8): the pipeline topology ``PipeModelDataParallelTopology`` orders ranks by axes
 ``['pipe', 'data', 'model']`` (``PipeDataParallelTopology``: ``['pipe', 'data']``; runtime/pipe/topology.py) and
