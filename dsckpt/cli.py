@@ -993,7 +993,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
-    if plan.stages is not None:
+    if plan.parallel.stages is not None:
         tp = ((f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if max(plan.source_tp_size, plan.tp_size) > 1
               else ("", ""))
         stages = (f" (PP {plan.source_pp_size} x {tp[0]}DP {plan.source_world_size} -> PP {plan.pp_size} x {tp[1]}DP "
@@ -1001,10 +1001,10 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     elif plan.tp_size > 1 or plan.source_tp_size > 1:
         stages = (f" (TP {plan.source_tp_size} x DP {plan.source_world_size} -> TP {plan.tp_size} x DP "
                   f"{plan.world_size})") + stages
-    if plan.autoep is not None and logical.autoep is not None:
-        stages = f" (expert-parallel size {logical.autoep.ep_size} -> {plan.autoep.ep_size})" + stages
-    elif plan.moe_ep_size is not None and logical.moe is not None:
-        stages = (f" (expert-parallel size {', '.join(map(str, logical.moe.ep_sizes))} -> {plan.moe_ep_size})"
+    if plan.parallel.ep_size is not None and logical.autoep is not None:
+        stages = f" (expert-parallel size {logical.autoep.ep_size} -> {plan.parallel.ep_size})" + stages
+    elif plan.parallel.ep_size is not None and logical.moe is not None:
+        stages = (f" (expert-parallel size {', '.join(map(str, logical.moe.ep_sizes))} -> {plan.parallel.ep_size})"
                   + stages)
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: "
                f"wrote {len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
@@ -1016,11 +1016,11 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
         click.echo('resume with: "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"} '
                    "(BF16_Optimizer, as the stage-0 run used; DeepSpeed 0.19.8 cannot resume a stage-0 bf16 pipeline "
                    "save)")
-    if plan.stages is not None and plan.stages.target is not None:
+    if plan.parallel.stages is not None and plan.parallel.stages.target is not None:
         layout = (f"topology=PipeModelDataParallelTopology(num_pp={plan.pp_size}, num_mp={plan.tp_size}, "
                   f"num_dp={plan.world_size})" if plan.tp_size > 1 else f"num_stages={plan.pp_size}")
         click.echo(f"resume with: PipelineModule(..., {layout}, partition_method="
-                   f"'{plan.stages.target.method}') on {plan.total_world_size} ranks")
+                   f"'{plan.parallel.stages.target.method}') on {plan.total_world_size} ranks")
     if plan.hf_files is not None:
         click.echo(f"copied {len(result.hf_files)} {plan.hf_files.client} file(s) from {plan.hf_files.folder}: "
                    + ", ".join(p.name for p in result.hf_files))

@@ -8,6 +8,8 @@ size of one expert param group: the experts of a MoE layer spread over ``ep`` ra
 partitions over the ``expert_dp = dp / ep`` ranks holding the same experts). Its rank arithmetic says which global
 rank is which :class:`RankCoordinate` and back, which data-parallel ranks hold an expert-parallel rank's experts (the
 readers' direction) and which experts and partition a data-parallel rank holds (the ds_writers' direction).
+:class:`ParallelTarget` is what a reshard writes, every dimension's cut in one record: the data-parallel size, the
+:class:`TpLayout`, the pipeline :class:`StagePlan` and the expert cut (:class:`AutoEpLayout` or :class:`MoeLayout`).
 
 Global ranks (DeepSpeed 0.19.8): the pipeline topology ``PipeModelDataParallelTopology`` orders ranks by axes
 ``['pipe', 'data', 'model']`` (``PipeDataParallelTopology``: ``['pipe', 'data']``; runtime/pipe/topology.py) and
@@ -66,12 +68,14 @@ __all__ = [
     "AutoEpLayout",
     "MoeLayout",
     "ParallelLayout",
+    "ParallelTarget",
     "ParamCut",
     "PipelineLayer",
     "PipelineLayout",
     "PipelineRecord",
     "RankCoordinate",
     "SplitKind",
+    "StagePlan",
     "TpBlock",
     "TpLayout",
     "expert_cut",
@@ -632,3 +636,84 @@ class PipelineRecord:
 
     def stage_params(self, stage: int) -> tuple[str, ...]:
         return tuple(n for g in self.stage_group_orders[stage] for n in g)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Per target stage: its optimizer groups' trainable params in flat order, the source stage whose files are its
+    template (hyperparameters, scheduler, scalars) and the buffers its module holds. ``source`` / ``target``: the
+    layouts rebuilt by the partition method (None where the stage count is kept and no method was named: then each
+    stage keeps its own params)."""
+
+    group_orders: tuple[tuple[tuple[str, ...], ...], ...]
+    templates: tuple[int, ...]
+    buffers: tuple[tuple[str, ...], ...]
+    source_pp_size: int
+    source: PipelineLayout | None = None
+    target: PipelineLayout | None = None
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.group_orders)
+
+    def note(self, layer_files_recut: bool = False) -> str:
+        """What the plan does to the stages; ``layer_files_recut``: another TP size re-cuts the layer files
+        (:func:`dsckpt.ds_writers.layer_file_trees`, named in a note of their own), so none is copied."""
+        files = "re-cut for the new TP size" if layer_files_recut else "copied unchanged"
+        if self.target is None:
+            return f"pipeline stages kept at {self.pp_size}: each stage keeps its params; layer files {files}"
+        return (f"pipeline stages {self.source_pp_size} -> {self.pp_size} (partition_method '{self.target.method}', "
+                f"{self.target.num_layers} layers): {self.target.describe()}; layer files {files}")
+
+
+# --------------------------------------------------------------------------------------------
+# A reshard's target: every dimension's cut, in one record
+
+
+@dataclass(frozen=True)
+class ParallelTarget:
+    """The parallel layout a reshard writes, every dimension in one record: ``dp`` data-parallel ranks (per
+    model-parallel rank), over which ZeRO partitions each rank's params; ``tp`` the tensor-parallel cut of every param
+    (None: no tensor parallelism, one TP rank holding whole params); ``stages`` the pipeline cut (which params, groups
+    and buffers each stage holds; None: no pipeline); ``experts`` the expert cut written anew -- an
+    :class:`AutoEpLayout` (AutoEP: its stacked expert params cut at the target's expert-parallel size, always
+    re-planned), or a :class:`MoeLayout` at another expert-parallel size (native MoE, ``--ep-size``); None where the
+    checkpoint's experts keep their cut or it has none.
+
+    Model-parallel rank ``m = stage * tp_size + t`` (:meth:`coordinate`) of a target with TP or stages is an ordinary
+    data-parallel checkpoint of that stage's params and TP rank ``t``'s slices of them (``ds_writers.retarget``)."""
+
+    dp: int
+    tp: TpLayout | None = None
+    stages: StagePlan | None = None
+    experts: AutoEpLayout | MoeLayout | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.tp_size if self.tp is not None else 1
+
+    @property
+    def pp_size(self) -> int:
+        return self.stages.pp_size if self.stages is not None else 1
+
+    @property
+    def model_parallel(self) -> bool:
+        """True when the target is written per model-parallel rank (a TP cut or pipeline stages)."""
+        return self.tp is not None or self.stages is not None
+
+    @property
+    def mp_size(self) -> int:
+        return self.pp_size * self.tp_size
+
+    def coordinate(self, mp_rank: int) -> tuple[int, int]:
+        """Model-parallel rank ``mp_rank``'s (pipeline stage, TP rank)."""
+        return divmod(mp_rank, self.tp_size)
+
+    @property
+    def ep_size(self) -> int | None:
+        """The expert-parallel size of ``experts`` (None without)."""
+        if isinstance(self.experts, AutoEpLayout):
+            return self.experts.ep_size
+        if isinstance(self.experts, MoeLayout):
+            return self.experts.layers[0][2]
+        return None

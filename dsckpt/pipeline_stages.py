@@ -24,43 +24,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .errors import UnsupportedCheckpointError, UsageError
 from .model import Kind, LogicalCheckpoint, Role
-from .parallel_layout import PipelineLayer, PipelineLayout, PipelineRecord, stage_parts
+from .parallel_layout import PipelineLayer, PipelineLayout, PipelineRecord, StagePlan, stage_parts
 
 __all__ = ["StagePlan", "plan_stages", "stage_view"]
 
 MAX_READINGS = 4096  # readings of the file-less layers tried before refusing (each costs one partition)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """Per target stage: its optimizer groups' trainable params in flat order, the source stage whose files are its
-    template (hyperparameters, scheduler, scalars) and the buffers its module holds. ``source`` / ``target``: the
-    layouts rebuilt by the partition method (None where the stage count is kept and no method was named: then each
-    stage keeps its own params)."""
-
-    group_orders: tuple[tuple[tuple[str, ...], ...], ...]
-    templates: tuple[int, ...]
-    buffers: tuple[tuple[str, ...], ...]
-    source_pp_size: int
-    source: PipelineLayout | None = None
-    target: PipelineLayout | None = None
-
-    @property
-    def pp_size(self) -> int:
-        return len(self.group_orders)
-
-    def note(self, layer_files_recut: bool = False) -> str:
-        """What the plan does to the stages; ``layer_files_recut``: another TP size re-cuts the layer files
-        (:func:`dsckpt.ds_writers.layer_file_trees`, named in a note of their own), so none is copied."""
-        files = "re-cut for the new TP size" if layer_files_recut else "copied unchanged"
-        if self.target is None:
-            return f"pipeline stages kept at {self.pp_size}: each stage keeps its params; layer files {files}"
-        return (f"pipeline stages {self.source_pp_size} -> {self.pp_size} (partition_method '{self.target.method}', "
-                f"{self.target.num_layers} layers): {self.target.describe()}; layer files {files}")
 
 
 def plan_stages(ckpt: LogicalCheckpoint, pp_size: int | None = None, *, method: str | None = None,

@@ -251,7 +251,7 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.changes_layout:
         lines.append("resume with: " + describe_target_config(plan))
-    if plan.zero_stage == 0 and plan.stages is not None:  # pipeline stages: each file rebuilt from its stage's params
+    if plan.zero_stage == 0 and plan.parallel.stages is not None:  # stages: each file rebuilt from its stage's params
         lines.append("write " + ", ".join(f"mp_rank_{p.mp_rank:02d}_model_states.pt" for p in plan.mp_ranks)
                      + f" (each stage's optimizer state) with dp_world_size={plan.world_size}")
     elif plan.zero_stage == 0:  # one model-states file per model-parallel (TP) rank
@@ -287,7 +287,7 @@ def describe_target_config(plan: ReshardPlan) -> str:
     elif plan.from_stage != 3 and plan.zero_stage == 3:
         parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
                      "optimizer files recorded one)")
-    if plan.zero_stage == 0 and plan.stages is not None:  # ds_writers.stage0.PIPELINE_NOTE
+    if plan.zero_stage == 0 and plan.parallel.stages is not None:  # ds_writers.stage0.PIPELINE_NOTE
         parts.append("model_parameters=[p for p in model.parameters() if p.requires_grad] (each stage's optimizer "
                      "numbers its params that require grad)")
     dp = "data-parallel " if plan.tp_size > 1 else ""

@@ -15,10 +15,15 @@ import pytest
 from conftest import FIXTURES
 
 from dsckpt.parallel_layout import (
+    AutoEpLayout,
+    MoeLayout,
     ParallelLayout,
+    ParallelTarget,
     RankCoordinate,
     SplitKind,
+    StagePlan,
     TpBlock,
+    TpLayout,
     expert_cut,
     expert_owner,
     global_expert_id,
@@ -227,3 +232,26 @@ def test_layout_refuses_what_it_does_not_model() -> None:
     with pytest.raises(ValueError):
         expert_cut("p.", 6, 4)
     assert ParallelLayout(3).coordinate(2) == RankCoordinate(dp=2, tp=0, pp=0, ep=0, expert_dp=2)
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 1), (1, 4), (3, 1), (2, 2), (3, 4)])
+def test_parallel_target_model_parallel_ranks_are_the_topology_file_ranks(pp: int, tp: int) -> None:
+    """A reshard target's model-parallel rank ``m`` (its ``mp_rank_{m:02d}`` files) is (stage, TP rank) as every global
+    rank of that stage and TP rank names its files: ``m = stage * tp + tp_rank`` (PipeModelDataParallelTopology)."""
+    dp = 2
+    stages = StagePlan(((("w",),),) * pp, tuple(range(pp)), ((),) * pp, pp) if pp > 1 else None
+    target = ParallelTarget(dp, TpLayout(tp, "autotp", {}) if tp > 1 else None, stages)
+    assert (target.tp_size, target.pp_size, target.mp_size) == (tp, pp, tp * pp)
+    assert target.model_parallel == (tp > 1 or pp > 1)
+    topo = ParallelLayout(dp, tp=tp, pp=pp)
+    for r in range(topo.world_size):
+        c = topo.coordinate(r)
+        assert target.coordinate(c.pp * tp + c.tp) == (c.pp, c.tp)
+
+
+def test_parallel_target_expert_cut_says_its_kind_and_size() -> None:
+    assert ParallelTarget(4).ep_size is None and not ParallelTarget(4).model_parallel
+    autoep = AutoEpLayout(2, 2, None, (), {})
+    moe = MoeLayout((None, 4), (("m.deepspeed_moe.experts.deepspeed_experts.", 8, 4),), False, ())
+    assert ParallelTarget(4, experts=autoep).ep_size == 2
+    assert ParallelTarget(4, experts=moe).ep_size == 4

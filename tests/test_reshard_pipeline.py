@@ -98,7 +98,7 @@ def test_plan_keeps_stages_for_a_data_parallel_change():
     assert [p.mp_rank for p in plan.parts()] == [0, 1]
     assert [r.optim_file for r in plan.mp_ranks[1].ranks] == [
         "zero_pp_rank_0_mp_rank_01_optim_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
-    assert plan.stages.target is None and plan.has_work
+    assert plan.parallel.stages.target is None and plan.has_work
 
 
 def test_source_stages_must_match_the_method():

@@ -223,7 +223,7 @@ def test_divisor_recorded_in_args_is_used(tmp_path):
     facts = read_source_facts(ckpt, cache)
     assert facts.vocab_divisor == 16
     plan = plan_reshard(ckpt, 4, tp_size=4, facts=facts)
-    assert plan.tp_layout.name_to_cut["embed.weight"].rank_shapes == ((16, 8),) * 4
+    assert plan.parallel.tp.name_to_cut["embed.weight"].rank_shapes == ((16, 8),) * 4
     assert any("padded to 64 (34 zero rows in every copy" in n for n in plan.notes)
     run_reshard(plan, tmp_path / "o", cache=cache, verify="full", workers=1)
     args = _load(tmp_path / "o" / "global_step3" / "mp_rank_03_model_states.pt")["args"]

@@ -30,6 +30,22 @@ the fp32 master there; they are cast with torch, one file's worth in memory.
 :func:`plan_layout` picks the writer; :func:`build_jobs` produces ``(path, tree)`` per target file.
 ``dsckpt reshard`` (:mod:`dsckpt.reshard`) is only read -> :func:`plan_layout` -> write -> verify.
 
+One plan for every kind of parallelism: :func:`plan_layout` resolves the target's data-parallel size, tensor-parallel
+cut, pipeline stages and expert cut once, into one :class:`~dsckpt.parallel_layout.ParallelTarget`
+(:attr:`LayoutPlan.parallel`, the same record in every part of a plan), and everything downstream asks it:
+
+* a target with TP or stages is written per model-parallel rank ``m = stage * tp + t``, each an ordinary
+  data-parallel checkpoint of that rank's params and slices (:func:`.retarget.rank_view`: the TP cut, then the
+  stage's), planned by the writers above exactly as a checkpoint without TP or stages;
+* the expert cut is planned inside the layout writers, per param group, because ZeRO partitions an expert group over
+  the ranks holding the same experts (AutoEP: :func:`.autoep.autoep_groups`; native MoE, whose logical checkpoint is
+  re-cut at another expert-parallel size first, :func:`.moe.retarget_moe`: :func:`.moe.rank_in_group`);
+* every built tree has the keys that record a parallel size rewritten in one pass (:func:`.retarget.retarget_tree`:
+  the expert cut's, TP's, the stage count's).
+
+A new dimension is a field of that record with its cut in :func:`.retarget.rank_view` and its rewrite in
+:func:`.retarget.retarget_tree`, not another set of hooks in the planner.
+
 Stage changes: the fp32 master, Adam moments and step are layout-independent in the logical
 checkpoint, so any ZeRO stage 1-3 source can be planned for any stage 1-3 target. What a layout
 stores besides them (loss scaler, ``clip_grad``, optimizer hyperparameters, client state) is carried
@@ -39,8 +55,9 @@ set to DeepSpeed's own value for the target (e.g. a static ``LossScaler(1.0)`` f
 is written as ZeRO-1/2/3 from its fp32 masters (the module weights at fp32) and the optimizer state inside its
 model-states file (:func:`~.common.stage0_scalars`); a ZeRO source written as stage 0 gets one model-states file
 with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan_stage0_from_zero`); a pipeline
-(and tensor x pipeline) run is written so per model-parallel rank (:func:`_plan_mp_ranks`), each stage's file naming
-its optimizer's params in ``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`).
+(and tensor x pipeline) run is written so per model-parallel rank, each stage's file naming its optimizer's params in
+``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`). Which source order each optimizer group is planned in is decided
+in one place for every target (:func:`source_group_orders`).
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ from typing import Any
 
 from ..errors import UnsupportedCheckpointError, UsageError
 from ..model import Kind, LogicalCheckpoint, Precision, Role
+from ..parallel_layout import AutoEpLayout, MoeLayout, ParallelTarget, TpLayout
 from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
 from .plan import (
     BF16_WRAPPER,
@@ -108,13 +126,27 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
     ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
     Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) what no writer here writes.
 
-    Tensor parallelism is one more dimension of the same layout: each target TP rank is an ordinary
-    data-parallel checkpoint of its local slices (:func:`dsckpt.tensor_parallel.rank_view` maps them through
-    the :class:`~dsckpt.parallel_layout.TpLayout`), planned by the same writers into files named
-    ``..._mp_rank_{t:02d}_...`` (:attr:`LayoutPlan.mp_ranks`).
+    Every parallel dimension is planned once, into the plan's :class:`~dsckpt.parallel_layout.ParallelTarget`: the
+    expert cut (:func:`_expert_target`), the TP cut (the source's cuts at the target's TP size, :func:`_tp_layout`)
+    and the pipeline stages (``target.stages``). A target with TP or stages is written per model-parallel rank: each
+    is an ordinary data-parallel checkpoint of that rank's params and local slices (:func:`.retarget.rank_view`),
+    planned by the same writers into files named ``..._mp_rank_{m:02d}_...`` (:attr:`LayoutPlan.mp_ranks`).
     """
     src_tp = max(1, ckpt.tp_world_size)
     tp = src_tp if target.tp_size is None else target.tp_size
+    ckpt, facts, experts = _expert_target(ckpt, target, facts, tp)
+    layout = _tp_layout(ckpt, tp, facts, target) if ckpt.tensor_parallel is not None or tp != 1 else None
+    common = {**common, "parallel": ParallelTarget(target.world_size, layout, target.stages, experts)}
+    if layout is not None or target.stages is not None:
+        return _plan_mp_ranks(ckpt, target, facts, common)
+    return _plan_ranks(ckpt, target, facts, common)
+
+
+def _expert_target(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts,
+                   tp: int) -> tuple[LogicalCheckpoint, SourceFacts, AutoEpLayout | MoeLayout | None]:
+    """The target's expert cut (:attr:`ParallelTarget.experts`), and ``ckpt`` and ``facts`` as the writers plan them:
+    AutoEP's layout at the target's expert-parallel size (:func:`.autoep.autoep_target`); native MoE at another
+    expert-parallel size (``--ep-size``) re-cut in the logical checkpoint itself (:func:`.moe.retarget_moe`)."""
     if target.ep_size is not None and ckpt.autoep is None and ckpt.moe is None:
         raise UnsupportedCheckpointError(
             f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {target.ep_size}: --ep-size is for "
@@ -123,45 +155,43 @@ def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         from .moe import retarget_moe
 
         ckpt, facts = retarget_moe(ckpt, facts, target)
-        common = {**common, "moe_ep_size": target.ep_size}
+        return ckpt, facts, ckpt.moe
     if ckpt.autoep is not None:
         from .autoep import autoep_target
 
         if tp != 1:
             raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
                                              "together with AutoTP is not supported")
-        common = {**common, "autoep": autoep_target(ckpt, target.world_size, target.ep_size)}
-    if ckpt.tensor_parallel is not None or tp != 1 or target.stages is not None:
-        return _plan_mp_ranks(ckpt, target, tp, facts, common)
-    return _plan_ranks(ckpt, target, facts, common)
+        return ckpt, facts, autoep_target(ckpt, target.world_size, target.ep_size)
+    return ckpt, facts, None
 
 
-def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: SourceFacts,
+def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts,
                    common: Mapping[str, Any]) -> LayoutPlan:
     """One data-parallel plan per target model-parallel rank ``m = stage * tp + t`` (pipeline stage, TP rank), each
-    from that rank's view of ``ckpt`` (:func:`mp_rank_view`: the stage's params, then TP rank ``t``'s slices)."""
+    from that rank's view of ``ckpt`` (:func:`.retarget.rank_view`: the stage's params, then TP rank ``t``'s
+    slices)."""
     import dataclasses
 
+    from .retarget import rank_view
+
+    parallel: ParallelTarget = common["parallel"]
     src_tp = max(1, ckpt.tp_world_size)
-    stages = target.stages
-    pp = stages.pp_size if stages is not None else 1
-    layout = _tp_layout(ckpt, tp, facts, target) if ckpt.tensor_parallel is not None or tp != 1 else None
+    tp, stages, layout = parallel.tp_size, parallel.stages, parallel.tp
     recut: tuple[Path, ...] = ()
     if stages is not None and tp != src_tp:
         assert ckpt.pipeline is not None
         recut = ckpt.pipeline.tp_rank(0).layer_files
     parts = []
-    for s in range(pp):
-        for t in range(tp):
-            view, view_facts = mp_rank_view(ckpt, facts, stages, layout, s, t)
-            part_common = {**common, "source_optim_files": source_optim_files(view), "mp_rank": s * tp + t,
-                           "hf_files": None, "source_tp_size": src_tp, "tp_size": tp,
-                           "source_pp_size": stages.source_pp_size if stages else 1, "pp_size": pp}
-            if stages is not None and s == 0 and t == 0 and not recut:
-                assert ckpt.pipeline is not None
-                part_common["copied_model_files"] = ckpt.pipeline.layer_files
-            parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1, stages=None), view_facts,
-                                     part_common))
+    for m in range(parallel.mp_size):
+        view, view_facts = rank_view(ckpt, facts, parallel, m)
+        part_common = {**common, "source_optim_files": source_optim_files(view), "mp_rank": m, "hf_files": None,
+                       "source_tp_size": src_tp, "source_pp_size": stages.source_pp_size if stages else 1}
+        if stages is not None and m == 0 and not recut:
+            assert ckpt.pipeline is not None
+            part_common["copied_model_files"] = ckpt.pipeline.layer_files
+        parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1, stages=None), view_facts,
+                                 part_common))
     notes = parts[0].notes
     if layout is not None and tp != src_tp and layout.source == "megatron":
         notes = (*notes, _megatron_note(ckpt.tensor_parallel, layout))
@@ -180,9 +210,8 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, tp: int, facts: Sour
         frozen = sum(1 for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None)
         notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices"
                  + (f" (frozen params' too: {frozen}, whose only copy they are)" if frozen else ""))
-    return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), tp_layout=layout, stages=stages,
-                               hf_files=common.get("hf_files"), source_tp_size=src_tp, tp_size=tp, notes=notes,
-                               copied_model_files=(), recut_layer_files=recut)
+    return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), hf_files=common.get("hf_files"),
+                               source_tp_size=src_tp, notes=notes, copied_model_files=(), recut_layer_files=recut)
 
 
 #: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
@@ -210,7 +239,7 @@ def _megatron_note(source: Any, target: Any) -> str:
     return note
 
 
-def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts, target: Target) -> Any:
+def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts, target: Target) -> TpLayout:
     """The target's :class:`~dsckpt.parallel_layout.TpLayout`: the source's cuts at ``tp`` ranks."""
     from ..tensor_parallel import resize_layout
 
@@ -229,50 +258,14 @@ def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts, target: Tar
         raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
 
 
-def mp_rank_view(ckpt: LogicalCheckpoint, facts: SourceFacts, stages: Any, layout: Any, stage: int,
-                 t: int) -> tuple[LogicalCheckpoint, SourceFacts]:
-    """Model-parallel rank (``stage``, ``t``) of the target as an ordinary data-parallel checkpoint and its facts: two
-    cuts composed, TP rank ``t``'s slices of every param (:func:`dsckpt.tensor_parallel.rank_view`; a pipeline's files
-    are then its TP rank ``t``'s, :meth:`~dsckpt.parallel_layout.PipelineRecord.tp_rank`), then the stage's params
-    (:func:`dsckpt.pipeline_stages.stage_view`), whose flat order the facts take. Pure."""
-    import dataclasses
-
-    view = ckpt
-    if layout is not None:
-        from ..tensor_parallel import rank_view
-
-        view = rank_view(ckpt, layout, t)
-        if ckpt.pipeline is not None:  # TP rank t's own files (another TP size: source TP rank 0's as templates)
-            src_t = t if layout.tp_size == max(1, ckpt.tp_world_size) else 0
-            view = dataclasses.replace(view, files=ckpt.files, pipeline=ckpt.pipeline.tp_rank(src_t))
-    if stages is not None:
-        from ..pipeline_stages import stage_view
-
-        view = stage_view(view, stages, stage)
-        facts = dataclasses.replace(facts, group_flat_order=stages.group_orders[stage],
-                                    subgroup_to_group=tuple(range(len(stages.group_orders[stage]))))
-    return view, facts
-
-
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
     """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
     src_stage = source_layout_stage(ckpt)
-    # rebuilt as stage 0 from the logical checkpoint (.stage0): a ZeRO source; one stage of an fp32 pipeline without
-    # ZeRO (dsckpt's own files, whose param_shapes name the params: its optimizer's order is the stage plan's,
-    # mp_rank_view); native MoE at stage 0 to another expert-parallel size (one expp_rank_* file per new rank); a
-    # stage-0 source at another TP size (each TP rank's module and optimizer state re-cut from its view, not copied)
-    pipeline0 = src_stage == 0 and ckpt.layout == "pipeline"
-    recut = common.get("tp_size", 1) != common.get("source_tp_size", 1)
-    if target.zero_stage == 0 and (src_stage != 0 or pipeline0 or recut or common.get("moe_ep_size") is not None):
-        from .stage0 import plan_stage0_from_zero, stage0_as_zero_source
+    if target.zero_stage == 0 and _stage0_rebuilt(src_stage, ckpt.layout, common.get("source_tp_size", 1),
+                                                  common["parallel"]):
+        from .stage0 import plan_stage0_from_zero
 
-        if pipeline0:
-            orders = [list(g) for g in facts.group_flat_order]
-        elif src_stage == 0:
-            ckpt, orders = stage0_as_zero_source(ckpt)
-        else:
-            orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
-                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
+        ckpt, orders = source_group_orders(ckpt, facts)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
@@ -293,15 +286,7 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         from .stage0 import plan_stage0
 
         return plan_stage0(ckpt, common)
-    src_bf16_opt = ckpt.optimizer_wrapper == BF16_WRAPPER
-    if src_stage == 0:  # stage 0 -> ZeRO: the module (fp32) or the wrapper's fp32 groups become partitions
-        from .stage0 import stage0_as_zero_source
-
-        ckpt, orders = stage0_as_zero_source(ckpt)
-        if pipeline0:
-            orders = [list(g) for g in facts.group_flat_order]
-    else:
-        orders = optimizer_group_orders(facts, src_stage, ckpt.dp_world_size, src_bf16_opt)
+    ckpt, orders = source_group_orders(ckpt, facts)
     models = source_model_files(ckpt)
     common = {**common, "source_model_files": models}
     if target.zero_stage == 3:
@@ -320,6 +305,35 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
                  else facts.parameter_alignment and src_stage != 3)
     return plan_zero12(ckpt, target.world_size, orders, round_robin=round_robin, parameter_alignment=alignment,
                        bf16_optimizer=wrapper == BF16_WRAPPER, common=common)
+
+
+def _stage0_rebuilt(source_stage: int, layout: str, source_tp_size: int, parallel: ParallelTarget) -> bool:
+    """Whether a stage-0 target is rebuilt from the logical checkpoint (:func:`.stage0.plan_stage0_from_zero`) rather
+    than the source's stage-0 files rewritten (:func:`.stage0.plan_stage0`): a ZeRO source; one stage of a pipeline
+    (its optimizer's order is the stage plan's, :func:`source_group_orders`); native MoE at another expert-parallel
+    size (one ``expp_rank_*`` file per new rank); another TP size (each TP rank's module and optimizer state re-cut
+    from its view, not copied)."""
+    return (source_stage != 0 or layout == "pipeline" or parallel.tp_size != source_tp_size
+            or isinstance(parallel.experts, MoeLayout))
+
+
+def source_group_orders(ckpt: LogicalCheckpoint, facts: SourceFacts) -> tuple[LogicalCheckpoint, list[list[str]]]:
+    """``ckpt`` as the source of a plan, and per optimizer param group its trainable params in the source optimizer's
+    order. A ZeRO source (or a ``BF16_Optimizer`` one, :func:`source_layout_stage`) as it is, the order from its flat
+    buffers (:func:`optimizer_group_orders`); a stage-0 source with the fp32 masters a plan reads
+    (:func:`.stage0.stage0_as_zero_source`), the order from its optimizer -- except one stage of an fp32 pipeline
+    without ZeRO, whose order is the stage plan's (:func:`.retarget.rank_view` put it in ``facts``: dsckpt's own
+    files name the params in ``param_shapes``, DeepSpeed's are bound by :mod:`dsckpt.readers.pipeline_binding`)."""
+    src_stage = source_layout_stage(ckpt)
+    if src_stage != 0:
+        return ckpt, optimizer_group_orders(facts, src_stage, ckpt.dp_world_size,
+                                            ckpt.optimizer_wrapper == BF16_WRAPPER)
+    from .stage0 import stage0_as_zero_source
+
+    ckpt, orders = stage0_as_zero_source(ckpt)
+    if ckpt.layout == "pipeline":
+        orders = [list(g) for g in facts.group_flat_order]
+    return ckpt, orders
 
 
 def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: int,
@@ -342,52 +356,29 @@ def optimizer_group_orders(facts: SourceFacts, source_stage: int, source_world: 
 
 
 def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
-    """``(path, tree)`` for every target file, in plan order. Reads source trees (pickles) through
-    ``cache``, no tensor bytes; not thread-safe (the cache is not). Refuses a tree carrying a field DeepSpeed's
-    loader rejects (:func:`~dsckpt.validate.refuse_unloadable_fields`) before anything is written."""
+    """``(path, tree)`` for every target file, in plan order: each model-parallel rank's files from its view of
+    ``ckpt`` (:func:`.retarget.rank_view`), every tree's parallel sizes rewritten for the target
+    (:func:`.retarget.retarget_tree`). Reads source trees (pickles) through ``cache``, no tensor bytes; not
+    thread-safe (the cache is not). Refuses a tree carrying a field DeepSpeed's loader rejects
+    (:func:`~dsckpt.validate.refuse_unloadable_fields`) before anything is written."""
     from ..validate import refuse_unloadable_fields
+    from .retarget import rank_view, retarget_tree
 
-    if plan.mp_ranks:
-        layouts = (ckpt.tensor_parallel, plan.tp_layout)
-        facts = SourceFacts((), ())
-        jobs = [job for part in plan.mp_ranks
-                for job in _build_rank_jobs(part, mp_rank_view(ckpt, facts, plan.stages, plan.tp_layout,
-                                                               part.mp_rank // plan.tp_size,
-                                                               part.mp_rank % plan.tp_size)[0], tag_dir, cache,
-                                            layouts, plan.stages)]
-        if plan.recut_layer_files:
-            from ..tensor_parallel import rank_view
+    facts = SourceFacts((), ())
+    jobs = [(path, retarget_tree(path.name, tree, part, ckpt.tensor_parallel))
+            for part in plan.parts()
+            for path, tree in _build_layout_jobs(
+                part, rank_view(ckpt, facts, plan.parallel, part.mp_rank)[0] if plan.mp_ranks else ckpt, tag_dir,
+                cache)]
+    if plan.recut_layer_files:
+        from ..tensor_parallel import rank_view as tp_rank_view
 
-            for t in range(plan.tp_size):
-                view = rank_view(ckpt, plan.tp_layout, t)
-                jobs += [(tag_dir / name, tree) for name, tree in layer_file_trees(plan.recut_layer_files, ckpt, view,
-                                                                                    t, cache)]
-    else:
-        jobs = _build_rank_jobs(plan, ckpt, tag_dir, cache)
+        assert plan.parallel.tp is not None
+        for t in range(plan.tp_size):
+            view = tp_rank_view(ckpt, plan.parallel.tp, t)
+            jobs += [(tag_dir / name, tree) for name, tree in layer_file_trees(plan.recut_layer_files, ckpt, view, t,
+                                                                                cache)]
     refuse_unloadable_fields(jobs, source=f"'{ckpt.tag_dir}'")
-    return jobs
-
-
-def _build_rank_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any,
-                     layouts: tuple[Any, Any] | None = None, stages: Any = None) -> list[tuple[Path, Any]]:
-    """``layouts``: the source's and the target's :class:`~dsckpt.parallel_layout.TpLayout` of a TP checkpoint."""
-    jobs = _build_layout_jobs(plan, ckpt, tag_dir, cache)
-    if plan.autoep is not None:
-        from .autoep import retarget_tree
-
-        jobs = [(path, retarget_tree(path.name, tree, plan)) for path, tree in jobs]
-    if plan.moe_ep_size is not None:
-        from .moe import rename_expert_groups
-
-        jobs = [(path, rename_expert_groups(tree, plan.moe_ep_size)) for path, tree in jobs]
-    if plan.tp_size != plan.source_tp_size:
-        from .common import retarget_tp_keys
-
-        jobs = [(path, retarget_tp_keys(tree, plan, layouts)) for path, tree in jobs]
-    if stages is not None:
-        from .common import retarget_stage_keys
-
-        jobs = [(path, retarget_stage_keys(path.name, tree, plan, stages)) for path, tree in jobs]
     return jobs
 
 
@@ -395,8 +386,7 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and (plan.from_stage != 0 or plan.layout == "pipeline" or plan.moe_ep_size is not None
-                                 or plan.tp_size != plan.source_tp_size):
+    if plan.zero_stage == 0 and _stage0_rebuilt(plan.from_stage, plan.layout, plan.source_tp_size, plan.parallel):
         from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 
@@ -429,7 +419,7 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         name, tree = zero12_model_tree(plan, ckpt, cache)
         jobs.append((tag_dir / name, tree))
         jobs += _copied(plan, tag_dir, cache)
-        if plan.autoep is not None and plan.from_stage == 3:
+        if isinstance(plan.parallel.experts, AutoEpLayout) and plan.from_stage == 3:
             from .autoep import expert_file_trees
 
             jobs += [(tag_dir / n, t) for n, t in expert_file_trees(plan, ckpt, cache)]

@@ -126,7 +126,7 @@ def partition_groups(plan: Any, rank: int) -> list[dict[str, Any]]:
     """``ds_zero_partition_groups`` of a ZeRO-3 optimizer file (stage3.py ``_zero3_partition_group_metadata``, which
     the loader compares for equality with the live engine's): per sub-group its partition count, this rank's index,
     the partitioning ranks, placement families and group names."""
-    target: AutoEpLayout = plan.autoep
+    target = _target(plan)
     topo = ParallelLayout(plan.world_size, ep=target.ep_size)
     experts = set(target.expert_param_names)
     out = []
@@ -139,6 +139,13 @@ def partition_groups(plan: Any, rank: int) -> list[dict[str, Any]]:
         out.append({"sub_group": s, "partition_count": len(ranks), "partition_rank": ranks.index(rank),
                     "partition_ranks": ranks, "families": fam, "group_names": names})
     return out
+
+
+def _target(plan: Any) -> AutoEpLayout:
+    """The AutoEP layout a plan writes (its :attr:`~dsckpt.parallel_layout.ParallelTarget.experts`)."""
+    target = plan.parallel.experts
+    assert isinstance(target, AutoEpLayout), "an AutoEP plan"
+    return target
 
 
 def _affine_map(cut: ParamCut) -> dict[str, Any]:
@@ -163,7 +170,7 @@ def retarget_tree(name: str, tree: Mapping[str, Any], plan: Any) -> dict[str, An
 
     from .common import OSD
 
-    target: AutoEpLayout = plan.autoep
+    target = _target(plan)
     m = re.match(r"^(?:bf16_)?zero_pp_rank_(\d+)_", name)
     rank = int(m[1]) if m else 0
     zero3 = plan.zero_stage == 3
@@ -210,7 +217,7 @@ def expert_file_trees(plan: Any, ckpt: LogicalCheckpoint, cache: Any) -> list[tu
     from ..assemble import read_piece
     from ..model import Precision, Role
 
-    target: AutoEpLayout = plan.autoep
+    target = _target(plan)
     dtype = torch.bfloat16 if ckpt.precision is Precision.BF16 else (
         torch.float16 if ckpt.precision is Precision.FP16 else torch.float32)
     by_name = {e.name: e for e in ckpt.entries}

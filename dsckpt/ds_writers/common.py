@@ -410,7 +410,7 @@ def _megatron_client_keys(out: dict[str, Any], target: Any) -> None:
 
 def retarget_stage_keys(name: str, tree: Any, plan: LayoutPlan, stages: Any) -> Any:
     """A pipeline stage's ``mp_rank_XX_model_states.pt`` with the keys that record the stage count rewritten for
-    ``stages`` (a :class:`dsckpt.pipeline_stages.StagePlan`): ``mp_world_size`` (stages x TP ranks, the
+    ``stages`` (a :class:`dsckpt.parallel_layout.StagePlan`): ``mp_world_size`` (stages x TP ranks, the
     model-parallel world of ``PipeModelDataParallelTopology``), ``checkpoint_parallel_dimensions.pp_degree`` and the
     stage's ``buffer_names``. Other files (optimizer states, layer files) record no stage count."""
     if not isinstance(tree, Mapping) or not re.fullmatch(r"mp_rank_\d+_model_states\.pt", name):

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
 from ..model import ZERO_FILL, Fragment, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
+from ..parallel_layout import ParallelTarget, StagePlan
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -138,7 +139,7 @@ class Target:
     bf16_optimizer: bool | None = None
     tp_size: int | None = None  # tensor-parallel ranks (None: the source's); ``world_size`` is per TP rank
     ep_size: int | None = None  # expert-parallel size of an AutoEP checkpoint (None: the source's)
-    stages: Any = None  # a pipeline checkpoint's target stages (dsckpt.pipeline_stages.StagePlan)
+    stages: StagePlan | None = None  # a pipeline checkpoint's target stages (dsckpt.pipeline_stages.plan_stages)
     # Megatron's make_vocab_size_divisible_by, for a TP size change of a Megatron-style record with a vocabulary
     # (None: the one the checkpoint records, SourceFacts.vocab_divisor)
     vocab_divisor: int | None = None
@@ -164,27 +165,24 @@ class LayoutPlan:
     subgroup_to_group: tuple[int, ...]
     alignment_paddings: tuple[tuple[int, ...], ...]
     ranks: tuple[RankPlan, ...]
+    # the target's parallel dimensions: data-parallel size, TP cut, pipeline stages, expert cut (the same record in
+    # every part of a plan)
+    parallel: ParallelTarget
     notes: tuple[str, ...] = field(default_factory=tuple)
     hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
     source_zero_stage: int | None = None  # None: same as zero_stage
     source_optimizer_wrapper: str | None = None  # None: same as optimizer_wrapper
     sub_group_size: int | None = None  # stage-3 target: the sub_group_size the sub-groups were formed with
     copied_model_files: tuple[Path, ...] = ()  # MoE expert (and stage-0 expp_rank_*) files, rewritten unchanged
-    mp_rank: int = 0  # the model-parallel (TP) rank whose files ``ranks`` are: ``..._mp_rank_{mp_rank:02d}_...``
+    mp_rank: int = 0  # the model-parallel rank whose files ``ranks`` are: ``..._mp_rank_{mp_rank:02d}_...``
     source_tp_size: int = 1
-    tp_size: int = 1
-    # TP > 1 or pipeline stages: one plan per target model-parallel rank m = stage * tp_size + TP rank (each an
-    # ordinary data-parallel plan of that rank's params and local slices, see dsckpt.ds_writers.mp_rank_view) and
-    # the layouts they were cut by; this plan's own ``ranks`` are then empty.
-    mp_ranks: tuple[LayoutPlan, ...] = ()
-    autoep: Any = None  # AutoEP: the target's dsckpt.parallel_layout.AutoEpLayout (expert-parallel size, cuts)
-    moe_ep_size: int | None = None  # native MoE written at another expert-parallel size than the source's
-    tp_layout: Any = None  # a dsckpt.parallel_layout.TpLayout
     source_pp_size: int = 1
-    pp_size: int = 1
-    stages: Any = None  # pipeline: the target's dsckpt.pipeline_stages.StagePlan
+    # a target with TP or pipeline stages (parallel.model_parallel): one plan per model-parallel rank
+    # m = stage * tp_size + TP rank (each an ordinary data-parallel plan of that rank's params and local slices, see
+    # dsckpt.ds_writers.retarget.rank_view); this plan's own ``ranks`` are then empty.
+    mp_ranks: tuple[LayoutPlan, ...] = ()
     # tensor x pipeline at another TP size: TP rank 0's layer_XX-model_00 files, each re-cut for every target TP rank
-    # (the module's slices of its layer's params; dsckpt.ds_writers.layer_file_jobs)
+    # (the module's slices of its layer's params; dsckpt.ds_writers.layer_file_trees)
     recut_layer_files: tuple[Path, ...] = ()
     # DeepSpeed's own fp32 stage-0 pipeline save: the TiedLayerSpec keys the source is read with (layer, key)
     # (dsckpt.readers.read_checkpoint's tied_keys; PipelineRecord.tied_keys)
@@ -193,6 +191,14 @@ class LayoutPlan:
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""
         return self.mp_ranks or (self,)
+
+    @property
+    def tp_size(self) -> int:
+        return self.parallel.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.parallel.pp_size
 
     @property
     def total_world_size(self) -> int:
@@ -218,7 +224,8 @@ class LayoutPlan:
     @property
     def has_work(self) -> bool:
         return (self.world_size != self.source_world_size or self.changes_layout or self.tp_size != self.source_tp_size
-                or self.pp_size != self.source_pp_size or (self.stages is not None and self.stages.target is not None))
+                or self.pp_size != self.source_pp_size
+                or (self.parallel.stages is not None and self.parallel.stages.target is not None))
 
     @property
     def copied_nbytes(self) -> int:

@@ -44,7 +44,7 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
         raise CorruptCheckpointError(
             f"verification failed: the written checkpoint reads as ZeRO stage {source_layout_stage(new)} "
             f"({new.optimizer_wrapper}), expected {plan.zero_stage} ({plan.optimizer_wrapper}); nothing was written")
-    layout = plan.tp_layout
+    layout = plan.parallel.tp
     if plan.tp_size != plan.source_tp_size and layout is not None and layout.source == "megatron":
         # another TP size re-pads a Megatron vocabulary: the real rows are compared, the new padding must be zeros
         _check_zero_padding(new, new_cache, layout)

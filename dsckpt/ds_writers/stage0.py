@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
+from ..parallel_layout import MoeLayout
 from .moe import copied_files, expert_group_sizes
 from .plan import LayoutPlan
 
@@ -145,11 +146,11 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = stage0_wrapper(ckpt)
-    if ckpt.layout == "pipeline":  # one stage of a pipeline (ds_writers.mp_rank_view): its trainable params only
+    if ckpt.layout == "pipeline":  # one stage of a pipeline (ds_writers.retarget.rank_view): its trainable params only
         notes = [PIPELINE_NOTE]
     else:
         notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
-                 + (" (each TP rank's slices in its own mp_rank_XX file)" if common.get("tp_size", 1) > 1 else "")
+                 + (" (each TP rank's slices in its own mp_rank_XX file)" if common["parallel"].tp_size > 1 else "")
                  + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params "
                     "too)" if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
     copied: tuple[Path, ...] = tuple(common.get("copied_model_files", ()))
@@ -184,12 +185,11 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     import dataclasses
 
     from .common import own_copy, shapes_tree, stage0_scale_fields, streamed, target_ds_config
-    from .moe import moe_layout_at
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module, module_from_copies
 
-    if plan.moe_ep_size is not None and ckpt.moe is not None:  # --ep-size: the experts cut at the new size
-        ckpt = dataclasses.replace(ckpt, moe=moe_layout_at(ckpt.moe, plan.moe_ep_size))
+    if isinstance(plan.parallel.experts, MoeLayout) and ckpt.moe is not None:  # --ep-size: the new expert cut
+        ckpt = dataclasses.replace(ckpt, moe=plan.parallel.experts)
     src = dict(cache.tree(plan.source_model_files[0]))
     module: Mapping[str, Any]
     if plan.from_stage == 3:

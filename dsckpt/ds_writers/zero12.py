@@ -76,7 +76,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     if ckpt.autoep is not None:
         from .autoep import autoep_groups
 
-        group_ep, position = autoep_groups(ckpt, world, group_orders, common["autoep"])
+        group_ep, position = autoep_groups(ckpt, world, group_orders, common["parallel"].experts)
     else:
         group_ep = expert_group_sizes(ckpt, world)
 
@@ -142,15 +142,15 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
                      "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
     copied = (*common.get("copied_model_files", ()), *copied_files(ckpt, stage0=False))
-    if ckpt.moe is not None and common.get("moe_ep_size") is None:
+    ep = common["parallel"].ep_size
+    if ckpt.moe is not None and ep is None:
         notes.append(moe_note(ckpt, world, len(copied)))
     elif ckpt.moe is not None:
-        notes.append(f"Mixture of Experts: expert-parallel size changed to {common['moe_ep_size']} "
-                     f"(expert-data-parallel {world // common['moe_ep_size']}); the {len(copied)} per-expert files "
-                     "are copied unchanged")
+        notes.append(f"Mixture of Experts: expert-parallel size changed to {ep} (expert-data-parallel {world // ep}); "
+                     f"the {len(copied)} per-expert files are copied unchanged")
     if ckpt.autoep is not None:
         copied = ckpt.autoep.expert_files
-        ae, tgt = ckpt.autoep, common["autoep"]
+        ae, tgt = ckpt.autoep, common["parallel"].experts
         notes.append(f"AutoEP: expert-parallel size {ae.ep_size} -> {tgt.ep_size} (expert-data-parallel {ae.expert_dp} "
                      f"-> {tgt.expert_dp}); the {len(copied)} per-expert files are copied unchanged")
     return LayoutPlan(**{**common, "notes": tuple(notes), "copied_model_files": copied},

@@ -58,7 +58,7 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
     if ckpt.autoep is not None:
         from .autoep import autoep_groups
 
-        group_ep, position = autoep_groups(ckpt, world, group_orders, common["autoep"])
+        group_ep, position = autoep_groups(ckpt, world, group_orders, common["parallel"].experts)
 
     def entries_of(g: int, rank: int) -> tuple[int, Mapping[str, Any], int]:
         ep = group_ep[g]
