@@ -275,7 +275,8 @@ def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
     by tests/fixtures/record_ds_to_universal.py): the same files (every TP rank's model-states file copied), and in
     each the same keys in order, dtypes, full shapes and values. AutoTP: {"param"}, and {"vocab_tensor": True,
     "param"} for vocabulary params; Megatron-style records: per-category keys ({"cat_dim": 1, "param"}
-    row-parallel, {"cat_dim": 0, "param_n_sub_params": 2, "param"} fused [gate; up], {"cat_dim": 0,
+    row-parallel, {"cat_dim": 0, "param_n_sub_params": 2, "param"} fused [gate; up], {"sub_param_shape":
+    SubparamShape(...), "param"} for parameter_with_sub_params (the GQA fixture's fused qkv), {"cat_dim": 0,
     "vocab_tensor": True, "param"} with the vocabulary cut to original_vocab_size, {"param"} replicated)."""
     from universal_record import ds_to_universal_differences
 
