@@ -671,6 +671,28 @@ def test_universal_refuses_sub_params_entry_it_cannot_write(entry):
         plan_universal_reshard(bad, read_source_facts(bad, cache_))
 
 
+def test_universal_notes_sub_param_sizes_deepspeed_cannot_load():
+    """Sub-param sizes saved as a list (JSON-like) rather than a tuple: ds_to_universal writes them back as they are,
+    and so does dsckpt, but DeepSpeed 0.19.8's universal loader reads sizes only from a tuple: the plan says so. The
+    fixture's tuple gets no such note."""
+    from dsckpt.reshard import plan_universal_reshard, read_source_facts
+
+    cache_ = FileCache()
+    ckpt = read_checkpoint(GQA / "ckpt", cache=cache_)
+    tp = ckpt.tensor_parallel
+    assert tp is not None
+    plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache_))
+    assert not any("as a list" in n for n in plan.describe())
+    listed = {**GQA_ENTRY, "shape": [[8, 4, 4], 8]}
+    cuts = {n: dataclasses.replace(c, sub_param_entry=listed) if n in QKV else c for n, c in tp.name_to_cut.items()}
+    ckpt = dataclasses.replace(ckpt, tensor_parallel=dataclasses.replace(tp, name_to_cut=cuts))
+    notes = [n for n in plan_universal_reshard(ckpt, read_source_facts(ckpt, cache_)).describe() if "as a list" in n]
+    assert notes == ["note: the record lists the sub-param sizes of layers.0.attn.qkv.weight, layers.1.attn.qkv.weight "
+                     "as a list, which DeepSpeed 0.19.8's universal loader does not take (it reads them from a tuple): "
+                     "written as ds_to_universal writes them, but load_universal will fail on them as on "
+                     "ds_to_universal's folder"]
+
+
 HF_CASES = [f.name for f in TP_FIXTURES if meta(f)["arch"] != "megatron"]
 
 

@@ -263,6 +263,15 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         notes.append("a ZeRO stage 0 save, which ds_to_universal does not read: written as the universal folder of "
                      "the ZeRO-1 files of the same run (reshard --zero-stage 1), from the same masters, optimizer "
                      "states and steps")
+    listed = [c.name for c in tp.name_to_cut.values() if c.sub_param_entry is not None and c.dim is not None
+              and isinstance(c.sub_param_entry.get("shape"), (list, tuple)) and c.dim < len(c.sub_param_entry["shape"])
+              and isinstance(c.sub_param_entry["shape"][c.dim], list)] if tp is not None else []
+    if listed:
+        # universal_checkpoint.py load_hp_checkpoint_state: sub_dim_sizes = shape[partition_dim], wrapped in a tuple
+        # unless it is one; a list of sizes is then narrowed as one size and the load fails
+        notes.append(f"the record lists the sub-param sizes of {', '.join(listed[:5])} as a list, which DeepSpeed "
+                     "0.19.8's universal loader does not take (it reads them from a tuple): written as ds_to_universal "
+                     "writes them, but load_universal will fail on them as on ds_to_universal's folder")
     return UniversalPlan(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, out_tag=f"{ckpt.tag}_universal",
         source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
