@@ -54,9 +54,9 @@ import enum
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .optimizer_group import OptimizerGroup
@@ -128,7 +128,9 @@ class ParamCut:
     vocabulary params keep the first ``keep_rows`` full rows (the rest are padding, :attr:`padding_rows`).
     ``category``: the ``universal_checkpoint_info`` pattern list that decided the cut (e.g.
     ``parameter_with_2_sub_params_cat_dim_0``; None for the default dim-0 split), which ds_to_universal's output
-    keys depend on."""
+    keys depend on. ``sub_param_entry``: for the ``parameter_with_sub_params`` category, the record's entry that
+    matched, as saved (``{"patterns": [...], "shape": [...], "partition_dim": d}``, the fields of DeepSpeed's
+    ``SubparamShape``, which ds_to_universal writes back into the merged files); not compared."""
 
     name: str
     kind: SplitKind
@@ -138,6 +140,7 @@ class ParamCut:
     sub_widths: tuple[tuple[int, ...], ...] = ()
     keep_rows: int | None = None
     category: str | None = None
+    sub_param_entry: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def tp_size(self) -> int:

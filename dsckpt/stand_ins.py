@@ -16,8 +16,9 @@ from . import limits
 if TYPE_CHECKING:
     pass
 
-__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "AttributeDictStandIn", "DcpKey", "DeepSpeedEnum", "DeepSpeedObject",
-           "TorchDevice", "TorchDtype", "TorchSize", "stand_in_class", "to_torch_value", "torch_device", "torch_size"]
+__all__ = ["ATTRIBUTE_DICTS", "STAND_INS", "SUBPARAM_SHAPE", "SUBPARAM_SHAPE_FIELDS", "AttributeDictStandIn", "DcpKey",
+           "DeepSpeedDataclass", "DeepSpeedEnum", "DeepSpeedObject", "TorchDevice", "TorchDtype", "TorchSize",
+           "stand_in_class", "subparam_shape", "to_torch_value", "torch_device", "torch_size"]
 
 # --------------------------------------------------------------------------------------------
 # Stand-ins for DeepSpeed's pickled classes
@@ -76,6 +77,20 @@ class DeepSpeedEnum(DeepSpeedObject):
         return hash((self.ds_module, self.ds_name, self.value))
 
 
+class DeepSpeedDataclass(DeepSpeedObject):
+    """Stand-in for a pickled DeepSpeed dataclass instance (pickled as ``cls.__new__(cls)`` + its ``__dict__``):
+    its state must be a dict of exactly the dataclass's fields (``ds_fields``), nothing else."""
+
+    ds_fields: tuple[str, ...] = ()
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != set(self.ds_fields):
+            got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise pickle.UnpicklingError(f"refusing the state {got} for {self.ds_module}.{self.ds_name}, whose fields "
+                                         f"are {list(self.ds_fields)}")
+        super().__setstate__(state)
+
+
 class DcpKey(DeepSpeedObject):
     """Stand-in for DCP's ``MetadataIndex`` (a frozen dataclass used as a dict key in ``.metadata``): hashable on
     its fields."""
@@ -91,12 +106,17 @@ class _ReadOnlyClass(type):
         raise AttributeError(f"stand-in class {cls.__name__} is read-only")
 
 
-def _stand_in(module: str, name: str, base: type[DeepSpeedObject]) -> type[DeepSpeedObject]:
-    cls = _ReadOnlyClass(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__})
+def _stand_in(module: str, name: str, base: type[DeepSpeedObject], **attrs: Any) -> type[DeepSpeedObject]:
+    cls = _ReadOnlyClass(name, (base,), {"ds_module": module, "ds_name": name, "__module__": __name__, **attrs})
     return cls  # type: ignore[return-value]
 
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
+#: ``ds_to_universal`` (0.19.8) pickles one into a merged file of a param with sub-params of different sizes
+#: (``zero/<name>/<state>.pt["sub_param_shape"]``, a Megatron-style ``parameter_with_sub_params`` record entry), and
+#: DeepSpeed's universal loader cuts each sub-param by TP rank from it (universal_checkpoint.py).
+SUBPARAM_SHAPE = ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape")
+SUBPARAM_SHAPE_FIELDS = ("patterns", "shape", "partition_dim")  # the dataclass's fields, in its order
 
 STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
     key: _stand_in(*key, base)
@@ -117,6 +137,7 @@ STAND_INS: dict[tuple[str, str], type[DeepSpeedObject]] = {
         (("torch.distributed.checkpoint.filesystem", "_StorageInfo"), DeepSpeedObject),
     ]
 }
+STAND_INS[SUBPARAM_SHAPE] = _stand_in(*SUBPARAM_SHAPE, DeepSpeedDataclass, ds_fields=SUBPARAM_SHAPE_FIELDS)
 
 
 class AttributeDictStandIn(dict):  # type: ignore[type-arg]
@@ -143,6 +164,15 @@ ATTRIBUTE_DICTS: dict[tuple[str, str], type[AttributeDictStandIn]] = {
         ("pytorch_lightning.utilities.parsing", "AttributeDict"),
     ]
 }
+
+
+def subparam_shape(patterns: Any, shape: Any, partition_dim: Any) -> DeepSpeedObject:
+    """A ``deepspeed.checkpoint.universal_checkpoint.SubparamShape`` as DeepSpeed pickles one (protocol 2: ``GLOBAL``,
+    ``EMPTY_TUPLE``, ``NEWOBJ``, its fields as a dict in the dataclass's order, ``BUILD``), without deepspeed."""
+    cls = STAND_INS[SUBPARAM_SHAPE]
+    obj = cls.__new__(cls)
+    obj.__setstate__(dict(zip(SUBPARAM_SHAPE_FIELDS, (patterns, shape, partition_dim))))
+    return obj
 
 
 def stand_in_class(module: str, name: str) -> type[DeepSpeedObject] | None:

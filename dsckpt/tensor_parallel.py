@@ -269,7 +269,8 @@ def _cut(name: str, shapes: list[tuple[int, ...]], is_buffer: bool, replicated: 
         category = _VOCAB
     full_shape = list(shapes[0])
     full_shape[dim] = keep if keep is not None else full_d
-    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep, category)
+    return ParamCut(name, kind, dim, tuple(full_shape), ranks, sub_widths, keep, category,
+                    sub if category == _SUB else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,10 +574,16 @@ def megatron_layout(layout: TpLayout, tp_size: int, vocab_divisor: int | None) -
 
 def megatron_record_at(record: Mapping[str, Any], target: TpLayout) -> dict[str, Any]:
     """The Megatron-style ``universal_checkpoint_info`` at ``target``'s TP size (TP 1 included, where
-    Megatron-DeepSpeed saves it too): the patterns unchanged, ``padded_vocab_size`` the target's padded row count.
-    Pure."""
+    Megatron-DeepSpeed saves it too): the patterns unchanged, ``padded_vocab_size`` the target's padded row count,
+    ``sub_param_shard_widths`` the target's widths of each sub-param (one per TP rank: the readers take them as the
+    cut, :func:`tp_layout_from_record`). Pure."""
     out = dict(record)
     rows = target.vocab_rows
     if "padded_vocab_size" in out and rows:
         (out["padded_vocab_size"],) = rows
+    widths = out.get(_SUB_WIDTHS)
+    if isinstance(widths, Mapping):
+        subs = [c for c in target.name_to_cut.values() if c.category == _SUB]
+        out[_SUB_WIDTHS] = {p: next(([list(ws) for ws in c.sub_widths] for c in subs if re.match(str(p), c.name)), w)
+                            for p, w in widths.items()}
     return out

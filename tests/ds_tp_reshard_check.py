@@ -106,7 +106,7 @@ def build(name, padded=False):
         import tp_megatron_models as mm
 
         mpu = mm.MPU(TP)
-        model = mm.MegatronNet(mpu.tp_group, mpu.tp_rank, TP, padded_at_tp1=padded)
+        model = mm.MegatronNet(mpu.tp_group, mpu.tp_rank, TP, padded_at_tp1=padded, gqa=spec.get("gqa", False))
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
         return spec, engine, mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()
     model = am.make_model(spec["arch"])

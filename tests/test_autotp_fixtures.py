@@ -287,7 +287,7 @@ def test_merged_fp32_reproduces_engine_logits(fx):
         if meta(fx)["arch"] == "megatron":
             import tp_megatron_models as mm
 
-            model = mm.MegatronNet(None, 0, 1)
+            model = mm.MegatronNet(None, 0, 1, gqa=meta(fx)["model_config"].get("gqa", False))
         else:
             import autotp_models as am
 

@@ -75,3 +75,30 @@ def test_record_matches_deepspeed_live(tmp_path: Path):
     for fx in LIVE:
         got, want = live["fixtures"][fx], record()["fixtures"][fx]
         assert (got["rc"], got["files"]) == (want["rc"], want["files"]), fx
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_reads_ds_to_universal_folder_of_sub_params_live(tmp_path: Path):
+    """ds_to_universal, run now on the Megatron-style GQA fixture (parameter_with_sub_params: it pickles DeepSpeed's
+    SubparamShape into the qkv files): its qkv files are byte for byte the ones kept beside the fixture
+    (``ds_to_universal_qkv/``, which the default tier compares dsckpt's pickles with), and dsckpt reads its whole
+    folder through the allow-list as the run: to-fp32 gives the engine's masters exactly."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    fx = FIXTURES / "autotp" / "megatron_z1_fp32_tp2_dp1_gqa"
+    out = tmp_path / "u" / "global_step3_universal"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(fx / "ckpt" / "global_step3"), "--output_folder", str(out), "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                   capture_output=True, text=True, timeout=600)
+    kept = sorted((fx / "ds_to_universal_qkv").rglob("*.pt"))
+    assert len(kept) == 6
+    for f in kept:
+        assert (out / f.relative_to(fx / "ds_to_universal_qkv")).read_bytes() == f.read_bytes(), f
+    r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "u"), str(tmp_path / "m.safetensors"), "-q"])
+    assert r.exit_code == 0, r.output
+    got, truth = load_file(str(tmp_path / "m.safetensors")), load_file(str(fx / "truth.safetensors"))
+    assert sorted(got) == sorted(json.loads((fx / "truth.json").read_text())["params"])
+    assert all(torch.equal(got[n], truth[f"param/{n}"]) for n in got)

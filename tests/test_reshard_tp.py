@@ -275,7 +275,8 @@ def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
     by tests/fixtures/record_ds_to_universal.py): the same files (every TP rank's model-states file copied), and in
     each the same keys in order, dtypes, full shapes and values. AutoTP: {"param"}, and {"vocab_tensor": True,
     "param"} for vocabulary params; Megatron-style records: per-category keys ({"cat_dim": 1, "param"}
-    row-parallel, {"cat_dim": 0, "param_n_sub_params": 2, "param"} fused [gate; up], {"cat_dim": 0,
+    row-parallel, {"cat_dim": 0, "param_n_sub_params": 2, "param"} fused [gate; up], {"sub_param_shape":
+    SubparamShape(...), "param"} for parameter_with_sub_params (the GQA fixture's fused qkv), {"cat_dim": 0,
     "vocab_tensor": True, "param"} with the vocabulary cut to original_vocab_size, {"param"} replicated)."""
     from universal_record import ds_to_universal_differences
 
@@ -711,12 +712,29 @@ def test_deepspeed_loads_tp_resharded(ds_tp_runs, case):
 # param by the live AutoTP layer, which reshard cannot know from a TP-1 checkpoint.
 # Stage-0 AutoTP saves (which ds_to_universal does not read; reshard --universal writes the folder of their ZeRO-1
 # files) are loaded by a ZeRO-1 engine (the third key: the loading engine's ZeRO stage, None for the fixture's).
+# megatron_z1_fp32_tp2_dp1_gqa: parameter_with_sub_params (a fused GQA qkv of 8/4/4 rows), whose files carry the
+# SubparamShape DeepSpeed's loader cuts each sub-param by; its control (SUBPARAM_TAMPERED) is the same folder without
+# sub_param_shape, which DeepSpeed then cuts as one tensor: the qkv slices must come out wrong.
+GQA = "megatron_z1_fp32_tp2_dp1_gqa"
 DS_TP_UNIVERSAL_CASES: dict[tuple[int, int, int | None], list[str]] = {
-    (2, 1, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1"],  # TP 2 -> TP 1 x DP 2
-    (2, 2, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1",  # TP 2 x DP 1
+    (2, 1, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1", GQA],  # TP 2 -> TP 1 x DP 2
+    (2, 2, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1", GQA,  # TP 2 x DP 1
                    "autotp_z1_bf16_tp2_dp1_kv6@tp1", "autotp_z2_fp32_tp2_dp2@tp1"],  # TP 1 -> TP 2
     (2, 2, 1): ["autotp_z0_fp32_tp2_dp2", "autotp_z0_bf16_tp2_dp1_kv6"],  # stage 0 TP 2 x DP 2 (1) -> ZeRO-1 x DP 1
 }
+SUBPARAM_TAMPERED = {(2, 2, None)}
+
+
+def _write_subparam_tampered(written: Path, out: Path) -> None:
+    """``written`` (the GQA fixture's --universal folder) without ``sub_param_shape`` in its qkv state files."""
+    import shutil
+
+    shutil.copytree(written, out)
+    for f in out.glob("*/zero/layers.*.attn.qkv.weight/*.pt"):
+        if f.name != "step.pt":
+            d = torch.load(f, weights_only=False)  # our own output, test side
+            del d["sub_param_shape"]
+            torch.save(d, f)
 
 
 @pytest.fixture(scope="module")
@@ -741,8 +759,12 @@ def ds_tp_universal_runs(tmp_path_factory):
     for (world, tp, stage), names in DS_TP_UNIVERSAL_CASES.items():
         cwd = base / f"to{world}_tp{tp}_zero{stage}"
         cwd.mkdir()
+        pairs = [f"{n.split('@')[0]}={written[n]}" for n in names]
+        if (world, tp, stage) in SUBPARAM_TAMPERED:
+            _write_subparam_tampered(written[GQA], cwd / "subparam_tampered")
+            pairs.append(f"{GQA}={cwd / 'subparam_tampered'}")
         runs[(world, tp, stage)] = run_check_script(
-            "ds_tp_reshard_check.py", [f"{n.split('@')[0]}={written[n]}" for n in names],
+            "ds_tp_reshard_check.py", pairs,
             args=["--tp-size", str(tp), "--universal", *(["--zero-stage", str(stage)] if stage is not None else [])],
             world=world, cwd=cwd, timeout=900)
     return runs
@@ -758,11 +780,21 @@ def test_deepspeed_loads_padded_vocabulary_universal(ds_tp_universal_runs, case)
     rows zero at TP 2, as DeepSpeed's universal loader re-pads them --, logits as for the reshard checks. And TP 1
     -> 2: a plain TP-1 checkpoint (no record) written --universal, loaded by AutoTP at TP 2: each rank's slices
     equal the TP-2 run's own (same AutoTP widths), exactly. And stage-0 AutoTP saves (fp32 TP 2 x DP 2, bf16 TP 2 x
-    DP 1) written --universal, loaded by a ZeRO-1 engine at TP 2 x DP 1: every slice exact, one more step."""
+    DP 1) written --universal, loaded by a ZeRO-1 engine at TP 2 x DP 1: every slice exact, one more step. And a
+    Megatron-style parameter_with_sub_params (the GQA fixture's fused qkv, sub-params of 8/4/4 rows), whose files
+    carry dsckpt's pickled SubparamShape, at TP 2 and TP 1: exact; its control without sub_param_shape (DeepSpeed
+    then cuts the fused qkv as one tensor) fails on the qkv params only (and, from them, the logits)."""
     rc, results, log = ds_tp_universal_runs[case]
-    results, _ = passed_except_controls(results, log)
+    results, controls = passed_except_controls(results, log)
     assert [r["fixture"] for r in results] == [n.split("@")[0] for n in DS_TP_UNIVERSAL_CASES[case]]
-    assert rc == 0, log
+    assert len(controls) == (case in SUBPARAM_TAMPERED), log
+    for control in controls:
+        # "rank r: param of 'NAME' differs from the source" per param and copy, then the logits they give
+        named = [p for p in control["problems"] if not p.split(": ", 1)[1].startswith("logits differ")]
+        assert not control["ok"] and named, log
+        assert all(".attn.qkv.weight' differs" in p for p in named), control["problems"]
+    if not controls:
+        assert rc == 0, log
 
 
 def test_cli_dry_run_names_tp_and_dp(tmp_path):

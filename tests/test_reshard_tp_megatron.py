@@ -13,6 +13,7 @@ engine's recorded truth."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -39,6 +40,10 @@ MEGATRON = ["megatron_z1_bf16_tp2_dp1", "megatron_z2_fp32_tp2_dp2", "megatron_z1
 # at TP 1 (the TP-1 files keep the Megatron record, which says rows 30 and 31 are padding)
 CASES = [(fx, tp, dp, d) for fx in MEGATRON for tp, dp, d in ((4, 1, 2), (4, 1, 16), (1, 2, 2), (1, 2, 16))] + [
     ("megatron_z1_bf16_tp2_dp1", 4, 2, 16)]
+# The fused GQA qkv (parameter_with_sub_params with sub_param_shard_widths): TP 1 only (another TP > 1 is refused:
+# test_megatron_sub_params_tp_change_refused); the TP-1 record's widths are TP 1's
+GQA = "megatron_z1_fp32_tp2_dp1_gqa"
+CASES += [(GQA, 1, 2, 2), (GQA, 1, 2, 16)]
 
 
 def _ds_route(fx: Path, full: torch.Tensor, name: str, t: int, tp: int, padded: int) -> torch.Tensor:
@@ -55,6 +60,11 @@ def _ds_route(fx: Path, full: torch.Tensor, name: str, t: int, tp: int, padded: 
         full = F.pad(full, (0, 0, 0, padded - full.shape[0]), "constant", 0)
     if matches("parameter_with_2_sub_params_cat_dim_0"):
         return torch.cat([p.chunk(tp, dim=0)[t] for p in full.chunk(2, dim=0)], dim=0)
+    sub = next((e for e in record.get("parameter_with_sub_params") or [] if any(re.match(p, name)
+                                                                               for p in e["patterns"])), None)
+    if sub is not None:  # each sub-param (sizes at shape[partition_dim]) cut in tp equal parts
+        dim = sub["partition_dim"]
+        return torch.cat([p.chunk(tp, dim=dim)[t] for p in full.split(sub["shape"][dim], dim=dim)], dim=dim)
     dim = 1 if matches("parameter_with_row_parallelism_patterns") else 0
     return full.chunk(tp, dim=dim)[t]
 
@@ -81,8 +91,13 @@ def test_megatron_tp_change_equals_deepspeed_universal_route(name, tp, dp, d, tm
         assert ms["mp_world_size"] == ms["checkpoint_parallel_dimensions"]["tp_degree"] == tp
         assert ms["args"]["tensor_model_parallel_size"] == tp
         assert ms["args"]["padded_vocab_size"] == ms["checkpoint_info"]["padded_vocab_size"] == padded
-        # Megatron-DeepSpeed saves its record at every TP size (megatron/checkpointing.py), TP 1 included
-        assert ms["universal_checkpoint_info"] == {**m["universal_checkpoint_info"], "padded_vocab_size": padded}
+        # Megatron-DeepSpeed saves its record at every TP size (megatron/checkpointing.py), TP 1 included; its
+        # sub_param_shard_widths are the target's (JSON: truth.json's record has lists for the saved tuples)
+        want_record = {**m["universal_checkpoint_info"], "padded_vocab_size": padded}
+        if "sub_param_shard_widths" in want_record:
+            want_record["sub_param_shard_widths"] = {
+                p: [[sum(w) // tp] * tp for w in ws] for p, ws in want_record["sub_param_shard_widths"].items()}
+        assert json.loads(json.dumps(ms["universal_checkpoint_info"])) == want_record
         for f in (out / m["tag"]).glob(f"*zero_pp_rank_*_mp_rank_{t:02d}_optim_states.pt"):
             steps = {float(st["step"]) for st in _load(f)["optimizer_state_dict"]["base_optimizer_state"]["state"]
                      .values()}
@@ -241,3 +256,14 @@ def test_cli_megatron_tp_change(tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal",
                                   "--make-vocab-size-divisible-by", "16"])
     assert r.exit_code == 2 and "--make-vocab-size-divisible-by" in r.stderr
+
+
+def test_megatron_sub_params_tp_change_refused(tmp_path):
+    """Another TP size > 1 for a fused param whose record gives its own per-rank widths (sub_param_shard_widths:
+    the training code's cut, which Megatron's equal parts need not be) is refused, naming both params; nothing is
+    written. TP 1 is test_megatron_tp_change_equals_deepspeed_universal_route, --universal test_tensor_parallel."""
+    r = CliRunner().invoke(main, ["reshard", str(TP_DIR / GQA / "ckpt"), str(tmp_path / "o"), "-n", "4", "--tp-size",
+                                  "4", "--make-vocab-size-divisible-by", "2"])
+    assert r.exit_code == 3 and not (tmp_path / "o").exists()
+    assert ("changing the tensor-parallel size of a Megatron-style TP record from 2 to 4 is not supported for 2 "
+            "param(s): 'layers.0.attn.qkv.weight' is a fused param with recorded sub_param_shard_widths") in r.stderr

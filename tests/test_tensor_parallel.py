@@ -7,7 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pickletools
+import shutil
+import struct
 import sys
+import zipfile
 from itertools import pairwise
 from pathlib import Path
 
@@ -23,7 +27,7 @@ from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, unive
 from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
 from dsckpt.cli import main
-from dsckpt.errors import UnsupportedCheckpointError
+from dsckpt.errors import DsckptError, UnsupportedCheckpointError
 from dsckpt.layout import classify_files, find_tag_dir
 from dsckpt.model import Fragment, Role
 from dsckpt.parallel_layout import ParamCut, SplitKind
@@ -32,6 +36,7 @@ from dsckpt.readers.common import lookup
 from dsckpt.readers.tensor_parallel import rank_files
 from dsckpt.readers.zero12 import read_zero12
 from dsckpt.scan import scan
+from dsckpt.stand_ins import SUBPARAM_SHAPE
 from dsckpt.tensor_parallel import compose, tp_layout_from_record
 
 ROLE_KEY = {Role.MASTER: "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -481,7 +486,8 @@ def test_reshard_refuses_tensor_parallel_size_change(tmp_path):
            "rule cuts its 16 along dim 0 as 8/8/0/0 at TP 4 (num_key_value_heads=2 in" in r.stderr
 
 
-UNIVERSAL_CASES = ["autotp_z1_bf16_tp2_dp1_falcon", "autotp_z3_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt"]
+UNIVERSAL_CASES = ["autotp_z1_bf16_tp2_dp1_falcon", "autotp_z3_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp2_bf16opt",
+                   "megatron_z1_fp32_tp2_dp1_gqa"]
 
 
 @pytest.mark.parametrize("name", UNIVERSAL_CASES, ids=UNIVERSAL_CASES)
@@ -510,6 +516,181 @@ def test_reads_ds_to_universal_output_of_tp_run(name, tmp_path):
         if meta(fx)["stage"] < 3:  # the 16-bit copies come from the copied TP-rank model-states files
             assert torch.equal(read_entry(e, cache_, Role.MODULE).float(), truth(fx)[f"lowp/{n}"].float()), n
     assert scan(out).findings == ()
+
+
+# --------------------------------------------------------------------------------------------
+# parameter_with_sub_params (Megatron-style): ds_to_universal pickles DeepSpeed's SubparamShape
+
+GQA = TP_DIR / "megatron_z1_fp32_tp2_dp1_gqa"
+QKV = [f"layers.{i}.attn.qkv.weight" for i in range(2)]
+# The sub_param_shape value of ds_to_universal 0.19.8's zero/layers.<i>.attn.qkv.weight/<state>.pt of this fixture,
+# read with pickletools (memo opcodes left out): protocol 2's pickle of a dataclass instance -- the class by GLOBAL,
+# NEWOBJ of no arguments, its __dict__ (the record's entry, fields in the dataclass's order), BUILD
+SUBPARAM_SHAPE_OPS = [
+    ("GLOBAL", "deepspeed.checkpoint.universal_checkpoint SubparamShape"), ("EMPTY_TUPLE", None), ("NEWOBJ", None),
+    ("EMPTY_DICT", None), ("MARK", None),
+    ("BINUNICODE", "patterns"), ("EMPTY_LIST", None), ("BINUNICODE", r"layers\.\d+\.attn\.qkv\.weight"),
+    ("APPEND", None),
+    ("BINUNICODE", "shape"), ("EMPTY_LIST", None), ("MARK", None), ("BININT1", 8), ("BININT1", 4), ("BININT1", 4),
+    ("TUPLE3", None), ("BININT1", 8), ("APPENDS", None),
+    ("BINUNICODE", "partition_dim"), ("BININT1", 0), ("SETITEMS", None), ("BUILD", None)]
+GQA_ENTRY = {"patterns": [r"layers\.\d+\.attn\.qkv\.weight"], "shape": [(8, 4, 4), 8], "partition_dim": 0}
+
+
+def _data_pkl(path: Path) -> bytes:
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+def _sub_param_shape_pickle(path: Path) -> tuple[list[tuple[str, object]], bytes]:
+    """The opcodes (memo ones left out) of the ``sub_param_shape`` value in the torch file ``path``, and the bytes
+    of its pickle up to that value's BUILD (the first key of both DeepSpeed's dict and dsckpt's)."""
+    data = _data_pkl(path)
+    ops = [(op.name, arg, pos) for op, arg, pos in pickletools.genops(data) if "PUT" not in op.name
+           and op.name != "MEMOIZE"]
+    start = [(n, a) for n, a, _ in ops].index(("BINUNICODE", "sub_param_shape")) + 1
+    end = next(i for i in range(start, len(ops)) if ops[i][0] == "BUILD")
+    return [(n, a) for n, a, _ in ops[start:end + 1]], data[:ops[end][2] + 1]
+
+
+def test_sub_param_shape_is_pickled_as_ds_to_universal_pickles_it(tmp_path):
+    """reshard --universal of a Megatron-style record with parameter_with_sub_params (the GQA fixture's fused qkv,
+    sub-params of 8/4/4 rows): each qkv state file is {"sub_param_shape": SubparamShape, "param": <full>}, as
+    ds_to_universal writes it, the SubparamShape opcode for opcode as DeepSpeed pickles it, and the pickled bytes of
+    that value equal DeepSpeed's own (its files of this fixture, ``ds_to_universal_qkv/``, kept for this). dsckpt's
+    safe loader reads it as the stand-in of exactly the record's entry (the sizes a tuple, which DeepSpeed's
+    universal loader needs); the other params keep their category keys."""
+    r = CliRunner().invoke(main, ["reshard", str(GQA / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    zero = tmp_path / "u" / "global_step3_universal" / "zero"
+    assert meta(GQA)["universal_checkpoint_info"]["parameter_with_sub_params"] == [
+        {**GQA_ENTRY, "shape": [[8, 4, 4], 8]}]  # truth.json: JSON
+    for name in QKV:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours, theirs = zero / name / f"{state}.pt", GQA / "ds_to_universal_qkv" / "zero" / name / f"{state}.pt"
+            (ops, raw), (ds_ops, ds_raw) = _sub_param_shape_pickle(ours), _sub_param_shape_pickle(theirs)
+            assert ops == ds_ops == SUBPARAM_SHAPE_OPS
+            assert raw == ds_raw
+            tree = safe_load.load(ours)
+            assert list(tree) == ["sub_param_shape", "param"]
+            sps = tree["sub_param_shape"]
+            assert (type(sps).ds_module, type(sps).ds_name) == SUBPARAM_SHAPE
+            assert list(sps.__dict__.items()) == list(GQA_ENTRY.items())
+            assert type(sps.shape) is list and type(sps.shape[0]) is tuple
+    assert list(safe_load.load(zero / "layers.0.fc1.weight" / "fp32.pt")) == ["cat_dim", "param_n_sub_params", "param"]
+    assert list(safe_load.load(zero / "layers.0.attn.dense.weight" / "fp32.pt")) == ["cat_dim", "param"]
+
+
+def test_reads_ds_to_universal_sub_param_files(tmp_path):
+    """DeepSpeed's own qkv files of the GQA fixture (``ds_to_universal_qkv/``: ds_to_universal 0.19.8's
+    zero/layers.<i>.attn.qkv.weight/{fp32,exp_avg,exp_avg_sq}.pt, SubparamShape pickled in them) in the universal
+    folder read through dsckpt's allow-list as the run: masters and Adam moments equal DeepSpeed's merge and the
+    engine's truth; to-fp32 exports every param exactly. (The whole folder ds_to_universal writes: live,
+    test_ds_to_universal_record.py test_reads_ds_to_universal_folder_of_sub_params_live.)"""
+    r = CliRunner().invoke(main, ["reshard", str(GQA / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    zero = tmp_path / "u" / "global_step3_universal" / "zero"
+    for name in QKV:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            shutil.copyfile(GQA / "ds_to_universal_qkv" / "zero" / name / f"{state}.pt", zero / name / f"{state}.pt")
+    cache_ = FileCache()
+    ckpt = read_checkpoint(tmp_path / "u" / "global_step3_universal", cache=cache_)
+    u, tr = universal(GQA), truth(GQA)
+    for name in QKV:
+        e = ckpt.entry(name)
+        assert e.shape == (16, 8)
+        for role, key in ROLE_KEY.items():
+            assert torch.equal(read_copy(e, cache_, role), u[f"{key}/{name}"]), (role, name)
+    r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "u"), str(tmp_path / "m.safetensors"), "-q"])
+    assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "m.safetensors"))
+    assert sorted(got) == sorted(meta(GQA)["params"])
+    assert all(torch.equal(got[n], tr[f"param/{n}"]) for n in got)
+
+
+def _subparam_pickle(state: bytes) -> bytes:
+    """A pickle of ``SubparamShape`` with ``state`` (pickle opcodes) as what BUILD sets: hand-built, malformed ones
+    included."""
+    return (b"\x80\x02cdeepspeed.checkpoint.universal_checkpoint\nSubparamShape\n)\x81" + state + b"b.")
+
+
+def _u(x: str) -> bytes:
+    raw = x.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+_FIELDS = {"patterns": b"]" + _u("p") + b"a", "shape": b"](K\x08K\x04K\x04\x87K\x08e", "partition_dim": b"K\x00"}
+
+
+@pytest.mark.parametrize("state, ok", [
+    (b"}(" + b"".join(_u(k) + v for k, v in _FIELDS.items()) + b"u", True),
+    (b"}(" + b"".join(_u(k) + v for k, v in _FIELDS.items() if k != "partition_dim") + b"u", False),
+    (b"}(" + b"".join(_u(k) + v for k, v in _FIELDS.items()) + _u("extra") + b"K\x01u", False),
+    (b"}(" + b"".join(_u(k) + v for k, v in _FIELDS.items()) + _u("__reduce_ex__") + b"K\x01u", False),
+    (b"N", False),
+], ids=["its-fields", "missing-field", "extra-field", "dunder-field", "not-a-dict"])
+def test_subparam_shape_stand_in_takes_exactly_its_fields(tmp_path, state, ok):
+    """The allow-list's SubparamShape stand-in takes a state of exactly the dataclass's three fields (patterns, shape,
+    partition_dim); any other state is refused before anything uses it."""
+    f = tmp_path / "s.pkl"
+    f.write_bytes(_subparam_pickle(state))
+    if ok:
+        obj = safe_load.load_pickle(f)
+        assert (type(obj).ds_name, obj.__dict__) == ("SubparamShape", {"patterns": ["p"], "shape": [(8, 4, 4), 8],
+                                                                       "partition_dim": 0})
+    else:
+        with pytest.raises(DsckptError, match="refusing the state"):
+            safe_load.load_pickle(f)
+
+
+@pytest.mark.parametrize("entry", [
+    {**GQA_ENTRY, "extra": 1},  # SubparamShape(**entry) fails in ds_to_universal
+    {k: v for k, v in GQA_ENTRY.items() if k != "partition_dim"},
+    {**GQA_ENTRY, "shape": [3, 8]},  # the pre-0.4 count of equal sub-params: ds_to_universal rewrites it
+    {**GQA_ENTRY, "shape": [(8, 2, 6), 8]},  # sizes the widths do not add up to
+    {**GQA_ENTRY, "partition_dim": 1},  # not the cut's dim
+], ids=["extra-key", "no-partition-dim", "count-not-sizes", "other-sizes", "other-dim"])
+def test_universal_refuses_sub_params_entry_it_cannot_write(entry):
+    """A parameter_with_sub_params entry that is not the SubparamShape ds_to_universal writes back unchanged is
+    refused by plan_universal (naming the params), as before this was written; the fixture's own entry is written."""
+    from dsckpt.ds_writers.universal import universal_tp_keys
+    from dsckpt.reshard import plan_universal_reshard, read_source_facts
+
+    cache_ = FileCache()
+    ckpt = read_checkpoint(GQA / "ckpt", cache=cache_)
+    tp = ckpt.tensor_parallel
+    assert tp is not None
+    (key, value), = universal_tp_keys(tp.name_to_cut[QKV[0]], tp.source)
+    assert key == "sub_param_shape" and value.__dict__ == GQA_ENTRY
+    cuts = {n: dataclasses.replace(c, sub_param_entry=entry) if n in QKV else c for n, c in tp.name_to_cut.items()}
+    bad = dataclasses.replace(ckpt, tensor_parallel=dataclasses.replace(tp, name_to_cut=cuts))
+    with pytest.raises(UnsupportedCheckpointError, match=r"found params with sub-params \(layers\.0\.attn\.qkv\.weight, "
+                       r"layers\.1\.attn\.qkv\.weight\) whose parameter_with_sub_params entry"):
+        plan_universal_reshard(bad, read_source_facts(bad, cache_))
+
+
+def test_universal_notes_sub_param_sizes_deepspeed_cannot_load():
+    """Sub-param sizes saved as a list (JSON-like) rather than a tuple: ds_to_universal writes them back as they are,
+    and so does dsckpt, but DeepSpeed 0.19.8's universal loader reads sizes only from a tuple: the plan says so. The
+    fixture's tuple gets no such note."""
+    from dsckpt.reshard import plan_universal_reshard, read_source_facts
+
+    cache_ = FileCache()
+    ckpt = read_checkpoint(GQA / "ckpt", cache=cache_)
+    tp = ckpt.tensor_parallel
+    assert tp is not None
+    plan = plan_universal_reshard(ckpt, read_source_facts(ckpt, cache_))
+    assert not any("as a list" in n for n in plan.describe())
+    listed = {**GQA_ENTRY, "shape": [[8, 4, 4], 8]}
+    cuts = {n: dataclasses.replace(c, sub_param_entry=listed) if n in QKV else c for n, c in tp.name_to_cut.items()}
+    ckpt = dataclasses.replace(ckpt, tensor_parallel=dataclasses.replace(tp, name_to_cut=cuts))
+    notes = [n for n in plan_universal_reshard(ckpt, read_source_facts(ckpt, cache_)).describe() if "as a list" in n]
+    assert notes == ["note: the record lists the sub-param sizes of layers.0.attn.qkv.weight, layers.1.attn.qkv.weight "
+                     "as a list, which DeepSpeed 0.19.8's universal loader does not take (it reads them from a tuple): "
+                     "written as ds_to_universal writes them, but load_universal will fail on them as on "
+                     "ds_to_universal's folder"]
 
 
 HF_CASES = [f.name for f in TP_FIXTURES if meta(f)["arch"] != "megatron"]

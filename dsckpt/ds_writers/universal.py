@@ -189,9 +189,10 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
     sub_params = [c.name for c in tp.name_to_cut.values() if universal_tp_keys(c, tp.source) is None] if tp else []
     if sub_params:
-        problems.append(f"params with sub-params of varying shapes ({', '.join(sub_params[:5])}) in a Megatron-style "
-                        "record, for which ds_to_universal pickles one of its own classes (SubparamShape) that dsckpt "
-                        "does not write")
+        problems.append(f"params with sub-params ({', '.join(sub_params[:5])}) whose parameter_with_sub_params entry "
+                        "in the Megatron-style record is not the SubparamShape ds_to_universal writes back (exactly "
+                        "patterns, shape and partition_dim, the sub-param sizes listed at shape[partition_dim] and "
+                        "adding up to the param's rows)")
     if ckpt.layout.startswith("universal"):
         problems.append("a universal checkpoint already")
     if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
@@ -265,6 +266,15 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         notes.append("a ZeRO stage 0 save, which ds_to_universal does not read: written as the universal folder of "
                      "the ZeRO-1 files of the same run (reshard --zero-stage 1), from the same masters, optimizer "
                      "states and steps")
+    listed = [c.name for c in tp.name_to_cut.values() if c.sub_param_entry is not None and c.dim is not None
+              and isinstance(c.sub_param_entry.get("shape"), (list, tuple)) and c.dim < len(c.sub_param_entry["shape"])
+              and isinstance(c.sub_param_entry["shape"][c.dim], list)] if tp is not None else []
+    if listed:
+        # universal_checkpoint.py load_hp_checkpoint_state: sub_dim_sizes = shape[partition_dim], wrapped in a tuple
+        # unless it is one; a list of sizes is then narrowed as one size and the load fails
+        notes.append(f"the record lists the sub-param sizes of {', '.join(listed[:5])} as a list, which DeepSpeed "
+                     "0.19.8's universal loader does not take (it reads them from a tuple): written as ds_to_universal "
+                     "writes them, but load_universal will fail on them as on ds_to_universal's folder")
     return UniversalPlan(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, out_tag=f"{ckpt.tag}_universal",
         source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
@@ -277,13 +287,16 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
 def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | None:
     """The keys DeepSpeed 0.19.8's ``ds_to_universal.merge_tp_slices`` writes before ``"param"`` in a merged
     tensor-parallel state file of the param cut by ``cut`` (a :class:`~dsckpt.parallel_layout.ParamCut`), in its
-    order; None where dsckpt cannot write them (sub-params of varying shapes: a pickled ``SubparamShape``).
+    order; None where dsckpt cannot write them (a ``parameter_with_sub_params`` entry that is not what
+    ``SubparamShape`` holds, :func:`_subparam_shape`).
 
     An AutoTP affine map decides the merge and adds no category key; a Megatron-style record adds ``cat_dim``
-    (0 for column-parallel and vocabulary params, 1 for row-parallel ones) and ``param_n_sub_params: 2`` for
-    ``parameter_with_2_sub_params_cat_dim_0``, nothing for replicated params. Either way a vocabulary param is cut
-    to ``original_vocab_size`` rows and marked ``vocab_tensor: True`` (the universal loader re-pads it with zeros
-    for the loading model's TP size, checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``)."""
+    (0 for column-parallel and vocabulary params, 1 for row-parallel ones), ``param_n_sub_params: 2`` for
+    ``parameter_with_2_sub_params_cat_dim_0``, ``sub_param_shape`` (the record's entry as a pickled
+    ``deepspeed.checkpoint.universal_checkpoint.SubparamShape``, no ``cat_dim``) for ``parameter_with_sub_params``,
+    nothing for replicated params. Either way a vocabulary param is cut to ``original_vocab_size`` rows and marked
+    ``vocab_tensor: True`` (the universal loader re-pads it with zeros for the loading model's TP size,
+    checkpoint/universal_checkpoint.py ``load_hp_checkpoint_state``)."""
     from ..parallel_layout import SplitKind
 
     vocab: tuple[tuple[str, Any], ...] = (("vocab_tensor", True),) if cut.kind is SplitKind.VOCABULARY else ()
@@ -292,8 +305,33 @@ def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | No
     if cut.category == "parameter_with_2_sub_params_cat_dim_0":
         return (("cat_dim", 0), ("param_n_sub_params", 2), *vocab)
     if cut.kind is SplitKind.SUB_PARAMS:
-        return None
+        shape = _subparam_shape(cut)
+        return None if shape is None else (("sub_param_shape", shape), *vocab)
     return (("cat_dim", cut.dim), *vocab)
+
+
+def _subparam_shape(cut: Any) -> Any:
+    """The ``SubparamShape`` ds_to_universal 0.19.8 (``merge_tp_slices``) writes for ``cut``'s
+    ``parameter_with_sub_params`` entry, or None where it is not one dsckpt can write as ds_to_universal does.
+
+    ``merge_tp_slices`` builds ``SubparamShape(**entry)`` and, at universal checkpoint version 0.4 (which the
+    ``sub_param_shard_widths`` the readers require come with), writes that object back unchanged: the record's own
+    values, lists and tuples as saved. So the entry must hold exactly the dataclass's fields, and its
+    ``shape[partition_dim]`` the sub-param sizes (a list or tuple of ints: a scalar there is the pre-0.4 count of
+    equal sub-params, which ds_to_universal rewrites) that the cut's widths add up to on ``partition_dim``."""
+    from ..stand_ins import SUBPARAM_SHAPE_FIELDS, subparam_shape
+
+    entry = cut.sub_param_entry
+    if not isinstance(entry, Mapping) or set(entry) != set(SUBPARAM_SHAPE_FIELDS):
+        return None
+    patterns, shape, dim = (entry[k] for k in SUBPARAM_SHAPE_FIELDS)
+    if type(dim) is not int or dim != cut.dim or not isinstance(shape, (list, tuple)) or not 0 <= dim < len(shape):
+        return None
+    sizes = shape[dim]
+    if not isinstance(sizes, (list, tuple)) or [sum(w) for w in cut.sub_widths] != list(sizes) \
+            or not all(type(n) is int for n in sizes):
+        return None
+    return subparam_shape(patterns, shape, dim)
 
 
 # --------------------------------------------------------------------------------------------
