@@ -55,6 +55,41 @@ def universal(fx: Path) -> dict:
     return load_file(str(fx / "universal_truth.safetensors"))
 
 
+def trainable(fx: Path) -> list[str]:
+    """The params the optimizer owns, in ``params`` order: all but the frozen ones (truth.json ``frozen``)."""
+    return [n for n in meta(fx)["params"] if n not in meta(fx).get("frozen", ())]
+
+
+def buffers(fx: Path) -> list[str]:
+    """The persistent buffers the model-states files hold (truth.json ``buffers``; older fixtures have none)."""
+    return list(meta(fx).get("buffers", ()))
+
+
+def full_state(fx: Path) -> dict[str, torch.Tensor]:
+    """The whole model's state at fp32, full shapes: DeepSpeed's merged fp32 (:func:`universal`) of every trainable
+    param; the live module value of each frozen param (truth ``param/``: ds_to_universal writes only TP rank 0's
+    local tensor of those) and each buffer (truth ``buffer/``), merged at generation time."""
+    u, tr = universal(fx), truth(fx)
+    return {**{n: u[f"fp32/{n}"] if n in trainable(fx) else tr[f"param/{n}"] for n in meta(fx)["params"]},
+            **{n: tr[f"buffer/{n}"] for n in buffers(fx)}}
+
+
+def plain_model(fx: Path):
+    """The fixture's model without TP (fp32, random init), its frozen params and buffers as the run had them."""
+    sys.path.insert(0, str(TP_DIR.parent))
+    try:
+        if meta(fx)["arch"] == "megatron":
+            import tp_megatron_models as mm
+
+            return mm.MegatronNet(None, 0, 1, gqa=meta(fx)["model_config"].get("gqa", False))
+        import autotp_models as am
+
+        spec = am.AUTOTP_FIXTURES[fx.name]
+        return am.with_frozen_and_buffer(am.make_model(spec["arch"]), spec)
+    finally:
+        sys.path.remove(str(TP_DIR.parent))
+
+
 @cache
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)  # trusted fixture (see module docstring)
@@ -120,10 +155,11 @@ def file_slices(fx: Path, t: int) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def stage0_slices(ms: dict) -> dict[str, dict[str, torch.Tensor]]:
-    """State -> name -> tensor of a stage-0 model-states file of one of these models (one param group, no saved
-    buffers, so every module entry is a param and index ``i`` of the optimizer side is the ``i``-th of them)."""
-    opt, names = ms["optimizer"], list(ms["module"])
+def stage0_slices(ms: dict, frozen: tuple[str, ...] = ()) -> dict[str, dict[str, torch.Tensor]]:
+    """State -> name -> tensor of a stage-0 model-states file of one of these models (one param group): index ``i``
+    of the optimizer side is the ``i``-th module entry that is neither a buffer (``buffer_names``) nor ``frozen``."""
+    opt = ms["optimizer"]
+    names = [n for n in ms["module"] if n not in (ms.get("buffer_names") or ()) and n not in frozen]
     if "fp32_groups" in opt:  # FP16_UnfusedOptimizer: fp32_groups[0][i] is the i-th param's master
         masters, state = opt["fp32_groups"][0], opt["optimizer_state_dict"]["state"]
     else:  # fp32: the module is the master; torch Adam's state index i is the i-th of model.parameters()
@@ -217,9 +253,9 @@ def test_file_slices_are_what_the_engine_returned(fx):
     m, tr = meta(fx), truth(fx)
     for t in range(m["tp_size"]):
         sl = file_slices(fx, t)
-        assert sorted(sl["fp32"]) == sorted(m["params"])
+        assert sorted(sl["fp32"]) == sorted(trainable(fx))
         for s in STATES:
-            for n in m["params"]:
+            for n in trainable(fx):
                 assert torch.equal(sl[s][n], tr[f"tp{t}/{TRUTH_KIND[s]}/{n}"]), (t, s, n)
                 assert list(sl[s][n].shape) == m["local_shapes"][f"tp{t}"][n]
     assert set(m["safe_get_full_fp32_param_returns"].values()) <= {"tp_local", "full (replicated param)"}
@@ -233,7 +269,7 @@ def test_slices_merged_by_record_equal_deepspeed_merge(fx):
     uc = uc_info(fx)
     per_rank = [file_slices(fx, t) for t in range(m["tp_size"])]
     split = 0
-    for n in m["params"]:
+    for n in trainable(fx):
         for s in STATES:
             full = merge_by_record(uc, n, [r[s][n] for r in per_rank])
             assert torch.equal(full, u[f"{s}/{n}"]), (s, n)
@@ -246,11 +282,16 @@ def test_slices_merged_by_record_equal_deepspeed_merge(fx):
 @pytest.mark.parametrize("fx", [f for f in TP_FIXTURES if meta(f)["arch"] != "megatron"],
                          ids=[f.name for f in TP_FIXTURES if meta(f)["arch"] != "megatron"])
 def test_affine_map_rebuilds_fp32(fx):
-    """AutoTP's affine_map (torch.as_strided offsets/strides per piece) alone rebuilds every param's fp32."""
+    """AutoTP's affine_map (torch.as_strided offsets/strides per piece) alone rebuilds every param's fp32 -- and a
+    frozen param's 16-bit module copy (AutoTP splits and maps it as it does a trainable one), against the live
+    engine's values merged at generation time."""
     m, u = meta(fx), universal(fx)
     amap = uc_info(fx)["affine_map"]
     assert amap["version"] == 1
-    per_rank = [file_slices(fx, t)["fp32"] for t in range(m["tp_size"])]
+    per_rank = [{**file_slices(fx, t)["fp32"],
+                 **{n: load(model_file(fx, t))["module"][n].float() for n in m.get("frozen", ())}}
+                for t in range(m["tp_size"])]
+    want = {**u, **{f"fp32/{n}": truth(fx)[f"lowp/{n}"].float() for n in m.get("frozen", ())}}
     for n in m["params"]:
         entry = amap["params"][rf"^{re.escape(n)}$"]
         full = torch.full((math.prod(entry["logical_shape"]),), float("nan"))  # NaN: an uncovered element fails
@@ -264,7 +305,7 @@ def test_affine_map_rebuilds_fp32(fx):
                 dst_off, dst_strides = pc["dest"]
                 full.as_strided(pc["shape"], src_strides, src_off).copy_(
                     shard.as_strided(pc["shape"], dst_strides, dst_off))
-        assert torch.equal(full.view(entry["logical_shape"]), u[f"fp32/{n}"]), n
+        assert torch.equal(full.view(entry["logical_shape"]), want[f"fp32/{n}"]), n
 
 
 @pytest.mark.parametrize("fx", [f for f in TP_FIXTURES if meta(f)["stage"] < 3],
@@ -273,29 +314,20 @@ def test_module_holds_tp_local_16bit_copy(fx):
     m, tr = meta(fx), truth(fx)
     for t in range(m["tp_size"]):
         module = load(model_file(fx, t))["module"]
-        assert list(module) == m["params"]
+        assert [n for n in module if n not in buffers(fx)] == m["params"]
+        assert sorted(n for n in module if n in buffers(fx)) == sorted(buffers(fx))
         for n in m["params"]:
             assert torch.equal(module[n], tr[f"tp{t}/lowp/{n}"]), (t, n)
+        for n in buffers(fx):  # DeepSpeed >= 0.18 keeps buffers fp32 (no data_types.buffer_dtype)
+            assert module[n].dtype == torch.float32 and torch.equal(module[n], tr[f"tp{t}/buffer/{n}"]), (t, n)
 
 
 @pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
 def test_merged_fp32_reproduces_engine_logits(fx):
     """DeepSpeed's merged fp32 in a plain (non-TP) model gives the engine's logits: to fp32 rounding for fp32
     runs; for bf16 runs within what bf16 compute leaves (engine logits are bf16, upcast)."""
-    sys.path.insert(0, str(TP_DIR.parent))
-    try:
-        if meta(fx)["arch"] == "megatron":
-            import tp_megatron_models as mm
-
-            model = mm.MegatronNet(None, 0, 1, gqa=meta(fx)["model_config"].get("gqa", False))
-        else:
-            import autotp_models as am
-
-            model = am.make_model(meta(fx)["arch"])
-    finally:
-        sys.path.remove(str(TP_DIR.parent))
-    u, tr = universal(fx), truth(fx)
-    model.load_state_dict({n: u[f"fp32/{n}"] for n in meta(fx)["params"]})
+    model, tr = plain_model(fx), truth(fx)
+    model.load_state_dict(full_state(fx))
     ids = tr["input_ids"]
     with torch.no_grad():
         out = model.eval()(ids) if meta(fx)["arch"] == "megatron" else model.eval()(input_ids=ids).logits

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_autotp_fixtures import STATES, TP_FIXTURES, meta, stage0_slices
+from test_autotp_fixtures import STATES, TP_FIXTURES, meta, stage0_slices, trainable
 
 from dsckpt.cli import main
 from dsckpt.ds_writers.facts import derive_facts
@@ -32,11 +32,13 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)  # our own test output / trusted fixtures
 
 
-def local_slices(tag: Path, t: int, *, stage: int, dp: int, bf16: bool) -> dict[str, dict[str, torch.Tensor]]:
+def local_slices(tag: Path, t: int, *, stage: int, dp: int, bf16: bool,
+                 frozen: tuple[str, ...] = ()) -> dict[str, dict[str, torch.Tensor]]:
     """TP rank ``t``'s local slice of every trainable param (state -> name -> tensor), rebuilt with torch from the
-    files alone (test_autotp_fixtures.file_slices for any folder)."""
+    files alone (test_autotp_fixtures.file_slices for any folder); ``frozen``: the frozen params (stage 0 only: its
+    files do not say which module entries the optimizer owns)."""
     if stage == 0:
-        return stage0_slices(_load(tag / f"mp_rank_{t:02d}_model_states.pt"))
+        return stage0_slices(_load(tag / f"mp_rank_{t:02d}_model_states.pt"), tuple(frozen))
     prefix = "bf16_" if bf16 else ""
     osds = [_load(tag / f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")["optimizer_state_dict"]
             for d in range(dp)]
@@ -181,7 +183,7 @@ def test_tp_to_1_is_a_plain_checkpoint_of_full_tensors(fx, dp, stage, tmp_path):
     _assert_scaler_carried(fx, fx / "ckpt" / m["tag"], tag, 0, dp)
     if new_stage != 3:
         for name, v in ms["module"].items():
-            assert torch.equal(v, want[f"lowp/{name}"]), name
+            assert torch.equal(v, want[f"lowp/{name}" if f"lowp/{name}" in want else f"buffer/{name}"]), name
     back = read_checkpoint(out)
     assert (back.tp_world_size, back.tensor_parallel, back.dp_world_size) == (1, None, dp)
 
@@ -450,9 +452,9 @@ def test_zero_to_stage0_keeps_every_tp_rank_slice(fx, tmp_path):
     assert sorted(p.name for p in tag.iterdir()) == [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
     tr = truth(fx)
     for t in range(tp):
-        got = local_slices(tag, t, stage=0, dp=2, bf16=m["dtype"] == "bf16")
+        got = local_slices(tag, t, stage=0, dp=2, bf16=m["dtype"] == "bf16", frozen=tuple(m.get("frozen", ())))
         for s in STATES:
-            for name in m["params"]:
+            for name in trainable(fx):
                 assert torch.equal(got[s][name], tr[f"tp{t}/{TRUTH_KIND[s]}/{name}"]), (t, s, name)
         ms = _load(tag / f"mp_rank_{t:02d}_model_states.pt")
         for name in m["params"]:

@@ -22,7 +22,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, read_copy
-from test_autotp_fixtures import TP_DIR, TP_FIXTURES, TP_IDS, meta, truth, universal
+from test_autotp_fixtures import (TP_DIR, TP_FIXTURES, TP_IDS, buffers, full_state, meta, plain_model, trainable, truth,
+                                  universal)
 
 from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
@@ -211,10 +212,11 @@ def test_to_fp32_is_bit_identical_to_deepspeed_merge(fx, tmp_path):
     assert r.exit_code == 0, r.output
     from safetensors.torch import load_file
 
-    got, u = load_file(str(out)), universal(fx)
-    assert sorted(got) == sorted(meta(fx)["params"])
-    for n in meta(fx)["params"]:
-        assert torch.equal(got[n], u[f"fp32/{n}"]), n
+    # frozen params (their 16-bit module copy, upcast) and buffers: the live values merged at generation time
+    got, want = load_file(str(out)), full_state(fx)
+    assert sorted(got) == sorted(meta(fx)["params"] + buffers(fx))
+    for n in got:
+        assert torch.equal(got[n], want[n]), n
 
 
 @pytest.mark.parametrize("fx", TP_FIXTURES, ids=TP_IDS)
@@ -228,7 +230,8 @@ def test_moments_and_16bit_copy_merge_exactly(fx):
     for n in meta(fx)["params"]:
         e = ckpt.entry(n)
         assert list(e.shape) == meta(fx)["full_shapes"][n]
-        for role, key in ROLE_KEY.items():
+        assert e.trainable == (n in trainable(fx))
+        for role, key in ROLE_KEY.items() if e.trainable else ():
             if role is Role.MASTER and e.piece(role) is None:  # fp32 stage 0: the module weights are the master
                 assert (meta(fx)["stage"], meta(fx)["dtype"]) == (0, "fp32")
                 role = Role.MODULE
@@ -716,8 +719,8 @@ def test_hf_export_reproduces_engine_logits(name, tmp_path):
     r = CliRunner().invoke(main, ["to-fp32", str(ckpt), str(out)])
     assert r.exit_code == 0, r.output
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    reference = am.make_model(meta(fx)["arch"]).eval()
-    reference.load_state_dict({n: universal(fx)[f"fp32/{n}"] for n in meta(fx)["params"]})
+    reference = plain_model(fx).eval()
+    reference.load_state_dict(full_state(fx))
     ids = truth(fx)["input_ids"]
     with torch.no_grad():
         got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits

@@ -15,7 +15,8 @@ ZeRO-1/2 and ``BF16_Optimizer`` sources (loaded by ZeRO-1/2 or ``BF16_Optimizer`
     where the optimizer keeps one: a tensor, or the Python int that FusedLamb, DeepSpeedCPULion and FusedAdam keep
     (``ds_to_universal`` saves it as it is, and the loader hands back what it unpickles);
   * ``zero/<name>/fp32.pt = {"param": module[name].float()}`` for every other module tensor
-    (buffers, frozen params, tied aliases; never read by the loader);
+    (buffers, frozen params, tied aliases; never read by the loader); under tensor parallelism the module of
+    ``mp_rank_00_model_states.pt`` (the first file ds_to_universal reads), i.e. TP rank 0's local tensor, unmerged;
   * ``zero/optimizer_state.pt``: rank 0's ZeRO optimizer dict without ``base_optimizer_state``,
     ``param_slice_mappings``, ``single_partition_of_fp32_groups``, plus ``param_groups`` (the loader
     reads the loss scaler, ``clip_grad``, ``ds_version`` and the groups' hyperparameters);
@@ -93,7 +94,8 @@ class StepFile:
 
 @dataclass(frozen=True)
 class CastFile:
-    """``zero/<name>/fp32.pt = {"param": <module tensor at key of file>.float()}`` (ZeRO-1/2 sources)."""
+    """``zero/<name>/fp32.pt = {"param": <module tensor at key of file>.float()}`` (ZeRO-1/2 sources; under tensor
+    parallelism TP rank 0's local tensor, as ds_to_universal writes it)."""
 
     name: str
     file: Path
@@ -240,18 +242,30 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             if group is None or group.step is not None:  # SGD, Adagrad ... keep no step: nor does the folder
                 first = e.state_pieces[0].fragments[0]
                 steps.append(StepFile(e.name, first.file, (*first.key[:-1], "step")))
-    # ds_to_universal.py:1201-1215: every other module tensor, upcast -- except in a pipeline run, whose model states
-    # hold no module ('module' None: the weights are in the layer files, which it neither reads nor copies)
+    # ds_to_universal.py:1210-1226: every other module tensor, upcast -- except in a pipeline run, whose model states
+    # hold no module ('module' None: the weights are in the layer files, which it neither reads nor copies). It walks
+    # the sorted mp_rank_*_model_states.pt files and keeps the first copy of each name: under tensor parallelism TP
+    # rank 0's local tensor, unmerged (a TP-split frozen param's rank-0 slice, a replicated buffer whole).
+    module_only: list[str] = []
+    tp0_file = min((p.name for p in model_files), default=None) if tp is not None else None
     if not zero3 and not pipeline:
         for e in ckpt.entries:
             if e.name in written:
                 continue
-            piece = e.piece(Role.MODULE)
             if tp is not None:
-                raise UnsupportedCheckpointError(
-                    f"cannot write a universal checkpoint of '{ckpt.tag_dir}': '{e.name}' (a buffer or frozen param "
-                    "of a tensor-parallel checkpoint) would need its TP slices merged into zero/<name>/fp32.pt, "
-                    "which dsckpt does not do yet")
+                module_only.append(e.name)
+                local = {(f.file, f.key) for p in e.pieces if p.role is Role.MODULE for f in p.fragments
+                         if f.file.name == tp0_file}
+                dtypes = {p.dtype for p in e.pieces if p.role is Role.MODULE}
+                if len(local) != 1 or len(dtypes) != 1:
+                    raise UnsupportedCheckpointError(
+                        f"cannot write a universal checkpoint of '{ckpt.tag_dir}': '{e.name}' (a buffer or frozen "
+                        f"param) has no single module copy in TP rank 0's {tp0_file} to write zero/<name>/fp32.pt "
+                        "from, as ds_to_universal does")
+                (file, key), = local
+                casts.append(CastFile(e.name, file, key, dtypes.pop()))
+                continue
+            piece = e.piece(Role.MODULE)
             if piece is None or len(piece.fragments) != 1 or piece.fragments[0].src_offset != 0:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{e.name}' has no whole module copy to write "
                                              "zero/<name>/fp32.pt from")
@@ -262,6 +276,12 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
              + (" and zero/<name>/fp32.pt" if not zero3 else "") + ")",
              "load with \"checkpoint\": {\"load_universal\": true} under ZeRO stage "
              + ("3" if zero3 else "1 or 2") + ", on any data-parallel size"]
+    if module_only:
+        notes.append(f"zero/<name>/fp32.pt of {', '.join(module_only[:5])}"
+                     + (f" and {len(module_only) - 5} more" if len(module_only) > 5 else "")
+                     + f" (buffers, frozen params) hold TP rank 0's local tensor from {tp0_file}, unmerged, as "
+                     "ds_to_universal 0.19.8 writes them; DeepSpeed's universal loader does not read these files, and "
+                     "every TP rank's full copy is in the copied model-states files")
     if stage0:
         notes.append("a ZeRO stage 0 save, which ds_to_universal does not read: written as the universal folder of "
                      "the ZeRO-1 files of the same run (reshard --zero-stage 1), from the same masters, optimizer "
