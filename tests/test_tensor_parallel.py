@@ -22,8 +22,18 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scan_helpers import Copy, assert_scan_and_verify_clean, copy_of, copy_tp_fixture, read_copy
-from test_autotp_fixtures import (TP_DIR, TP_FIXTURES, TP_IDS, buffers, full_state, meta, plain_model, trainable, truth,
-                                  universal)
+from test_autotp_fixtures import (
+    TP_DIR,
+    TP_FIXTURES,
+    TP_IDS,
+    buffers,
+    full_state,
+    meta,
+    plain_model,
+    trainable,
+    truth,
+    universal,
+)
 
 from dsckpt import parsed_tree, safe_load, safe_save
 from dsckpt.assemble import read_entry
