@@ -288,6 +288,72 @@ def test_universal_of_tp_equals_ds_to_universal(fx, tmp_path):
     assert ds_to_universal_differences(fx, tmp_path / "ours") == []
 
 
+FROZEN_BUF = next(fx for fx in TP_FIXTURES if fx.name == "autotp_z1_bf16_tp2_dp1_frozen_buf")
+
+
+def test_universal_of_tp_with_frozen_param_and_buffer(tmp_path):
+    """A TP source whose module holds a frozen param that AutoTP splits (layer 0's q_proj, (16, 8) as two (8, 8)
+    slices) and a buffer: zero/<name>/fp32.pt holds TP rank 0's local tensor, upcast and unmerged, as ds_to_universal
+    0.19.8 writes it (the file-for-file comparison is test_universal_of_tp_equals_ds_to_universal); the plan says so.
+    Read back, the folder gives the source engine's trainable masters and moments (truth.safetensors), and its frozen
+    param and buffer whole from the copied model-states files of every TP rank, not from those files."""
+    from safetensors.torch import load_file
+    from scan_helpers import read_copy
+    from test_autotp_fixtures import truth
+
+    fx, frozen, buf = FROZEN_BUF, "model.layers.0.self_attn.q_proj.weight", "model.norm.running_mean"
+    m, tr = meta(fx), truth(fx)
+    assert m["frozen"] == [frozen] and m["buffers"] == [buf]
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal", "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert (f"note: zero/<name>/fp32.pt of {frozen}, {buf} (buffers, frozen params) hold TP rank 0's local tensor "
+            "from mp_rank_00_model_states.pt, unmerged, as ds_to_universal 0.19.8 writes them; DeepSpeed's universal "
+            "loader does not read these files") in r.stdout
+    assert f"zero/{frozen}/fp32.pt: bfloat16 module copy as float32" in r.stdout
+    r = CliRunner().invoke(main, ["reshard", str(fx / "ckpt"), str(tmp_path / "u"), "--universal", "-q"])
+    assert r.exit_code == 0, r.output
+    tag = tmp_path / "u" / f"{m['tag']}_universal"
+    assert sorted(_load(tag / f"zero/{frozen}/fp32.pt")) == ["param"]
+    assert torch.equal(_load(tag / f"zero/{frozen}/fp32.pt")["param"], tr[f"tp0/param/{frozen}"])  # (8, 8)
+    assert torch.equal(_load(tag / f"zero/{buf}/fp32.pt")["param"], tr[f"tp0/buffer/{buf}"])
+    cache = FileCache()
+    back = read_checkpoint(tmp_path / "u", cache=cache)
+    assert (back.tp_world_size, back.entry(frozen).trainable, back.entry(frozen).shape) == (2, False, (16, 8))
+    for n in trainable(fx):
+        e = back.entry(n)
+        for role, key in ((Role.MASTER, "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            assert torch.equal(read_copy(e, cache, role), tr[f"{key}/{n}"]), (n, key)
+    cache.finish_checks()
+    r = CliRunner().invoke(main, ["to-fp32", str(tmp_path / "u"), str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    got = load_file(str(tmp_path / "m.safetensors"))
+    assert sorted(got) == sorted(m["params"] + m["buffers"])
+    assert torch.equal(got[frozen], tr[f"param/{frozen}"]) and got[frozen].shape == (16, 8)  # both TP slices
+    assert torch.equal(got[buf], tr[f"buffer/{buf}"])
+    assert all(torch.equal(got[n], tr[f"param/{n}"]) for n in trainable(fx))
+
+
+def test_universal_refuses_tp_module_tensor_without_rank0_copy():
+    """Where TP rank 0's model states hold no copy of a buffer (the logical checkpoint edited to lose it), there is
+    nothing to write zero/<name>/fp32.pt from as ds_to_universal does: refused, naming the tensor and the file."""
+    import dataclasses
+
+    from dsckpt.reshard import plan_universal_reshard
+
+    ckpt = read_checkpoint(FROZEN_BUF / "ckpt")
+    buf = ckpt.entry("model.norm.running_mean")
+    lost = dataclasses.replace(buf, pieces=tuple(p for p in buf.pieces
+                                                 if all(f.file.name != "mp_rank_00_model_states.pt"
+                                                        for f in p.fragments)))
+    assert lost.pieces and len(lost.pieces) < len(buf.pieces)
+    edited = dataclasses.replace(ckpt, entries=tuple(lost if e.name == buf.name else e for e in ckpt.entries))
+    plan_universal_reshard(ckpt)  # the fixture as saved plans
+    with pytest.raises(UnsupportedCheckpointError, match=r"'model\.norm\.running_mean' \(a buffer or frozen param\) "
+                                                         r"has no single module copy in TP rank 0's "
+                                                         r"mp_rank_00_model_states\.pt"):
+        plan_universal_reshard(edited)
+
+
 def test_world_size_usage_errors():
     fx = next(f for f in RESHARDABLE if f.name == "autotp_z2_fp32_tp2_dp2")
     ckpt = read_checkpoint(fx / "ckpt")
