@@ -18,7 +18,9 @@ vocabulary with zeros). Then, against ``truth.safetensors`` (what the source eng
   source's TP size each TP rank's local slice (``tp{t}/...``), at T = 1 the full tensor (``param/...``), at another
   T > 1 the full tensor cut by DeepSpeed's own ``_partition_logical_tensor`` at the live layer's widths
   (:func:`expected`; ``megatron_*``: cut in equal parts over the zero-padded vocabulary, :func:`megatron_slice`);
-* the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``), Adam's step, global steps and samples;
+* the module's (16-bit) weights (``tp{t}/lowp/...`` / ``lowp/...``; frozen params (truth.json ``frozen``) are
+  frozen in the loading model too and have no optimizer state), buffers (truth.json ``buffers``), Adam's step, global
+  steps and samples;
   where truth.json records them (the fp16 fixtures), skipped steps and the loss scaler's state (class, scale,
   iteration, last overflow, hysteresis, ...); fp16 fixtures run with DeepSpeed's CPU-fp16 refusal patched out, as
   they were made (:func:`forced_cpu_fp16`);
@@ -93,7 +95,7 @@ def forced_cpu_fp16(on: bool):
 def build(name, padded=False):
     """``(spec, engine, tp_rank, dp_rank)`` of the fixture's model at TP size ``TP`` (``padded``: a Megatron-style
     model whose vocabulary stays padded at TP 1)."""
-    spec = dict(am.AUTOTP_FIXTURES[name])
+    spec = dict(am.AUTOTP_FIXTURES.get(name) or am.AUTOTP_FAILED[name])  # a failed one: made with --out elsewhere
     spec["tp"] = TP
     if args.zero_stage is not None:
         spec["stage"] = args.zero_stage
@@ -109,7 +111,7 @@ def build(name, padded=False):
         model = mm.MegatronNet(mpu.tp_group, mpu.tp_rank, TP, padded_at_tp1=padded, gqa=spec.get("gqa", False))
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
         return spec, engine, mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()
-    model = am.make_model(spec["arch"])
+    model = am.with_frozen_and_buffer(am.make_model(spec["arch"]), spec)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if TP == 1:
         return spec, engine, 0, dist.get_rank()
@@ -197,7 +199,9 @@ def _check_one(name, ckpt_dir, meta, padded=False):
         return safe_get_full_fp32_param(q) if key == "param" else safe_get_full_optimizer_state(q, key)
 
     for n, q in engine.module.named_parameters():
-        for key in ("param", "exp_avg", "exp_avg_sq"):
+        if q.requires_grad != (n not in meta.get("frozen", ())):
+            problems.append(f"'{n}' is {'not ' if q.requires_grad else ''}frozen in the loading model")
+        for key in ("param", "exp_avg", "exp_avg_sq") if q.requires_grad else ():  # a frozen param: no hp state
             got = full_state(q, key)
             want = expected(truth, key, n, q, tp_rank, same_tp, megatron, padded)
             if got is None or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.float().cpu(), want):
@@ -212,6 +216,12 @@ def _check_one(name, ckpt_dir, meta, padded=False):
         want = expected(truth, "lowp", n, q, tp_rank, same_tp, megatron, padded)
         if tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp.to(want.dtype), want):
             problems.append(f"module weight '{n}' differs from the source")
+    for n in meta.get("buffers", ()):
+        # load_universal restores no buffer (nor frozen param): these keep the model's seeded init, which the source
+        # run never changed either -- checked so that the load leaves them intact
+        want = truth[f"tp{tp_rank}/buffer/{n}" if same_tp else f"buffer/{n}"]
+        if not torch.equal(engine.module.get_buffer(n).detach().cpu().float(), want.float()):
+            problems.append(f"buffer '{n}' differs from the source")
     if engine.global_steps != meta["global_steps"] or engine.global_samples != meta["global_samples"]:
         problems.append(f"global steps/samples {engine.global_steps}/{engine.global_samples} != "
                         f"{meta['global_steps']}/{meta['global_samples']}")

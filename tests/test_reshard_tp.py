@@ -787,7 +787,8 @@ GQA = "megatron_z1_fp32_tp2_dp1_gqa"
 DS_TP_UNIVERSAL_CASES: dict[tuple[int, int, int | None], list[str]] = {
     (2, 1, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1", GQA],  # TP 2 -> TP 1 x DP 2
     (2, 2, None): ["megatron_z2_fp32_tp2_dp2", "megatron_z1_bf16_tp2_dp1", GQA,  # TP 2 x DP 1
-                   "autotp_z1_bf16_tp2_dp1_kv6@tp1", "autotp_z2_fp32_tp2_dp2@tp1"],  # TP 1 -> TP 2
+                   "autotp_z1_bf16_tp2_dp1_kv6@tp1", "autotp_z2_fp32_tp2_dp2@tp1",  # TP 1 -> TP 2
+                   FROZEN_BUF.name],  # a frozen split param and a buffer: zero/<name>/fp32.pt of TP rank 0
     (2, 2, 1): ["autotp_z0_fp32_tp2_dp2", "autotp_z0_bf16_tp2_dp1_kv6"],  # stage 0 TP 2 x DP 2 (1) -> ZeRO-1 x DP 1
 }
 SUBPARAM_TAMPERED = {(2, 2, None)}
@@ -851,7 +852,9 @@ def test_deepspeed_loads_padded_vocabulary_universal(ds_tp_universal_runs, case)
     DP 1) written --universal, loaded by a ZeRO-1 engine at TP 2 x DP 1: every slice exact, one more step. And a
     Megatron-style parameter_with_sub_params (the GQA fixture's fused qkv, sub-params of 8/4/4 rows), whose files
     carry dsckpt's pickled SubparamShape, at TP 2 and TP 1: exact; its control without sub_param_shape (DeepSpeed
-    then cuts the fused qkv as one tensor) fails on the qkv params only (and, from them, the logits)."""
+    then cuts the fused qkv as one tensor) fails on the qkv params only (and, from them, the logits). And a TP run
+    with a frozen param AutoTP splits and a buffer (their zero/<name>/fp32.pt TP rank 0's local tensor, as
+    ds_to_universal writes them): the trainable state exact, the frozen param frozen and intact, the buffer intact."""
     rc, results, log = ds_tp_universal_runs[case]
     results, controls = passed_except_controls(results, log)
     assert [r["fixture"] for r in results] == [n.split("@")[0] for n in DS_TP_UNIVERSAL_CASES[case]]
