@@ -281,7 +281,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                      + (f" and {len(module_only) - 5} more" if len(module_only) > 5 else "")
                      + f" (buffers, frozen params) hold TP rank 0's local tensor from {tp0_file}, unmerged, as "
                      "ds_to_universal 0.19.8 writes them; DeepSpeed's universal loader does not read these files, and "
-                     "every TP rank's full copy is in the copied model-states files")
+                     "each TP rank's own copy is in the copied model-states files")
     if stage0:
         notes.append("a ZeRO stage 0 save, which ds_to_universal does not read: written as the universal folder of "
                      "the ZeRO-1 files of the same run (reshard --zero-stage 1), from the same masters, optimizer "
