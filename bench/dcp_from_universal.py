@@ -5,7 +5,9 @@ calls ``dcp.save``. Everything is loaded before the save (what such a script doe
 
     python bench/dcp_from_universal.py UNIVERSAL_DIR OUT_DIR
 
-Reads DeepSpeed's own pickles with ``torch.load(weights_only=False)``: the benchmark's own, trusted checkpoint.
+Reads DeepSpeed's own pickles with ``torch.load(weights_only=False)``: the benchmark's own, trusted checkpoint, read
+as the user's script it stands for reads it (the anchor must not use dsckpt, whose one unpickling choke point is
+``dsckpt/safe_load.py``).
 """
 
 from __future__ import annotations

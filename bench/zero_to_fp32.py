@@ -59,6 +59,9 @@ def measure(argv: list[str], out: Path, ckpt: Path) -> tuple[float, int]:
 
 
 def load(out: Path) -> dict:
+    """Both tools' outputs, read back to compare them. Deliberately torch's own reader (``weights_only=True``), not
+    dsckpt's ``safe_load`` (dsckpt's one unpickling choke point): a check of dsckpt's output must not go through
+    dsckpt's reader."""
     import torch
     from safetensors.torch import load_file
 
