@@ -286,9 +286,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
         notes.append("a ZeRO stage 0 save, which ds_to_universal does not read: written as the universal folder of "
                      "the ZeRO-1 files of the same run (reshard --zero-stage 1), from the same masters, optimizer "
                      "states and steps")
-    listed = [c.name for c in tp.name_to_cut.values() if c.sub_param_entry is not None and c.dim is not None
-              and isinstance(c.sub_param_entry.get("shape"), (list, tuple)) and c.dim < len(c.sub_param_entry["shape"])
-              and isinstance(c.sub_param_entry["shape"][c.dim], list)] if tp is not None else []
+    listed = [c.name for c in tp.name_to_cut.values() if isinstance(_sub_param_sizes(c), list)] if tp else []
     if listed:
         # universal_checkpoint.py load_hp_checkpoint_state: sub_dim_sizes = shape[partition_dim], wrapped in a tuple
         # unless it is one; a list of sizes is then narrowed as one size and the load fails
@@ -345,13 +343,22 @@ def _subparam_shape(cut: Any) -> Any:
     if not isinstance(entry, Mapping) or set(entry) != set(SUBPARAM_SHAPE_FIELDS):
         return None
     patterns, shape, dim = (entry[k] for k in SUBPARAM_SHAPE_FIELDS)
-    if type(dim) is not int or dim != cut.dim or not isinstance(shape, (list, tuple)) or not 0 <= dim < len(shape):
+    sizes = _sub_param_sizes(cut)
+    if type(dim) is not int or dim != cut.dim or not isinstance(sizes, (list, tuple)):
         return None
-    sizes = shape[dim]
-    if not isinstance(sizes, (list, tuple)) or [sum(w) for w in cut.sub_widths] != list(sizes) \
-            or not all(type(n) is int for n in sizes):
+    if [sum(w) for w in cut.sub_widths] != list(sizes) or not all(type(n) is int for n in sizes):
         return None
     return subparam_shape(patterns, shape, dim)
+
+
+def _sub_param_sizes(cut: Any) -> Any:
+    """``shape[partition_dim]`` of ``cut``'s ``parameter_with_sub_params`` entry (the sub-param sizes, as recorded),
+    with ``partition_dim`` the cut's dim; None without such an entry."""
+    entry = cut.sub_param_entry
+    if not isinstance(entry, Mapping) or cut.dim is None:
+        return None
+    shape = entry.get("shape")
+    return shape[cut.dim] if isinstance(shape, (list, tuple)) and 0 <= cut.dim < len(shape) else None
 
 
 # --------------------------------------------------------------------------------------------
