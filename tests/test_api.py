@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import enum
 import importlib
 import inspect
@@ -107,6 +108,8 @@ def resolve(dotted: str, context: tuple[str, ...] = ()) -> Any:
             return _walk(MODULES[short[0]], parts[1:])
         if len(DEFINITIONS.get(parts[0], ())) == 1:
             return _walk(DEFINITIONS[parts[0]][0], parts[1:])
+        if hasattr(builtins, parts[0]):  # DeprecationWarning, KeyError: Python's own
+            return _walk(getattr(builtins, parts[0]), parts[1:])
     raise LookupError(f"{dotted!r} names nothing in dsckpt")
 
 
