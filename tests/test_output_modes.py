@@ -176,6 +176,40 @@ def test_console_script_in_a_child_with_umask_027(tmp_path: Path) -> None:
     assert_published_modes(out, 0o027, SCRIPTS, [S2])
 
 
+def test_distributed_every_rank_writes_with_the_umask_modes(tmp_path: Path) -> None:
+    """One ``torchrun`` launch of 2 ranks under umask 027: a single file both ranks write ranges of, a sharded folder,
+    a reshard and a DCP folder whose files both ranks write, and a repair whose copies both ranks make."""
+    import json
+
+    from ds_launch import free_port
+
+    s2_fp32 = FIXTURES / "s2_fp32_w4" / "ckpt"
+    bn = _input(BN, tmp_path / "bn")
+    out = tmp_path / "out"
+    out.mkdir()
+    jobs = [["to-fp32", "-q", str(s2_fp32), str(out / "m.safetensors")],
+            ["to-fp32", "-q", str(s2_fp32), str(out / "shards"), "--max-shard-size", "1KB"],
+            ["reshard", "-q", str(s2_fp32), str(out / "r3"), "-n", "3"],
+            ["to-dcp", "-q", str(s2_fp32), str(out / "dcp")],
+            ["repair", "-q", str(bn), str(out / "fixed"), "--policy", "reset-bn-stats"]]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "jobs.json").write_text(json.dumps([[*job, "--distributed"] for job in jobs]))
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--no-python", sys.executable, str(ROOT / "tests" / "dist_driver.py"), str(results / "jobs.json"),
+           str(results)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DSCKPT_DIST_ALIGN_NBYTES": "64"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, umask=0o027)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads((results / f"codes.{k}.json").read_text()) for k in range(2)] == [[0] * len(jobs)] * 2
+    assert len(list((out / "shards").glob("*.safetensors"))) >= 2  # one per rank at least
+    for name in ("m.safetensors", "shards", "dcp"):
+        assert_published_modes(out / name, 0o027)
+    assert_published_modes(out / "r3", 0o027, SCRIPTS, [s2_fp32])
+    assert_published_modes(out / "fixed", 0o027, _repair_copies(bn, out / "fixed"), [bn])
+
+
 # --------------------------------------------------------------------------------------------
 # A second user reads (or not) what the modes say
 
