@@ -155,6 +155,19 @@ def test_repair_safetensors_file(tmp_path: Path, umask: int) -> None:
     assert_published_modes(tmp_path / "out.safetensors", umask)
 
 
+@pytest.mark.parametrize("safe", [False, True], ids=["bin", "safetensors"])
+def test_drop_in_zero_to_fp32_files(tmp_path: Path, umask: int, safe: bool) -> None:
+    """The drop-in ``zero_to_fp32`` writes files into OUTPUT_DIR (created if missing; a folder of the user's is
+    kept as it is): the folder it creates and every file, with the index, get the umask modes."""
+    from dsckpt.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    out = tmp_path / "new" / "out"
+    convert_zero_checkpoint_to_state_dict(S2, out, max_shard_size=500, safe_serialization=safe)
+    assert len(list(out.iterdir())) > 2  # shards and their index
+    assert_published_modes(out, umask)
+    assert _mode(out.parent) == 0o777 & ~umask
+
+
 @pytest.mark.parametrize("case", ["to-fp32-file", "to-fp32-shards", "reshard", "to-dcp"])
 def test_force_does_not_inherit_the_old_outputs_modes(tmp_path: Path, umask: int, case: str) -> None:
     argv, src, name, copies = CASES[case]
