@@ -16,7 +16,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -64,15 +64,15 @@ def _source_of(rel: str, out_file: Path, inputs: list[Path]) -> Path:
     raise AssertionError(f"{rel} is not a copy of {rel} in any of {inputs}")
 
 
-def assert_published_modes(out: Path, mask: int, copies: set[str] = frozenset(),  # type: ignore[assignment]
-                           inputs: list[Path] = ()) -> None:  # type: ignore[assignment]
+def assert_published_modes(out: Path, mask: int, copies: Collection[str] = frozenset(),
+                           inputs: Sequence[Path] = ()) -> None:
     """Every folder under (and at) ``out`` is ``0777 & ~mask``; every file ``0666 & ~mask``, but the files named in
     ``copies`` (relative to ``out``; each a copy of the file of that name under one of ``inputs``) the mode of
     their input ``& ~mask``. Nothing else is left beside ``out`` (no temporary, no lock file)."""
     assert out.exists(), out
     wrong = []
     paths = [out] + (sorted(out.rglob("*")) if out.is_dir() else [])
-    assert copies <= {str(p.relative_to(out)) for p in paths}, "a copy is missing"
+    assert set(copies) <= {str(p.relative_to(out)) for p in paths}, "a copy is missing"
     for p in paths:
         rel = str(p.relative_to(out)) if p != out else "."
         if p.is_dir():
@@ -104,7 +104,7 @@ SCRIPTS = {"zero_to_fp32.py", "zero_to_torch.py"}
 TOKENIZER = {"chat_template.jinja", "tokenizer.json", "tokenizer_config.json"}
 REPAIR = None  # every file but the rewritten ones
 
-Case = tuple[Callable[[Path, Path], list[object]], Path, str, "set[str] | None"]
+Case = tuple[Callable[[Path, Path], list[object]], Path, str, set[str] | None]
 CASES: dict[str, Case] = {
     "to-fp32-file": (lambda i, o: ["to-fp32", "-q", i, o], S2, "m.safetensors", set()),
     "to-fp32-shards": (lambda i, o: ["to-fp32", "-q", i, o, "--max-shard-size", "2KB"], S2, "shards", set()),
