@@ -321,7 +321,8 @@ def test_copy_file_and_copy_tree_give_the_source_mode_minus_the_umask(tmp_path: 
     assert (_mode(out / "sub"), _mode(out / "sub" / "c")) == (0o777 & ~umask, 0o755 & ~umask)  # no setuid
 
 
-def test_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch, umask: int) -> None:
+def test_umask_is_read_without_changing_it(umask: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (umask before monkeypatch: os.umask is put back before the umask fixture restores the worker's umask)
     assert atomic.current_umask() == umask
     calls = []
     monkeypatch.setattr(atomic.os, "umask", lambda m: calls.append(m) or umask)
