@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import enum
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 
 from . import parsed_tree, safe_load, safe_save
 from .assemble import read_piece
-from .atomic import atomic_dir, claim_output, refuse_overlap, scratch_dir
+from .atomic import atomic_dir, claim_output, copy_file, refuse_overlap, scratch_dir
 from .errors import RepairError, UsageError
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
@@ -547,7 +546,7 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
                 if src.resolve() in to_rewrite:
                     _rewrite_torch_file(src, dst, _retarget(plan.patches, src))
                 else:
-                    shutil.copy2(src, dst)
+                    copy_file(src, dst)
                 fd = os.open(dst, os.O_RDONLY)
                 try:
                     os.fsync(fd)
@@ -601,7 +600,7 @@ def _run_folder(plan: RepairPlan, inp: Path, out: Path,
                 _rewrite_torch_file(src, dst, _retarget(plan.patches, src))
                 rewritten.append(out / rel)
             else:
-                shutil.copy2(src, dst)
+                copy_file(src, dst)
         tag = None if inp == plan.tag_dir.resolve() else plan.tag
         report = _verify(plan, tmp, tag, inp, on_progress)
     return RepairResult(plan, out, tuple(rewritten), report)
