@@ -293,3 +293,31 @@ def test_deepspeed_survives_an_overflow_after_loss_scale_reset(tmp_path):
     assert got["rescued"]["hysteresis"] == [1, 1, 1]
     assert got["rescued"]["skipped_steps"] == 3 + 2
     assert got["rescued"]["bn_finite"] is True
+
+
+# ------------------------------------------------------------------ --from another checkpoint: every stored copy
+
+
+@pytest.mark.parametrize("name", ["s3_fp32_w2", "s1_bf16_w3", "s2_bf16_w2_2groups", "s0_bf16_w2"])
+def test_from_checkpoint_restores_every_stored_copy_exactly(tmp_path, name):
+    """A copy of a clean fixture with inf/NaN planted in the BN buffer (every replica: ZeRO-3 keeps one per rank),
+    a param's fp32 master and 16-bit module copy, and its exp_avg_sq, repaired ``--from`` the fixture itself: every
+    file of the output parses to the very tree of the fixture's (all values restored bit for bit; the 16-bit copy is
+    the master rounded, as DeepSpeed made it)."""
+    src = FIXTURES / name / "ckpt"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    plant(ckpt, "bn.running_var", Role.MODULE, 2, math.inf, replica=None)
+    plant(ckpt, "fc2.weight", Role.MASTER, 7, math.nan)
+    if name != "s3_fp32_w2":  # fp32 ZeRO-3 stores no module copy of a trained param
+        plant(ckpt, "fc2.weight", Role.MODULE, 7, -math.inf)
+    plant(ckpt, "fc2.weight", "exp_avg_sq", 11, math.nan)
+    assert not scan(ckpt, nonfinite_only=True).clean
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["repair", str(ckpt), str(out), "--from", str(src)])
+    assert r.exit_code == 0, r.output
+    assert "fc2.weight (param, exp_avg_sq): 1 of 30 values at [11]; before: non-finite" in r.stdout
+    files = sorted(p.relative_to(src) for p in src.rglob("*.pt"))
+    assert files
+    for rel in files:
+        assert tree_differences(parsed_file(src / rel), parsed_file(out / rel)) == [], rel
