@@ -321,3 +321,19 @@ def test_from_checkpoint_restores_every_stored_copy_exactly(tmp_path, name):
     assert files
     for rel in files:
         assert tree_differences(parsed_file(src / rel), parsed_file(out / rel)) == [], rel
+
+
+def test_static_scaler_is_refused_by_name():
+    """fp16 with a static ``fp16.loss_scale`` (no fixture has one): ZeRO pickles a ``LossScaler``, stage 0 writes
+    ``dynamic_loss_scale: False``; neither is a dynamic scaler to reset (plan_loss_scale is pure)."""
+    from dsckpt.loss_scale import FIELDS, OBJECT, ScalerSite, plan_loss_scale
+
+    zero = ScalerSite(Path("zero_pp_rank_0_mp_rank_00_optim_states.pt"), SCALER, OBJECT, "LossScaler",
+                      {"cur_scale": 128, "dynamic": False})
+    stage0 = ScalerSite(Path("mp_rank_00_model_states.pt"), ("optimizer",), FIELDS, "fields",
+                        {"dynamic_loss_scale": False, "cur_scale": 128.0, "cur_iter": 3})
+    for site in (zero, stage0):
+        with pytest.raises(UsageError, match=r"uses a static loss scale \(.*cur_scale 128\), not a dynamic scaler"):
+            plan_loss_scale([site], 64.0, precision="fp16", source="ckpt")
+    with pytest.raises(UsageError, match="keeps no loss scaler in any file"):
+        plan_loss_scale([], 64.0, precision="fp16", source="ckpt")
