@@ -19,6 +19,7 @@ saved a shard), or a non-tensor "bytes" item; and for each chunk, the ``.distcp`
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import os
@@ -31,12 +32,13 @@ from . import safe_load
 from .dtypes import DTYPES
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .limits import regular_file
-from .model import Fragment, Kind, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
-from .readers.common import FileCache
+from .model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Precision, Role, TensorEntry
+from .readers.common import FileCache, alias_entry
 from .stand_ins import DeepSpeedObject, TorchDtype
 from .tensor_ref import TensorRef
 
-__all__ = ["METADATA_NAME", "DcpCache", "is_dcp_folder", "read_dcp"]
+__all__ = ["METADATA_NAME", "DcpCache", "DcpOptimizer", "DcpOptimizerFormat", "DcpParamState", "DcpSource", "describe_dcp",
+           "is_dcp_folder", "optimizer_class_of", "read_dcp"]
 
 METADATA_NAME = ".metadata"
 _ITEM = "dcp-item"  # first element of a Fragment key naming a DCP chunk: (_ITEM, offset, nbytes, fqn)
@@ -67,6 +69,17 @@ class _Item:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[_Chunk, ...]
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """A non-tensor item: one ``torch.save`` stream of a Python value at bytes ``[offset, offset + nbytes)``."""
+
+    fqn: str
+    path: tuple[str, ...]
+    file: Path
+    offset: int
+    nbytes: int
 
 
 class DcpCache(FileCache):
@@ -120,9 +133,9 @@ def _properties_dtype(props: Any) -> Any:
     return getattr(props, "dtype", None)
 
 
-def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str], list[Path]]:
-    """The tensor items of ``.metadata`` (checked), the keys of its bytes items, and every data file either
-    kind is stored in."""
+def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[_Bytes], list[Path]]:
+    """The tensor items of ``.metadata`` (checked), its bytes items (where each is stored), and every data file
+    either kind is stored in."""
     md_path = folder / METADATA_NAME
     if not _is(md, "Metadata") or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(md, "storage_data", None), dict):
@@ -141,7 +154,7 @@ def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str], list[Path]]:
     items: list[_Item] = []
     sizes: dict[str, int] = {}
     spans: dict[Path, list[tuple[int, int, str]]] = {}
-    byte_keys: list[str] = []
+    byte_items: list[_Bytes] = []
 
     def place(fqn: str, offsets: tuple[int, ...] | None) -> tuple[Path, int, int]:
         info = storage.get((fqn, offsets))
@@ -175,8 +188,7 @@ def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str], list[Path]]:
             path = planner.get(fqn)
             path = tuple(str(k) for k in path) if isinstance(path, (tuple, list)) and path else (fqn,)
             if _is(meta, "BytesStorageMetadata"):
-                place(fqn, None)
-                byte_keys.append(fqn)
+                byte_items.append(_Bytes(fqn, path, *place(fqn, None)))
                 continue
             if not _is(meta, "TensorStorageMetadata"):
                 raise ValueError(f"'{fqn}' is described by {type(meta).__name__}")
@@ -211,7 +223,7 @@ def _parse(folder: Path, md: Any) -> tuple[list[_Item], list[str], list[Path]]:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CorruptCheckpointError(f"{md_path}: {'; '.join(problems[:3])}{more}; the .metadata does not match "
                                      "the folder — it is corrupt, or the save did not finish")
-    return items, byte_keys, sorted(spans)
+    return items, byte_items, sorted(spans)
 
 
 def _fragment(item: _Item, ch: _Chunk) -> Fragment:
@@ -236,50 +248,378 @@ def _fragment(item: _Item, ch: _Chunk) -> Fragment:
         "several dims; dsckpt reads DCP tensors cut along one dim")
 
 
-def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]:
-    """The DCP folder at ``path`` as a logical checkpoint (see the module docstring); reads ``.metadata`` only."""
+# --------------------------------------------------------------------------------------------
+# the optimizer side: what a writer of another layout needs (issue 40)
+
+
+class DcpOptimizerFormat(enum.Enum):
+    """How ``get_state_dict`` laid out the optimizer state dict that was saved."""
+
+    #: the default: ``optim.state.<fqn>.<key>`` and ``optim.param_groups.<i>.<key>`` (``params``: the FQNs), so the
+    #: groups, their order and their params' order are as the optimizer held them
+    NESTED = "nested"
+    #: ``StateDictOptions(flatten_optimizer_state_dict=True)``: ``optim.state.<fqn>.<key>`` and
+    #: ``optim.param_groups.<fqn>.<key>``, each param's hyper-parameters; which params shared a group is not saved
+    FLATTENED = "flattened"
+
+
+@dataclass(frozen=True)
+class DcpParamState:
+    """One param's optimizer state as saved under ``<optim>.state.<name>``.
+
+    ``step``: as saved, a float for torch's 0-dim float32 tensor (``step_dtype`` "float32"), an int or float for a
+    Python number (``step_dtype`` None), None when the state holds no ``step``. ``state_keys``: the per-element state
+    tensors (the param's shape), in the saved order, attached to the param's :class:`TensorEntry` as
+    :attr:`Role.OPTIM_STATE` pieces. ``other``: every other state item, ``(key, value)``, a Python value as saved,
+    or for a tensor of another shape ``("tensor", dtype, shape)``; a writer that cannot carry one must refuse it."""
+
+    name: str
+    step: int | float | None
+    step_dtype: str | None
+    state_keys: tuple[str, ...]
+    other: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class DcpOptimizer:
+    """The optimizer side of a DCP folder. ``key``: the top-level key it sits under (``optim``, ``optimizer``).
+    ``params``: every param the state names, in the saved order. ``groups`` (also ``LogicalCheckpoint.
+    optimizer_groups``): each group's FQNs in the optimizer's order, ``step`` None (torch keeps it per param), every
+    hyper-parameter as saved (``betas`` a tuple), ``params`` left out. ``groups_saved``: False for the flattened
+    layout, whose groups are rebuilt here from equal hyper-parameters, in the order their first param appears in the
+    state (two groups with equal hyper-parameters become one). ``optimizer_class``: the ``torch.optim`` class the
+    group keys and state keys point to (:func:`optimizer_class_of`), None when they do not tell."""
+
+    key: str
+    format: DcpOptimizerFormat
+    params: tuple[DcpParamState, ...]
+    groups: tuple[OptimizerGroup, ...]
+    groups_saved: bool
+    optimizer_class: str | None
+
+    def param(self, name: str) -> DcpParamState | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def steps(self) -> dict[str, int | float | None]:
+        """``name -> step`` of every param with state."""
+        return {p.name: p.step for p in self.params}
+
+
+@dataclass(frozen=True)
+class DcpSource:
+    """A DCP folder described for every command: the :class:`LogicalCheckpoint` (model tensors as
+    :attr:`Role.MODULE` pieces in the stored dtype, per-element optimizer states attached by FQN, ties proven by
+    value, the optimizer's groups, step and class), the cache that reads its chunks, and the optimizer side
+    (``optimizer`` None: a model-only folder, no optimizer state at all)."""
+
+    logical: LogicalCheckpoint
+    cache: DcpCache
+    optimizer: DcpOptimizer | None
+    model_key: str | None  # the top-level key of the model tensors ("model"), None: the keys are the FQNs
+
+    @property
+    def model_only(self) -> bool:
+        return self.optimizer is None
+
+
+def optimizer_class_of(group_keys: set[str] | frozenset[str], state_keys: set[str] | frozenset[str],
+                       hyperparams: dict[str, Any]) -> str | None:
+    """The ``torch.optim`` class a saved group's keys (and its params' state keys) point to, or None. torch 2.13's
+    Adam and AdamW groups have the same keys; ``decoupled_weight_decay`` tells them apart (older torch saved none:
+    then None, not a guess)."""
+    if {"betas", "eps", "amsgrad"} <= group_keys and state_keys <= {"step", "exp_avg", "exp_avg_sq",
+                                                                      "max_exp_avg_sq"}:
+        if "decoupled_weight_decay" not in hyperparams:
+            return None
+        return "AdamW" if hyperparams["decoupled_weight_decay"] is True else "Adam"
+    if {"momentum", "dampening", "nesterov"} <= group_keys and state_keys <= {"momentum_buffer"}:
+        return "SGD"
+    if {"lr_decay", "initial_accumulator_value"} <= group_keys and state_keys <= {"step", "sum"}:
+        return "Adagrad"
+    if {"alpha", "centered", "momentum"} <= group_keys and state_keys <= {"step", "square_avg", "momentum_buffer",
+                                                                        "grad_avg"}:
+        return "RMSprop"
+    return None
+
+
+def _optim_path(path: tuple[str, ...]) -> tuple[str, str, str] | None:
+    """``(section, middle, key)`` of an optimizer item below its top key: section ``state`` (middle: the FQN) or
+    ``param_groups`` (middle: the group index in the nested layout, the FQN in the flattened one, which DCP keeps as
+    one path element ``"state.<fqn>.<key>"``); None for anything else."""
+    if len(path) >= 4 and path[1] in ("state", "param_groups"):
+        return path[1], ".".join(path[2:-1]), path[-1]
+    if len(path) == 2:
+        for section in ("state", "param_groups"):
+            rest = path[1].removeprefix(section + ".")
+            if rest != path[1] and "." in rest:
+                middle, _, key = rest.rpartition(".")
+                return section, middle, key
+    return None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _hyper_value(v: Any) -> bool:
+    """A hyper-parameter value a param group holds: None, bool, number, string, or a tuple/list of those."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, (tuple, list)) and len(v) <= 64 and all(x is None or isinstance(x, (bool, int, float, str))
+                                                                 for x in v)
+
+
+def _same_values(a: TensorEntry, b: TensorEntry, cache: DcpCache) -> bool:
+    """Whether the stored module copies of ``a`` and ``b`` (same shape and dtype) hold the same bytes: chunk by chunk
+    where both are cut alike (each chunk's record CRC-32 first: a chunk stored alone in its record with another
+    CRC differs, and no byte is read), else the whole tensors."""
+    pa, pb = a.piece(Role.MODULE), b.piece(Role.MODULE)
+    assert pa is not None and pb is not None
+    fa, fb = sorted(pa.fragments, key=lambda f: f.dst_offset), sorted(pb.fragments, key=lambda f: f.dst_offset)
+    if [(f.dst_offset, f.numel, f.run_numel, f.dst_stride) for f in fa] == \
+            [(f.dst_offset, f.numel, f.run_numel, f.dst_stride) for f in fb]:
+        refs = [(cache.tensor(x.file, x.key), cache.tensor(y.file, y.key)) for x, y in zip(fa, fb)]
+        for ra, rb in refs:
+            sa, sb = ra.storage, rb.storage
+            if sa.numel == ra.numel and sb.numel == rb.numel and sa.crc32 is not None and sb.crc32 is not None \
+                    and sa.crc32 != sb.crc32:
+                return False
+        return all(ra.read_numpy().tobytes() == rb.read_numpy().tobytes() for ra, rb in refs)
+    from .assemble import read_piece
+
+    import torch
+
+    x, y = read_piece(pa, a.shape, cache, name=a.name), read_piece(pb, b.shape, cache, name=b.name)
+    return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
+    """The DCP folder at ``path`` described (see the module docstring and :class:`DcpSource`). Reads ``.metadata``,
+    the optimizer's non-tensor items (param groups, Python steps: each through the allow-listed unpickler within the
+    read limits), each ``step`` tensor's value, and the values of a param without optimizer state that has the shape
+    of one with state (to prove a tie). Raises :class:`CorruptCheckpointError` naming the keys of every
+    inconsistency: an optimizer state or group naming an FQN the model state lacks, a param's state lacking a
+    per-element state the other params of its group hold, a param in two groups or in none, a ``step`` that is not
+    a number."""
     folder = Path(path)
-    md = safe_load.load_pickle(folder / METADATA_NAME)
-    items, _, data_files = _parse(folder, md)
+    md_path = folder / METADATA_NAME
+    md = safe_load.load_pickle(md_path)
+    items, byte_items, data_files = _parse(folder, md)
     cache = DcpCache()
     for it in items:
         for ch in it.chunks:
             cache.expect[(ch.file, ch.offset, ch.nbytes)] = (it.dtype, ch.sizes)
-    tops = {it.path[0] for it in items if len(it.path) > 1}
-    has_model = bool(tops & set(_MODEL_TOPS))
+    tops = {it.path[0] for it in (*items, *byte_items) if len(it.path) > 1}
+    model_top = next((t for t in _MODEL_TOPS if t in tops), None)
+    optim_top = next((t for t in _OPTIM_TOPS if t in tops), None)
     models: dict[str, _Item] = {}
-    states: dict[str, list[tuple[str, _Item]]] = {}
-    for it in items:
+    # FQN -> [(key, item)], in the saved order; ("param_groups", middle) -> {key: value}
+    states: dict[str, list[tuple[str, _Item | _Bytes]]] = {}
+    group_items: dict[str, list[tuple[str, _Item | _Bytes]]] = {}
+    fmt: DcpOptimizerFormat | None = None
+    for it in (*items, *byte_items):
         top = it.path[0] if len(it.path) > 1 else None
-        if top in _OPTIM_TOPS:
-            # ("optim", "state", fqn, key): the FQN may itself hold dots, so take what is between
-            if len(it.path) >= 4 and it.path[1] == "state":
-                states.setdefault(".".join(it.path[2:-1]), []).append((it.path[-1], it))
+        if top is not None and top == optim_top:
+            where = _optim_path(it.path)
+            if where is None:
+                continue
+            section, middle, key = where
+            if section == "param_groups":
+                fmt = DcpOptimizerFormat.NESTED if len(it.path) >= 4 else DcpOptimizerFormat.FLATTENED
+                group_items.setdefault(middle, []).append((key, it))
+            else:
+                states.setdefault(middle, []).append((key, it))
             continue
-        if has_model and top not in _MODEL_TOPS:
+        if top in _OPTIM_TOPS or not isinstance(it, _Item):
             continue
-        name = ".".join(it.path[1:]) if has_model else ".".join(it.path)
-        models[name] = it
-    entries = []
+        if model_top is not None and top != model_top:
+            continue
+        models[".".join(it.path[1:]) if model_top is not None else ".".join(it.path)] = it
+
+    problems: list[str] = []
+
+    def value(b: _Bytes) -> Any:
+        return safe_load.load_window(b.file, b.offset, b.nbytes)
+
+    def scalar_of(key: str, it: _Item | _Bytes, what: str) -> Any:
+        """A one-element tensor item's value, or a bytes item's Python value."""
+        if isinstance(it, _Bytes):
+            return value(it)
+        if math.prod(it.shape) != 1 or len(it.chunks) != 1:
+            problems.append(f"'{it.fqn}' ({what}) is a tensor of size {list(it.shape)}, not one number")
+            return None
+        ch = it.chunks[0]
+        return cache.tensor(ch.file, (_ITEM, ch.offset, ch.nbytes, it.fqn)).item()
+
+    # --- per-param state
+    optim_key_prefix = f"{optim_top}.state." if optim_top else ""
+    param_states: list[DcpParamState] = []
+    attached: dict[str, list[tuple[str, _Item]]] = {}
+    for fqn, kv in states.items():
+        model_item = models.get(fqn)
+        if model_item is None and models:
+            problems.append(f"'{optim_key_prefix}{fqn}.{kv[0][0]}': the optimizer state names '{fqn}', which the "
+                            "model state lacks")
+            continue
+        step: int | float | None = None
+        step_dtype: str | None = None
+        keys: list[str] = []
+        other: list[tuple[str, Any]] = []
+        for key, it in kv:
+            if key == "step":
+                step = scalar_of(key, it, "a step")
+                step_dtype = it.dtype if isinstance(it, _Item) else None
+                if step is not None and not _number(step):
+                    problems.append(f"'{it.fqn}': the step is {type(step).__name__} {step!r}, not a number")
+                    step = None
+            elif isinstance(it, _Item) and (model_item is None or it.shape == model_item.shape):
+                keys.append(key)
+                attached.setdefault(fqn, []).append((key, it))
+            elif isinstance(it, _Item):
+                other.append((key, ("tensor", it.dtype, it.shape)))
+            else:
+                other.append((key, value(it)))
+        param_states.append(DcpParamState(fqn, step, step_dtype, tuple(keys), tuple(other)))
+
+    # --- param groups
+    groups: list[OptimizerGroup] = []
+    group_of: dict[str, int] = {}
+    groups_prefix = f"{optim_top}.param_groups." if optim_top else ""
+    if fmt is DcpOptimizerFormat.NESTED:
+        for middle in sorted(group_items, key=lambda m: (not m.isdigit(), int(m) if m.isdigit() else 0, m)):
+            kv = dict((k, it) for k, it in group_items[middle])
+            if not middle.isdigit() or "params" not in kv:
+                problems.append(f"'{groups_prefix}{middle}' is not a saved param group (no index or no 'params')")
+                continue
+            names = value(kv["params"]) if isinstance(kv["params"], _Bytes) else None
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                problems.append(f"'{groups_prefix}{middle}.params' holds {type(names).__name__}, not a list of FQNs")
+                continue
+            hp = []
+            for k, it in group_items[middle]:
+                if k == "params":
+                    continue
+                v = scalar_of(k, it, "a hyper-parameter")
+                if not _hyper_value(v):
+                    problems.append(f"'{groups_prefix}{middle}.{k}' holds {type(v).__name__}, not a hyper-parameter")
+                hp.append((k, v))
+            for n in names:
+                if models and n not in models:
+                    problems.append(f"'{groups_prefix}{middle}.params' names '{n}', which the model state lacks")
+                elif n in group_of:
+                    problems.append(f"'{groups_prefix}{middle}.params' names '{n}', which group {group_of[n]} "
+                                    "holds too")
+                else:
+                    group_of[n] = len(groups)
+            groups.append(OptimizerGroup(len(groups), tuple(names), None, tuple(hp)))
+    elif fmt is DcpOptimizerFormat.FLATTENED:
+        split: dict[tuple[tuple[str, Any], ...], list[str]] = {}
+        for fqn, kv in group_items.items():
+            if models and fqn not in models:
+                problems.append(f"'{groups_prefix}{fqn}.{kv[0][0]}' names '{fqn}', which the model state lacks")
+                continue
+            hp = []
+            for k, it in kv:
+                v = scalar_of(k, it, "a hyper-parameter")
+                if not _hyper_value(v):
+                    problems.append(f"'{groups_prefix}{fqn}.{k}' holds {type(v).__name__}, not a hyper-parameter")
+                    v = repr(v)
+                hp.append((k, v))
+            split.setdefault(tuple(hp), []).append(fqn)
+        for hp_key, names in split.items():
+            for n in names:
+                group_of[n] = len(groups)
+            groups.append(OptimizerGroup(len(groups), tuple(names), None, hp_key))
+    if fmt is not None:
+        for ps in param_states:
+            if ps.name not in group_of and ps.name in models:
+                problems.append(f"'{optim_key_prefix}{ps.name}': '{ps.name}' has optimizer state but is in no "
+                                f"param group ('{groups_prefix}*')")
+    # every param of a group with state holds the per-element states the group's other params hold
+    by_group: dict[int | None, list[DcpParamState]] = {}
+    for ps in param_states:
+        by_group.setdefault(group_of.get(ps.name), []).append(ps)
+    for members in by_group.values():
+        union = dict.fromkeys(k for ps in members for k in ps.state_keys)
+        for ps in members:
+            missing = [k for k in union if k not in ps.state_keys]
+            if missing:
+                problems.append(f"'{optim_key_prefix}{ps.name}.{missing[0]}' is missing: '{ps.name}' has "
+                                f"{', '.join(ps.state_keys) or 'no per-element state'} but not "
+                                f"{', '.join(missing)}, which the other params of its group hold")
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CorruptCheckpointError(f"{folder}: {'; '.join(problems[:3])}{more}; the optimizer state does not "
+                                     "match the model state — the folder is corrupt or was assembled from "
+                                     "different saves")
+
+    # --- entries
+    entries: list[TensorEntry] = []
+    has_optim = bool(param_states) or bool(groups)
     for name, it in models.items():
         frags = tuple(_fragment(it, ch) for ch in it.chunks)
         pieces = [Piece(Role.MODULE, it.dtype, frags)]
-        for key, st in states.get(name, ()):
-            if key == "step" or st.shape != it.shape:
-                continue
+        for key, st in attached.get(name, ()):
             pieces.append(Piece(Role.OPTIM_STATE, st.dtype, tuple(_fragment(st, ch) for ch in st.chunks),
                                 state_key=key))
         buffer = name.endswith(_BUFFER_SUFFIXES)
-        trainable = name in states if states else not buffer
+        trainable = (name in attached) if has_optim else not buffer
+        # a model-only folder does not say which params were trained: "undetermined", exported as every param
         entries.append(TensorEntry(name, it.shape, Kind.BUFFER if buffer else Kind.PARAM, trainable and not buffer,
-                                   tuple(pieces)))
-    dtypes = {e.stored_dtype for e in entries}
+                                   tuple(pieces), group=group_of.get(name), ambiguous=not has_optim and not buffer))
+    # a tied param: torch's get_state_dict lists it under every name in the model state, and under its first name
+    # only in the optimizer state and groups; the alias is proven by value
+    if has_optim:
+        by_name = {e.name: e for e in entries}
+        sources = [e for e in entries if e.name in attached]
+        for i, e in enumerate(entries):
+            if e.kind is not Kind.PARAM or e.name in attached or e.name in group_of:
+                continue
+            for src in sources:
+                if src.shape == e.shape and src.stored_dtype == e.stored_dtype and _same_values(e, src, cache):
+                    entries[i] = alias_entry(e.name, by_name[src.name])
+                    break
+    dtypes = {e.stored_dtype for e in entries if e.kind is Kind.PARAM}
     precision = (Precision.FP16 if "float16" in dtypes else Precision.BF16 if "bfloat16" in dtypes
                  else Precision.FP32)
-    files = tuple(data_files)  # the optimizer's param groups sit in files of bytes items of their own
+    optimizer: DcpOptimizer | None = None
+    notes: list[str] = []
+    steps = {ps.step for ps in param_states if ps.step is not None}
+    step_value: int | None = None
+    if len(steps) == 1:
+        only = next(iter(steps))
+        step_value = int(only) if float(only).is_integer() else None
+    elif len(steps) > 1:
+        notes.append("the params' optimizer steps differ: " + ", ".join(
+            f"{ps.name} {ps.step:g}" for ps in param_states if ps.step is not None))
+    if optim_top is not None and has_optim:
+        group_keys = {k for g in groups for k, _ in g.hyperparams}
+        state_keys = {k for ps in param_states for k in ps.state_keys} | (
+            {"step"} if any(ps.step is not None for ps in param_states) else set())
+        kind = (optimizer_class_of(frozenset(group_keys), frozenset(state_keys), dict(groups[0].hyperparams))
+                if groups else None)
+        optimizer = DcpOptimizer(optim_top, fmt or DcpOptimizerFormat.NESTED, tuple(param_states), tuple(groups),
+                                 fmt is not DcpOptimizerFormat.FLATTENED, kind)
+        if fmt is DcpOptimizerFormat.FLATTENED:
+            notes.append(f"the optimizer state was saved flattened ({groups_prefix}<fqn>.<key>): the param groups "
+                         "are not saved, so params with equal hyper-parameters are taken as one group")
+    else:
+        notes.append("model only: no optimizer state in this folder, so which params were trained and which are "
+                     "tied is not recorded")
+    kind_name = optimizer.optimizer_class if optimizer is not None else None
     logical = LogicalCheckpoint(
         root=folder, tag="", tag_dir=folder, layout="dcp", zero_stage=0, precision=precision, dp_world_size=1,
         pp_world_size=1, tp_world_size=1, ds_version=None, global_steps=None, global_samples=None,
-        optimizer_step=None, optimizer_wrapper="torch optimizer (DCP)" if states else "none",
-        entries=tuple(entries), files=(folder / METADATA_NAME, *files))
-    return logical, cache
+        optimizer_step=step_value,
+        optimizer_wrapper=("none (model only)" if optimizer is None
+                           else f"torch.optim.{kind_name} (DCP)" if kind_name else "torch optimizer (DCP)"),
+        entries=tuple(entries), files=(md_path, *data_files), notes=tuple(notes),
+        optimizer_groups=tuple(groups), optimizer_type=kind_name)
+    return DcpSource(logical, cache, optimizer, model_top)
+
+
+def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]:
+    """The DCP folder at ``path`` as a logical checkpoint (see :func:`describe_dcp`)."""
+    src = describe_dcp(path)
+    return src.logical, src.cache
