@@ -566,8 +566,9 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         buffer = name.endswith(_BUFFER_SUFFIXES)
         trainable = (name in attached) if has_optim else not buffer
         # a model-only folder does not say which params were trained: "undetermined", exported as every param
-        entries.append(TensorEntry(name, it.shape, Kind.BUFFER if buffer else Kind.PARAM, trainable and not buffer,
-                                   tuple(pieces), group=group_of.get(name), ambiguous=not has_optim and not buffer))
+        entries.append(TensorEntry(name, it.shape, Kind.BUFFER if buffer else Kind.PARAM,
+                                   trainable and not buffer and has_optim, tuple(pieces), group=group_of.get(name),
+                                   ambiguous=not has_optim and not buffer))
     # a tied param: torch's get_state_dict lists it under every name in the model state, and under its first name
     # only in the optimizer state and groups; the alias is proven by value
     if has_optim:
