@@ -37,8 +37,8 @@ from .readers.common import FileCache, alias_entry
 from .stand_ins import DeepSpeedObject, TorchDtype
 from .tensor_ref import TensorRef
 
-__all__ = ["METADATA_NAME", "DcpCache", "DcpOptimizer", "DcpOptimizerFormat", "DcpParamState", "DcpSource", "describe_dcp",
-           "is_dcp_folder", "optimizer_class_of", "read_dcp"]
+__all__ = ["METADATA_NAME", "DcpCache", "DcpOptimizer", "DcpOptimizerFormat", "DcpParamState", "DcpSource",
+           "describe_dcp", "is_dcp_folder", "optimizer_class_of", "read_dcp"]
 
 METADATA_NAME = ".metadata"
 _ITEM = "dcp-item"  # first element of a Fragment key naming a DCP chunk: (_ITEM, offset, nbytes, fqn)
@@ -386,9 +386,9 @@ def _same_values(a: TensorEntry, b: TensorEntry, cache: DcpCache) -> bool:
                     and sa.crc32 != sb.crc32:
                 return False
         return all(ra.read_numpy().tobytes() == rb.read_numpy().tobytes() for ra, rb in refs)
-    from .assemble import read_piece
-
     import torch
+
+    from .assemble import read_piece
 
     x, y = read_piece(pa, a.shape, cache, name=a.name), read_piece(pb, b.shape, cache, name=b.name)
     return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
@@ -410,7 +410,8 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     for it in items:
         for ch in it.chunks:
             cache.expect[(ch.file, ch.offset, ch.nbytes)] = (it.dtype, ch.sizes)
-    tops = {it.path[0] for it in (*items, *byte_items) if len(it.path) > 1}
+    every: list[_Item | _Bytes] = [*items, *byte_items]
+    tops = {it.path[0] for it in every if len(it.path) > 1}
     model_top = next((t for t in _MODEL_TOPS if t in tops), None)
     optim_top = next((t for t in _OPTIM_TOPS if t in tops), None)
     models: dict[str, _Item] = {}
@@ -418,24 +419,24 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     states: dict[str, list[tuple[str, _Item | _Bytes]]] = {}
     group_items: dict[str, list[tuple[str, _Item | _Bytes]]] = {}
     fmt: DcpOptimizerFormat | None = None
-    for it in (*items, *byte_items):
-        top = it.path[0] if len(it.path) > 1 else None
+    for any_item in every:
+        top = any_item.path[0] if len(any_item.path) > 1 else None
         if top is not None and top == optim_top:
-            where = _optim_path(it.path)
+            where = _optim_path(any_item.path)
             if where is None:
                 continue
             section, middle, key = where
             if section == "param_groups":
-                fmt = DcpOptimizerFormat.NESTED if len(it.path) >= 4 else DcpOptimizerFormat.FLATTENED
-                group_items.setdefault(middle, []).append((key, it))
+                fmt = DcpOptimizerFormat.NESTED if len(any_item.path) >= 4 else DcpOptimizerFormat.FLATTENED
+                group_items.setdefault(middle, []).append((key, any_item))
             else:
-                states.setdefault(middle, []).append((key, it))
+                states.setdefault(middle, []).append((key, any_item))
             continue
-        if top in _OPTIM_TOPS or not isinstance(it, _Item):
+        if top in _OPTIM_TOPS or not isinstance(any_item, _Item):
             continue
         if model_top is not None and top != model_top:
             continue
-        models[".".join(it.path[1:]) if model_top is not None else ".".join(it.path)] = it
+        models[".".join(any_item.path[1:]) if model_top is not None else ".".join(any_item.path)] = any_item
 
     problems: list[str] = []
 
@@ -466,20 +467,20 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         step_dtype: str | None = None
         keys: list[str] = []
         other: list[tuple[str, Any]] = []
-        for key, it in kv:
+        for key, st_item in kv:
             if key == "step":
-                step = scalar_of(key, it, "a step")
-                step_dtype = it.dtype if isinstance(it, _Item) else None
+                step = scalar_of(key, st_item, "a step")
+                step_dtype = st_item.dtype if isinstance(st_item, _Item) else None
                 if step is not None and not _number(step):
-                    problems.append(f"'{it.fqn}': the step is {type(step).__name__} {step!r}, not a number")
+                    problems.append(f"'{st_item.fqn}': the step is {type(step).__name__} {step!r}, not a number")
                     step = None
-            elif isinstance(it, _Item) and (model_item is None or it.shape == model_item.shape):
+            elif isinstance(st_item, _Item) and (model_item is None or st_item.shape == model_item.shape):
                 keys.append(key)
-                attached.setdefault(fqn, []).append((key, it))
-            elif isinstance(it, _Item):
-                other.append((key, ("tensor", it.dtype, it.shape)))
+                attached.setdefault(fqn, []).append((key, st_item))
+            elif isinstance(st_item, _Item):
+                other.append((key, ("tensor", st_item.dtype, st_item.shape)))
             else:
-                other.append((key, value(it)))
+                other.append((key, value(st_item)))
         param_states.append(DcpParamState(fqn, step, step_dtype, tuple(keys), tuple(other)))
 
     # --- param groups
@@ -488,19 +489,20 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     groups_prefix = f"{optim_top}.param_groups." if optim_top else ""
     if fmt is DcpOptimizerFormat.NESTED:
         for middle in sorted(group_items, key=lambda m: (not m.isdigit(), int(m) if m.isdigit() else 0, m)):
-            kv = dict((k, it) for k, it in group_items[middle])
-            if not middle.isdigit() or "params" not in kv:
+            by_key = dict(group_items[middle])
+            if not middle.isdigit() or "params" not in by_key:
                 problems.append(f"'{groups_prefix}{middle}' is not a saved param group (no index or no 'params')")
                 continue
-            names = value(kv["params"]) if isinstance(kv["params"], _Bytes) else None
+            params_item = by_key["params"]
+            names = value(params_item) if isinstance(params_item, _Bytes) else None
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 problems.append(f"'{groups_prefix}{middle}.params' holds {type(names).__name__}, not a list of FQNs")
                 continue
             hp = []
-            for k, it in group_items[middle]:
+            for k, hp_item in group_items[middle]:
                 if k == "params":
                     continue
-                v = scalar_of(k, it, "a hyper-parameter")
+                v = scalar_of(k, hp_item, "a hyper-parameter")
                 if not _hyper_value(v):
                     problems.append(f"'{groups_prefix}{middle}.{k}' holds {type(v).__name__}, not a hyper-parameter")
                 hp.append((k, v))
@@ -520,8 +522,8 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
                 problems.append(f"'{groups_prefix}{fqn}.{kv[0][0]}' names '{fqn}', which the model state lacks")
                 continue
             hp = []
-            for k, it in kv:
-                v = scalar_of(k, it, "a hyper-parameter")
+            for k, hp_item in kv:
+                v = scalar_of(k, hp_item, "a hyper-parameter")
                 if not _hyper_value(v):
                     problems.append(f"'{groups_prefix}{fqn}.{k}' holds {type(v).__name__}, not a hyper-parameter")
                     v = repr(v)
