@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -31,14 +32,14 @@ from typing import Any
 from . import safe_load
 from .dtypes import DTYPES
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .limits import regular_file
+from .limits import read_small_file, regular_file
 from .model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, alias_entry
 from .stand_ins import DeepSpeedObject, TorchDtype
 from .tensor_ref import TensorRef
 
 __all__ = ["METADATA_NAME", "DcpCache", "DcpOptimizer", "DcpOptimizerFormat", "DcpParamState", "DcpSource",
-           "describe_dcp", "is_dcp_folder", "optimizer_class_of", "read_dcp"]
+           "dcp_folders", "describe_dcp", "is_dcp_folder", "optimizer_class_of", "read_dcp"]
 
 METADATA_NAME = ".metadata"
 _ITEM = "dcp-item"  # first element of a Fragment key naming a DCP chunk: (_ITEM, offset, nbytes, fqn)
@@ -47,9 +48,25 @@ _OPTIM_TOPS = ("optim", "optimizer")
 _BUFFER_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
 
 
-def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
+def dcp_folders(path: str | os.PathLike[str]) -> tuple[Path, ...] | None:
+    """The DCP folders ``path`` is made of: itself (it holds ``.metadata``), or for a Trainer ``checkpoint-N/`` or an
+    Accelerate ``save_state`` folder saved under FSDP (``pytorch_model_fsdp_0/``, and ``optimizer_0/`` when the
+    optimizer was saved; no DeepSpeed ``latest``) those two; None for anything else."""
+    from .run_folder_dcp import MODEL_FOLDER, OPTIM_FOLDER
+
     p = Path(path)
-    return p.is_dir() and (p / METADATA_NAME).is_file()
+    if not p.is_dir():
+        return None
+    if (p / METADATA_NAME).is_file():
+        return (p,)
+    if (p / MODEL_FOLDER / METADATA_NAME).is_file() and not (p / "latest").exists():
+        return (p / MODEL_FOLDER, *((p / OPTIM_FOLDER,) if (p / OPTIM_FOLDER).exists() else ()))
+    return None
+
+
+def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
+    """A DCP folder, or a run folder of them (:func:`dcp_folders`)."""
+    return dcp_folders(path) is not None
 
 
 @dataclass(frozen=True)
@@ -394,6 +411,20 @@ def _same_values(a: TensorEntry, b: TensorEntry, cache: DcpCache) -> bool:
     return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
 
+def _trainer_global_step(folder: Path) -> int | None:
+    """``global_step`` of the Trainer's ``trainer_state.json`` beside the DCP folders (a Trainer ``checkpoint-N/``),
+    read within the small-file budget; None when there is none or it holds no integer step."""
+    path = folder / "trainer_state.json"
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(read_small_file(path).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: not JSON ({e}); the Trainer's state is damaged") from e
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
 def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     """The DCP folder at ``path`` described (see the module docstring and :class:`DcpSource`). Reads ``.metadata``,
     the optimizer's non-tensor items (param groups, Python steps: each through the allow-listed unpickler within the
@@ -403,9 +434,21 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     per-element state the other params of its group hold, a param in two groups or in none, a ``step`` that is not
     a number."""
     folder = Path(path)
-    md_path = folder / METADATA_NAME
-    md = safe_load.load_pickle(md_path)
-    items, byte_items, data_files = _parse(folder, md)
+    parts = dcp_folders(folder) or (folder,)
+    items: list[_Item] = []
+    byte_items: list[_Bytes] = []
+    data_files: list[Path] = []
+    md_paths = []
+    for part in parts:
+        md_path = part / METADATA_NAME
+        if not md_path.is_file():
+            raise CorruptCheckpointError(f"{part}: no {METADATA_NAME}; the DCP save of this folder did not finish "
+                                         "(or the folder is not a DCP folder)")
+        part_items, part_bytes, part_files = _parse(part, safe_load.load_pickle(md_path))
+        items += part_items
+        byte_items += part_bytes
+        data_files += part_files
+        md_paths.append(md_path)
     cache = DcpCache()
     for it in items:
         for ch in it.chunks:
@@ -613,11 +656,14 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     kind_name = optimizer.optimizer_class if optimizer is not None else None
     logical = LogicalCheckpoint(
         root=folder, tag="", tag_dir=folder, layout="dcp", zero_stage=0, precision=precision, dp_world_size=1,
-        pp_world_size=1, tp_world_size=1, ds_version=None, global_steps=None, global_samples=None,
+        pp_world_size=1, tp_world_size=1, ds_version=None, global_steps=_trainer_global_step(folder),
+        global_samples=None,
         optimizer_step=step_value,
         optimizer_wrapper=("none (model only)" if optimizer is None
                            else f"torch.optim.{kind_name} (DCP)" if kind_name else "torch optimizer (DCP)"),
-        entries=tuple(entries), files=(md_path, *data_files), notes=tuple(notes),
+        entries=tuple(entries), files=tuple(p for md_path, part in zip(md_paths, parts)
+                                            for p in (md_path, *(f for f in data_files if f.parent == part))),
+        notes=tuple(notes),
         optimizer_groups=tuple(groups), optimizer_type=kind_name)
     return DcpSource(logical, cache, optimizer, model_top)
 

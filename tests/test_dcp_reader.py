@@ -28,7 +28,8 @@ from dsckpt.errors import CorruptCheckpointError
 from dsckpt.model import Kind, Role
 
 DCP = FIXTURES / "dcp"
-NAMES = ["plain_adamw_w1", "plain_adamw_flat_w1", "plain_bf16_w1", "model_only_w1", "fsdp2_adamw_w2"]
+NAMES = ["plain_adamw_w1", "plain_adamw_flat_w1", "plain_bf16_w1", "model_only_w1", "fsdp2_adamw_w2",
+         "trainer_fsdp2_gpt2_w2"]
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
@@ -67,15 +68,18 @@ def test_reader_gives_the_recorded_truth(name: str) -> None:
     for e in ckpt.entries:
         want = truth[f"{'param' if e.kind is Kind.PARAM else 'buffer'}/{e.name}"]
         assert _same(read_entry(e, cache, Role.MODULE if e.tied_to is None else None), want), e.name
-    assert {e.name for e in ckpt.buffers} == set(meta["buffers"])
-    if meta["model_only"]:
+    assert {e.name for e in ckpt.buffers} == set(meta.get("buffers", []))
+    trainer = name.startswith("trainer_")  # a Trainer checkpoint-N/: {"model": M} and {"optimizer": O} folders
+    if meta.get("model_only"):
         assert src.model_only and src.optimizer is None and ckpt.optimizer_groups == () and ckpt.tied == {}
         assert all(e.ambiguous for e in ckpt.params)  # which were trained is not recorded
         assert ckpt.optimizer_step is None and "model only" in ckpt.notes[0]
         return
     opt = src.optimizer
-    assert opt is not None and opt.key == "optim" and opt.optimizer_class == meta["optimizer_class"] == "AdamW"
-    assert opt.format is DcpOptimizerFormat(meta["optimizer_format"])
+    assert opt is not None and opt.key == ("optimizer" if trainer else "optim") and opt.optimizer_class == "AdamW"
+    assert opt.format is DcpOptimizerFormat(meta.get("optimizer_format", "nested"))
+    # the Trainer's global step (trainer_state.json); a plain DCP folder records none
+    assert ckpt.global_steps == (meta["global_step"] if trainer else None)
     assert ckpt.tied == meta["tied"]
     assert sorted(e.name for e in ckpt.params if e.trainable and e.tied_to is None) == sorted(meta["trainable"])
     assert sorted(e.name for e in ckpt.params if not e.trainable) == sorted(meta["frozen"])
@@ -334,3 +338,27 @@ def test_to_dcp_reads_back_as_the_checkpoint(name: str, tmp_path: Path) -> None:
         assert {k: _plain(have[k]) for k in kept if k in have} == {k: _plain(v) for k, v in kept.items()
                                                                    if k in have}
         assert set(have) - set(kept) == set(plan.defaults_added)
+
+
+def test_trainer_run_folder_parts(tmp_path: Path) -> None:
+    """A Trainer checkpoint-N/ saved under FSDP2 is read as one checkpoint from its two DCP folders; without
+    optimizer_0/ it is model-only; an optimizer_0/ whose .metadata is missing (an unfinished save) is refused."""
+    src = DCP / "trainer_fsdp2_gpt2_w2" / "ckpt"
+    code, stdout, stderr = _cli("info", str(src))
+    assert code == 0, stderr
+    assert "progress     global step 3, samples unknown, optimizer step 3" in stdout, stdout
+    assert "tied         lm_head.weight = transformer.wte.weight" in stdout and "optimizer_0/.metadata" in stdout
+    out = tmp_path / "m.safetensors"
+    assert _cli("to-fp32", "-q", str(src), str(out))[0] == 0
+    truth = load_file(str(DCP / "trainer_fsdp2_gpt2_w2" / "truth.safetensors"))
+    got = load_file(str(out))
+    assert sorted(got) == sorted(k.split("/", 1)[1] for k in truth if k.startswith("param/"))
+    assert all(_same(v, truth[f"param/{k}"]) for k, v in got.items())
+    model_only = tmp_path / "model_only"
+    shutil.copytree(src, model_only, ignore=shutil.ignore_patterns("optimizer_0"))
+    assert describe_dcp(model_only).model_only
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(src, unfinished)
+    (unfinished / "optimizer_0" / ".metadata").unlink()
+    code, _, stderr = _cli("info", str(unfinished))
+    assert code == 3 and "optimizer_0: no .metadata" in stderr, stderr
