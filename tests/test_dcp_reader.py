@@ -29,7 +29,7 @@ from dsckpt.model import Kind, Role
 
 DCP = FIXTURES / "dcp"
 NAMES = ["plain_adamw_w1", "plain_adamw_flat_w1", "plain_bf16_w1", "model_only_w1", "fsdp2_adamw_w2",
-         "trainer_fsdp2_gpt2_w2"]
+         "trainer_fsdp2_gpt2_w2", "accelerate_fsdp2_w2"]
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
@@ -69,17 +69,18 @@ def test_reader_gives_the_recorded_truth(name: str) -> None:
         want = truth[f"{'param' if e.kind is Kind.PARAM else 'buffer'}/{e.name}"]
         assert _same(read_entry(e, cache, Role.MODULE if e.tied_to is None else None), want), e.name
     assert {e.name for e in ckpt.buffers} == set(meta.get("buffers", []))
-    trainer = name.startswith("trainer_")  # a Trainer checkpoint-N/: {"model": M} and {"optimizer": O} folders
+    # a Trainer checkpoint-N/ or an Accelerate save_state folder: {"model": M} and {"optimizer": O} folders
+    run_folder = name.startswith(("trainer_", "accelerate_"))
     if meta.get("model_only"):
         assert src.model_only and src.optimizer is None and ckpt.optimizer_groups == () and ckpt.tied == {}
         assert all(e.ambiguous for e in ckpt.params)  # which were trained is not recorded
         assert ckpt.optimizer_step is None and "model only" in ckpt.notes[0]
         return
     opt = src.optimizer
-    assert opt is not None and opt.key == ("optimizer" if trainer else "optim") and opt.optimizer_class == "AdamW"
+    assert opt is not None and opt.key == ("optimizer" if run_folder else "optim") and opt.optimizer_class == "AdamW"
     assert opt.format is DcpOptimizerFormat(meta.get("optimizer_format", "nested"))
     # the Trainer's global step (trainer_state.json); a plain DCP folder records none
-    assert ckpt.global_steps == (meta["global_step"] if trainer else None)
+    assert ckpt.global_steps == meta.get("global_step")
     assert ckpt.tied == meta["tied"]
     assert sorted(e.name for e in ckpt.params if e.trainable and e.tied_to is None) == sorted(meta["trainable"])
     assert sorted(e.name for e in ckpt.params if not e.trainable) == sorted(meta["frozen"])
