@@ -31,7 +31,7 @@ from typing import Any
 
 from . import safe_load
 from .dtypes import DTYPES
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .errors import CorruptCheckpointError, DsckptError, UnsupportedCheckpointError
 from .limits import read_small_file, regular_file
 from .model import Fragment, Kind, LogicalCheckpoint, OptimizerGroup, Piece, Precision, Role, TensorEntry
 from .readers.common import FileCache, alias_entry
@@ -484,7 +484,14 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     problems: list[str] = []
 
     def value(b: _Bytes) -> Any:
-        return safe_load.load_window(b.file, b.offset, b.nbytes)
+        try:
+            return safe_load.load_window(b.file, b.offset, b.nbytes)
+        except DsckptError as e:  # the same refusal, naming the item
+            try:
+                named = type(e)(f"'{b.fqn}' (a non-tensor item): {e}")
+            except TypeError:
+                named = CorruptCheckpointError(f"'{b.fqn}' (a non-tensor item): {e}")
+            raise named from e
 
     def scalar_of(key: str, it: _Item | _Bytes, what: str) -> Any:
         """A one-element tensor item's value, or a bytes item's Python value."""

@@ -260,6 +260,42 @@ def test_a_group_naming_an_fqn_the_model_lacks(tmp_path: Path) -> None:
     _refused(folder, tmp_path, key, "names 'fc3.bias', which the model state lacks")
 
 
+class _Pwn:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _append_bytes_item(folder: Path, md: Any, key: str, obj: Any) -> None:
+    """Point the storage entry of bytes item ``key`` at a new torch.save stream of ``obj`` appended to its file."""
+    idx = next(i for i in md.storage_data if i.fqn == key)
+    info = md.storage_data[idx]
+    data = folder / info.relative_path
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    start = data.stat().st_size
+    data.write_bytes(data.read_bytes() + buf.getvalue())
+    info.offset, info.length = start, len(buf.getvalue())
+
+
+def test_a_hyperparameter_that_pickles_a_call(tmp_path: Path) -> None:
+    """A group's ``lr`` item that would run ``os.system`` when unpickled: refused by the allow-list with the class
+    named, and nothing runs."""
+    folder = _copy("plain_adamw_w1", tmp_path)
+    marker = tmp_path / "ran"
+    md = _metadata(folder)
+    _append_bytes_item(folder, md, "optim.param_groups.0.lr", _Pwn(marker))
+    _save_metadata(folder, md)
+    code, _, stderr = _cli("info", str(folder))
+    line = stderr.strip()
+    assert code == 3 and "\n" not in line and "'optim.param_groups.0.lr'" in line and "system" in line, stderr
+    assert "allow-list" in line and not marker.exists(), stderr
+
+
 def test_a_step_that_is_not_a_number(tmp_path: Path) -> None:
     """A ``step`` bytes item holding a string (read through the allow-listed unpickler, never run)."""
     folder = _copy("plain_adamw_w1", tmp_path)
