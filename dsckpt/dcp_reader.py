@@ -505,6 +505,14 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
 
     # --- per-param state
     optim_key_prefix = f"{optim_top}.state." if optim_top else ""
+    if states and models and all(k.isdigit() and k not in models for k in states):
+        # dcp.save({"optim": optimizer.state_dict()}): torch's own state dict numbers the params; which number is
+        # which param is the optimizer's construction order, which the folder does not record
+        raise UnsupportedCheckpointError(
+            f"{folder}: the optimizer state is keyed by index ('{optim_key_prefix}{next(iter(states))}.…'), as "
+            "optimizer.state_dict() numbers params, not by name as get_state_dict / get_optimizer_state_dict save "
+            "it; which index is which param is not recorded, and dsckpt does not guess. Save with "
+            "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)")
     param_states: list[DcpParamState] = []
     attached: dict[str, list[tuple[str, _Item]]] = {}
     for fqn, kv in states.items():

@@ -317,6 +317,27 @@ def test_a_step_that_is_not_a_number(tmp_path: Path) -> None:
     _refused(folder, tmp_path, key, "not a number")
 
 
+def test_an_optimizer_state_keyed_by_index_is_refused(tmp_path: Path) -> None:
+    """``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})`` (torch numbers the params):
+    refused by name, with what to save instead, rather than bound by guess."""
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(FIXTURES))
+    import fixture_models as fm
+
+    model = fm.TinyNet()
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+    ids, tgt = fm.make_batch(0, 0)
+    torch.nn.functional.cross_entropy(model(ids), tgt).backward()
+    opt.step()
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "idx"),
+             no_dist=True)
+    code, _, stderr = _cli("info", str(tmp_path / "idx"))
+    assert code == 3 and "keyed by index ('optim.state.0." in stderr and "get_state_dict" in stderr, stderr
+
+
 # --------------------------------------------------------------------------------------------
 # round-trip groundwork: to-dcp of every family, read back, is the DeepSpeed checkpoint's logical content
 
