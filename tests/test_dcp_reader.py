@@ -420,3 +420,47 @@ def test_trainer_run_folder_parts(tmp_path: Path) -> None:
     (unfinished / "optimizer_0" / ".metadata").unlink()
     code, _, stderr = _cli("info", str(unfinished))
     assert code == 3 and "optimizer_0: no .metadata" in stderr, stderr
+
+
+@pytest.mark.parametrize("rel", ["hf_llama_z2_bf16_w2/ckpt", "accelerate_s2_bf16_w2/state"], ids=["trainer", "accelerate"])
+def test_run_folder_to_dcp_reads_back_as_the_checkpoint(rel: str, tmp_path: Path) -> None:
+    """``to-dcp`` of a Trainer / Accelerate DeepSpeed folder writes the FSDP2 run folder; read back as one DCP source
+    it holds the checkpoint's masters, moments and steps, the Trainer's global step, and the groups: DeepSpeed's for
+    Accelerate, the Trainer's own split of the same trained params (run_folder_dcp.regroup) for the Trainer."""
+    from dsckpt.run_folder_dcp import plan_run_folder_dcp, run_folder_client, run_run_folder_dcp
+
+    out = tmp_path / "fsdp"
+    c = open_checkpoint(FIXTURES / rel, check_master_copies=True)
+    target = None
+    if rel.startswith("hf_llama"):
+        # the groups transformers 5.23's Trainer builds (as tests/test_run_folder_dcp.py writes them out, so that the
+        # default tier needs no transformers import): norm weights apart, the frozen tied embeddings in neither
+        trained = [n for g in c.logical.optimizer_groups for n in g.param_names if n not in c.logical.tied]
+        no_decay = tuple(n for n in trained if "norm" in n)
+        target = (tuple(n for n in trained if n not in no_decay), no_decay)
+    client = run_folder_client(FIXTURES / rel)
+    assert client is not None
+    run_run_folder_dcp(plan_run_folder_dcp(c.logical, c.cache, out, client=client, target_groups=target), c.cache)
+    src = describe_dcp(out)
+    back, ds = src.logical, c.logical
+    assert src.optimizer is not None and src.optimizer.key == "optimizer"
+    assert sorted(e.name for e in back.entries) == sorted(e.name for e in ds.entries)
+    # a tie is proven where the alias equals a param with optimizer state; the Llama's tied embeddings are frozen,
+    # so nothing in the DCP folder tells a tie from two frozen params of equal values: both are kept as saved
+    assert back.tied == {a: s for a, s in ds.tied.items() if ds.entry(s).trainable}
+    assert rel.startswith("accelerate") or ds.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    for e in ds.entries:
+        b = back.entry(e.name)
+        assert _same(read_entry(b, src.cache), read_entry(e, c.cache)), e.name
+        assert b.trainable == e.trainable and b.state_keys == (e.state_keys if e.tied_to is None else b.state_keys)
+        for key in e.state_keys if e.tied_to is None else ():
+            assert _same(read_entry(b, src.cache, state=key), read_entry(e, c.cache, state=key)), (e.name, key)
+    assert set(src.optimizer.steps.values()) == {float(ds.optimizer_step)} and back.optimizer_step == ds.optimizer_step
+    trained = [n for g in ds.optimizer_groups for n in g.param_names if n not in ds.tied]
+    if rel.startswith("accelerate"):
+        assert back.global_steps is None
+        assert [g.param_names for g in back.optimizer_groups] == [tuple(trained)]
+    else:
+        assert back.global_steps == ds.global_steps == 3
+        assert len(back.optimizer_groups) == 2
+        assert sorted(n for g in back.optimizer_groups for n in g.param_names) == sorted(trained)
