@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import safe_load
+from . import limits, safe_load
 from .dtypes import DTYPES
 from .errors import CorruptCheckpointError, DsckptError, UnsupportedCheckpointError
 from .limits import read_small_file, regular_file
@@ -482,6 +482,9 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         models[".".join(any_item.path[1:]) if model_top is not None else ".".join(any_item.path)] = any_item
 
     problems: list[str] = []
+    to_parse = sum(isinstance(it, _Bytes) for kv in (*states.values(), *group_items.values()) for _, it in kv)
+    if to_parse > limits.current().max_dcp_values:
+        raise limits.exceeded(folder, f"an optimizer state of {to_parse} non-tensor items", None, "max_dcp_values")
 
     def value(b: _Bytes) -> Any:
         try:

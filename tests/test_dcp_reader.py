@@ -296,6 +296,16 @@ def test_a_hyperparameter_that_pickles_a_call(tmp_path: Path) -> None:
     assert "allow-list" in line and not marker.exists(), stderr
 
 
+def test_the_number_of_non_tensor_items_is_budgeted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flattened fixture keeps 11 hyper-parameter items per param (77): refused before any is parsed under a
+    budget of 50, read under the default."""
+    monkeypatch.setenv("DSCKPT_LIMITS", "max_dcp_values=50")
+    code, _, stderr = _cli("info", str(DCP / "plain_adamw_flat_w1" / "ckpt"))
+    assert code == 3 and "77 non-tensor items" in stderr and "max_dcp_values=50" in stderr, stderr
+    monkeypatch.delenv("DSCKPT_LIMITS")
+    assert _cli("info", str(DCP / "plain_adamw_flat_w1" / "ckpt"))[0] == 0
+
+
 def test_a_step_that_is_not_a_number(tmp_path: Path) -> None:
     """A ``step`` bytes item holding a string (read through the allow-listed unpickler, never run)."""
     folder = _copy("plain_adamw_w1", tmp_path)
