@@ -306,25 +306,31 @@ def test_the_number_of_non_tensor_items_is_budgeted(monkeypatch: pytest.MonkeyPa
     assert _cli("info", str(DCP / "plain_adamw_flat_w1" / "ckpt"))[0] == 0
 
 
-def test_a_step_that_is_not_a_number(tmp_path: Path) -> None:
-    """A ``step`` bytes item holding a string (read through the allow-listed unpickler, never run)."""
+def _step_as_bytes_item(tmp_path: Path, value: Any) -> Path:
+    """plain_adamw_w1 with ``fc1.bias``'s step turned into a bytes item holding ``value`` (a Python number, as
+    FusedAdam and DeepSpeed's CPU optimizers keep it)."""
     folder = _copy("plain_adamw_w1", tmp_path)
     md = _metadata(folder)
     key = "optim.state.fc1.bias.step"
+    md.state_dict_metadata[key] = md.state_dict_metadata["optim.param_groups.0.lr"]  # a BytesStorageMetadata
     idx = next(i for i in md.storage_data if i.fqn == key)
-    info = md.storage_data[idx]
-    bytes_meta = md.state_dict_metadata["optim.param_groups.0.lr"]  # a BytesStorageMetadata
-    md.state_dict_metadata[key] = bytes_meta
-    data = folder / info.relative_path
-    buf = io.BytesIO()
-    torch.save("three", buf)
-    start = data.stat().st_size
-    data.write_bytes(data.read_bytes() + buf.getvalue())
-    info.offset, info.length = start, len(buf.getvalue())
-    md.storage_data[type(idx)(key)] = info
-    del md.storage_data[idx]
+    md.storage_data[type(idx)(key)] = md.storage_data.pop(idx)  # a bytes item's index has no chunk offset
+    _append_bytes_item(folder, md, key, value)
     _save_metadata(folder, md)
-    _refused(folder, tmp_path, key, "not a number")
+    return folder
+
+
+def test_a_step_kept_as_a_python_number(tmp_path: Path) -> None:
+    src = describe_dcp(_step_as_bytes_item(tmp_path, 3))
+    assert src.optimizer is not None
+    step = src.optimizer.param("fc1.bias")
+    assert step is not None and step.step == 3 and isinstance(step.step, int) and step.step_dtype is None
+    assert src.logical.optimizer_step == 3  # 3 and 3.0 agree
+
+
+def test_a_step_that_is_not_a_number(tmp_path: Path) -> None:
+    """A ``step`` bytes item holding a string (read through the allow-listed unpickler, never run)."""
+    _refused(_step_as_bytes_item(tmp_path, "three"), tmp_path, "optim.state.fc1.bias.step", "not a number")
 
 
 def test_an_optimizer_state_keyed_by_index_is_refused(tmp_path: Path) -> None:
