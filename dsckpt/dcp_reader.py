@@ -657,6 +657,11 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
     elif len(steps) > 1:
         notes.append("the params' optimizer steps differ: " + ", ".join(
             f"{ps.name} {ps.step:g}" for ps in param_states if ps.step is not None))
+    stateless = [n for n in group_of if n not in attached]
+    if stateless:
+        notes.append(f"{len(stateless)} param(s) of the optimizer's groups hold no optimizer state (frozen, or never "
+                     f"given a gradient), counted frozen: {', '.join(stateless[:5])}"
+                     + (f" (+{len(stateless) - 5} more)" if len(stateless) > 5 else ""))
     if optim_top is not None and has_optim:
         group_keys = {k for g in groups for k, _ in g.hyperparams}
         state_keys = {k for ps in param_states for k in ps.state_keys} | (

@@ -333,24 +333,43 @@ def test_a_step_that_is_not_a_number(tmp_path: Path) -> None:
     _refused(_step_as_bytes_item(tmp_path, "three"), tmp_path, "optim.state.fc1.bias.step", "not a number")
 
 
-def test_an_optimizer_state_keyed_by_index_is_refused(tmp_path: Path) -> None:
-    """``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})`` (torch numbers the params):
-    refused by name, with what to save instead, rather than bound by guess."""
+def _tiny_save(tmp_path: Path, *, all_params: bool, state_dict: bool = False) -> Path:
+    """A TinyNet trained one step with AdamW over ``model.parameters()`` (frozen ones included) or the trained ones,
+    saved by ``dcp.save`` from get_state_dict (or, ``state_dict``, from the live objects' own state dicts)."""
     import sys
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     sys.path.insert(0, str(FIXTURES))
     import fixture_models as fm
 
     model = fm.TinyNet()
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters() if all_params else
+                            [q for q in model.parameters() if q.requires_grad], lr=1e-2)
     ids, tgt = fm.make_batch(0, 0)
     torch.nn.functional.cross_entropy(model(ids), tgt).backward()
     opt.step()
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "idx"),
-             no_dist=True)
-    code, _, stderr = _cli("info", str(tmp_path / "idx"))
+    msd, osd = (model.state_dict(), opt.state_dict()) if state_dict else get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "save"), no_dist=True)
+    return tmp_path / "save"
+
+
+def test_params_in_a_group_without_state_are_said(tmp_path: Path) -> None:
+    """AdamW given model.parameters(), frozen ones included (torch keeps them in the group, with no state): the
+    group lists them, they count frozen, and a note says why."""
+    src = describe_dcp(_tiny_save(tmp_path, all_params=True))
+    assert "frozen.weight" in src.logical.optimizer_groups[0].param_names
+    assert not src.logical.entry("frozen.weight").trainable and src.logical.entry("fc1.weight").trainable
+    assert any(n.startswith("2 param(s) of the optimizer's groups hold no optimizer state") and "frozen.bias" in n
+               for n in src.logical.notes), src.logical.notes
+
+
+def test_an_optimizer_state_keyed_by_index_is_refused(tmp_path: Path) -> None:
+    """``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})`` (torch numbers the params):
+    refused by name, with what to save instead, rather than bound by guess."""
+    _tiny_save(tmp_path, all_params=False, state_dict=True)
+    code, _, stderr = _cli("info", str(tmp_path / "save"))
     assert code == 3 and "keyed by index ('optim.state.0." in stderr and "get_state_dict" in stderr, stderr
 
 
