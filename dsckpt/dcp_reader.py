@@ -607,7 +607,13 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         union = dict.fromkeys(k for ps in members for k in ps.state_keys)
         for ps in members:
             missing = [k for k in union if k not in ps.state_keys]
-            if missing:
+            misfit = dict(ps.other)
+            if missing and missing[0] in misfit:
+                _, dtype, shape = misfit[missing[0]]
+                problems.append(f"'{optim_key_prefix}{ps.name}.{missing[0]}' is {dtype} {list(shape)}, not the "
+                                f"shape of '{ps.name}' {list(models[ps.name].shape)} as in the other params of its "
+                                "group")
+            elif missing:
                 problems.append(f"'{optim_key_prefix}{ps.name}.{missing[0]}' is missing: '{ps.name}' has "
                                 f"{', '.join(ps.state_keys) or 'no per-element state'} but not "
                                 f"{', '.join(missing)}, which the other params of its group hold")

@@ -234,6 +234,18 @@ def test_a_param_without_its_moments(tmp_path: Path) -> None:
     _refused(folder, tmp_path, "'optim.state.fc1.weight.exp_avg_sq' is missing", "has exp_avg but not exp_avg_sq")
 
 
+def test_a_moment_of_another_shape(tmp_path: Path) -> None:
+    """fc2.weight's exp_avg claimed [5, 6] (its chunk too), the param is [6, 5]."""
+    folder = _copy("plain_adamw_w1", tmp_path)
+    md = _metadata(folder)
+    meta = md.state_dict_metadata["optim.state.fc2.weight.exp_avg"]
+    meta.size = torch.Size([5, 6])
+    meta.chunks[0].sizes = torch.Size([5, 6])
+    _save_metadata(folder, md)
+    _refused(folder, tmp_path, "'optim.state.fc2.weight.exp_avg' is float32 [5, 6], not the shape of 'fc2.weight' "
+             "[6, 5]")
+
+
 def test_a_state_for_a_param_the_model_lacks(tmp_path: Path) -> None:
     folder = _copy("fsdp2_adamw_w2", tmp_path)
     md = _metadata(folder)
