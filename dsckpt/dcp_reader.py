@@ -25,7 +25,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -425,15 +425,41 @@ def _trainer_global_step(folder: Path) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
-def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
-    """The DCP folder at ``path`` described (see the module docstring and :class:`DcpSource`). Reads ``.metadata``,
-    the optimizer's non-tensor items (param groups, Python steps: each through the allow-listed unpickler within the
-    read limits), each ``step`` tensor's value, and the values of a param without optimizer state that has the shape
-    of one with state (to prove a tie). Raises :class:`CorruptCheckpointError` naming the keys of every
-    inconsistency: an optimizer state or group naming an FQN the model state lacks, a param's state lacking a
-    per-element state the other params of its group hold, a param in two groups or in none, a ``step`` that is not
-    a number."""
-    folder = Path(path)
+@dataclass
+class _Sections:
+    """The items of a DCP source sorted by what they are: model tensors by FQN; optimizer items by param FQN
+    (``states``) and by group index, or FQN in the flattened layout (``group_items``), each ``[(key, item)]`` in
+    the saved order."""
+
+    folder: Path
+    parts: tuple[Path, ...]
+    md_paths: list[Path]
+    data_files: list[Path]
+    model_top: str | None
+    optim_top: str | None
+    fmt: DcpOptimizerFormat | None
+    models: dict[str, _Item] = field(default_factory=dict)
+    states: dict[str, list[tuple[str, _Item | _Bytes]]] = field(default_factory=dict)
+    group_items: dict[str, list[tuple[str, _Item | _Bytes]]] = field(default_factory=dict)
+
+    @property
+    def state_prefix(self) -> str:
+        return f"{self.optim_top}.state." if self.optim_top else ""
+
+    @property
+    def groups_prefix(self) -> str:
+        return f"{self.optim_top}.param_groups." if self.optim_top else ""
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Each part's ``.metadata``, then its data files."""
+        return tuple(p for md_path, part in zip(self.md_paths, self.parts)
+                     for p in (md_path, *(f for f in self.data_files if f.parent == part)))
+
+
+def _sections(folder: Path, cache: DcpCache) -> _Sections:
+    """Parse the ``.metadata`` of every part of ``folder`` (checked, :func:`_parse`), tell the chunks' expected
+    dtypes and sizes to ``cache``, and sort the items."""
     parts = dcp_folders(folder) or (folder,)
     items: list[_Item] = []
     byte_items: list[_Bytes] = []
@@ -449,44 +475,44 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         byte_items += part_bytes
         data_files += part_files
         md_paths.append(md_path)
-    cache = DcpCache()
     for it in items:
         for ch in it.chunks:
             cache.expect[(ch.file, ch.offset, ch.nbytes)] = (it.dtype, ch.sizes)
     every: list[_Item | _Bytes] = [*items, *byte_items]
     tops = {it.path[0] for it in every if len(it.path) > 1}
-    model_top = next((t for t in _MODEL_TOPS if t in tops), None)
-    optim_top = next((t for t in _OPTIM_TOPS if t in tops), None)
-    models: dict[str, _Item] = {}
-    # FQN -> [(key, item)], in the saved order; ("param_groups", middle) -> {key: value}
-    states: dict[str, list[tuple[str, _Item | _Bytes]]] = {}
-    group_items: dict[str, list[tuple[str, _Item | _Bytes]]] = {}
-    fmt: DcpOptimizerFormat | None = None
+    sec = _Sections(folder, parts, md_paths, data_files, next((t for t in _MODEL_TOPS if t in tops), None),
+                    next((t for t in _OPTIM_TOPS if t in tops), None), None)
     for any_item in every:
         top = any_item.path[0] if len(any_item.path) > 1 else None
-        if top is not None and top == optim_top:
+        if top is not None and top == sec.optim_top:
             where = _optim_path(any_item.path)
             if where is None:
                 continue
             section, middle, key = where
             if section == "param_groups":
-                fmt = DcpOptimizerFormat.NESTED if len(any_item.path) >= 4 else DcpOptimizerFormat.FLATTENED
-                group_items.setdefault(middle, []).append((key, any_item))
+                sec.fmt = DcpOptimizerFormat.NESTED if len(any_item.path) >= 4 else DcpOptimizerFormat.FLATTENED
+                sec.group_items.setdefault(middle, []).append((key, any_item))
             else:
-                states.setdefault(middle, []).append((key, any_item))
+                sec.states.setdefault(middle, []).append((key, any_item))
             continue
         if top in _OPTIM_TOPS or not isinstance(any_item, _Item):
             continue
-        if model_top is not None and top != model_top:
+        if sec.model_top is not None and top != sec.model_top:
             continue
-        models[".".join(any_item.path[1:]) if model_top is not None else ".".join(any_item.path)] = any_item
+        name = ".".join(any_item.path[1:]) if sec.model_top is not None else ".".join(any_item.path)
+        sec.models[name] = any_item
+    return sec
 
-    problems: list[str] = []
-    to_parse = sum(isinstance(it, _Bytes) for kv in (*states.values(), *group_items.values()) for _, it in kv)
-    if to_parse > limits.current().max_dcp_values:
-        raise limits.exceeded(folder, f"an optimizer state of {to_parse} non-tensor items", None, "max_dcp_values")
 
-    def value(b: _Bytes) -> Any:
+class _Values:
+    """Reads the optimizer's non-tensor values (each bytes item through the allow-listed unpickler; one-element
+    tensors through the cache) and collects the problems found, to be raised together."""
+
+    def __init__(self, cache: DcpCache) -> None:
+        self.cache = cache
+        self.problems: list[str] = []
+
+    def value(self, b: _Bytes) -> Any:
         try:
             return safe_load.load_window(b.file, b.offset, b.nbytes)
         except DsckptError as e:  # the same refusal, naming the item
@@ -496,33 +522,34 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
                 named = CorruptCheckpointError(f"'{b.fqn}' (a non-tensor item): {e}")
             raise named from e
 
-    def scalar_of(key: str, it: _Item | _Bytes, what: str) -> Any:
-        """A one-element tensor item's value, or a bytes item's Python value."""
+    def scalar(self, it: _Item | _Bytes, what: str) -> Any:
+        """A bytes item's Python value, or a one-element tensor item's value."""
         if isinstance(it, _Bytes):
-            return value(it)
+            return self.value(it)
         if math.prod(it.shape) != 1 or len(it.chunks) != 1:
-            problems.append(f"'{it.fqn}' ({what}) is a tensor of size {list(it.shape)}, not one number")
+            self.problems.append(f"'{it.fqn}' ({what}) is a tensor of size {list(it.shape)}, not one number")
             return None
         ch = it.chunks[0]
-        return cache.tensor(ch.file, (_ITEM, ch.offset, ch.nbytes, it.fqn)).item()
+        return self.cache.tensor(ch.file, (_ITEM, ch.offset, ch.nbytes, it.fqn)).item()
 
-    # --- per-param state
-    optim_key_prefix = f"{optim_top}.state." if optim_top else ""
-    if states and models and all(k.isdigit() and k not in models for k in states):
+
+def _param_states(sec: _Sections, vals: _Values) -> tuple[list[DcpParamState], dict[str, list[tuple[str, _Item]]]]:
+    """Each param's state as saved, and the per-element state tensors to attach to each FQN."""
+    if sec.states and sec.models and all(k.isdigit() and k not in sec.models for k in sec.states):
         # dcp.save({"optim": optimizer.state_dict()}): torch's own state dict numbers the params; which number is
         # which param is the optimizer's construction order, which the folder does not record
         raise UnsupportedCheckpointError(
-            f"{folder}: the optimizer state is keyed by index ('{optim_key_prefix}{next(iter(states))}.…'), as "
-            "optimizer.state_dict() numbers params, not by name as get_state_dict / get_optimizer_state_dict save "
-            "it; which index is which param is not recorded, and dsckpt does not guess. Save with "
+            f"{sec.folder}: the optimizer state is keyed by index ('{sec.state_prefix}{next(iter(sec.states))}.…'), "
+            "as optimizer.state_dict() numbers params, not by name as get_state_dict / get_optimizer_state_dict "
+            "save it; which index is which param is not recorded, and dsckpt does not guess. Save with "
             "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)")
     param_states: list[DcpParamState] = []
     attached: dict[str, list[tuple[str, _Item]]] = {}
-    for fqn, kv in states.items():
-        model_item = models.get(fqn)
-        if model_item is None and models:
-            problems.append(f"'{optim_key_prefix}{fqn}.{kv[0][0]}': the optimizer state names '{fqn}', which the "
-                            "model state lacks")
+    for fqn, kv in sec.states.items():
+        model_item = sec.models.get(fqn)
+        if model_item is None and sec.models:
+            vals.problems.append(f"'{sec.state_prefix}{fqn}.{kv[0][0]}': the optimizer state names '{fqn}', which "
+                                 "the model state lacks")
             continue
         step: int | float | None = None
         step_dtype: str | None = None
@@ -530,10 +557,11 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         other: list[tuple[str, Any]] = []
         for key, st_item in kv:
             if key == "step":
-                step = scalar_of(key, st_item, "a step")
+                step = vals.scalar(st_item, "a step")
                 step_dtype = st_item.dtype if isinstance(st_item, _Item) else None
                 if step is not None and not _number(step):
-                    problems.append(f"'{st_item.fqn}': the step is {type(step).__name__} {step!r}, not a number")
+                    vals.problems.append(f"'{st_item.fqn}': the step is {type(step).__name__} {step!r}, not a "
+                                         "number")
                     step = None
             elif isinstance(st_item, _Item) and (model_item is None or st_item.shape == model_item.shape):
                 keys.append(key)
@@ -541,65 +569,74 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
             elif isinstance(st_item, _Item):
                 other.append((key, ("tensor", st_item.dtype, st_item.shape)))
             else:
-                other.append((key, value(st_item)))
+                other.append((key, vals.value(st_item)))
         param_states.append(DcpParamState(fqn, step, step_dtype, tuple(keys), tuple(other)))
+    return param_states, attached
 
-    # --- param groups
+
+def _hyperparams(kv: list[tuple[str, _Item | _Bytes]], where: str, vals: _Values) -> list[tuple[str, Any]]:
+    hp: list[tuple[str, Any]] = []
+    for k, hp_item in kv:
+        if k == "params":
+            continue
+        v = vals.scalar(hp_item, "a hyper-parameter")
+        if not _hyper_value(v):
+            vals.problems.append(f"'{where}.{k}' holds {type(v).__name__}, not a hyper-parameter")
+            v = repr(v)
+        hp.append((k, v))
+    return hp
+
+
+def _groups(sec: _Sections, vals: _Values) -> tuple[list[OptimizerGroup], dict[str, int]]:
+    """The param groups (as saved in the nested layout; rebuilt from equal hyper-parameters in the flattened one)
+    and ``FQN -> group index``."""
     groups: list[OptimizerGroup] = []
     group_of: dict[str, int] = {}
-    groups_prefix = f"{optim_top}.param_groups." if optim_top else ""
-    if fmt is DcpOptimizerFormat.NESTED:
-        for middle in sorted(group_items, key=lambda m: (not m.isdigit(), int(m) if m.isdigit() else 0, m)):
-            by_key = dict(group_items[middle])
+    prefix, models = sec.groups_prefix, sec.models
+    if sec.fmt is DcpOptimizerFormat.NESTED:
+        for middle in sorted(sec.group_items, key=lambda m: (not m.isdigit(), int(m) if m.isdigit() else 0, m)):
+            by_key = dict(sec.group_items[middle])
             if not middle.isdigit() or "params" not in by_key:
-                problems.append(f"'{groups_prefix}{middle}' is not a saved param group (no index or no 'params')")
+                vals.problems.append(f"'{prefix}{middle}' is not a saved param group (no index or no 'params')")
                 continue
             params_item = by_key["params"]
-            names = value(params_item) if isinstance(params_item, _Bytes) else None
+            names = vals.value(params_item) if isinstance(params_item, _Bytes) else None
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                problems.append(f"'{groups_prefix}{middle}.params' holds {type(names).__name__}, not a list of FQNs")
+                vals.problems.append(f"'{prefix}{middle}.params' holds {type(names).__name__}, not a list of FQNs")
                 continue
-            hp = []
-            for k, hp_item in group_items[middle]:
-                if k == "params":
-                    continue
-                v = scalar_of(k, hp_item, "a hyper-parameter")
-                if not _hyper_value(v):
-                    problems.append(f"'{groups_prefix}{middle}.{k}' holds {type(v).__name__}, not a hyper-parameter")
-                hp.append((k, v))
+            hp = _hyperparams(sec.group_items[middle], f"{prefix}{middle}", vals)
             for n in names:
                 if models and n not in models:
-                    problems.append(f"'{groups_prefix}{middle}.params' names '{n}', which the model state lacks")
+                    vals.problems.append(f"'{prefix}{middle}.params' names '{n}', which the model state lacks")
                 elif n in group_of:
-                    problems.append(f"'{groups_prefix}{middle}.params' names '{n}', which group {group_of[n]} "
-                                    "holds too")
+                    vals.problems.append(f"'{prefix}{middle}.params' names '{n}', which group {group_of[n]} "
+                                         "holds too")
                 else:
                     group_of[n] = len(groups)
             groups.append(OptimizerGroup(len(groups), tuple(names), None, tuple(hp)))
-    elif fmt is DcpOptimizerFormat.FLATTENED:
+    elif sec.fmt is DcpOptimizerFormat.FLATTENED:
         split: dict[tuple[tuple[str, Any], ...], list[str]] = {}
-        for fqn, kv in group_items.items():
+        for fqn, kv in sec.group_items.items():
             if models and fqn not in models:
-                problems.append(f"'{groups_prefix}{fqn}.{kv[0][0]}' names '{fqn}', which the model state lacks")
+                vals.problems.append(f"'{prefix}{fqn}.{kv[0][0]}' names '{fqn}', which the model state lacks")
                 continue
-            hp = []
-            for k, hp_item in kv:
-                v = scalar_of(k, hp_item, "a hyper-parameter")
-                if not _hyper_value(v):
-                    problems.append(f"'{groups_prefix}{fqn}.{k}' holds {type(v).__name__}, not a hyper-parameter")
-                    v = repr(v)
-                hp.append((k, v))
-            split.setdefault(tuple(hp), []).append(fqn)
+            split.setdefault(tuple(_hyperparams(kv, f"{prefix}{fqn}", vals)), []).append(fqn)
         for hp_key, names in split.items():
             for n in names:
                 group_of[n] = len(groups)
             groups.append(OptimizerGroup(len(groups), tuple(names), None, hp_key))
-    if fmt is not None:
+    return groups, group_of
+
+
+def _check_states(sec: _Sections, param_states: list[DcpParamState], group_of: dict[str, int],
+                  problems: list[str]) -> None:
+    """Every param with state is in a group (when groups are saved), and holds the per-element states the other
+    params of its group hold, each of its param's shape."""
+    if sec.fmt is not None:
         for ps in param_states:
-            if ps.name not in group_of and ps.name in models:
-                problems.append(f"'{optim_key_prefix}{ps.name}': '{ps.name}' has optimizer state but is in no "
-                                f"param group ('{groups_prefix}*')")
-    # every param of a group with state holds the per-element states the group's other params hold
+            if ps.name not in group_of and ps.name in sec.models:
+                problems.append(f"'{sec.state_prefix}{ps.name}': '{ps.name}' has optimizer state but is in no "
+                                f"param group ('{sec.groups_prefix}*')")
     by_group: dict[int | None, list[DcpParamState]] = {}
     for ps in param_states:
         by_group.setdefault(group_of.get(ps.name), []).append(ps)
@@ -610,50 +647,55 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
             misfit = dict(ps.other)
             if missing and missing[0] in misfit:
                 _, dtype, shape = misfit[missing[0]]
-                problems.append(f"'{optim_key_prefix}{ps.name}.{missing[0]}' is {dtype} {list(shape)}, not the "
-                                f"shape of '{ps.name}' {list(models[ps.name].shape)} as in the other params of its "
-                                "group")
+                problems.append(f"'{sec.state_prefix}{ps.name}.{missing[0]}' is {dtype} {list(shape)}, not the "
+                                f"shape of '{ps.name}' {list(sec.models[ps.name].shape)} as in the other params of "
+                                "its group")
             elif missing:
-                problems.append(f"'{optim_key_prefix}{ps.name}.{missing[0]}' is missing: '{ps.name}' has "
+                problems.append(f"'{sec.state_prefix}{ps.name}.{missing[0]}' is missing: '{ps.name}' has "
                                 f"{', '.join(ps.state_keys) or 'no per-element state'} but not "
                                 f"{', '.join(missing)}, which the other params of its group hold")
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CorruptCheckpointError(f"{folder}: {'; '.join(problems[:3])}{more}; the optimizer state does not "
-                                     "match the model state — the folder is corrupt or was assembled from "
-                                     "different saves")
 
-    # --- entries
+
+def _entries(sec: _Sections, attached: dict[str, list[tuple[str, _Item]]], group_of: dict[str, int],
+             has_optim: bool, cache: DcpCache) -> list[TensorEntry]:
+    """One entry per model tensor, its per-element optimizer states attached; a param with optimizer state is
+    trained; without any optimizer state (a model-only folder) whether a param was trained is "undetermined"."""
     entries: list[TensorEntry] = []
-    has_optim = bool(param_states) or bool(groups)
-    for name, it in models.items():
-        frags = tuple(_fragment(it, ch) for ch in it.chunks)
-        pieces = [Piece(Role.MODULE, it.dtype, frags)]
+    for name, it in sec.models.items():
+        pieces = [Piece(Role.MODULE, it.dtype, tuple(_fragment(it, ch) for ch in it.chunks))]
         for key, st in attached.get(name, ()):
             pieces.append(Piece(Role.OPTIM_STATE, st.dtype, tuple(_fragment(st, ch) for ch in st.chunks),
                                 state_key=key))
         buffer = name.endswith(_BUFFER_SUFFIXES)
-        trainable = (name in attached) if has_optim else not buffer
-        # a model-only folder does not say which params were trained: "undetermined", exported as every param
         entries.append(TensorEntry(name, it.shape, Kind.BUFFER if buffer else Kind.PARAM,
-                                   trainable and not buffer and has_optim, tuple(pieces), group=group_of.get(name),
+                                   name in attached and not buffer, tuple(pieces), group=group_of.get(name),
                                    ambiguous=not has_optim and not buffer))
-    # a tied param: torch's get_state_dict lists it under every name in the model state, and under its first name
-    # only in the optimizer state and groups; the alias is proven by value
     if has_optim:
-        by_name = {e.name: e for e in entries}
-        sources = [e for e in entries if e.name in attached]
-        for i, e in enumerate(entries):
-            if e.kind is not Kind.PARAM or e.name in attached or e.name in group_of:
-                continue
-            for src in sources:
-                if src.shape == e.shape and src.stored_dtype == e.stored_dtype and _same_values(e, src, cache):
-                    entries[i] = alias_entry(e.name, by_name[src.name])
-                    break
-    dtypes = {e.stored_dtype for e in entries if e.kind is Kind.PARAM}
-    precision = (Precision.FP16 if "float16" in dtypes else Precision.BF16 if "bfloat16" in dtypes
-                 else Precision.FP32)
-    optimizer: DcpOptimizer | None = None
+        _prove_ties(entries, attached, group_of, cache)
+    return entries
+
+
+def _prove_ties(entries: list[TensorEntry], attached: dict[str, list[tuple[str, _Item]]],
+                group_of: dict[str, int], cache: DcpCache) -> None:
+    """A tied param: torch's get_state_dict lists it under every name in the model state, and under its first name
+    only in the optimizer state and groups. A param in no group and without state that equals, bit for bit, one
+    with state is made its alias (in place). Two frozen params of equal values are left apart: nothing tells a
+    tie from a coincidence (norm weights still all ones) there."""
+    by_name = {e.name: e for e in entries}
+    sources = [e for e in entries if e.name in attached]
+    for i, e in enumerate(entries):
+        if e.kind is not Kind.PARAM or e.name in attached or e.name in group_of:
+            continue
+        for src in sources:
+            if src.shape == e.shape and src.stored_dtype == e.stored_dtype and _same_values(e, src, cache):
+                entries[i] = alias_entry(e.name, by_name[src.name])
+                break
+
+
+def _notes(sec: _Sections, param_states: list[DcpParamState], attached: dict[str, Any], group_of: dict[str, int],
+           model_only: bool) -> tuple[list[str], int | None]:
+    """What the reader says of the optimizer side, and the one step every param holds (None when they differ, or
+    it is not a whole number)."""
     notes: list[str] = []
     steps = {ps.step for ps in param_states if ps.step is not None}
     step_value: int | None = None
@@ -668,33 +710,65 @@ def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
         notes.append(f"{len(stateless)} param(s) of the optimizer's groups hold no optimizer state (frozen, or never "
                      f"given a gradient), counted frozen: {', '.join(stateless[:5])}"
                      + (f" (+{len(stateless) - 5} more)" if len(stateless) > 5 else ""))
-    if optim_top is not None and has_optim:
-        group_keys = {k for g in groups for k, _ in g.hyperparams}
-        state_keys = {k for ps in param_states for k in ps.state_keys} | (
-            {"step"} if any(ps.step is not None for ps in param_states) else set())
-        kind = (optimizer_class_of(frozenset(group_keys), frozenset(state_keys), dict(groups[0].hyperparams))
-                if groups else None)
-        optimizer = DcpOptimizer(optim_top, fmt or DcpOptimizerFormat.NESTED, tuple(param_states), tuple(groups),
-                                 fmt is not DcpOptimizerFormat.FLATTENED, kind)
-        if fmt is DcpOptimizerFormat.FLATTENED:
-            notes.append(f"the optimizer state was saved flattened ({groups_prefix}<fqn>.<key>): the param groups "
-                         "are not saved, so params with equal hyper-parameters are taken as one group")
-    else:
+    if sec.fmt is DcpOptimizerFormat.FLATTENED:
+        notes.append(f"the optimizer state was saved flattened ({sec.groups_prefix}<fqn>.<key>): the param groups "
+                     "are not saved, so params with equal hyper-parameters are taken as one group")
+    if model_only:
         notes.append("model only: no optimizer state in this folder, so which params were trained and which are "
                      "tied is not recorded")
+    return notes, step_value
+
+
+def describe_dcp(path: str | os.PathLike[str]) -> DcpSource:
+    """The DCP folder at ``path`` described (see the module docstring and :class:`DcpSource`). Reads ``.metadata``,
+    the optimizer's non-tensor items (param groups, Python steps: each through the allow-listed unpickler within the
+    read limits), each ``step`` tensor's value, and the values of a param without optimizer state that has the shape
+    of one with state (to prove a tie). Raises :class:`CorruptCheckpointError` naming the keys of every
+    inconsistency: an optimizer state or group naming an FQN the model state lacks, a param's state lacking a
+    per-element state the other params of its group hold (or holding it in another shape), a param in two groups or
+    in none, a ``step`` that is not a number; :class:`UnsupportedCheckpointError` for an optimizer state keyed by
+    index."""
+    folder = Path(path)
+    cache = DcpCache()
+    sec = _sections(folder, cache)
+    to_parse = sum(isinstance(it, _Bytes) for kv in (*sec.states.values(), *sec.group_items.values()) for _, it in kv)
+    if to_parse > limits.current().max_dcp_values:
+        raise limits.exceeded(folder, f"an optimizer state of {to_parse} non-tensor items", None, "max_dcp_values")
+    vals = _Values(cache)
+    param_states, attached = _param_states(sec, vals)
+    groups, group_of = _groups(sec, vals)
+    problems = vals.problems
+    _check_states(sec, param_states, group_of, problems)
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CorruptCheckpointError(f"{folder}: {'; '.join(problems[:3])}{more}; the optimizer state does not "
+                                     "match the model state — the folder is corrupt or was assembled from "
+                                     "different saves")
+    has_optim = sec.optim_top is not None and (bool(param_states) or bool(groups))
+    entries = _entries(sec, attached, group_of, has_optim, cache)
+    dtypes = {e.stored_dtype for e in entries if e.kind is Kind.PARAM}
+    precision = (Precision.FP16 if "float16" in dtypes else Precision.BF16 if "bfloat16" in dtypes
+                 else Precision.FP32)
+    notes, step_value = _notes(sec, param_states, attached, group_of, not has_optim)
+    optimizer: DcpOptimizer | None = None
+    if has_optim:
+        assert sec.optim_top is not None
+        group_keys = frozenset(k for g in groups for k, _ in g.hyperparams)
+        state_keys = frozenset({k for ps in param_states for k in ps.state_keys}
+                               | ({"step"} if any(ps.step is not None for ps in param_states) else set()))
+        kind = optimizer_class_of(group_keys, state_keys, dict(groups[0].hyperparams)) if groups else None
+        optimizer = DcpOptimizer(sec.optim_top, sec.fmt or DcpOptimizerFormat.NESTED, tuple(param_states),
+                                 tuple(groups), sec.fmt is not DcpOptimizerFormat.FLATTENED, kind)
     kind_name = optimizer.optimizer_class if optimizer is not None else None
     logical = LogicalCheckpoint(
         root=folder, tag="", tag_dir=folder, layout="dcp", zero_stage=0, precision=precision, dp_world_size=1,
         pp_world_size=1, tp_world_size=1, ds_version=None, global_steps=_trainer_global_step(folder),
-        global_samples=None,
-        optimizer_step=step_value,
+        global_samples=None, optimizer_step=step_value,
         optimizer_wrapper=("none (model only)" if optimizer is None
                            else f"torch.optim.{kind_name} (DCP)" if kind_name else "torch optimizer (DCP)"),
-        entries=tuple(entries), files=tuple(p for md_path, part in zip(md_paths, parts)
-                                            for p in (md_path, *(f for f in data_files if f.parent == part))),
-        notes=tuple(notes),
-        optimizer_groups=tuple(groups), optimizer_type=kind_name)
-    return DcpSource(logical, cache, optimizer, model_top)
+        entries=tuple(entries), files=sec.files, notes=tuple(notes), optimizer_groups=tuple(groups),
+        optimizer_type=kind_name)
+    return DcpSource(logical, cache, optimizer, sec.model_top)
 
 
 def read_dcp(path: str | os.PathLike[str]) -> tuple[LogicalCheckpoint, DcpCache]:
