@@ -13,8 +13,22 @@ saved a shard), or a non-tensor "bytes" item; and for each chunk, the ``.distcp`
 * each chunk is parsed when first read (:func:`dsckpt.safe_load.load_window`: allow-list, budgets, CRC-32) and must
   hold a tensor of its chunk's dtype and size;
 * model tensors are the items under ``model`` (``{"model": ..., "optim": ...}`` as ``to-dcp``, FSDP2 and torchtitan
-  save), else every tensor outside ``optim``/``optimizer``; an optimizer state tensor ``optim.state.<fqn>.<key>`` is
-  attached to ``<fqn>`` as its optimizer state; bytes items (param groups, Python scalars) are never unpickled.
+  save), else every tensor outside ``optim``/``optimizer``; an optimizer state tensor ``optim.state.<fqn>.<key>`` of
+  its param's shape is attached to ``<fqn>`` as its optimizer state;
+* the optimizer side (:func:`describe_dcp`, issue 40: what a writer of another layout needs) is read as
+  ``get_state_dict`` saves it, nested (``optim.param_groups.<i>.<key>``, ``params`` the FQNs) or flattened
+  (``optim.param_groups.<fqn>.<key>``): each param's ``step`` (a 0-dim tensor, or a Python number), every group
+  and its hyper-parameters; its non-tensor items go through the same allow-listed unpickler, one at a time, within
+  the read limits (``max_dcp_values`` of them); it is checked against the model state and refused by key where
+  they disagree;
+* a Trainer ``checkpoint-N/`` or an Accelerate ``save_state`` folder saved under FSDP is one source made of its
+  ``pytorch_model_fsdp_0/`` (``{"model": M}``) and ``optimizer_0/`` (``{"optimizer": O}``) folders
+  (:func:`dcp_folders`).
+
+What a DCP folder cannot say, and is therefore not made up: the model's precision beyond the stored dtypes (a model
+trained in bf16 without fp32 masters saves bf16 tensors, which are then the most precise copy), which params of a
+model-only folder were trained, a tie between two frozen params, and, for a multi-rank save, the module's order
+(``.metadata`` lists the sharded items before those DCP de-duplicated).
 """
 
 from __future__ import annotations
