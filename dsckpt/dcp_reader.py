@@ -52,10 +52,16 @@ from .readers.common import FileCache, alias_entry
 from .stand_ins import DeepSpeedObject, TorchDtype
 from .tensor_ref import TensorRef
 
-__all__ = ["METADATA_NAME", "DcpCache", "DcpOptimizer", "DcpOptimizerFormat", "DcpParamState", "DcpSource",
-           "dcp_folders", "describe_dcp", "is_dcp_folder", "optimizer_class_of", "read_dcp"]
+__all__ = ["FSDP_MODEL_FOLDER", "FSDP_OPTIM_FOLDER", "METADATA_NAME", "DcpCache", "DcpOptimizer", "DcpOptimizerFormat",
+           "DcpParamState", "DcpSource", "dcp_folders", "describe_dcp", "is_dcp_folder", "optimizer_class_of",
+           "read_dcp"]
 
 METADATA_NAME = ".metadata"
+#: accelerate 1.15 utils/constants.py: FSDP_MODEL_NAME, OPTIMIZER_NAME; index 0 (one model, one optimizer): the DCP
+#: folders of a Trainer checkpoint-N/ or an Accelerate save_state folder saved under FSDP (dsckpt.run_folder_dcp
+#: writes them)
+FSDP_MODEL_FOLDER = "pytorch_model_fsdp_0"
+FSDP_OPTIM_FOLDER = "optimizer_0"
 _ITEM = "dcp-item"  # first element of a Fragment key naming a DCP chunk: (_ITEM, offset, nbytes, fqn)
 _MODEL_TOPS = ("model",)
 _OPTIM_TOPS = ("optim", "optimizer")
@@ -66,15 +72,13 @@ def dcp_folders(path: str | os.PathLike[str]) -> tuple[Path, ...] | None:
     """The DCP folders ``path`` is made of: itself (it holds ``.metadata``), or for a Trainer ``checkpoint-N/`` or an
     Accelerate ``save_state`` folder saved under FSDP (``pytorch_model_fsdp_0/``, and ``optimizer_0/`` when the
     optimizer was saved; no DeepSpeed ``latest``) those two; None for anything else."""
-    from .run_folder_dcp import MODEL_FOLDER, OPTIM_FOLDER
-
     p = Path(path)
     if not p.is_dir():
         return None
     if (p / METADATA_NAME).is_file():
         return (p,)
-    if (p / MODEL_FOLDER / METADATA_NAME).is_file() and not (p / "latest").exists():
-        return (p / MODEL_FOLDER, *((p / OPTIM_FOLDER,) if (p / OPTIM_FOLDER).exists() else ()))
+    if (p / FSDP_MODEL_FOLDER / METADATA_NAME).is_file() and not (p / "latest").exists():
+        return (p / FSDP_MODEL_FOLDER, *((p / FSDP_OPTIM_FOLDER,) if (p / FSDP_OPTIM_FOLDER).exists() else ()))
     return None
 
 
