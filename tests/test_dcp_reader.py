@@ -118,6 +118,15 @@ def test_bf16_model_tensors_are_the_only_copy() -> None:
     assert e.piece(Role.MASTER) is None and e.source_for_fp32().dtype == "bfloat16"
 
 
+def test_fsdp2_mixed_precision_saves_fp32_masters() -> None:
+    """The Trainer ran bf16 (FSDP2's MixedPrecisionPolicy casts for compute only): its sharded params, and so the
+    saved model tensors, are fp32 (the masters), as the live model held them."""
+    src = describe_dcp(DCP / "trainer_fsdp2_gpt2_w2" / "ckpt")
+    meta = json.loads((DCP / "trainer_fsdp2_gpt2_w2" / "truth.json").read_text())
+    assert meta["model_dtypes"] == ["torch.float32"] and src.logical.precision.value == "fp32"
+    assert {e.stored_dtype for e in src.logical.entries} == {"float32"}
+
+
 def test_flattened_groups_are_rebuilt_from_equal_hyperparameters() -> None:
     """The flattened save keeps each param's hyper-parameters, not the split: params with equal ones form one group,
     in the order their first param appears, and a note says so. Here the two groups differ (weight decay), so the
