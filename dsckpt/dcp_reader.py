@@ -58,8 +58,9 @@ __all__ = ["FSDP_MODEL_FOLDER", "FSDP_OPTIM_FOLDER", "METADATA_NAME", "DcpCache"
 
 METADATA_NAME = ".metadata"
 #: accelerate 1.15 utils/constants.py: FSDP_MODEL_NAME, OPTIMIZER_NAME; index 0 (one model, one optimizer): the DCP
-#: folders of a Trainer checkpoint-N/ or an Accelerate save_state folder saved under FSDP (dsckpt.run_folder_dcp
-#: writes them)
+#: folders of a Trainer checkpoint-N/ or an Accelerate save_state folder saved under FSDP. The names
+#: dsckpt.run_folder_dcp writes (MODEL_FOLDER, OPTIM_FOLDER; tests/test_dcp_reader.py holds them equal), not imported
+#: from there: run_folder_dcp imports the DCP writer, whose importers import this module (a cycle)
 FSDP_MODEL_FOLDER = "pytorch_model_fsdp_0"
 FSDP_OPTIM_FOLDER = "optimizer_0"
 _ITEM = "dcp-item"  # first element of a Fragment key naming a DCP chunk: (_ITEM, offset, nbytes, fqn)

@@ -44,8 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .atomic import atomic_dir, claim_output
-from .dcp_reader import FSDP_MODEL_FOLDER as MODEL_FOLDER
-from .dcp_reader import FSDP_OPTIM_FOLDER as OPTIM_FOLDER
 from .dcp_writer import DcpGroup, DcpPlan, DcpTensor, plan_to_dcp, save_dcp_into, split_dcp_plan
 from .errors import UnsupportedCheckpointError
 from .hf import FileRole, HfFilesPlan, LeftOut, copy_files, is_accelerate_folder, is_hf_folder, plan_resume_files
@@ -67,6 +65,9 @@ __all__ = [
     "trainer_param_groups",
 ]
 
+#: accelerate 1.15 utils/constants.py: FSDP_MODEL_NAME, OPTIMIZER_NAME; index 0 (one model, one optimizer)
+MODEL_FOLDER = "pytorch_model_fsdp_0"
+OPTIM_FOLDER = "optimizer_0"
 #: the top-level keys save_fsdp_model / save_fsdp_optimizer put around M and O
 MODEL_KEY = "model"
 OPTIM_KEY = "optimizer"

@@ -454,6 +454,13 @@ def test_to_dcp_reads_back_as_the_checkpoint(name: str, tmp_path: Path) -> None:
         assert set(have) - set(kept) == set(plan.defaults_added)
 
 
+def test_the_run_folder_names_are_the_writers() -> None:
+    from dsckpt import dcp_reader, run_folder_dcp
+
+    assert (dcp_reader.FSDP_MODEL_FOLDER, dcp_reader.FSDP_OPTIM_FOLDER) == (run_folder_dcp.MODEL_FOLDER,
+                                                                           run_folder_dcp.OPTIM_FOLDER)
+
+
 def test_trainer_run_folder_parts(tmp_path: Path) -> None:
     """A Trainer checkpoint-N/ saved under FSDP2 is read as one checkpoint from its two DCP folders; without
     optimizer_0/ it is model-only; an optimizer_0/ whose .metadata is missing (an unfinished save) is refused."""
