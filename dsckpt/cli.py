@@ -312,6 +312,16 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
         lines.append("buffers      " + ", ".join(f"{b['name']} ({b['dtype']})" for b in s["buffers"]))
+    opt = s.get("optimizer")
+    if opt is not None and opt["model_only"]:
+        lines.append("optimizer    none: model only (no optimizer state)")
+    elif opt is not None:
+        lines.append(f"optimizer    {opt['type'] or 'unknown class'}, {len(opt['groups'])} param group"
+                     + ("s" if len(opt["groups"]) != 1 else ""))
+        for g in opt["groups"]:
+            lines.append(f"  group {g['index']}    {len(g['params'])} params; " + ", ".join(
+                f"{k} {tuple(v) if isinstance(v, list) else v}" for k, v in g["hyperparams"].items()))
+    lines += [f"note         {msg}" for msg in (opt or {}).get("notes", [])]
     hf = s.get("hf_trainer")
     if hf is not None:
         files = hf["files"]
