@@ -171,7 +171,7 @@ def fingerprint(ckpt_path: str | os.PathLike[str]) -> dict[str, Any]:
     if where.is_file():
         st = where.stat()
         return {"files": [[where.name, st.st_size, st.st_mtime_ns]]}
-    files = []
+    files: list[tuple[str, int, int]] = []
     for dirpath, dirnames, filenames in os.walk(where):
         dirnames.sort()
         for name in sorted(filenames):
@@ -179,9 +179,9 @@ def fingerprint(ckpt_path: str | os.PathLike[str]) -> dict[str, Any]:
                 continue
             full = Path(dirpath) / name
             st = full.stat()
-            files.append([full.relative_to(where).as_posix(), st.st_size, st.st_mtime_ns])
-    files.sort(key=lambda f: f[0])
-    return {"files": files}
+            files.append((full.relative_to(where).as_posix(), st.st_size, st.st_mtime_ns))
+    files.sort()
+    return {"files": [list(f) for f in files]}
 
 
 def write_record(ckpt_path: str | os.PathLike[str], result: dict[str, Any]) -> Path:
