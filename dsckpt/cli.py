@@ -849,11 +849,17 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.argument("ckpt", type=click.Path(exists=True, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--from", "source", default=None,
-              help="fp32 source: a .safetensors file, a sharded folder, a torch state-dict file, or 'master' "
-                   "(the checkpoint's own fp32 master weights, for 16-bit param copies).")
+              help="Source of the values: a .safetensors file, a sharded folder, a torch state-dict file, 'master' "
+                   "(the checkpoint's own fp32 master weights, for 16-bit param copies), or another DeepSpeed "
+                   "checkpoint of the same run (e.g. RUN/global_step100: masters, 16-bit copies, buffers and "
+                   "optimizer moments).")
 @tag_option
 @click.option("--policy", type=click.Choice(["refuse", "reset-bn-stats"]), default="refuse", show_default=True,
               help="Tensors with no source value: refuse, or reset BatchNorm running stats (mean 0, var 1).")
+@click.option("--loss-scale", "loss_scale", type=float, default=None, metavar="S",
+              help="fp16 runs: write the dynamic loss scaler of every rank file at scale S, its counters reset as "
+                   "DeepSpeed starts a scaler (cur_iter 0, last_overflow_iter -1, hysteresis refilled); for a run "
+                   "stopped at its loss-scale floor. S must be positive and at least the scaler's floor.")
 @click.option("--whole-tensor", is_flag=True, help="Replace whole tensors, not only the non-finite values.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit (1 if there is work).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -861,22 +867,28 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @distributed_option
 @handle_errors
-def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, whole_tensor: bool,
-           dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
-    """Write a copy of CKPT to OUT with every inf/NaN value patched from an fp32 source.
+def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, loss_scale: float | None,
+           whole_tensor: bool, dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
+    """Write a copy of CKPT to OUT with every inf/NaN value patched from a source, and/or (--loss-scale) the
+    fp16 loss scaler reset.
 
     CKPT: a DeepSpeed checkpoint folder (OUT: the same layout, untouched files copied byte for byte)
     or a .safetensors file (OUT: a .safetensors file). CKPT is never modified.
     """
     from .errors import UsageError
-    from .repair import Policy, prepare_repair, run_repair, run_repair_distributed
+    from .repair import Policy, check_loss_scale_value, prepare_repair, run_repair, run_repair_distributed
 
-    if source is None and policy != "reset-bn-stats":
-        raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    if loss_scale is not None:
+        check_loss_scale_value(loss_scale)
+    if source is None and policy != "reset-bn-stats" and loss_scale is None:
+        raise UsageError("give a source with --from SOURCE (or --policy reset-bn-stats, or --loss-scale S)")
     group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
-    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
+    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy),
+                             loss_scale=loss_scale)
     lines = [p.describe() for p in plan.patches]
+    if plan.loss_scale is not None:
+        lines.append(plan.loss_scale.describe())
     if not plan.has_work:
         if as_json:
             click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
@@ -887,7 +899,9 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
         if as_json:
             click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
-            click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
+            click.echo(f"would patch {len(plan.patches)} tensor(s)"
+                       + (" and reset the loss scaler" if plan.loss_scale is not None else "")
+                       + f", rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
     result = (run_repair(plan, out, force=force) if group is None
@@ -897,7 +911,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                                "rewritten": [str(f) for f in result.rewritten],
                                "rescan": result.rescan.to_dict()}, indent=2))
         return
-    click.echo(f"patched {len(plan.patches)} tensor(s):")
+    click.echo(f"patched {len(plan.patches)} tensor(s)"
+               + (" and reset the loss scaler" if plan.loss_scale is not None else "") + ":")
     click.echo("\n".join(lines))
     for p in plan.promotions:
         click.echo(f"dsckpt: warning: '{p.name}' is now stored as {p.promote_to}; DeepSpeed loads it, but an engine "
