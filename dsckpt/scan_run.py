@@ -181,7 +181,8 @@ def check_checkpoint(ckpt: RunCheckpoint, *, nonfinite_only: bool = False, worke
     details += [f"{h.check.value} {h.describe()}" for h in report.health][: max(0, MAX_DETAILS - len(details))]
     count = len(report.findings) + len(report.health)
     short = [_short(f) for f in report.findings] + [
-        f"{h.check.value} {h.name}" if h.name else f"{h.check.value} at its floor" for h in report.health]
+        f"{h.check.value} {h.name}" if h.name else
+        f"{h.check.value} {ls.scale:g} at its floor" if ls is not None else h.check.value for h in report.health]
     status = RunStatus.CLEAN if report.clean else RunStatus.FINDINGS
     if problem is not None:
         status, count = RunStatus.INCOMPLETE, count + 1

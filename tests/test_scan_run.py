@@ -345,3 +345,44 @@ def test_state_reset_is_named():
     assert res.exit_code == 1 and "  state_reset   fc1.bias: " in res.output
     # the same in every worker layout
     assert scan(RESET / "run").health == report.health
+
+
+# the rescue helper's fp16 run (tests/fixtures/lossfloor, generate_lossfloor.py): its scale reaches the floor at
+# step 5 and DeepSpeed ended the run on the next overflow
+LOSSFLOOR = FIXTURES / "lossfloor" / "s2_fp16_w2"
+
+
+def test_lossfloor_run_loss_scale_columns_and_floor_findings():
+    t = truth(LOSSFLOOR)
+    report = scan_run(LOSSFLOOR / "ckpt", workers=0)
+    assert [e.path.name for e in report.checkpoints] == [c["tag"] for c in t["checkpoints"]]
+    for e, c in zip(report.checkpoints, t["checkpoints"]):
+        ls = c["loss_scaler"]
+        assert (e.loss_scale, e.loss_scale_floor) == (ls["cur_scale"], ls["min_scale"])
+        assert (e.skipped_steps, e.global_steps) == (c["skipped_steps"], c["global_steps"])
+        floor = [d for d in e.details if d.startswith("loss_scale ")]
+        assert bool(floor) is c["at_floor"]
+        assert e.findings == len(c["nonfinite"]) + c["at_floor"]
+        if c["at_floor"]:
+            assert f"loss_scale {ls['cur_scale']:g} at its floor" in e.summary
+            assert "the next overflow ends the run" in floor[0] and REPAIR_HINT in floor[0]
+            assert t["exit_at_floor"]["message"] in floor[0]  # what DeepSpeed raised at the next overflow
+    assert report.last_clean.path.name == t["last_clean"]
+    assert report.first_with_findings.path.name == "global_step5"
+
+
+def test_lossfloor_scan_and_info_of_the_floor_checkpoint():
+    tag = LOSSFLOOR / "ckpt" / "global_step5"
+    report = scan(tag)
+    assert [h.check.value for h in report.health] == ["loss_scale"]
+    assert report.training.loss_scaler.to_dict() | {"source": None} == {
+        "dynamic": True, "scale": 8.0, "floor": 8.0, "hysteresis": 2, "hysteresis_left": 1, "scale_window": 1000,
+        "at_floor": True, "source": None}
+    assert not scan(tag, nonfinite_only=True).health  # --nonfinite: inf/NaN only
+    res = CliRunner().invoke(main, ["info", str(tag)])
+    assert res.exit_code == 0
+    lines = res.output.splitlines()
+    i = lines.index("training     fp16, dynamic loss scale 8 (floor 8, hysteresis 1 of 2 left), skipped steps 3 of 5 "
+                    "global steps")
+    assert lines[i + 1].startswith("             finding: loss scale 8 sits at its floor (min_scale 8): the next "
+                                   "overflow ends the run")
