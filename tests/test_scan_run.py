@@ -386,3 +386,17 @@ def test_lossfloor_scan_and_info_of_the_floor_checkpoint():
                     "global steps")
     assert lines[i + 1].startswith("             finding: loss scale 8 sits at its floor (min_scale 8): the next "
                                    "overflow ends the run")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_scan_all_same_answer_with_any_worker_count(workers):
+    a = scan_run(DS_RUN / "run", workers=workers).to_dict()
+    b = scan_run(DS_RUN / "run", workers=1).to_dict()
+    assert a == b
+
+
+def test_a_single_checkpoint_is_a_run_of_one():
+    report = scan_run(DS_RUN / "run" / "global_step2", workers=0)
+    assert [e.path.name for e in report.checkpoints] == ["global_step2"]
+    assert report.clean and report.first_with_findings is None
+    assert report.to_dict()["first_with_findings"] is None
