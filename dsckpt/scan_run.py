@@ -33,6 +33,7 @@ from typing import Any
 from .errors import DsckptError, UsageError
 from .scan_record import (
     RunCheckpoint,
+    RunCheckpointKind,
     completeness_problem,
     fingerprint,
     list_run_checkpoints,
@@ -157,11 +158,11 @@ def check_checkpoint(ckpt: RunCheckpoint, *, nonfinite_only: bool = False, worke
                 entry = None
             if entry is not None and (nonfinite_only or not entry.nonfinite_only):
                 return replace(entry, path=ckpt.path, kind=kind, reused_record=True)
-    problem = completeness_problem(ckpt.path)
-    if problem is not None and "holds no 'latest' file" in problem and ckpt.kind.name == "DEEPSPEED_TAG":
-        # a save dir without 'latest' at all (save_latest=False, or never finished): scan each tag as it is
+    # a save dir without 'latest' at all (save_latest=False, or never finished): each tag is scanned as it is
+    save_dir_tag = ckpt.kind is RunCheckpointKind.DEEPSPEED_TAG
+    if save_dir_tag and ckpt.path.is_dir() and not (ckpt.path.parent / "latest").is_file():
         notes.append("the save dir holds no 'latest': whether this save finished cannot be told")
-        problem = None
+    problem = completeness_problem(ckpt.path, require_latest=not save_dir_tag)
     try:
         before = fingerprint(ckpt.path)
         plan, cache, logical = prepare_scan_opened(ckpt.path, nonfinite_only=nonfinite_only)
