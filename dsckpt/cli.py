@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from ._version import __version__
+from ._version import package_version
 from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError, shorten_runs
 from .interrupts import Terminated, signals_as_exceptions
 
@@ -197,8 +197,17 @@ def _close_quietly(group: Any) -> None:
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # click's own version_option reads the version when the CLI is built, i.e. on every run; this reads it only
+    # for --version (same output: "dsckpt, version X")
+    if value and not ctx.resilient_parsing:
+        click.echo(f"dsckpt, version {package_version()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="dsckpt")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 

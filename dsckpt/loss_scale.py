@@ -50,7 +50,7 @@ class ScalerSite:
     key: tuple[Any, ...]
     form: str  # OBJECT | FIELDS
     class_name: str  # "DynamicLossScaler", "LossScaler", or the stage-0 wrapper's "fields"
-    fields: Mapping[str, Any] = field(compare=False)
+    fields: Mapping[str, Any] = field(compare=False)  # plain values (:func:`_plain`)
 
     @property
     def dynamic(self) -> bool:
@@ -106,8 +106,14 @@ def _jsonable(x: Any) -> Any:
     return x if isinstance(x, (bool, int, float, str)) or x is None else str(x)
 
 
+def _plain(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Fields as plain Python values: numbers, bools, strings and None as they are, anything else (the scaler's
+    ``dtype``, a torch stand-in) as its repr, so a plan pickles and compares without stand-ins."""
+    return {k: v if isinstance(v, (bool, int, float, str)) or v is None else repr(v) for k, v in fields.items()}
+
+
 def _object_fields(obj: DeepSpeedObject) -> dict[str, Any]:
-    return dict(obj.__dict__)
+    return _plain(obj.__dict__)
 
 
 def find_scalers(files: list[Path], tree_of: Callable[[Path], Any]) -> list[ScalerSite]:
@@ -127,7 +133,7 @@ def find_scalers(files: list[Path], tree_of: Callable[[Path], Any]) -> list[Scal
             elif "cur_scale" in d and "dynamic_loss_scale" in d:
                 keys = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor",
                         "scale_window")
-                sites.append(ScalerSite(f, (top,), FIELDS, "fields", {k: d[k] for k in keys if k in d}))
+                sites.append(ScalerSite(f, (top,), FIELDS, "fields", _plain({k: d[k] for k in keys if k in d})))
     return sites
 
 
@@ -189,7 +195,7 @@ def check_loss_scale(plan: LossScalePlan, written_root: Path, input_root: Path,
     for e in plan.edits:
         path = written_root / e.site.file.resolve().relative_to(input_root)
         obj = lookup(tree_of(path), e.site.key, path)
-        got = dict(obj.__dict__) if isinstance(obj, DeepSpeedObject) else {k: obj.get(k) for k in e.site.fields}
+        got = _plain(obj.__dict__ if isinstance(obj, DeepSpeedObject) else {k: obj.get(k) for k in e.site.fields})
         want = {**e.site.fields, **e.after}
         if e.site.form == OBJECT and (type(obj).__name__ != e.site.class_name or set(got) != set(want)):
             raise RepairError(f"{path.name}{format_key(e.site.key)}: the written loss scaler is not a "

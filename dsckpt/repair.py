@@ -29,7 +29,6 @@ import dataclasses
 import enum
 import math
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 
 from . import parsed_tree, safe_load, safe_save
 from .assemble import read_piece
-from .atomic import atomic_dir, claim_output, refuse_overlap, scratch_dir
+from .atomic import atomic_dir, claim_output, copy_file, refuse_overlap, scratch_dir
 from .errors import RepairError, UsageError
 from .loss_scale import LossScalePlan, apply_loss_scale, check_loss_scale, find_scalers, plan_loss_scale
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
@@ -96,6 +95,8 @@ class SourceValues:
     values: Mapping[str, torch.Tensor] = field(compare=False)
     # (name, optimizer state key) -> flat fp32 values: only a DeepSpeed checkpoint given as source holds them
     moments: Mapping[tuple[str, str], torch.Tensor] = field(default_factory=dict, compare=False)
+    # (name, replica) -> flat fp32 values of that replica of the module copy (replicas >= 1; checkpoint source only)
+    replicas: Mapping[tuple[str, int], torch.Tensor] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ def read_checkpoint_values(source: Path, logical: LogicalCheckpoint, names: list
     by_name = {e.name: e for e in src.entries}
     values: dict[str, torch.Tensor] = {}
     moments: dict[tuple[str, str], torch.Tensor] = {}
+    replicas: dict[tuple[str, int], torch.Tensor] = {}
     for name in names:
         se = by_name[name]
         if se.tied_to is not None:
@@ -342,8 +344,12 @@ def read_checkpoint_values(source: Path, logical: LogicalCheckpoint, names: list
             piece = se.state_piece(key)
             if piece is not None:
                 moments[(name, key)] = read_piece(piece, se.shape, c.cache, name=se.name).reshape(-1).float()
+        if se.piece(Role.MASTER) is None:  # the module copy is the value: each replica its own
+            for p in se.pieces:
+                if p.role is Role.MODULE and p.replica > 0:
+                    replicas[(name, p.replica)] = read_piece(p, se.shape, c.cache, name=se.name).reshape(-1).float()
     c.cache.finish_checks()
-    return SourceValues(f"checkpoint {source} (tag {src.tag})", False, values, moments)
+    return SourceValues(f"checkpoint {source} (tag {src.tag})", False, values, moments, replicas)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,22 +449,31 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             problems.append(f"{name}: {source.label} holds {values.numel()} values, the checkpoint's tensor "
                             f"has shape {list(e.shape)}")
             continue
-        new = values[indices]
-        if not bool(torch.isfinite(new).all()):
-            problems.append(f"{name}: {source.label} is non-finite at the same places")
-            continue
         targets = _targets(e, roles, indices)
-        promote = None
-        misfit = sorted({t.dtype for t in targets if not _fits(new, t.dtype)})
-        if misfit:
-            if e.kind is Kind.BUFFER:
-                promote = "float32"
-            else:
-                problems.append(f"{name} ({kind.value}): source values up to {float(new.abs().max()):.6g} do not "
-                                f"fit its stored {', '.join(misfit)} copy; a param cannot change dtype")
+        # a checkpoint source holds its own value for each replica of a module copy (ZeRO-3 keeps a buffer per
+        # rank, and DP ranks update them apart): each replica gets the same replica's value
+        own = {r: v for (n, r), v in source.replicas.items() if n == name and v.numel() == e.numel}
+        groups = [(values, tuple(t for t in targets if not (t.role is Role.MODULE and t.replica in own)), "")]
+        groups += [(v, tuple(t for t in targets if t.role is Role.MODULE and t.replica == r), f" (replica {r})")
+                   for r, v in sorted(own.items())]
+        for vals, tgts, which in groups:
+            if not tgts:
                 continue
-        patches.append(Patch(name, kind, source.label, e.numel, indices, new.float(), targets, d.nan, d.posinf,
-                             d.neginf, promote_to=promote))
+            new = vals[indices]
+            if not bool(torch.isfinite(new).all()):
+                problems.append(f"{name}: {source.label}{which} is non-finite at the same places")
+                continue
+            promote = None
+            misfit = sorted({t.dtype for t in tgts if not _fits(new, t.dtype)})
+            if misfit:
+                if e.kind is Kind.BUFFER:
+                    promote = "float32"
+                else:
+                    problems.append(f"{name} ({kind.value}): source values up to {float(new.abs().max()):.6g} do "
+                                    f"not fit its stored {', '.join(misfit)} copy; a param cannot change dtype")
+                    continue
+            patches.append(Patch(name, kind, source.label + which, e.numel, indices, new.float(), tgts, d.nan,
+                                 d.posinf, d.neginf, promote_to=promote))
     for prefix, mask in resets.items():
         for leaf, initial in _BN_INITIAL.items():
             name = f"{prefix}.{leaf}" if prefix else leaf
@@ -650,7 +665,7 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
                 if src.resolve() in to_rewrite:
                     _rewrite_torch_file(src, dst, _retarget(plan.patches, src), plan.loss_scale)
                 else:
-                    shutil.copy2(src, dst)
+                    copy_file(src, dst)
                 fd = os.open(dst, os.O_RDONLY)
                 try:
                     os.fsync(fd)
@@ -704,7 +719,7 @@ def _run_folder(plan: RepairPlan, inp: Path, out: Path,
                 _rewrite_torch_file(src, dst, _retarget(plan.patches, src), plan.loss_scale)
                 rewritten.append(out / rel)
             else:
-                shutil.copy2(src, dst)
+                copy_file(src, dst)
         tag = None if inp == plan.tag_dir.resolve() else plan.tag
         report = _verify(plan, tmp, tag, inp, on_progress)
     return RepairResult(plan, out, tuple(rewritten), report)

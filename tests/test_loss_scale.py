@@ -293,3 +293,47 @@ def test_deepspeed_survives_an_overflow_after_loss_scale_reset(tmp_path):
     assert got["rescued"]["hysteresis"] == [1, 1, 1]
     assert got["rescued"]["skipped_steps"] == 3 + 2
     assert got["rescued"]["bn_finite"] is True
+
+
+# ------------------------------------------------------------------ --from another checkpoint: every stored copy
+
+
+@pytest.mark.parametrize("name", ["s3_fp32_w2", "s1_bf16_w3", "s2_bf16_w2_2groups", "s0_bf16_w2"])
+def test_from_checkpoint_restores_every_stored_copy_exactly(tmp_path, name):
+    """A copy of a clean fixture with inf/NaN planted in the BN buffer (every replica: ZeRO-3 keeps one per rank),
+    a param's fp32 master and 16-bit module copy, and its exp_avg_sq, repaired ``--from`` the fixture itself: every
+    file of the output parses to the very tree of the fixture's (all values restored bit for bit; the 16-bit copy is
+    the master rounded, as DeepSpeed made it)."""
+    src = FIXTURES / name / "ckpt"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    plant(ckpt, "bn.running_var", Role.MODULE, 2, math.inf, replica=None)
+    plant(ckpt, "fc2.weight", Role.MASTER, 7, math.nan)
+    if name != "s3_fp32_w2":  # fp32 ZeRO-3 stores no module copy of a trained param
+        plant(ckpt, "fc2.weight", Role.MODULE, 7, -math.inf)
+    plant(ckpt, "fc2.weight", "exp_avg_sq", 11, math.nan)
+    assert not scan(ckpt, nonfinite_only=True).clean
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["repair", str(ckpt), str(out), "--from", str(src)])
+    assert r.exit_code == 0, r.output
+    assert "fc2.weight (param, exp_avg_sq): 1 of 30 values at [11]; before: non-finite" in r.stdout
+    files = sorted(p.relative_to(src) for p in src.rglob("*.pt"))
+    assert files
+    for rel in files:
+        assert tree_differences(parsed_file(src / rel), parsed_file(out / rel)) == [], rel
+
+
+def test_static_scaler_is_refused_by_name():
+    """fp16 with a static ``fp16.loss_scale`` (no fixture has one): ZeRO pickles a ``LossScaler``, stage 0 writes
+    ``dynamic_loss_scale: False``; neither is a dynamic scaler to reset (plan_loss_scale is pure)."""
+    from dsckpt.loss_scale import FIELDS, OBJECT, ScalerSite, plan_loss_scale
+
+    zero = ScalerSite(Path("zero_pp_rank_0_mp_rank_00_optim_states.pt"), SCALER, OBJECT, "LossScaler",
+                      {"cur_scale": 128, "dynamic": False})
+    stage0 = ScalerSite(Path("mp_rank_00_model_states.pt"), ("optimizer",), FIELDS, "fields",
+                        {"dynamic_loss_scale": False, "cur_scale": 128.0, "cur_iter": 3})
+    for site in (zero, stage0):
+        with pytest.raises(UsageError, match=r"uses a static loss scale \(.*cur_scale 128\), not a dynamic scaler"):
+            plan_loss_scale([site], 64.0, precision="fp16", source="ckpt")
+    with pytest.raises(UsageError, match="keeps no loss scaler in any file"):
+        plan_loss_scale([], 64.0, precision="fp16", source="ckpt")
