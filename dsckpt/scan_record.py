@@ -199,7 +199,6 @@ def write_record(ckpt_path: str | os.PathLike[str], result: dict[str, Any]) -> P
               "fingerprint": fingerprint(ckpt_path), "result": result}
     data = json.dumps(record, indent=1, sort_keys=True).encode("utf-8")
     with atomic_file(target, make_parent=False) as f:
-        os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide the record from the run's other users
         f.write(data)
     return target
 
