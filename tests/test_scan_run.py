@@ -33,7 +33,13 @@ RUNS = FIXTURES / "runs"
 DS_RUN = RUNS / "run_s2_bf16_w2_bnnan"
 HF_RUN = RUNS / "run_hf_s2_bf16_w2_bnnan"
 RESET = RUNS / "s2_bf16_w2_statereset"
-RUN_FIXTURES = [DS_RUN, HF_RUN]
+LIGHTNING_RUN = RUNS / "run_lightning_s2_fp32_w2_bnnan"
+RUN_FIXTURES = [DS_RUN, HF_RUN, LIGHTNING_RUN]
+
+
+def run_dir(fx: Path) -> Path:
+    """The folder a user passes to scan --all: the save dir / output_dir, or the Lightning dirpath."""
+    return fx / ("ckpts" if fx == LIGHTNING_RUN else "run")
 
 
 def truth(fx: Path) -> dict:
@@ -53,13 +59,13 @@ def copy_run(fx: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("fx", RUN_FIXTURES, ids=lambda p: p.name)
 def test_scan_all_matches_the_truth_of_every_checkpoint(fx):
     t = truth(fx)
-    report = scan_run(fx / "run", workers=0)
+    report = scan_run(run_dir(fx), workers=0)
     assert [e.path.name for e in report.checkpoints] == [c["path"] for c in t["checkpoints"]]
     for e, c in zip(report.checkpoints, t["checkpoints"]):
         bad_buffers = sorted(n for n, k in c["buffers"].items() if k)
         assert e.global_steps == e.step == c["global_steps"]
         assert e.skipped_steps == c["skipped_steps"]
-        assert e.loss_scale is None  # bf16
+        assert e.loss_scale is None  # bf16, fp32
         assert e.clean is (c["nonfinite_values"] == 0)
         assert e.findings == len(bad_buffers) + sum(1 for d in c["params"].values() for v in d.values() if v)
         assert sorted(d.split(":")[0].split(" ", 1)[1] for d in e.details) == bad_buffers
@@ -279,7 +285,7 @@ def test_record_is_ignored_by_the_other_commands(tmp_path):
 
 
 def test_completeness_of_the_committed_runs():
-    assert all(checkpoint_complete(c.path) for fx in RUN_FIXTURES for c in list_run_checkpoints(fx / "run"))
+    assert all(checkpoint_complete(c.path) for fx in RUN_FIXTURES for c in list_run_checkpoints(run_dir(fx)))
 
 
 def test_trainer_checkpoint_without_trainer_state_is_incomplete(tmp_path):
