@@ -406,3 +406,17 @@ def test_a_single_checkpoint_is_a_run_of_one():
     assert [e.path.name for e in report.checkpoints] == ["global_step2"]
     assert report.clean and report.first_with_findings is None
     assert report.to_dict()["first_with_findings"] is None
+
+
+def test_checkpoint_deleted_while_the_run_is_read(tmp_path):
+    run = copy_run(DS_RUN, tmp_path)
+
+    def delete_step2(c):  # a cleanup (save_total_limit) removing a checkpoint after it was listed
+        if c.path.name == "global_step2":
+            shutil.rmtree(c.path)
+
+    report = scan_run(run, workers=0, on_checkpoint=delete_step2)
+    e = report.checkpoints[1]
+    assert e.path.name == "global_step2" and e.status in (RunStatus.UNREADABLE, RunStatus.INCOMPLETE)
+    assert "global_step2" in e.details[0]
+    assert [x.status for x in report.checkpoints[2:]] == [RunStatus.CLEAN] + [RunStatus.FINDINGS] * 3
