@@ -158,6 +158,9 @@ def check_checkpoint(ckpt: RunCheckpoint, *, nonfinite_only: bool = False, worke
                 entry = None
             if entry is not None and (nonfinite_only or not entry.nonfinite_only):
                 return replace(entry, path=ckpt.path, kind=kind, reused_record=True)
+    if not ckpt.path.exists():
+        why = f"'{ckpt.path}' was deleted after the run was listed (a cleanup such as save_total_limit?)"
+        return replace(base, details=(why,), summary=f"unreadable: {why}")
     # a save dir without 'latest' at all (save_latest=False, or never finished): each tag is scanned as it is
     save_dir_tag = ckpt.kind is RunCheckpointKind.DEEPSPEED_TAG
     if save_dir_tag and ckpt.path.is_dir() and not (ckpt.path.parent / "latest").is_file():
