@@ -1,0 +1,324 @@
+"""Checks at save time (issue 39 item 3): the skip-ahead scheduler, the background scanner process, ``dsckpt watch``.
+
+The scheduler is pure and tested alone; the scanner is tested with a fake worker (a few lines of Python that log
+what they were asked and wait for a gate file, so "one at a time" and "only the newest next" are observed, not
+timed) and with the real worker on real DeepSpeed 0.19.8 checkpoints copied into a run folder in stages, as a
+training job writes them. ``dsckpt watch`` runs as a subprocess while the test grows the run under it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES
+
+from dsckpt.scan_record import load_valid_record, record_path
+from dsckpt.watch import BackgroundScanner, Outcome, Saved, SkipAhead, Status, watch_run
+
+REPO = Path(__file__).resolve().parent.parent
+CLEAN = FIXTURES / "ds0189_s2_fp16_w1" / "ckpt" / "global_step3"  # ZeRO-2 fp16, 1 rank, clean
+BN_INF = FIXTURES / "s2_fp16_w1_bnoverflow" / "ckpt" / "global_step3"  # bn.running_var +inf at [1, 4]
+MASTER_INF = FIXTURES / "s2_fp16_w1_masterinf" / "ckpt" / "global_step3"
+TWO_RANKS = FIXTURES / "s2_fp16_w2_cpuforced" / "ckpt" / "global_step3"  # 2 optimizer files, BN inf
+BN_LINE = ("nonfinite: bn.running_var: buffer, float16, 2 +inf of 7 values; in mp_rank_00_model_states.pt "
+           "['module']['bn.running_var']; first indices [1, 4]")
+
+
+def _s(name: str, step: int | None = None) -> Saved:
+    return Saved(Path(name), step)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SkipAhead (pure)
+
+
+def test_one_at_a_time_and_only_the_newest_waits():
+    plan = SkipAhead()
+    assert plan.offer(_s("a", 1)) == []
+    assert plan.start() == _s("a", 1)
+    assert plan.start() is None  # one runs: nothing else starts
+    assert plan.offer(_s("b", 2)) == []
+    assert plan.offer(_s("c", 3)) == [_s("b", 2)]  # b never scanned: c is newer
+    assert plan.offer(_s("d", 4)) == [_s("c", 3)]
+    assert plan.pending == _s("d", 4)
+    assert plan.finish() == _s("a", 1)
+    assert plan.start() == _s("d", 4)
+    assert plan.finish() == _s("d", 4)
+    assert plan.idle
+
+
+def test_an_older_checkpoint_offered_late_is_skipped_and_a_repeat_ignored():
+    plan = SkipAhead()
+    plan.offer(_s("b", 20))
+    plan.start()
+    assert plan.offer(_s("a", 10)) == [_s("a", 10)]  # older than the one already started
+    assert plan.offer(_s("c", 30)) == []
+    assert plan.offer(_s("b2", 25)) == [_s("b2", 25)]  # older than the one waiting
+    assert plan.offer(_s("c", 30)) == []  # offered before: ignored, still waiting once
+    assert plan.pending == _s("c", 30)
+
+
+def test_without_steps_later_offers_are_newer():
+    plan = SkipAhead()
+    plan.offer(_s("x"))
+    plan.start()
+    assert plan.offer(_s("y")) == []
+    assert plan.offer(_s("z")) == [_s("y")]
+    plan.finish()
+    assert plan.start() == _s("z")
+
+
+def test_every_offer_is_started_or_skipped_exactly_once():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        plan, started, skipped = SkipAhead(), [], []
+        names = [_s(f"c{i}", rng.choice([None, rng.randrange(50)])) for i in range(rng.randrange(1, 12))]
+        for s in names:
+            skipped += plan.offer(s)
+            if rng.random() < 0.5 and plan.running is not None:
+                plan.finish()
+            if (t := plan.start()) is not None:
+                started.append(t)
+        while not plan.idle:
+            if plan.running is not None:
+                plan.finish()
+            if (t := plan.start()) is not None:
+                started.append(t)
+        assert sorted(map(str, started + skipped)) == sorted(map(str, dict.fromkeys(names)))
+        assert not set(started) & set(skipped)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# BackgroundScanner with a fake worker
+
+FAKE_WORKER = textwrap.dedent("""
+    import json, pathlib, sys, time
+    log = pathlib.Path(sys.argv[1])
+    for line in sys.stdin:
+        p = pathlib.Path(json.loads(line)["path"])
+        with log.open("a") as f:
+            f.write(f"start {p.name}\\n")
+        if p.name == "crash":
+            sys.exit(9)
+        while not (log.parent / f"go.{p.name}").exists():
+            time.sleep(0.01)
+        with log.open("a") as f:
+            f.write(f"end {p.name}\\n")
+        bad = p.name.startswith("bad")
+        sys.stdout.write(json.dumps({"status": "findings" if bad else "clean",
+                                     "findings": ["nonfinite: x"] if bad else []}) + "\\n")
+        sys.stdout.flush()
+""")
+
+
+def _fake_scanner(tmp_path: Path, **kw) -> tuple[BackgroundScanner, Path]:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    log = tmp_path / "log"
+    return BackgroundScanner(is_complete=lambda p: True, poll_s=0.01, command=[sys.executable, str(script), str(log)],
+                             env=dict(os.environ), **kw), log
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def _log(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_slow_scan_is_skipped_ahead_not_queued(tmp_path):
+    scanner, log = _fake_scanner(tmp_path)
+    with scanner:
+        scanner.offer(tmp_path / "a", 1)
+        _wait_for(lambda: _log(log) == ["start a"])
+        for i, name in enumerate("bcd", start=2):  # three saves complete while a is scanned
+            scanner.offer(tmp_path / name, i)
+        assert _log(log) == ["start a"]  # a still runs alone
+        (tmp_path / "go.d").touch()
+        (tmp_path / "go.a").touch()
+        assert scanner.wait_idle(30)
+        got = scanner.outcomes()
+    assert _log(log) == ["start a", "end a", "start d", "end d"]
+    assert [(o.path.name, o.status) for o in got] == [
+        ("b", Status.SKIPPED), ("c", Status.SKIPPED), ("a", Status.CLEAN), ("d", Status.CLEAN)]
+    assert got[0].message.startswith("the newer c was complete before its turn")
+
+
+def test_offer_never_waits_for_the_scan(tmp_path):
+    scanner, log = _fake_scanner(tmp_path)
+    with scanner:
+        scanner.offer(tmp_path / "a", 1)
+        _wait_for(lambda: _log(log) == ["start a"])
+        t0 = time.perf_counter()
+        got = []
+        for i in range(2, 200):
+            scanner.offer(tmp_path / f"x{i}", i)
+            got += scanner.outcomes()
+        assert time.perf_counter() - t0 < 1.0  # a has not finished: nothing above waited for it
+        assert not scanner.idle
+        (tmp_path / "go.a").touch()
+        (tmp_path / "go.x199").touch()
+        assert scanner.wait_idle(30)
+        got += scanner.outcomes()
+    assert sum(o.status is Status.SKIPPED for o in got) == 197
+    assert [o.path.name for o in got if o.status is Status.CLEAN] == ["a", "x199"]
+
+
+def test_a_dead_scanner_process_is_one_unreadable_line_and_the_next_is_served(tmp_path):
+    seen: list[Outcome] = []
+    scanner, log = _fake_scanner(tmp_path, on_outcome=seen.append)
+    (tmp_path / "go.bad").touch()
+    with scanner:
+        scanner.offer(tmp_path / "crash", 1)
+        _wait_for(lambda: len(seen) == 1)
+        scanner.offer(tmp_path / "bad", 2)
+        assert scanner.wait_idle(30)
+    assert seen[0].status is Status.UNREADABLE
+    assert seen[0].message == "the scanner process ended (exit status 9) while scanning it"
+    assert (seen[1].status, seen[1].findings) == (Status.FINDINGS, ("nonfinite: x",))
+
+
+def test_a_checkpoint_deleted_before_it_was_complete_is_dropped(tmp_path):
+    scanner = BackgroundScanner(is_complete=lambda p: False, poll_s=0.01, command=[sys.executable, "-c", "1/0"])
+    with scanner:
+        scanner.offer(tmp_path / "gone", 5)
+        assert scanner.wait_idle(10)
+        [o] = scanner.outcomes()
+    assert (o.status, o.message) == (Status.UNREADABLE, "deleted before it was complete")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real worker on real checkpoints written in stages
+
+
+def _save_tag(run: Path, src: Path, tag: str, *, files: list[str] | None = None, latest: bool = True) -> Path:
+    """Copy the fixture tag ``src`` into ``run/tag`` (only ``files`` when given), then write ``latest`` as
+    DeepSpeed does once every rank has saved."""
+    dst = run / tag
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if files is None or f.name in files:
+            shutil.copy2(f, dst / f.name)
+            os.utime(dst / f.name)  # written now, as a save writes them
+    if latest:
+        (run / "latest").write_text(tag)
+    return dst
+
+
+def test_an_incomplete_checkpoint_is_never_scanned(tmp_path):
+    run = tmp_path / "run"
+    ranks = sorted(p.name for p in TWO_RANKS.iterdir())
+    assert ranks == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    tag = _save_tag(run, TWO_RANKS, "global_step3", files=ranks[:2])  # rank 1 still writing
+    with BackgroundScanner(poll_s=0.02) as scanner:
+        scanner.offer(tag, 3)
+        time.sleep(1.0)
+        assert scanner.outcomes() == []
+        assert not scanner.idle and scanner._proc is None  # waiting; no scan started
+        assert not record_path(tag).exists()
+        _save_tag(run, TWO_RANKS, "global_step3", files=ranks[2:])
+        assert scanner.wait_idle(120)
+        [o] = scanner.outcomes()
+    assert (o.path, o.step, o.status, o.findings, o.reused) == (tag, 3, Status.FINDINGS, (BN_LINE,), False)
+    rec = load_valid_record(tag)
+    assert rec is not None and [f["name"] for f in rec["findings"]] == ["bn.running_var"]
+
+
+def test_watch_run_reuses_a_valid_record_and_rescans_a_changed_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    tag = _save_tag(run, CLEAN, "global_step1")
+    [o] = list(watch_run(run, once=True, timeout_s=120))
+    assert (o.status, o.reused) == (Status.CLEAN, False)
+    [o] = list(watch_run(run, once=True, timeout_s=120))
+    assert (o.status, o.reused) == (Status.CLEAN, True)
+    _save_tag(run, BN_INF, "global_step1")  # saved again under the same tag (the files rewritten in place)
+    [o] = list(watch_run(run, once=True, timeout_s=120))
+    assert (o.status, o.reused, o.findings) == (Status.FINDINGS, False, (BN_LINE,))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dsckpt watch on a run that grows while it watches
+
+
+def _watch(run: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "dsckpt", "watch", str(run), "--interval", "0.05", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_watch_exits_on_the_first_checkpoint_with_findings(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _watch(run, "--exit-on-finding", "--timeout", "120")
+    try:
+        step1 = _save_tag(run, CLEAN, "global_step1")
+        _wait_for(lambda: record_path(step1).exists(), 120)
+        step2 = _save_tag(run, BN_INF, "global_step2", latest=False)  # files written, 'latest' not yet
+        time.sleep(0.5)
+        assert not record_path(step2).exists() and proc.poll() is None
+        (run / "latest").write_text("global_step2")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert out.splitlines() == [f"{step1} (step 1): clean", f"{step2} (step 2): 1 finding(s)", f"  {BN_LINE}"]
+    assert err.splitlines()[-1] == f"dsckpt: findings in {step2}; stopped watching (--exit-on-finding)"
+    assert load_valid_record(step2)["findings"][0]["name"] == "bn.running_var"
+    assert load_valid_record(step1)["findings"] == []
+
+
+def test_watch_goes_on_after_findings_and_ends_at_its_timeout(tmp_path):
+    run = tmp_path / "run"
+    _save_tag(run, BN_INF, "global_step2")
+    proc = _watch(run, "--timeout", "60", "--json")
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        _wait_for(lambda: len(out) == 1, 60)
+        _save_tag(run, MASTER_INF, "global_step3")
+        _wait_for(lambda: len(out) == 2, 60)
+        proc.terminate()  # as a job's end would
+        proc.wait(60)
+        reader.join(10)
+    finally:
+        proc.kill()
+    lines = [json.loads(ln) for ln in out]
+    assert [(d["path"], d["status"], len(d["findings"])) for d in lines] == [
+        (str(run / "global_step2"), "findings", 1), (str(run / "global_step3"), "findings", 2)]
+    assert proc.returncode == 143
+
+
+def test_watch_once_on_an_empty_run_exits_0(tmp_path):
+    from click.testing import CliRunner
+
+    from dsckpt.cli import main
+
+    r = CliRunner().invoke(main, ["watch", str(tmp_path), "--once"])
+    assert (r.exit_code, r.stdout) == (0, "")
+
+
+@pytest.mark.parametrize("bad", ["--interval=0", "--timeout=-1"])
+def test_watch_usage_errors(tmp_path, bad):
+    from click.testing import CliRunner
+
+    from dsckpt.cli import main
+
+    r = CliRunner().invoke(main, ["watch", str(tmp_path), bad])
+    assert r.exit_code == 2
