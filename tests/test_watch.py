@@ -322,3 +322,77 @@ def test_watch_usage_errors(tmp_path, bad):
 
     r = CliRunner().invoke(main, ["watch", str(tmp_path), bad])
     assert r.exit_code == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The callbacks, driven by hand (the live tier runs them in real training: tests/test_watch_live.py)
+
+
+def test_importing_dsckpt_and_the_callbacks_module_imports_no_framework():
+    code = ("import sys, dsckpt, dsckpt.cli, dsckpt.callbacks; "
+            "print(sorted(m for m in ('torch', 'transformers', 'lightning', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(("name", "package"), [("TrainerScanCallback", "transformers"),
+                                               ("LightningScanCallback", "lightning")])
+def test_a_callback_without_its_framework_is_a_clear_import_error(name, package):
+    code = (f"import sys; sys.modules[{package!r}] = None\n"
+            f"try:\n    from dsckpt.callbacks import {name}\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert out.strip() == f"dsckpt.callbacks.{name} needs {package} (pip install {package})"
+
+
+def test_trainer_callback_offers_saves_logs_findings_and_stops(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from dsckpt.callbacks import TrainerScanCallback
+
+    scanner, log = _fake_scanner(tmp_path)
+    cb = TrainerScanCallback(on_finding="stop", scanner=scanner)
+    args = type("Args", (), {"output_dir": str(tmp_path), "device": "cpu"})()
+    state, control = TrainerState(is_world_process_zero=True), TrainerControl()
+    (tmp_path / "go.checkpoint-3").touch()
+    state.global_step = 3
+    cb.on_save(args, state, control)
+    assert scanner.wait_idle(30)
+    state.global_step = 4
+    cb.on_step_end(args, state, control)
+    assert not control.should_training_stop
+    state.global_step = 6
+    cb.session.offer(tmp_path / "bad", 6)  # the fake worker finds something in a checkpoint named bad*
+    (tmp_path / "go.bad").touch()
+    assert scanner.wait_idle(30)
+    state.global_step = 7
+    cb.on_step_end(args, state, control)
+    assert control.should_training_stop
+    cb.on_train_end(args, state, control)
+    assert state.log_history == [
+        {"dsckpt/findings": 0.0, "dsckpt/checkpoint": str(tmp_path / "checkpoint-3"), "dsckpt/checkpoint_step": 3,
+         "step": 4},
+        {"dsckpt/findings": 1.0, "dsckpt/checkpoint": str(tmp_path / "bad"), "dsckpt/checkpoint_step": 6, "step": 7}]
+    assert _log(log) == ["start checkpoint-3", "end checkpoint-3", "start bad", "end bad"]
+
+
+def test_trainer_callback_on_another_rank_scans_nothing(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from dsckpt.callbacks import TrainerScanCallback
+
+    cb = TrainerScanCallback(on_finding="stop")
+    args = type("Args", (), {"output_dir": str(tmp_path), "device": "cpu"})()
+    state, control = TrainerState(is_world_process_zero=False, global_step=3), TrainerControl()
+    cb.on_save(args, state, control)
+    cb.on_step_end(args, state, control)
+    cb.on_train_end(args, state, control)
+    assert cb.session._scanner is None and not cb.session.offered and not control.should_training_stop
+
+
+def test_on_finding_is_checked():
+    from dsckpt.callbacks import TrainerScanCallback
+
+    with pytest.raises(ValueError, match="on_finding must be one of"):
+        TrainerScanCallback(on_finding="halt")
