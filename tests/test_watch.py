@@ -396,3 +396,39 @@ def test_on_finding_is_checked():
 
     with pytest.raises(ValueError, match="on_finding must be one of"):
         TrainerScanCallback(on_finding="halt")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# live: a real Trainer + DeepSpeed run on 2 CPU ranks with the callback (tests/hf_watch_check.py)
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_trainer_run_flags_the_right_checkpoint_and_stops(tmp_path):
+    from ds_launch import DEEPSPEED, launch_verdict, ranks_done, run_in_session
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    out, report = tmp_path / "run", tmp_path / "report.json"
+    proc = run_in_session([str(DEEPSPEED), "--num_gpus", "2", "--master_port", "29851",
+                           str(REPO / "tests" / "hf_watch_check.py"), "--out", str(out), "--report", str(report),
+                           "--on-finding", "stop", "--max-steps", "60"], cwd=tmp_path, timeout=540)
+    complete = report.is_file() and not ranks_done(report, 2)
+    verdict, note = launch_verdict(proc.returncode, complete=complete, failed=False)
+    assert verdict == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + note
+    rep = json.loads(report.read_text())
+    # checkpoint-3 was scanned clean before the inf went in (after step 4); checkpoint-6 is the first with it
+    first = load_valid_record(out / "checkpoint-3")
+    assert first is not None and first["findings"] == []
+    flagged = load_valid_record(out / "checkpoint-6")
+    assert flagged is not None
+    assert [(f["name"], f["kind"], f["posinf"], f["first_indices"]) for f in flagged["findings"]] == [
+        ("health", "buffer", 1, [1])]
+    log = rep["dsckpt_log"]
+    assert [(e["dsckpt/checkpoint"], e["dsckpt/findings"]) for e in log[:2]] == [
+        (str(out / "checkpoint-3"), 0.0), (str(out / "checkpoint-6"), 1.0)]
+    # stopped at the step boundary after the finding was known, long before max_steps, with no save after it
+    assert log[1]["step"] <= rep["final_global_step"] < rep["max_steps"]
+    assert rep["final_global_step"] == log[1]["step"]
+    # only global rank 0 offered checkpoints to a scanner
+    assert rep["offered"][1] == [] and str(out / "checkpoint-6") in rep["offered"][0]
