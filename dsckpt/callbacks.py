@@ -97,7 +97,7 @@ def _metrics(o: Outcome) -> dict[str, float]:
     return {"dsckpt/findings": float(o.n_findings)}
 
 
-def _log_outcome(log: logging.Logger, o: Outcome) -> None:
+def _log_outcome(log: Any, o: Outcome) -> None:
     if o.status is Status.FINDINGS:
         log.warning("dsckpt: %s: %s", o.describe(), "; ".join(o.findings))
     elif o.status is Status.UNREADABLE:
@@ -192,8 +192,9 @@ def _make_lightning_callback() -> type:
         """Scan every checkpoint a ``ModelCheckpoint`` saves, in the background (see :mod:`dsckpt.callbacks`).
 
         ``Trainer(..., callbacks=[LightningScanCallback(on_finding="stop")])``. Looks at each
-        ``ModelCheckpoint``'s saved paths (``last_model_path``, ``best_k_models``) after every training batch and
-        at the end of validation; checkpoints saved with ``trainer.save_checkpoint`` by hand are not seen.
+        ``ModelCheckpoint``'s saved paths (``last_model_path``, ``best_model_path``, ``best_k_models``) after every
+        training batch and at the end of validation; checkpoints saved with ``trainer.save_checkpoint`` by hand are
+        not seen.
         ``on_finding``: ``"log"`` or ``"stop"`` (``trainer.should_stop``, the ranks agreeing with
         ``strategy.reduce_boolean_decision``). Metrics go to every ``trainer.loggers`` on rank 0 with
         ``log_metrics`` (``dsckpt/findings``, ``dsckpt/checkpoint_step``)."""
@@ -205,7 +206,8 @@ def _make_lightning_callback() -> type:
 
         def _offer_saved(self, trainer: Any) -> None:
             for cb in trainer.checkpoint_callbacks:
-                for p in [getattr(cb, "last_model_path", ""), *getattr(cb, "best_k_models", {})]:
+                for p in [getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", ""),
+                          *getattr(cb, "best_k_models", {})]:
                     if p and Path(p) not in self.session.offered and os.path.lexists(p):
                         listed = list_run_checkpoints(p)
                         self.session.offer(Path(p), listed[0].step if listed else None)

@@ -1,6 +1,8 @@
 """The scanner process of :class:`dsckpt.watch.BackgroundScanner`: ``python -m dsckpt.scan_worker``.
 
-Reads one JSON request per line on stdin (``{"path", "nonfinite_only", "workers"}``), scans that checkpoint, writes
+Reads one JSON request per line on stdin (``{"path", "nonfinite_only", "workers", "complete_timeout_s"}``), waits
+until that checkpoint is completely written (:func:`dsckpt.scan_record.completeness_problem`; at most
+``complete_timeout_s`` seconds, then it is answered as unreadable), scans it, writes
 its scan record beside it (:func:`dsckpt.scan_record.write_record`; a valid record already there is reused, not
 rescanned) and answers one JSON line on stdout (:func:`handle`). Ends when stdin closes. Never raises for a bad
 checkpoint: a damaged, half-written, deleted or rewritten one is an ``unreadable`` answer naming why, and the next
@@ -13,12 +15,15 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 __all__ = ["handle", "main", "scan_for_record"]
 
 logger = logging.getLogger(__name__)
+
+COMPLETE_POLL_S = 0.2
 
 #: At most this many findings are kept in a record and an answer (the count is kept whole).
 MAX_FINDINGS = 50
@@ -39,10 +44,18 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     """Answer one request: ``{"status": "clean"|"findings"|"unreadable", "findings": [line, ...], "message",
     "reused"}``."""
     from .errors import DsckptError
-    from .scan_record import fingerprint, load_valid_record, write_record
+    from .scan_record import completeness_problem, fingerprint, load_valid_record, write_record
 
     path = Path(request["path"])
     try:
+        end = time.monotonic() + float(request.get("complete_timeout_s", 0.0))
+        while (problem := completeness_problem(path)) is not None:
+            if not os.path.lexists(path):
+                return {"status": "unreadable", "findings": [], "message": "deleted before it was complete"}
+            if time.monotonic() >= end:
+                return {"status": "unreadable", "findings": [],
+                        "message": f"not completely written after {request.get('complete_timeout_s', 0)} s: {problem}"}
+            time.sleep(COMPLETE_POLL_S)
         result = load_valid_record(path)
         if result is not None:
             return {**reply_from_result(result), "reused": True}
@@ -56,7 +69,7 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         return {**reply_from_result(result), "reused": False}
     except (DsckptError, OSError) as e:
         return {"status": "unreadable", "findings": [], "message": str(e).replace("\n", " ")}
-    except Exception as e:  # noqa: BLE001 - the worker serves the next checkpoint whatever happened to this one
+    except Exception as e:
         logger.exception("dsckpt scanner: internal error on %s", path)
         return {"status": "unreadable", "findings": [],
                 "message": f"internal error ({type(e).__name__}: {e}); this is a dsckpt bug, please report it"}

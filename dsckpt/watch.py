@@ -8,8 +8,8 @@ Used by ``dsckpt watch RUN`` and by the framework callbacks (:mod:`dsckpt.callba
 * :class:`BackgroundScanner` -- one scanner process (``python -m dsckpt.scan_worker``, a plain subprocess: no
   fork of a training process with its threads and accelerator state, no re-import of a training script that
   lacks a ``__main__`` guard) at low priority and one thread, fed one checkpoint at a time by a daemon thread
-  of the caller's process, which starts a checkpoint only once it is complete (every rank file written:
-  :func:`dsckpt.scan_record.checkpoint_complete`). The worker writes the scan record beside the checkpoint
+  of the caller's process. The scanner process starts a checkpoint only once it is complete (every rank file
+  written: :func:`dsckpt.scan_record.completeness_problem`), writes the scan record beside it
   (:func:`dsckpt.scan_record.write_record`), which ``scan --all`` reuses while the files are unchanged, and
   reuses a valid record itself. :meth:`BackgroundScanner.offer` and :meth:`BackgroundScanner.outcomes` never
   block;
@@ -200,22 +200,22 @@ def worker_env() -> dict[str, str]:
 class BackgroundScanner:
     """Scan offered checkpoints in one background process, one at a time, newest first (:class:`SkipAhead`).
 
-    ``is_complete(path)`` says whether every file of a checkpoint is written (default
-    :func:`dsckpt.scan_record.checkpoint_complete`); a waiting checkpoint is started only then, checked every
-    ``poll_s`` seconds. ``nonfinite_only`` and ``workers`` are passed to the scan (``workers`` default 0: the
-    scanner's one thread). ``on_outcome`` is called from the scanner's thread for every outcome (keep it short);
-    :meth:`outcomes` hands them to the caller's thread. The scanner process starts on the first offer.
+    The scanner process waits until a checkpoint is completely written
+    (:func:`dsckpt.scan_record.completeness_problem`, checked every 0.2 s for up to ``complete_timeout_s`` seconds)
+    before it scans it, so this process (a training rank) does no more than hand over a path and read back one line:
+    not even the directory listing and metadata parse of the completeness check hold its interpreter.
+    ``is_complete(path)``, when given, is checked here first, every ``poll_s`` seconds (tests put fakes there).
+    ``nonfinite_only`` and ``workers`` are passed to the scan (``workers`` default 0: the scanner's one thread).
+    ``on_outcome`` is called from the scanner's thread for every outcome (keep it short); :meth:`outcomes` hands
+    them to the caller's thread. The scanner process starts on the first offer.
     ``command``/``env``: the worker process (tests put a slow or failing one there)."""
 
     def __init__(self, *, is_complete: Callable[[Path], bool] | None = None, nonfinite_only: bool = False,
-                 workers: int = 0, poll_s: float = 0.5, on_outcome: Callable[[Outcome], None] | None = None,
+                 workers: int = 0, poll_s: float = 0.5, complete_timeout_s: float = 300.0,
+                 on_outcome: Callable[[Outcome], None] | None = None,
                  command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
-        if is_complete is None:
-            from .scan_record import checkpoint_complete
-
-            is_complete = checkpoint_complete
-        self._is_complete = is_complete
-        self._request = {"nonfinite_only": nonfinite_only, "workers": workers}
+        self._is_complete = is_complete if is_complete is not None else os.path.lexists
+        self._request = {"nonfinite_only": nonfinite_only, "workers": workers, "complete_timeout_s": complete_timeout_s}
         self._poll_s = poll_s
         self._on_outcome = on_outcome
         self._command = command or worker_command()
@@ -286,7 +286,7 @@ class BackgroundScanner:
         if self._on_outcome is not None:
             try:
                 self._on_outcome(outcome)
-            except Exception:  # noqa: BLE001 - a caller's hook must not stop the scanner
+            except Exception:
                 logger.exception("dsckpt watch: the outcome hook failed")
 
     def _ensure_thread(self) -> None:
@@ -428,8 +428,7 @@ def watch_run(run: str | os.PathLike[str], *, interval_s: float = 5.0, timeout_s
         is_complete = checkpoint_complete
     own = scanner is None
     if scanner is None:
-        scanner = BackgroundScanner(is_complete=is_complete, nonfinite_only=nonfinite_only, workers=workers,
-                                    poll_s=min(interval_s, 0.5))
+        scanner = BackgroundScanner(nonfinite_only=nonfinite_only, workers=workers, poll_s=min(interval_s, 0.5))
     end = None if timeout_s is None else time.monotonic() + timeout_s
     offered: set[Path] = set()
 

@@ -230,7 +230,7 @@ def test_an_incomplete_checkpoint_is_never_scanned(tmp_path):
         scanner.offer(tag, 3)
         time.sleep(1.0)
         assert scanner.outcomes() == []
-        assert not scanner.idle and scanner._proc is None  # waiting; no scan started
+        assert not scanner.idle  # the scanner process waits for rank 1's file
         assert not record_path(tag).exists()
         _save_tag(run, TWO_RANKS, "global_step3", files=ranks[2:])
         assert scanner.wait_idle(120)
@@ -242,7 +242,7 @@ def test_an_incomplete_checkpoint_is_never_scanned(tmp_path):
 
 def test_watch_run_reuses_a_valid_record_and_rescans_a_changed_checkpoint(tmp_path):
     run = tmp_path / "run"
-    tag = _save_tag(run, CLEAN, "global_step1")
+    _save_tag(run, CLEAN, "global_step1")
     [o] = list(watch_run(run, once=True, timeout_s=120))
     assert (o.status, o.reused) == (Status.CLEAN, False)
     [o] = list(watch_run(run, once=True, timeout_s=120))
@@ -432,3 +432,15 @@ def test_trainer_run_flags_the_right_checkpoint_and_stops(tmp_path):
     assert rep["final_global_step"] == log[1]["step"]
     # only global rank 0 offered checkpoints to a scanner
     assert rep["offered"][1] == [] and str(out / "checkpoint-6") in rep["offered"][0]
+
+
+def test_the_worker_answers_a_checkpoint_never_completed_as_unreadable(tmp_path):
+    from dsckpt.scan_worker import handle
+
+    tag = _save_tag(tmp_path / "run", TWO_RANKS, "global_step3", files=["mp_rank_00_model_states.pt",
+                                                                        "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+    got = handle({"path": str(tag), "complete_timeout_s": 0.3})
+    assert got["status"] == "unreadable"
+    assert got["message"].startswith("not completely written after 0.3 s: ")
+    assert "rank 1" in got["message"]
+    assert not record_path(tag).exists()
