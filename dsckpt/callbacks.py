@@ -209,8 +209,9 @@ def _make_lightning_callback() -> type:
                 for p in [getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", ""),
                           *getattr(cb, "best_k_models", {})]:
                     if p and Path(p) not in self.session.offered and os.path.lexists(p):
-                        listed = list_run_checkpoints(p)
-                        self.session.offer(Path(p), listed[0].step if listed else None)
+                        # the step from the name, as the run listing reads it (epoch=0-step=3.ckpt)
+                        step = next((c.step for c in list_run_checkpoints(Path(p).parent) if c.path == Path(p)), None)
+                        self.session.offer(Path(p), step)
 
         def _step(self, trainer: Any, pl_module: Any, *, can_stop: bool) -> None:
             stop = False

@@ -392,10 +392,10 @@ def test_trainer_callback_on_another_rank_scans_nothing(tmp_path):
 
 
 def test_on_finding_is_checked():
-    from dsckpt.callbacks import TrainerScanCallback
+    from dsckpt.callbacks import _ScanSession
 
     with pytest.raises(ValueError, match="on_finding must be one of"):
-        TrainerScanCallback(on_finding="halt")
+        _ScanSession(on_finding="halt", nonfinite_only=False, wait_at_end_s=None, scanner=None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -444,3 +444,35 @@ def test_the_worker_answers_a_checkpoint_never_completed_as_unreadable(tmp_path)
     assert got["message"].startswith("not completely written after 0.3 s: ")
     assert "rank 1" in got["message"]
     assert not record_path(tag).exists()
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_lightning_run_flags_the_right_checkpoint_and_stops(tmp_path):
+    from ds_launch import run_in_session
+
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    proc = run_in_session([sys.executable, str(REPO / "tests" / "lightning_watch_check.py"), str(out), str(report)],
+                          cwd=tmp_path, timeout=540, env={"MASTER_PORT": "29853"})
+    reports = [Path(f"{report}.rank{r}.json") for r in range(2)]
+    assert all(r.is_file() for r in reports), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank0, rank1 = (json.loads(r.read_text()) for r in reports)
+    ckpts = out / "ckpts"
+    first = load_valid_record(ckpts / "epoch=0-step=3.ckpt")
+    assert first is not None and first["findings"] == []
+    flagged = load_valid_record(ckpts / "epoch=1-step=6.ckpt")
+    assert flagged is not None
+    assert [(f["name"], f["kind"], f["posinf"], f["first_indices"]) for f in flagged["findings"]] == [
+        ("bn.running_var", "buffer", 1, [1])]
+    seen = [(o["path"], o["step"], o["status"]) for o in rank0["outcomes"]]
+    assert seen[:2] == [(str(ckpts / "epoch=0-step=3.ckpt"), 3, "clean"),
+                        (str(ckpts / "epoch=1-step=6.ckpt"), 6, "findings")]
+    # stopped soon after the finding was known, every rank at the same step; only rank 0 scanned
+    assert 6 < rank0["global_step"] == rank1["global_step"] < rank0["max_steps"]
+    assert rank1["offered"] == [] and rank1["outcomes"] == []
+    # the findings went to the run's logger (CSVLogger) as metrics
+    import csv
+
+    rows = list(csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open()))
+    logged = [(r["dsckpt/checkpoint_step"], r["dsckpt/findings"]) for r in rows if r.get("dsckpt/findings")]
+    assert logged[:2] == [("3.0", "0.0"), ("6.0", "1.0")]
