@@ -235,6 +235,13 @@ def info(ckpt: str, tag: str | None, as_json: bool, show_tensors: bool) -> None:
         sys.exit(3)
 
 
+def _training_lines(t: dict[str, Any] | None) -> list[str]:
+    """``info``'s training-state lines: an fp16 run's loss scaler, skipped steps where there are any, findings."""
+    if t is None or not t["worth_showing"]:
+        return []
+    return [f"training     {t['describe']}", *(f"             finding: {m}" for m in t["findings"])]
+
+
 def _human(nbytes: int) -> str:
     size = float(nbytes)
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -268,6 +275,7 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         f"deepspeed    {s['deepspeed_version'] or 'unknown'}",
         f"progress     global step {known(s['global_steps'])}, samples {known(s['global_samples'])}, "
         f"optimizer step {known(s['optimizer_step'])}",
+        *_training_lines(s.get("training")),
         f"params       {p['count']} tensors, {p['numel_total']:,} elements "
         f"({p['numel_trainable']:,} trainable, {p['numel_frozen']:,} frozen"
         + (f", {p['numel_undetermined']:,} undetermined" if p["numel_undetermined"] else "") + ")",
@@ -624,19 +632,31 @@ _CHECK_NAMES = {"nonfinite": "inf/NaN", "fp16_overflow": "fp16 overflow", "misma
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
               help="Workers reading and checking chunks in parallel (default: one per core, at most 8; "
                    "0: everything in one thread); processes from 4 workers and 1 GiB read, else threads.")
+@click.option("--all", "whole_run", is_flag=True,
+              help="TARGET is a run (a save dir, a Trainer output_dir, a Lightning dirpath): scan every checkpoint "
+                   "in step order, then name the last clean one and the first with findings.")
 @distributed_option
 @handle_errors
 def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
-         workers: int | None, distributed: bool) -> None:
+         workers: int | None, whole_run: bool, distributed: bool) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
     state-dict file. Also flags fp32 masters beyond fp16's range in fp16-trained checkpoints and
     16-bit weights that disagree with their fp32 master (not with --nonfinite). Exit 1 on findings.
     Non-finite values in client state (a trainer's callbacks, loops, schedulers) are listed as notes
-    naming their key path and do not change the exit code.
+    naming their key path and do not change the exit code. fp16 runs: a loss scale at its floor is a
+    finding; so is a trained param whose optimizer state is all zeros where its module's others are not.
     """
     from types import SimpleNamespace
+
+    if whole_run:
+        if tag is not None or distributed:
+            from .errors import UsageError
+
+            raise UsageError("--all scans every checkpoint of TARGET: it takes neither --tag nor --distributed")
+        _scan_run(target, nonfinite_only=nonfinite_only, as_json=as_json, quiet=quiet, workers=workers)
+        return
 
     from .scan import prepare_scan, run_scan, run_scan_distributed
 
@@ -656,15 +676,56 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
         head = (f"scanned {report.target} ({report.target_kind.value}): {report.stored_tensors} stored tensors, "
                 f"{report.numel_scanned:,} values, {_human(report.nbytes_read)}; checks: {checks}")
         click.echo(head)
+        if report.training is not None and report.training.worth_showing:
+            click.echo(f"training: {report.training.describe()}")
         if report.clean:
             click.echo("clean: nothing found" if not report.client_state else
                        "clean: nothing found in model or optimizer data")
         for f in report.findings:
             click.echo(f"  {f.check.value:13s} {f.describe()}")
+        for h in report.health:
+            click.echo(f"  {h.check.value:13s} {h.describe()}")
         for f in report.client_state:
             click.echo(f"  note          {f.describe()}")
         if not report.clean:
-            click.echo(f"{len(report.findings)} finding(s); see 'dsckpt repair' to patch inf/NaN values")
+            n = len(report.findings) + len(report.health)
+            click.echo(f"{n} finding(s)" + ("; see 'dsckpt repair' to patch inf/NaN values" if report.findings
+                                            else ""))
+    sys.exit(0 if report.clean else 1)
+
+
+def _scan_run(target: str, *, nonfinite_only: bool, as_json: bool, quiet: bool, workers: int | None) -> None:
+    from .scan_run import scan_run
+
+    show = not quiet and not as_json and sys.stderr.isatty()
+
+    def started(c: Any) -> None:
+        if show:
+            click.echo(f"scanning {c.path} ...", err=True)
+
+    report = scan_run(target, nonfinite_only=nonfinite_only, workers=workers, on_checkpoint=started)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        sys.exit(0 if report.clean else 1)
+    entries = report.checkpoints
+    click.echo(f"scanned run {report.run}: {len(entries)} checkpoint(s)"
+               + (", inf/NaN only" if nonfinite_only else ""))
+    fp16 = any(e.loss_scale is not None for e in entries)
+    width = max(len(str(e.path)) for e in entries)
+    click.echo(f"  {'step':>6}  " + (f"{'loss scale':>10}  " if fp16 else "") + f"{'skipped':>7}  "
+               + f"{'checkpoint':{width}s}  result")
+    for e in entries:
+        step = "?" if e.step is None else str(e.step)
+        scale = "-" if e.loss_scale is None else f"{e.loss_scale:g}"
+        skipped = "-" if e.skipped_steps is None else str(e.skipped_steps)
+        result = e.summary + (" (scan record reused)" if e.reused_record else "")
+        result += "".join(f"; note: {n}" for n in e.notes)
+        click.echo(f"  {step:>6}  " + (f"{scale:>10}  " if fp16 else "") + f"{skipped:>7}  "
+                   + f"{str(e.path):{width}s}  {one_line(result)}")
+    lc, ff = report.last_clean, report.first_with_findings
+    click.echo(f"last clean:          {lc.path} (step {lc.step})" if lc is not None else "last clean:          none")
+    click.echo(f"first with findings: {ff.path} (step {ff.step})" if ff is not None
+               else "first with findings: none")
     sys.exit(0 if report.clean else 1)
 
 
