@@ -7,6 +7,9 @@ its scan record beside it (:func:`dsckpt.scan_record.write_record`; a valid reco
 rescanned) and answers one JSON line on stdout (:func:`handle`). Ends when stdin closes. Never raises for a bad
 checkpoint: a damaged, half-written, deleted or rewritten one is an ``unreadable`` answer naming why, and the next
 request is served.
+
+What is checked and recorded is what ``scan RUN --all`` checks for each checkpoint
+(:func:`dsckpt.scan_run.check_checkpoint`), so a record written here is reused there and the other way round.
 """
 
 from __future__ import annotations
@@ -17,70 +20,65 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["handle", "main", "scan_for_record"]
+if TYPE_CHECKING:
+    from .scan_record import RunCheckpoint
+
+__all__ = ["handle", "main", "run_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 COMPLETE_POLL_S = 0.2
 
-#: At most this many findings are kept in a record and an answer (the count is kept whole).
-MAX_FINDINGS = 50
 
+def run_checkpoint(path: Path) -> RunCheckpoint:
+    """``path`` as an entry of its run's listing (its step and kind), or as a run of its own."""
+    from .scan_record import RunCheckpoint, RunCheckpointKind, list_run_checkpoints
 
-def scan_for_record(path: Path, *, nonfinite_only: bool, workers: int) -> dict[str, Any]:
-    """Scan the checkpoint at ``path`` and return what its scan record holds (``result``)."""
-    from .scan import prepare_scan, run_scan
-
-    plan, cache = prepare_scan(path, nonfinite_only=nonfinite_only)
-    report = run_scan(plan, cache, workers=workers, processes=False)
-    findings = [{**f.to_dict(), "description": f.describe()} for f in report.findings]
-    return {"path": str(path), "clean": report.clean, "findings": findings[:MAX_FINDINGS],
-            "n_findings": len(findings), "checks": [c.value for c in report.checks]}
+    listed = next((c for c in list_run_checkpoints(path.parent) if c.path == path), None)
+    if listed is None:
+        listed = next(iter(list_run_checkpoints(path)), None)
+    if listed is None:
+        kind = RunCheckpointKind.LIGHTNING_CKPT if path.suffix == ".ckpt" else RunCheckpointKind.DEEPSPEED_TAG
+        listed = RunCheckpoint(path, None, kind)
+    return listed
 
 
 def handle(request: dict[str, Any]) -> dict[str, Any]:
-    """Answer one request: ``{"status": "clean"|"findings"|"unreadable", "findings": [line, ...], "message",
-    "reused"}``."""
-    from .errors import DsckptError
-    from .scan_record import completeness_problem, fingerprint, load_valid_record, write_record
+    """Answer one request: ``{"status": "clean"|"findings"|"unreadable", "findings": [line, ...], "count",
+    "message", "reused", "step"}``. The checkpoint is checked as ``scan --all`` checks each one
+    (:func:`dsckpt.scan_run.check_checkpoint`, which reuses a valid record); a new clean or findings result is
+    written as its scan record (``entry.to_dict()``). Incomplete, unreadable or changed-while-read checkpoints get no
+    record (the next look reads them again)."""
+    from .scan_record import completeness_problem, write_record
+    from .scan_run import RunStatus, check_checkpoint
 
     path = Path(request["path"])
     try:
         end = time.monotonic() + float(request.get("complete_timeout_s", 0.0))
         while (problem := completeness_problem(path)) is not None:
             if not os.path.lexists(path):
-                return {"status": "unreadable", "findings": [], "message": "deleted before it was complete"}
+                return _unreadable("deleted before it was complete")
             if time.monotonic() >= end:
-                return {"status": "unreadable", "findings": [],
-                        "message": f"not completely written after {request.get('complete_timeout_s', 0)} s: {problem}"}
+                return _unreadable(f"not completely written after {request.get('complete_timeout_s', 0)} s: "
+                                   f"{problem}")
             time.sleep(COMPLETE_POLL_S)
-        result = load_valid_record(path)
-        if result is not None:
-            return {**reply_from_result(result), "reused": True}
-        before = fingerprint(path)
-        result = scan_for_record(path, nonfinite_only=bool(request.get("nonfinite_only")),
+        entry = check_checkpoint(run_checkpoint(path), nonfinite_only=bool(request.get("nonfinite_only")),
                                  workers=int(request.get("workers") or 0))
-        if fingerprint(path) != before:
-            return {"status": "unreadable", "findings": [],
-                    "message": "its files changed while it was scanned (rewritten or deleted); no record written"}
-        write_record(path, result)
-        return {**reply_from_result(result), "reused": False}
-    except (DsckptError, OSError) as e:
-        return {"status": "unreadable", "findings": [], "message": str(e).replace("\n", " ")}
-    except Exception as e:
-        logger.exception("dsckpt scanner: internal error on %s", path)
-        return {"status": "unreadable", "findings": [],
-                "message": f"internal error ({type(e).__name__}: {e}); this is a dsckpt bug, please report it"}
+        if entry.status in (RunStatus.CLEAN, RunStatus.FINDINGS):
+            if not entry.reused_record:
+                write_record(path, entry.to_dict())
+            return {"status": entry.status.value, "findings": list(entry.details), "count": entry.findings,
+                    "message": None, "reused": entry.reused_record, "step": entry.step}
+        return _unreadable(entry.summary)
+    except Exception as e:  # noqa: BLE001 - the worker serves the next checkpoint whatever happened to this one
+        logger.exception("dsckpt scanner: error on %s", path)
+        return _unreadable(f"{type(e).__name__}: {e}".replace("\n", " "))
 
 
-def reply_from_result(result: dict[str, Any]) -> dict[str, Any]:
-    """The answer for a record's ``result`` (one checkpoint's entry of ``scan --all --json``)."""
-    if result.get("error"):
-        return {"status": "unreadable", "findings": [], "message": str(result["error"])}
-    lines = [f"{f.get('check', '?')}: {f.get('description', '')}" for f in result.get("findings", [])]
-    return {"status": "findings" if lines else "clean", "findings": lines, "message": None}
+def _unreadable(message: str) -> dict[str, Any]:
+    return {"status": "unreadable", "findings": [], "count": 1, "message": message, "reused": False}
 
 
 def main() -> int:

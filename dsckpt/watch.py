@@ -67,8 +67,8 @@ class Status(Enum):
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of one offered checkpoint. ``findings``: one line per finding (``check: description``);
-    ``n_findings`` their number; ``message``: why unreadable or skipped; ``reused``: from a valid record beside
+    """What became of one offered checkpoint. ``findings``: one line per finding (``check description``, at most
+    :data:`dsckpt.scan_run.MAX_DETAILS`); ``count`` how many findings there are (training-state ones included); ``message``: why unreadable or skipped; ``reused``: from a valid record beside
     the checkpoint, not a new scan; ``scan_s``: seconds the scanner process spent on it."""
 
     saved: Saved
@@ -77,10 +77,11 @@ class Outcome:
     message: str | None = None
     reused: bool = False
     scan_s: float = 0.0
+    count: int | None = None
 
     @property
     def n_findings(self) -> int:
-        return len(self.findings)
+        return self.count if self.count is not None else len(self.findings)
 
     @property
     def path(self) -> Path:
@@ -101,7 +102,7 @@ class Outcome:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "step": self.step, "status": self.status.value,
-                "findings": list(self.findings), "message": self.message, "reused": self.reused,
+                "findings": list(self.findings), "count": self.n_findings, "message": self.message, "reused": self.reused,
                 "scan_s": round(self.scan_s, 3)}
 
 
@@ -233,13 +234,19 @@ class BackgroundScanner:
 
     def offer(self, path: str | os.PathLike[str], step: int | None = None) -> None:
         """Offer a saved (or being-saved) checkpoint; returns at once."""
-        saved = Saved(Path(path), step)
+        self.offer_many([(path, step)])
+
+    def offer_many(self, saved: list[tuple[str | os.PathLike[str], int | None]]) -> None:
+        """Offer several checkpoints at once (oldest first), as one: only the newest of them can be scanned next,
+        whatever the scanner thread was doing meanwhile."""
         with self._lock:
             if self._closing:
                 return
-            for s in self._plan.offer(saved):
-                newer = self._plan.pending if self._plan.pending is not s else None
-                self._add(skipped_outcome(s, newer or self._plan.running))
+            for path, step in saved:
+                s_new = Saved(Path(path), step)
+                for s in self._plan.offer(s_new):
+                    newer = self._plan.pending if self._plan.pending is not s else None
+                    self._add(skipped_outcome(s, newer or self._plan.running))
             self._ensure_thread()
         self._wake.set()
 
@@ -399,8 +406,10 @@ def _lower_priority() -> None:
 def outcome_from_reply(saved: Saved, reply: dict[str, Any], seconds: float) -> Outcome:
     """The worker's JSON reply (:func:`dsckpt.scan_worker.handle`) as an :class:`Outcome`."""
     status = Status(reply["status"])
-    return Outcome(saved, status, findings=tuple(reply.get("findings", ())), message=reply.get("message"),
-                   reused=bool(reply.get("reused")), scan_s=seconds)
+    findings = tuple(str(f) for f in reply.get("findings", ()))
+    count = reply.get("count")
+    return Outcome(saved, status, findings=findings, message=reply.get("message"), reused=bool(reply.get("reused")),
+                   scan_s=seconds, count=int(count) if status is Status.FINDINGS and count is not None else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,10 +442,10 @@ def watch_run(run: str | os.PathLike[str], *, interval_s: float = 5.0, timeout_s
     offered: set[Path] = set()
 
     def offer_new() -> None:
-        for saved in list_checkpoints(run):
-            if saved.path not in offered and is_complete(saved.path):
-                offered.add(saved.path)
-                scanner.offer(saved.path, saved.step)
+        new = [s for s in list_checkpoints(run) if s.path not in offered and is_complete(s.path)]
+        offered.update(s.path for s in new)
+        if new:
+            scanner.offer_many([(s.path, s.step) for s in new])
 
     try:
         if once:

@@ -29,8 +29,16 @@ CLEAN = FIXTURES / "ds0189_s2_fp16_w1" / "ckpt" / "global_step3"  # ZeRO-2 fp16,
 BN_INF = FIXTURES / "s2_fp16_w1_bnoverflow" / "ckpt" / "global_step3"  # bn.running_var +inf at [1, 4]
 MASTER_INF = FIXTURES / "s2_fp16_w1_masterinf" / "ckpt" / "global_step3"
 TWO_RANKS = FIXTURES / "s2_fp16_w2_cpuforced" / "ckpt" / "global_step3"  # 2 optimizer files, BN inf
-BN_LINE = ("nonfinite: bn.running_var: buffer, float16, 2 +inf of 7 values; in mp_rank_00_model_states.pt "
+BN_LINE = ("nonfinite bn.running_var: buffer, float16, 2 +inf of 7 values; in mp_rank_00_model_states.pt "
            "['module']['bn.running_var']; first indices [1, 4]")
+# a real run (tests/fixtures/runs/, DeepSpeed 0.19.8, ZeRO-2 bf16, 2 ranks): the batch of step 4 held an inf, the BN
+# statistics of global_step4 on are non-finite; as a DeepSpeed save dir and as a Trainer output_dir
+RUN_DS = FIXTURES / "runs" / "run_s2_bf16_w2_bnnan" / "run"
+RUN_HF = FIXTURES / "runs" / "run_hf_s2_bf16_w2_bnnan" / "run"
+NAN_LINES = ["nonfinite bn.running_mean: buffer, float32, 1 +inf of 7 values; in mp_rank_00_model_states.pt "
+             "['module']['bn.running_mean']; first indices [0]",
+             "nonfinite bn.running_var: buffer, float32, 1 NaN of 7 values; in mp_rank_00_model_states.pt "
+             "['module']['bn.running_var']; first indices [0]"]
 
 
 def _s(name: str, step: int | None = None) -> Saved:
@@ -237,7 +245,7 @@ def test_an_incomplete_checkpoint_is_never_scanned(tmp_path):
         [o] = scanner.outcomes()
     assert (o.path, o.step, o.status, o.findings, o.reused) == (tag, 3, Status.FINDINGS, (BN_LINE,), False)
     rec = load_valid_record(tag)
-    assert rec is not None and [f["name"] for f in rec["findings"]] == ["bn.running_var"]
+    assert rec is not None and (rec["status"], rec["details"]) == ("findings", [BN_LINE])
 
 
 def test_watch_run_reuses_a_valid_record_and_rescans_a_changed_checkpoint(tmp_path):
@@ -262,25 +270,50 @@ def _watch(run: Path, *args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def test_watch_exits_on_the_first_checkpoint_with_findings(tmp_path):
+def _save_trainer_checkpoint(run: Path, src: Path, *, trainer_state: bool = True) -> Path:
+    """Copy the Trainer checkpoint ``src`` into ``run`` as the Trainer writes one: DeepSpeed's files first,
+    ``trainer_state.json`` last."""
+    dst = run / src.name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("trainer_state.json"))
+    if trainer_state:
+        shutil.copy2(src / "trainer_state.json", dst / "trainer_state.json")
+    return dst
+
+
+@pytest.mark.parametrize("layout", ["deepspeed", "trainer"])
+def test_watch_exits_on_the_first_checkpoint_with_findings(tmp_path, layout):
     run = tmp_path / "run"
     run.mkdir()
     proc = _watch(run, "--exit-on-finding", "--timeout", "120")
     try:
-        step1 = _save_tag(run, CLEAN, "global_step1")
-        _wait_for(lambda: record_path(step1).exists(), 120)
-        step2 = _save_tag(run, BN_INF, "global_step2", latest=False)  # files written, 'latest' not yet
-        time.sleep(0.5)
-        assert not record_path(step2).exists() and proc.poll() is None
-        (run / "latest").write_text("global_step2")
+        if layout == "deepspeed":
+            step3 = _save_tag(run, RUN_DS / "global_step3", "global_step3")
+            _wait_for(lambda: record_path(step3).exists(), 120)
+            step4 = _save_tag(run, RUN_DS / "global_step4", "global_step4", latest=False)  # 'latest' not yet
+            time.sleep(0.5)
+            assert not record_path(step4).exists() and proc.poll() is None
+            (run / "latest").write_text("global_step4")
+        else:
+            step3 = _save_trainer_checkpoint(run, RUN_HF / "checkpoint-3")
+            _wait_for(lambda: record_path(step3).exists(), 120)
+            step4 = _save_trainer_checkpoint(run, RUN_HF / "checkpoint-4", trainer_state=False)
+            time.sleep(0.5)
+            assert not record_path(step4).exists() and proc.poll() is None
+            shutil.copy2(RUN_HF / "checkpoint-4" / "trainer_state.json", step4 / "trainer_state.json")
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 1, err
-    assert out.splitlines() == [f"{step1} (step 1): clean", f"{step2} (step 2): 1 finding(s)", f"  {BN_LINE}"]
-    assert err.splitlines()[-1] == f"dsckpt: findings in {step2}; stopped watching (--exit-on-finding)"
-    assert load_valid_record(step2)["findings"][0]["name"] == "bn.running_var"
-    assert load_valid_record(step1)["findings"] == []
+    assert out.splitlines() == [f"{step3} (step 3): clean", f"{step4} (step 4): 2 finding(s)",
+                                *(f"  {ln}" for ln in NAN_LINES)]
+    assert err.splitlines()[-1] == f"dsckpt: findings in {step4}; stopped watching (--exit-on-finding)"
+    # the records are scan --all's entries: it reuses them
+    assert (load_valid_record(step3)["status"], load_valid_record(step4)["findings"]) == ("clean", 2)
+    from dsckpt.scan_run import scan_run
+
+    report = scan_run(run)
+    assert [(e.step, e.status.value, e.reused_record) for e in report.checkpoints] == [
+        (3, "clean", True), (4, "findings", True)]
 
 
 def test_watch_goes_on_after_findings_and_ends_at_its_timeout(tmp_path):
@@ -419,11 +452,11 @@ def test_trainer_run_flags_the_right_checkpoint_and_stops(tmp_path):
     rep = json.loads(report.read_text())
     # checkpoint-3 was scanned clean before the inf went in (after step 4); checkpoint-6 is the first with it
     first = load_valid_record(out / "checkpoint-3")
-    assert first is not None and first["findings"] == []
+    assert first is not None and (first["status"], first["findings"]) == ("clean", 0)
     flagged = load_valid_record(out / "checkpoint-6")
-    assert flagged is not None
-    assert [(f["name"], f["kind"], f["posinf"], f["first_indices"]) for f in flagged["findings"]] == [
-        ("health", "buffer", 1, [1])]
+    assert flagged is not None and (flagged["status"], flagged["findings"]) == ("findings", 1)
+    assert flagged["details"][0].startswith("nonfinite health: buffer, bfloat16, 1 +inf of 4 values; in "
+                                            "mp_rank_00_model_states.pt ['module']['health']; first indices [1]")
     log = rep["dsckpt_log"]
     assert [(e["dsckpt/checkpoint"], e["dsckpt/findings"]) for e in log[:2]] == [
         (str(out / "checkpoint-3"), 0.0), (str(out / "checkpoint-6"), 1.0)]
@@ -459,11 +492,11 @@ def test_lightning_run_flags_the_right_checkpoint_and_stops(tmp_path):
     rank0, rank1 = (json.loads(r.read_text()) for r in reports)
     ckpts = out / "ckpts"
     first = load_valid_record(ckpts / "epoch=0-step=3.ckpt")
-    assert first is not None and first["findings"] == []
+    assert first is not None and (first["status"], first["findings"]) == ("clean", 0)
     flagged = load_valid_record(ckpts / "epoch=1-step=6.ckpt")
-    assert flagged is not None
-    assert [(f["name"], f["kind"], f["posinf"], f["first_indices"]) for f in flagged["findings"]] == [
-        ("bn.running_var", "buffer", 1, [1])]
+    assert flagged is not None and (flagged["status"], flagged["findings"]) == ("findings", 1)
+    assert flagged["details"] == ["nonfinite bn.running_var: buffer, float32, 1 +inf of 8 values; in "
+                                  "mp_rank_00_model_states.pt ['module']['bn.running_var']; first indices [1]"]
     seen = [(o["path"], o["step"], o["status"]) for o in rank0["outcomes"]]
     assert seen[:2] == [(str(ckpts / "epoch=0-step=3.ckpt"), 3, "clean"),
                         (str(ckpts / "epoch=1-step=6.ckpt"), 6, "findings")]
