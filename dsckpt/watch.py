@@ -68,8 +68,9 @@ class Status(Enum):
 @dataclass(frozen=True)
 class Outcome:
     """What became of one offered checkpoint. ``findings``: one line per finding (``check description``, at most
-    :data:`dsckpt.scan_run.MAX_DETAILS`); ``count`` how many findings there are (training-state ones included); ``message``: why unreadable or skipped; ``reused``: from a valid record beside
-    the checkpoint, not a new scan; ``scan_s``: seconds the scanner process spent on it."""
+    :data:`dsckpt.scan_run.MAX_DETAILS`); ``count``: how many findings there are (training-state ones included;
+    :attr:`n_findings`); ``message``: why unreadable or skipped; ``reused``: from a valid record beside the
+    checkpoint, not a new scan; ``scan_s``: seconds from handing it to the scanner process to its answer."""
 
     saved: Saved
     status: Status
@@ -102,8 +103,8 @@ class Outcome:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "step": self.step, "status": self.status.value,
-                "findings": list(self.findings), "count": self.n_findings, "message": self.message, "reused": self.reused,
-                "scan_s": round(self.scan_s, 3)}
+                "findings": list(self.findings), "count": self.n_findings, "message": self.message,
+                "reused": self.reused, "scan_s": round(self.scan_s, 3)}
 
 
 # --------------------------------------------------------------------------------------------
