@@ -18,7 +18,8 @@ Both do the same (:class:`_ScanSession`, over :class:`dsckpt.watch.BackgroundSca
   scanned (``dsckpt/unreadable`` = 1 for one that could not be read);
 * ``on_finding="stop"`` stops training at the next step boundary after a finding is known (Trainer:
   ``control.should_training_stop``; Lightning: ``trainer.should_stop``). Every rank must stop together, so with
-  ``"stop"`` the ranks agree on it each step (one all-reduce of one value; none with ``"log"``);
+  ``"stop"`` the ranks agree on it each step (:class:`_StopVote`: one all-reduce of one integer on a CPU group,
+  which never waits for the GPU; none with ``"log"``);
 * at the end of training, the last checkpoint's scan is waited for (``wait_at_end_s``) and logged.
 """
 
@@ -106,16 +107,27 @@ def _log_outcome(log: Any, o: Outcome) -> None:
         log.info("dsckpt: %s", o.describe())
 
 
-def _any_rank(flag: bool, device: Any) -> bool:
-    """True on every rank when ``flag`` is True on any (one all-reduce), or ``flag`` outside torch.distributed."""
-    import torch
-    import torch.distributed as dist
+class _StopVote:
+    """Whether any rank wants to stop: one all-reduce (MAX) of one integer per call, on a CPU (gloo) group, so the
+    vote never waits for an accelerator's queue (a CUDA tensor's ``.item()`` would, every step). Outside
+    torch.distributed, or on one rank, no collective. Every rank must call :meth:`any` at the same points."""
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._ready = False
+
+    def any(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        if not self._ready:  # every rank gets here at the same step: new_group is collective
+            self._group = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
+            self._ready = True
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(t.item())
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,6 +157,7 @@ def _make_trainer_callback() -> type:
                      wait_at_end_s: float | None = 600.0, scanner: BackgroundScanner | None = None) -> None:
             self.session = _ScanSession(on_finding=on_finding, nonfinite_only=nonfinite_only,
                                         wait_at_end_s=wait_at_end_s, scanner=scanner)
+            self._vote = _StopVote()
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.is_world_process_zero:
@@ -156,7 +169,7 @@ def _make_trainer_callback() -> type:
             if state.is_world_process_zero:
                 self._record(state, self.session.drain())
                 stop = self.session.stop_requested
-            if self.session.on_finding == "stop" and _any_rank(stop, args.device):
+            if self.session.on_finding == "stop" and self._vote.any(stop):
                 if not control.should_training_stop and state.is_world_process_zero:
                     log.warning("dsckpt: stopping training at step %d (on_finding='stop')", state.global_step)
                 control.should_training_stop = True
@@ -194,15 +207,15 @@ def _make_lightning_callback() -> type:
         ``Trainer(..., callbacks=[LightningScanCallback(on_finding="stop")])``. Looks at each
         ``ModelCheckpoint``'s saved paths (``last_model_path``, ``best_model_path``, ``best_k_models``) after every
         training batch and at the end of validation; checkpoints saved with ``trainer.save_checkpoint`` by hand are
-        not seen.
-        ``on_finding``: ``"log"`` or ``"stop"`` (``trainer.should_stop``, the ranks agreeing with
-        ``strategy.reduce_boolean_decision``). Metrics go to every ``trainer.loggers`` on rank 0 with
-        ``log_metrics`` (``dsckpt/findings``, ``dsckpt/checkpoint_step``)."""
+        not seen. ``on_finding``: ``"log"`` or ``"stop"`` (``trainer.should_stop``, the ranks agreeing each step).
+        Metrics go to every ``trainer.loggers`` on rank 0 with ``log_metrics`` (``dsckpt/findings``,
+        ``dsckpt/checkpoint_step``)."""
 
         def __init__(self, *, on_finding: str = "log", nonfinite_only: bool = False,
                      wait_at_end_s: float | None = 600.0, scanner: BackgroundScanner | None = None) -> None:
             self.session = _ScanSession(on_finding=on_finding, nonfinite_only=nonfinite_only,
                                         wait_at_end_s=wait_at_end_s, scanner=scanner)
+            self._vote = _StopVote()
 
         def _offer_saved(self, trainer: Any) -> None:
             for cb in trainer.checkpoint_callbacks:
@@ -220,7 +233,7 @@ def _make_lightning_callback() -> type:
                 self._record(trainer, self.session.drain())
                 stop = self.session.stop_requested
             if can_stop and self.session.on_finding == "stop":
-                if trainer.strategy.reduce_boolean_decision(stop, all=False):
+                if self._vote.any(stop):
                     if not trainer.should_stop and trainer.is_global_zero:
                         log.warning("dsckpt: stopping training at step %d (on_finding='stop')", trainer.global_step)
                     trainer.should_stop = True
