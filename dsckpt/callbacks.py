@@ -60,7 +60,7 @@ class _ScanSession:
     @property
     def scanner(self) -> BackgroundScanner:
         if self._scanner is None:
-            self._scanner = BackgroundScanner(nonfinite_only=self._nonfinite_only)
+            self._scanner = BackgroundScanner(nonfinite_only=self._nonfinite_only, finished_saves=True)
         return self._scanner
 
     def offer(self, path: Path, step: int | None) -> None:

@@ -1,8 +1,10 @@
 """The scanner process of :class:`dsckpt.watch.BackgroundScanner`: ``python -m dsckpt.scan_worker``.
 
-Reads one JSON request per line on stdin (``{"path", "nonfinite_only", "workers", "complete_timeout_s"}``), waits
-until that checkpoint is completely written (:func:`dsckpt.scan_record.completeness_problem`; at most
-``complete_timeout_s`` seconds, then it is answered as unreadable), scans it, writes
+Reads one JSON request per line on stdin (``{"path", "nonfinite_only", "workers", "complete_timeout_s",
+"finished_save"}``), waits until that checkpoint is completely written
+(:func:`dsckpt.scan_record.completeness_problem`; at most ``complete_timeout_s`` seconds, then it is answered as
+unreadable; ``finished_save``: the caller saw the save end, so a folder with no DeepSpeed layout at all, a Trainer
+save without DeepSpeed say, is answered at once rather than waited for), scans it, writes
 its scan record beside it (:func:`dsckpt.scan_record.write_record`; a valid record already there is reused, not
 rescanned) and answers one JSON line on stdout (:func:`handle`). Ends when stdin closes. Never raises for a bad
 checkpoint: a damaged, half-written, deleted or rewritten one is an ``unreadable`` answer naming why, and the next
@@ -60,6 +62,8 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         while (problem := completeness_problem(path)) is not None:
             if not os.path.lexists(path):
                 return _unreadable("deleted before it was complete")
+            if request.get("finished_save") and not _has_deepspeed_layout(path):
+                break  # a finished save without DeepSpeed's layout: check_checkpoint names it, no use waiting
             if time.monotonic() >= end:
                 return _unreadable(f"not completely written after {request.get('complete_timeout_s', 0)} s: "
                                    f"{problem}")
@@ -75,6 +79,17 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:
         logger.exception("dsckpt scanner: error on %s", path)
         return _unreadable(f"{type(e).__name__}: {e}".replace("\n", " "))
+
+
+def _has_deepspeed_layout(path: Path) -> bool:
+    from .errors import DsckptError
+    from .scan_record import tag_dir_of
+
+    try:
+        tag_dir_of(path)
+    except (DsckptError, OSError):
+        return False
+    return True
 
 
 def _unreadable(message: str) -> dict[str, Any]:

@@ -206,6 +206,8 @@ class BackgroundScanner:
     (:func:`dsckpt.scan_record.completeness_problem`, checked every 0.2 s for up to ``complete_timeout_s`` seconds)
     before it scans it, so this process (a training rank) does no more than hand over a path and read back one line:
     not even the directory listing and metadata parse of the completeness check hold its interpreter.
+    ``finished_saves``: every offer comes after its save ended (the callbacks), so a checkpoint without DeepSpeed's
+    layout is answered at once (not a DeepSpeed checkpoint) instead of waited for.
     ``is_complete(path)``, when given, is checked here first, every ``poll_s`` seconds (tests put fakes there).
     ``nonfinite_only`` and ``workers`` are passed to the scan (``workers`` default 0: the scanner's one thread).
     ``on_outcome`` is called from the scanner's thread for every outcome (keep it short); :meth:`outcomes` hands
@@ -214,10 +216,12 @@ class BackgroundScanner:
 
     def __init__(self, *, is_complete: Callable[[Path], bool] | None = None, nonfinite_only: bool = False,
                  workers: int = 0, poll_s: float = 0.5, complete_timeout_s: float = 300.0,
+                 finished_saves: bool = False,
                  on_outcome: Callable[[Outcome], None] | None = None,
                  command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self._is_complete = is_complete if is_complete is not None else os.path.lexists
-        self._request = {"nonfinite_only": nonfinite_only, "workers": workers, "complete_timeout_s": complete_timeout_s}
+        self._request = {"nonfinite_only": nonfinite_only, "workers": workers, "complete_timeout_s": complete_timeout_s,
+                         "finished_save": finished_saves}
         self._poll_s = poll_s
         self._on_outcome = on_outcome
         self._command = command or worker_command()

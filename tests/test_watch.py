@@ -509,3 +509,17 @@ def test_lightning_run_flags_the_right_checkpoint_and_stops(tmp_path):
     rows = list(csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open()))
     logged = [(r["dsckpt/checkpoint_step"], r["dsckpt/findings"]) for r in rows if r.get("dsckpt/findings")]
     assert logged[:2] == [("3.0", "0.0"), ("6.0", "1.0")]
+
+
+def test_a_finished_save_without_deepspeed_is_answered_at_once(tmp_path):
+    """The callbacks check DeepSpeed saves; a Trainer save without DeepSpeed is named as such, not waited for."""
+    from dsckpt.scan_worker import handle
+
+    ckpt = tmp_path / "checkpoint-3"  # model.safetensors and friends, no DeepSpeed files
+    ckpt.mkdir()
+    shutil.copy2(FIXTURES / "s2_fp16_w1_bnoverflow" / "source_fp32.safetensors", ckpt / "model.safetensors")
+    t0 = time.monotonic()
+    got = handle({"path": str(ckpt), "complete_timeout_s": 60, "finished_save": True})
+    assert time.monotonic() - t0 < 30
+    assert got["status"] == "unreadable" and "is not a DeepSpeed checkpoint" in got["message"]
+    assert not record_path(ckpt).exists() if ckpt.is_file() else not (ckpt / "dsckpt-scan.json").exists()
