@@ -455,8 +455,9 @@ def test_trainer_run_flags_the_right_checkpoint_and_stops(tmp_path):
     assert first is not None and (first["status"], first["findings"]) == ("clean", 0)
     flagged = load_valid_record(out / "checkpoint-6")
     assert flagged is not None and (flagged["status"], flagged["findings"]) == ("findings", 1)
-    assert flagged["details"][0].startswith("nonfinite health: buffer, bfloat16, 1 +inf of 4 values; in "
-                                            "mp_rank_00_model_states.pt ['module']['health']; first indices [1]")
+    # DeepSpeed's bf16 engine keeps float buffers in fp32
+    assert flagged["details"] == ["nonfinite health: buffer, float32, 1 +inf of 4 values; in "
+                                  "mp_rank_00_model_states.pt ['module']['health']; first indices [1]"]
     log = rep["dsckpt_log"]
     assert [(e["dsckpt/checkpoint"], e["dsckpt/findings"]) for e in log[:2]] == [
         (str(out / "checkpoint-3"), 0.0), (str(out / "checkpoint-6"), 1.0)]
@@ -497,7 +498,8 @@ def test_lightning_run_flags_the_right_checkpoint_and_stops(tmp_path):
     assert flagged is not None and (flagged["status"], flagged["findings"]) == ("findings", 1)
     assert flagged["details"] == ["nonfinite bn.running_var: buffer, float32, 1 +inf of 8 values; in "
                                   "mp_rank_00_model_states.pt ['module']['bn.running_var']; first indices [1]"]
-    seen = [(o["path"], o["step"], o["status"]) for o in rank0["outcomes"]]
+    # saves come every ~0.1 s here, faster than scans: later ones may be skipped ahead, but never these two
+    seen = [(o["path"], o["step"], o["status"]) for o in rank0["outcomes"] if o["status"] != "skipped"]
     assert seen[:2] == [(str(ckpts / "epoch=0-step=3.ckpt"), 3, "clean"),
                         (str(ckpts / "epoch=1-step=6.ckpt"), 6, "findings")]
     # stopped soon after the finding was known, every rank at the same step; only rank 0 scanned
