@@ -14,7 +14,9 @@ state), saving every ``--save-steps`` steps, in one of three modes:
 A step's time is from the Trainer's ``on_step_begin`` to its ``on_step_end`` (forward, backward, optimizer step;
 the save after some steps is the same in every mode and is not in it). Per mode: the median step time over all
 steps, and over the steps during which a scan was running (the scanner process busy when the step ended), each as a
-ratio to the anchor's median of the same round; the train() wall time too. Modes are interleaved (none, log, stop,
+ratio to the anchor's median; the CPU time the rank-0 training process spent per step (all its threads: torch's,
+and the callback's own thread; not the scanner process), which the machine's load from others moves far less than
+wall time; the train() wall time; and each round's median step, to show the spread. Modes are interleaved (none, log, stop,
 then reversed, ...) so load from others on the machine falls on all of them. Writes
 ``bench/results/callback_cost-<date>.md`` and the raw reports to ``bench/out/callback_cost/``.
 """
@@ -65,16 +67,16 @@ def rank_side(a: argparse.Namespace) -> None:
 
     class Timer(TrainerCallback):
         def __init__(self) -> None:
-            self.t0 = 0.0
-            self.steps: list[tuple[float, bool]] = []
+            self.t0 = self.c0 = 0.0
+            self.steps: list[tuple[float, bool, float]] = []
 
         def on_step_begin(self, args_, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args_, state, control, **kw):
-            dt = time.perf_counter() - self.t0
+            dt, dc = time.perf_counter() - self.t0, time.process_time() - self.c0
             s = scan_cb.session._scanner if scan_cb is not None else None
-            self.steps.append((dt, s is not None and not s.idle))
+            self.steps.append((dt, s is not None and not s.idle, dc))
 
     timer = Timer()
     # the Timer last: its on_step_end comes after the scan callback's, so a step's time includes the callback's work
@@ -134,20 +136,22 @@ def main() -> None:
             print(f"round {rnd} {mode:5s}: median step {med:.1f} ms, train {rep['train_s']:.1f} s, "
                   f"scans {rep.get('scans', 0)}, skipped {rep.get('skipped', 0)}", flush=True)
 
-    def med_ms(reps: list[dict], during_scan: bool | None = None) -> float:
-        vals = [s[0] for r in reps for s in r["steps"] if during_scan is None or s[1] == during_scan]
+    def med_ms(reps: list[dict], during_scan: bool | None = None, col: int = 0) -> float:
+        vals = [s[col] for r in reps for s in r["steps"] if during_scan is None or s[1] == during_scan]
         return statistics.median(vals) * 1e3 if vals else float("nan")
 
     anchor = med_ms(rows["none"])
+    anchor_cpu = med_ms(rows["none"], col=2)
     load = os.getloadavg()
     lines = [f"# TrainerScanCallback cost per training step ({datetime.date.today()})", "",
              f"`bench/callback_cost.py --rounds {a.rounds} --max-steps {a.max_steps} --save-steps {a.save_steps}`: "
              f"2 CPU ranks (DeepSpeed 0.19.8, gloo, ZeRO-2, bf16), {os.cpu_count()} cores shared with other work "
              f"(load average at the end: {load[0]:.1f}). Step = on_step_begin -> on_step_end; medians over every "
              "step of every round.", "",
-             "| mode | median step (ms) | vs none | median step while a scan ran (ms) | vs none | steps with a scan "
-             "running | train() wall (s, median) | scans done / skipped ahead (total) | scan time (s, median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | median step (ms) | vs none | median step while a scan ran (ms) | vs none | CPU per step, rank 0 "
+             "(ms) | vs none | steps with a scan running | train() wall (s, median) | scans done / skipped ahead "
+             "(total) | scan time (s, median) | median step per round (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in MODES:
         reps = rows[m]
         during = med_ms(reps, True) if m != "none" else float("nan")
@@ -157,8 +161,11 @@ def main() -> None:
         during_col = f"{during:.1f} | {during / anchor:.3f}" if m != "none" else "- | -"
         scans_col = f"{sum(r['scans'] for r in reps)} / {sum(r['skipped'] for r in reps)}" if m != "none" else "-"
         scan_col = f"{statistics.median(scan_s):.2f}" if scan_s else "-"
-        lines.append(f"| {m} | {med_ms(reps):.1f} | {med_ms(reps) / anchor:.3f} | {during_col} | {n_during}/{n_steps} | "
-                     f"{statistics.median(r['train_s'] for r in reps):.1f} | {scans_col} | {scan_col} |")
+        cpu = med_ms(reps, col=2)
+        per_round = ", ".join(f"{med_ms([r]):.0f}" for r in reps)
+        lines.append(f"| {m} | {med_ms(reps):.1f} | {med_ms(reps) / anchor:.3f} | {during_col} | {cpu:.1f} | "
+                     f"{cpu / anchor_cpu:.3f} | {n_during}/{n_steps} | {statistics.median(r['train_s'] for r in reps):.1f}"
+                     f" | {scans_col} | {scan_col} | {per_round} |")
     text = "\n".join(lines) + "\n"
     print(text)
     dest = HERE / "results" / f"callback_cost-{datetime.date.today()}.md"
