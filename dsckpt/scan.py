@@ -141,9 +141,11 @@ def state_reset_findings(zero_states: dict[tuple[str, str], bool]) -> list[Healt
 def _report(plan: ScanPlan, found: list[Finding], stored_tensors: int, totals: tuple[int, int],
             zero_states: dict[tuple[str, str], bool] | None = None) -> ScanReport:
     health: list[HealthFinding] = []
-    if plan.training is not None:
+    if plan.checks == (Check.NONFINITE,):  # --nonfinite: inf/NaN only; the training state is still shown
+        pass
+    elif plan.training is not None:
         health += [HealthFinding(HealthCheck.LOSS_SCALE, None, m) for m in plan.training.findings()]
-    if zero_states:
+    if zero_states and plan.checks != (Check.NONFINITE,):
         health += state_reset_findings(zero_states)
     return ScanReport(plan.target, plan.target_kind, plan.checks_run,
                       tuple(f for f in found if f.kind is not StoredKind.CLIENT_STATE), stored_tensors,

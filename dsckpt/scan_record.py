@@ -199,7 +199,6 @@ def write_record(ckpt_path: str | os.PathLike[str], result: dict[str, Any]) -> P
               "fingerprint": fingerprint(ckpt_path), "result": result}
     data = json.dumps(record, indent=1, sort_keys=True).encode("utf-8")
     with atomic_file(target, make_parent=False) as f:
-        os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide the record from the run's other users
         f.write(data)
     return target
 
@@ -229,7 +228,7 @@ def load_valid_record(ckpt_path: str | os.PathLike[str]) -> dict[str, Any] | Non
         return None
 
 
-def completeness_problem(ckpt_path: str | os.PathLike[str]) -> str | None:
+def completeness_problem(ckpt_path: str | os.PathLike[str], *, require_latest: bool = True) -> str | None:
     """Why the checkpoint at ``ckpt_path`` is not completely written yet, or None when it is. Reads directory
     entries, ``latest`` and the rank-0 model-states file's pickle metadata (for the world sizes); no tensor data.
 
@@ -242,7 +241,8 @@ def completeness_problem(ckpt_path: str | os.PathLike[str]) -> str | None:
       model-states' ``dp_world_size`` and every model-parallel rank (as the readers check).
     A Trainer ``checkpoint-N`` also needs its ``trainer_state.json`` (the Trainer writes it after DeepSpeed's files).
     A Lightning ``.ckpt`` file (no DeepSpeed) is complete when it is a readable zip or pickle file: not checked
-    here."""
+    here. ``require_latest=False``: a save dir holding no ``latest`` at all is not a problem by itself (a run saved
+    with ``save_latest=False``); the rank files are still checked."""
     from .layout import classify_files, expect_dp_ranks, find_tag_dir
 
     p = Path(ckpt_path)
@@ -255,14 +255,15 @@ def completeness_problem(ckpt_path: str | os.PathLike[str]) -> str | None:
     if _HF_CHECKPOINT.match(root.name) and not (root / "trainer_state.json").is_file():
         return f"'{root}' has no trainer_state.json yet: the Trainer has not finished this save"
     latest = root / "latest"
-    if not latest.is_file():
+    has_latest = latest.is_file()
+    if not has_latest and require_latest:
         return (f"'{root}' holds no 'latest' file: DeepSpeed writes it once every rank has saved, so this save "
                 "was not finished (or the run saves with save_latest=False)")
     try:
-        named = latest.read_text("utf-8", errors="replace").strip()
+        named = latest.read_text("utf-8", errors="replace").strip() if has_latest else tag
         files = classify_files(root, tag, tag_dir)
         newest = max((f.stat().st_mtime_ns for f in files.all_files()), default=0)
-        latest_ns = latest.stat().st_mtime_ns
+        latest_ns = latest.stat().st_mtime_ns if has_latest else newest
     except (OSError, DsckptError) as e:
         return str(e)
     if named != tag:

@@ -33,6 +33,7 @@ from typing import Any
 from .errors import DsckptError, UsageError
 from .scan_record import (
     RunCheckpoint,
+    RunCheckpointKind,
     completeness_problem,
     fingerprint,
     list_run_checkpoints,
@@ -157,11 +158,14 @@ def check_checkpoint(ckpt: RunCheckpoint, *, nonfinite_only: bool = False, worke
                 entry = None
             if entry is not None and (nonfinite_only or not entry.nonfinite_only):
                 return replace(entry, path=ckpt.path, kind=kind, reused_record=True)
-    problem = completeness_problem(ckpt.path)
-    if problem is not None and "holds no 'latest' file" in problem and ckpt.kind.name == "DEEPSPEED_TAG":
-        # a save dir without 'latest' at all (save_latest=False, or never finished): scan each tag as it is
+    if not ckpt.path.exists():
+        why = f"'{ckpt.path}' was deleted after the run was listed (a cleanup such as save_total_limit?)"
+        return replace(base, details=(why,), summary=f"unreadable: {why}")
+    # a save dir without 'latest' at all (save_latest=False, or never finished): each tag is scanned as it is
+    save_dir_tag = ckpt.kind is RunCheckpointKind.DEEPSPEED_TAG
+    if save_dir_tag and ckpt.path.is_dir() and not (ckpt.path.parent / "latest").is_file():
         notes.append("the save dir holds no 'latest': whether this save finished cannot be told")
-        problem = None
+    problem = completeness_problem(ckpt.path, require_latest=not save_dir_tag)
     try:
         before = fingerprint(ckpt.path)
         plan, cache, logical = prepare_scan_opened(ckpt.path, nonfinite_only=nonfinite_only)
@@ -181,7 +185,8 @@ def check_checkpoint(ckpt: RunCheckpoint, *, nonfinite_only: bool = False, worke
     details += [f"{h.check.value} {h.describe()}" for h in report.health][: max(0, MAX_DETAILS - len(details))]
     count = len(report.findings) + len(report.health)
     short = [_short(f) for f in report.findings] + [
-        f"{h.check.value} {h.name}" if h.name else f"{h.check.value} at its floor" for h in report.health]
+        f"{h.check.value} {h.name}" if h.name else
+        f"{h.check.value} {ls.scale:g} at its floor" if ls is not None else h.check.value for h in report.health]
     status = RunStatus.CLEAN if report.clean else RunStatus.FINDINGS
     if problem is not None:
         status, count = RunStatus.INCOMPLETE, count + 1

@@ -33,7 +33,13 @@ RUNS = FIXTURES / "runs"
 DS_RUN = RUNS / "run_s2_bf16_w2_bnnan"
 HF_RUN = RUNS / "run_hf_s2_bf16_w2_bnnan"
 RESET = RUNS / "s2_bf16_w2_statereset"
-RUN_FIXTURES = [DS_RUN, HF_RUN]
+LIGHTNING_RUN = RUNS / "run_lightning_s2_fp32_w2_bnnan"
+RUN_FIXTURES = [DS_RUN, HF_RUN, LIGHTNING_RUN]
+
+
+def run_dir(fx: Path) -> Path:
+    """The folder a user passes to scan --all: the save dir / output_dir, or the Lightning dirpath."""
+    return fx / ("ckpts" if fx == LIGHTNING_RUN else "run")
 
 
 def truth(fx: Path) -> dict:
@@ -53,13 +59,13 @@ def copy_run(fx: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("fx", RUN_FIXTURES, ids=lambda p: p.name)
 def test_scan_all_matches_the_truth_of_every_checkpoint(fx):
     t = truth(fx)
-    report = scan_run(fx / "run", workers=0)
+    report = scan_run(run_dir(fx), workers=0)
     assert [e.path.name for e in report.checkpoints] == [c["path"] for c in t["checkpoints"]]
     for e, c in zip(report.checkpoints, t["checkpoints"]):
         bad_buffers = sorted(n for n, k in c["buffers"].items() if k)
         assert e.global_steps == e.step == c["global_steps"]
         assert e.skipped_steps == c["skipped_steps"]
-        assert e.loss_scale is None  # bf16
+        assert e.loss_scale is None  # bf16, fp32
         assert e.clean is (c["nonfinite_values"] == 0)
         assert e.findings == len(bad_buffers) + sum(1 for d in c["params"].values() for v in d.values() if v)
         assert sorted(d.split(":")[0].split(" ", 1)[1] for d in e.details) == bad_buffers
@@ -279,7 +285,7 @@ def test_record_is_ignored_by_the_other_commands(tmp_path):
 
 
 def test_completeness_of_the_committed_runs():
-    assert all(checkpoint_complete(c.path) for fx in RUN_FIXTURES for c in list_run_checkpoints(fx / "run"))
+    assert all(checkpoint_complete(c.path) for fx in RUN_FIXTURES for c in list_run_checkpoints(run_dir(fx)))
 
 
 def test_trainer_checkpoint_without_trainer_state_is_incomplete(tmp_path):
@@ -345,3 +351,72 @@ def test_state_reset_is_named():
     assert res.exit_code == 1 and "  state_reset   fc1.bias: " in res.output
     # the same in every worker layout
     assert scan(RESET / "run").health == report.health
+
+
+# the rescue helper's fp16 run (tests/fixtures/lossfloor, generate_lossfloor.py): its scale reaches the floor at
+# step 5 and DeepSpeed ended the run on the next overflow
+LOSSFLOOR = FIXTURES / "lossfloor" / "s2_fp16_w2"
+
+
+def test_lossfloor_run_loss_scale_columns_and_floor_findings():
+    t = truth(LOSSFLOOR)
+    report = scan_run(LOSSFLOOR / "ckpt", workers=0)
+    assert [e.path.name for e in report.checkpoints] == [c["tag"] for c in t["checkpoints"]]
+    for e, c in zip(report.checkpoints, t["checkpoints"]):
+        ls = c["loss_scaler"]
+        assert (e.loss_scale, e.loss_scale_floor) == (ls["cur_scale"], ls["min_scale"])
+        assert (e.skipped_steps, e.global_steps) == (c["skipped_steps"], c["global_steps"])
+        floor = [d for d in e.details if d.startswith("loss_scale ")]
+        assert bool(floor) is c["at_floor"]
+        assert e.findings == len(c["nonfinite"]) + c["at_floor"]
+        if c["at_floor"]:
+            assert f"loss_scale {ls['cur_scale']:g} at its floor" in e.summary
+            assert "the next overflow ends the run" in floor[0] and REPAIR_HINT in floor[0]
+            assert t["exit_at_floor"]["message"] in floor[0]  # what DeepSpeed raised at the next overflow
+    assert report.last_clean.path.name == t["last_clean"]
+    assert report.first_with_findings.path.name == "global_step5"
+
+
+def test_lossfloor_scan_and_info_of_the_floor_checkpoint():
+    tag = LOSSFLOOR / "ckpt" / "global_step5"
+    report = scan(tag)
+    assert [h.check.value for h in report.health] == ["loss_scale"]
+    assert report.training.loss_scaler.to_dict() | {"source": None} == {
+        "dynamic": True, "scale": 8.0, "floor": 8.0, "hysteresis": 2, "hysteresis_left": 1, "scale_window": 1000,
+        "at_floor": True, "source": None}
+    assert not scan(tag, nonfinite_only=True).health  # --nonfinite: inf/NaN only
+    res = CliRunner().invoke(main, ["info", str(tag)])
+    assert res.exit_code == 0
+    lines = res.output.splitlines()
+    i = lines.index("training     fp16, dynamic loss scale 8 (floor 8, hysteresis 1 of 2 left), skipped steps 3 of 5 "
+                    "global steps")
+    assert lines[i + 1].startswith("             finding: loss scale 8 sits at its floor (min_scale 8): the next "
+                                   "overflow ends the run")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_scan_all_same_answer_with_any_worker_count(workers):
+    a = scan_run(DS_RUN / "run", workers=workers).to_dict()
+    b = scan_run(DS_RUN / "run", workers=1).to_dict()
+    assert a == b
+
+
+def test_a_single_checkpoint_is_a_run_of_one():
+    report = scan_run(DS_RUN / "run" / "global_step2", workers=0)
+    assert [e.path.name for e in report.checkpoints] == ["global_step2"]
+    assert report.clean and report.first_with_findings is None
+    assert report.to_dict()["first_with_findings"] is None
+
+
+def test_checkpoint_deleted_while_the_run_is_read(tmp_path):
+    run = copy_run(DS_RUN, tmp_path)
+
+    def delete_step2(c):  # a cleanup (save_total_limit) removing a checkpoint after it was listed
+        if c.path.name == "global_step2":
+            shutil.rmtree(c.path)
+
+    report = scan_run(run, workers=0, on_checkpoint=delete_step2)
+    e = report.checkpoints[1]
+    assert e.path.name == "global_step2" and e.status is RunStatus.UNREADABLE
+    assert "global_step2' was deleted after the run was listed" in e.details[0]
+    assert [x.status for x in report.checkpoints[2:]] == [RunStatus.CLEAN] + [RunStatus.FINDINGS] * 3
