@@ -525,3 +525,32 @@ def test_a_finished_save_without_deepspeed_is_answered_at_once(tmp_path):
     assert time.monotonic() - t0 < 30
     assert got["status"] == "unreadable" and "is not a DeepSpeed checkpoint" in got["message"]
     assert not record_path(ckpt).exists() if ckpt.is_file() else not (ckpt / "dsckpt-scan.json").exists()
+
+
+RUN_LIGHTNING = FIXTURES / "runs" / "run_lightning_s2_fp32_w2_bnnan" / "ckpts"
+LAYOUTS = [("deepspeed", RUN_DS, "global_step3", "global_step4"),
+           ("trainer", RUN_HF, "checkpoint-3", "checkpoint-4"),
+           ("lightning", RUN_LIGHTNING, "epoch=0-step=3.ckpt", "epoch=1-step=4.ckpt")]
+
+
+@pytest.mark.parametrize(("layout", "src", "clean", "bad"), LAYOUTS, ids=[lt[0] for lt in LAYOUTS])
+def test_watch_run_on_each_run_layout(tmp_path, layout, src, clean, bad):
+    """The real run (BN statistics non-finite from step 4) saved as each framework saves it, one save at a time."""
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def save(name: str) -> None:
+        shutil.copytree(src / name, run / name)
+        if layout == "deepspeed":
+            (run / "latest").write_text(name)
+
+    save(clean)
+    [o] = list(watch_run(run, once=True, timeout_s=120))
+    assert (o.path, o.step, o.status) == (run / clean, 3, Status.CLEAN)
+    save(bad)
+    got = list(watch_run(run, once=True, timeout_s=120))
+    assert [(o.path.name, o.step, o.status, o.n_findings) for o in got] == [
+        (clean, 3, Status.SKIPPED, 0), (bad, 4, Status.FINDINGS, 2)]
+    assert [ln.split(":")[0] for ln in got[1].findings] == ["nonfinite bn.running_mean", "nonfinite bn.running_var"]
+    assert load_valid_record(run / clean)["status"] == "clean"
+    assert load_valid_record(run / bad)["status"] == "findings"
