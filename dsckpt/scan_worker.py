@@ -97,7 +97,13 @@ def _unreadable(message: str) -> dict[str, Any]:
 
 
 def main() -> int:
+    from .watch import WORKER_NICE
+
     logging.basicConfig(level=logging.WARNING, format="dsckpt scanner: %(message)s")
+    try:
+        os.nice(WORKER_NICE)  # yield the CPU to the training ranks
+    except OSError:
+        pass
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -307,6 +307,15 @@ class BackgroundScanner:
             self._thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # a scanner thread that died would leave offers waiting forever: say so
+            with self._lock:
+                closing = self._closing
+            if not closing:
+                logger.exception("dsckpt: the scanner thread stopped; later checkpoints are not scanned")
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 if self._closing:
@@ -348,9 +357,10 @@ class BackgroundScanner:
 
     def _send(self, saved: Saved) -> None:
         if self._proc is None or self._proc.poll() is not None:
+            # no preexec_fn (not safe in a process with threads, as a training rank is): the worker lowers its
+            # own priority; its own session keeps a terminal's Ctrl-C for the training process to handle
             self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=None, text=True, env=self._env, bufsize=1,
-                                          preexec_fn=_lower_priority, start_new_session=True)
+                                          stderr=None, text=True, env=self._env, bufsize=1, start_new_session=True)
         assert self._proc.stdin is not None
         self._started_at = time.monotonic()
         self._proc.stdin.write(json.dumps({**self._request, "path": str(saved.path)}) + "\n")
@@ -369,7 +379,11 @@ class BackgroundScanner:
             self._finish(Outcome(saved, Status.UNREADABLE,
                                  message=f"the scanner process ended (exit status {code}) while scanning it"))
             return
-        self._finish(outcome_from_reply(saved, json.loads(line), time.monotonic() - self._started_at))
+        try:
+            outcome = outcome_from_reply(saved, json.loads(line), time.monotonic() - self._started_at)
+        except (ValueError, KeyError, TypeError):
+            outcome = Outcome(saved, Status.UNREADABLE, message=f"the scanner process answered {line.strip()[:200]!r}")
+        self._finish(outcome)
 
     def _finish(self, outcome: Outcome) -> None:
         with self._lock:
@@ -399,13 +413,6 @@ def _close(stream: IO[str] | None) -> None:
             stream.close()
         except OSError:
             pass
-
-
-def _lower_priority() -> None:
-    try:
-        os.nice(WORKER_NICE)
-    except OSError:
-        pass
 
 
 def outcome_from_reply(saved: Saved, reply: dict[str, Any], seconds: float) -> Outcome:

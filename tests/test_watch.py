@@ -554,3 +554,32 @@ def test_watch_run_on_each_run_layout(tmp_path, layout, src, clean, bad):
     assert [ln.split(":")[0] for ln in got[1].findings] == ["nonfinite bn.running_mean", "nonfinite bn.running_var"]
     assert load_valid_record(run / clean)["status"] == "clean"
     assert load_valid_record(run / bad)["status"] == "findings"
+
+
+def test_a_garbled_answer_is_one_unreadable_line_and_the_scanner_goes_on(tmp_path):
+    script = tmp_path / "garble.py"
+    script.write_text("import sys\nfor line in sys.stdin:\n"
+                      "    print('not json' if 'a' in line.rsplit('/', 1)[-1] else '{\"status\": \"clean\"}', flush=True)\n")
+    seen: list[Outcome] = []
+    with BackgroundScanner(is_complete=lambda p: True, poll_s=0.01, on_outcome=seen.append,
+                           command=[sys.executable, str(script)], env=dict(os.environ)) as scanner:
+        scanner.offer(tmp_path / "a", 1)
+        assert scanner.wait_idle(30)
+        scanner.offer(tmp_path / "b", 2)
+        assert scanner.wait_idle(30)
+    assert [(o.path.name, o.status, o.message) for o in seen] == [
+        ("a", Status.UNREADABLE, "the scanner process answered 'not json'"), ("b", Status.CLEAN, None)]
+
+
+def test_the_scanner_process_runs_at_lower_priority(tmp_path):
+    from dsckpt.watch import WORKER_NICE
+
+    run = tmp_path / "run"
+    _save_tag(run, CLEAN, "global_step1")
+    with BackgroundScanner(poll_s=0.02) as scanner:
+        scanner.offer(run / "global_step1", 1)
+        assert scanner.wait_idle(120)
+        [o] = scanner.outcomes()
+        worker_nice = os.getpriority(os.PRIO_PROCESS, scanner._proc.pid)  # still alive, waiting for the next one
+    assert o.status is Status.CLEAN
+    assert worker_nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
