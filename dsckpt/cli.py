@@ -749,6 +749,51 @@ def _scan_run(target: str, *, nonfinite_only: bool, as_json: bool, quiet: bool, 
 
 
 @main.command()
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--exit-on-finding", is_flag=True,
+              help="Exit 1 as soon as a checkpoint has findings, naming it (the rest of the run is not watched).")
+@click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="Seconds between looks at RUN for new checkpoints.")
+@click.option("--timeout", "timeout_s", default=None, type=click.FloatRange(min=0.0),
+              help="Stop watching after this many seconds (default: until Ctrl-C).")
+@click.option("--once", is_flag=True,
+              help="Check the newest complete checkpoint now, then exit (use 'scan RUN --all' for every one).")
+@click.option("--nonfinite", "nonfinite_only", is_flag=True, help="Only look for inf/NaN values.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line, per checkpoint.")
+@handle_errors
+def watch(run: str, exit_on_finding: bool, interval: float, timeout_s: float | None, once: bool,
+          nonfinite_only: bool, as_json: bool) -> None:
+    """Scan each checkpoint of RUN as soon as it is completely written, for runs whose code you cannot change.
+
+    RUN: a DeepSpeed save dir, a Trainer output_dir or a Lightning dirpath, as training writes it. Each
+    checkpoint is scanned once every rank file is written, in one background process at low priority, one at a
+    time; when several newer checkpoints complete during a scan, only the newest is scanned next (the others are
+    listed as skipped). The result is recorded beside each checkpoint (dsckpt-scan.json), which 'scan RUN --all'
+    reuses while its files are unchanged. Exit 1 if a checkpoint had findings or could not be read, else 0.
+    """
+    from .watch import Status, watch_run
+
+    seen_bad = False
+    click.echo(f"dsckpt: watching {run} (every {interval:g} s"
+               + (f", for {timeout_s:g} s" if timeout_s is not None else "") + ")", err=True)
+    for outcome in watch_run(run, interval_s=interval, timeout_s=timeout_s, once=once,
+                             nonfinite_only=nonfinite_only):
+        if as_json:
+            click.echo(json.dumps(outcome.to_dict()))
+        else:
+            click.echo(outcome.describe())
+            for line in outcome.findings:
+                click.echo(f"  {line}")
+        sys.stdout.flush()
+        if outcome.status in (Status.FINDINGS, Status.UNREADABLE):
+            seen_bad = True
+        if exit_on_finding and outcome.status is Status.FINDINGS:
+            click.echo(f"dsckpt: findings in {outcome.path}; stopped watching (--exit-on-finding)", err=True)
+            sys.exit(1)
+    sys.exit(1 if seen_bad else 0)
+
+
+@main.command()
 @click.argument("a", type=click.Path(exists=True, path_type=str))
 @click.argument("b", type=click.Path(exists=True, path_type=str))
 @click.option("--atol", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
