@@ -44,6 +44,7 @@ from .loss_scale import LossScalePlan, apply_loss_scale, check_loss_scale, find_
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
 from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
+from .scan_record import is_record_file
 from .stand_ins import DeepSpeedObject
 from .state_dict_files import TargetKind, detect_target, open_state_dict, read_safetensors_header
 from .validate import refuse_unloadable_fields
@@ -638,7 +639,7 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
     if plan.input_kind is TargetKind.SAFETENSORS:
         return group.step(lambda: run_repair(plan, out, force=force, on_progress=on_progress)
                           if group.is_root else None, "writing OUT")[0]
-    entries = sorted(inp.rglob("*"))
+    entries = sorted(p for p in inp.rglob("*") if not is_record_file(p.name))
     files = [src for src in entries if not (src.is_dir() and not src.is_symlink())]
     to_rewrite = {f.resolve() for f in plan.files}
     mine = split_by_nbytes([src.stat().st_size for src in files], group.world_size)[group.rank]
@@ -709,6 +710,8 @@ def _run_folder(plan: RepairPlan, inp: Path, out: Path,
     to_rewrite = {f.resolve() for f in plan.files}
     with atomic_dir(out) as tmp:
         for src in sorted(inp.rglob("*")):
+            if is_record_file(src.name):  # the input's scan record describes the input, not the repaired copy
+                continue
             rel = src.relative_to(inp)
             dst = tmp / rel
             if src.is_dir() and not src.is_symlink():
