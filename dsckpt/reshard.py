@@ -43,19 +43,17 @@ from .ds_writers import (
 from .ds_writers.common import fmt_key as _fmt_key
 from .ds_writers.facts import (
     ELASTIC_NOTE,
-    derive_facts,
-    is_elastic,
     read_source_facts,
-    refusal_message,
-    refusals_from_logical,
     refuse_elastic_target,
 )
 from .ds_writers.plan import source_model_files, source_optim_files
 from .ds_writers.readback import compare_checkpoints, verify_written
+from .ds_writers.source import describe_source
+from .ds_writers.target import ReshardRequest, resolve_target
 from .ds_writers.universal import UniversalPlan
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .errors import CorruptCheckpointError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import Kind, LogicalCheckpoint, Precision
+from .model import Kind, LogicalCheckpoint
 
 __all__ = [
     "ReshardPlan",
@@ -127,89 +125,17 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     (:func:`dsckpt.hf.plan_resume_files`: names listed from the folder, nothing opened), RNG states mapped to the new
     rank count.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
-    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if sub_group_size is not None and (not isinstance(sub_group_size, int) or sub_group_size < 1):
-        raise UsageError(f"--sub-group-size must be a positive integer, got {sub_group_size!r}")
-    tp = max(1, ckpt.tp_world_size) if tp_size is None else tp_size
-    if not isinstance(tp, int) or tp < 1:
-        raise UsageError(f"--tp-size must be a positive integer, got {tp_size!r}")
-    problems = refusals_from_logical(ckpt)
-    if problems:
-        raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
-    stages = None
-    if ckpt.pipeline is not None:
-        from .pipeline_stages import plan_stages
-
-        if zero_stage not in (None, 0, 1):
-            raise UnsupportedCheckpointError(
-                f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage {zero_stage}: DeepSpeed's "
-                "PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"incompatible with pipeline parallelism\"); pick "
-                "--zero-stage 1 or, at fp32, 0")
-        if zero_stage == 0:
-            _refuse_stage0_pipeline(ckpt)
-        stages = plan_stages(ckpt, pp_size, method=partition_method, num_layers=num_layers, layer_types=layer_types)
-    elif pp_size not in (None, 1) or partition_method is not None or num_layers is not None or layer_types:
-        raise UsageError(f"--pp-size, --partition-method, --num-layers and --layer-types are for pipeline "
-                         f"(PipelineModule) checkpoints, and '{ckpt.tag_dir}' has no pipeline stages")
-    pp = stages.pp_size if stages is not None else 1
-    if world_size % (tp * pp):
-        raise UsageError(f"--world-size {world_size} is not a multiple of the tensor-parallel size {tp} times the "
-                         f"pipeline size {pp} (the data-parallel size is world size / (TP size x pipeline stages))")
-    total_world = world_size
-    world_size //= tp * pp
-    facts = facts if facts is not None else derive_facts(ckpt)
-    if tp not in (1, max(1, ckpt.tp_world_size)) and ckpt.tensor_parallel is not None and facts.autotp_meta is None:
-        from dataclasses import replace
-
-        from .autotp_widths import read_autotp_meta
-
-        # AutoTP's widths at another TP size depend on the model's key/value heads: its config.json, beside the tag
-        facts = replace(facts, autotp_meta=read_autotp_meta(ckpt.root, ckpt.ds_config))
-    stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
-    refuse_elastic_target(ckpt, zero_stage=stage, tp_size=tp, ep_size=ep_size)
-    if sub_group_size is not None and stage != 3:
-        raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
-    optim = source_optim_files(ckpt)
-    zero_optim = [p for p in optim if "zero_pp_rank_" in p.name]
-    common: dict[str, Any] = dict(
+    src = describe_source(ckpt, facts)  # 1. the source, described once (refuses what no target is written from)
+    target = resolve_target(src, ReshardRequest(  # 2. every flag checked against it, the target decided
+        world_size, zero_stage=zero_stage, sub_group_size=sub_group_size, tp_size=tp_size, ep_size=ep_size,
+        pp_size=pp_size, partition_method=partition_method, num_layers=num_layers, layer_types=layer_types,
+        vocab_divisor=make_vocab_size_divisible_by))
+    return plan_layout(src, target, dict(  # 3. the files, planned from both
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
-        precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
-        source_optim_files=optim,
-        # DeepSpeed prefixes the ZeRO optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
-        # them (stage 0, whose MoE expp_rank_* files are never prefixed; a universal folder) says so through its
-        # precision
-        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in zero_optim) if zero_optim
-                             else ckpt.precision is Precision.BF16),
-        hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
-        tied_keys=ckpt.pipeline.tied_keys if ckpt.pipeline is not None else (),
-    )
-    if is_elastic(ckpt):
-        common["notes"] = (ELASTIC_NOTE,)
-    if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
-        raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
-    if make_vocab_size_divisible_by is not None and (not isinstance(make_vocab_size_divisible_by, int)
-                                                     or make_vocab_size_divisible_by < 1):
-        raise UsageError("--make-vocab-size-divisible-by must be a positive integer, got "
-                         f"{make_vocab_size_divisible_by!r}")
-    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size,
-                                    stages=stages, vocab_divisor=make_vocab_size_divisible_by), facts, common)
-
-
-
-def _refuse_stage0_pipeline(ckpt: LogicalCheckpoint) -> None:
-    """A pipeline target without ZeRO is written at fp32 only (a torch optimizer per stage,
-    :func:`dsckpt.ds_writers.stage0.plan_stage0_from_zero`): a 16-bit pipeline without ZeRO trains under
-    ``BF16_Optimizer``, whose stage-0 save DeepSpeed 0.19.8 cannot resume (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``).
-    A tensor x pipeline run is written per (stage, TP rank) like a plain one, its TP-local params named."""
-    if ckpt.precision is not Precision.FP32:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage 0: a {ckpt.precision.value} pipeline "
-            "without ZeRO trains under BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume even "
-            "unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); keep --zero-stage 1 (the same optimizer "
-            "and state)")
+        precision=src.precision, source_world_size=ckpt.dp_world_size, world_size=target.world_size,
+        source_optim_files=src.optim_files, bf16_prefixed_optim=src.bf16_prefixed_optim,
+        hf_files=_plan_hf_files(ckpt, target.total_world_size) if hf_files else None, tied_keys=src.tied_keys,
+        **({"notes": src.notes} if src.notes else {})))
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:

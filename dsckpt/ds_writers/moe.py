@@ -20,8 +20,8 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import LogicalCheckpoint
 from ..parallel_layout import EXPERT_NAME, ParallelLayout, global_expert_name, local_expert_name
 
-__all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_layout_at", "moe_note", "rank_in_group",
-           "rename_expert_groups", "retarget_moe"]
+__all__ = ["copied_files", "ep_size_refusal", "expert_group_sizes", "held_by_ep_rank_0", "moe_layout_at", "moe_note",
+           "rank_in_group", "rename_expert_groups", "retarget_moe"]
 
 
 def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
@@ -79,8 +79,22 @@ def moe_note(ckpt: LogicalCheckpoint, world: int, n_copied: int) -> str:
     return f"Mixture of Experts: expert-parallel size kept at {sizes}; the {n_copied} expert files are copied unchanged"
 
 
-def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[LogicalCheckpoint, Any]:
-    """``ckpt`` and its source facts with every expert group at ``target.ep_size``: the :class:`MoeLayout`'s cut
+def ep_size_refusal(ckpt: LogicalCheckpoint, ep: int, world: int) -> str | None:
+    """Why native MoE ``ckpt`` cannot be written at expert-parallel size ``ep`` on ``world`` data-parallel ranks
+    (None: it can): every layer's experts and the world size must split over ``ep`` ranks."""
+    moe = ckpt.moe
+    assert moe is not None
+    bad = [p for p, n, _ in moe.layers if n % ep]
+    if bad or world % ep:
+        return (f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {world} ranks: "
+                + (f"the {moe.layers[0][1]} experts of '{bad[0]}' do not split over {ep} ranks" if bad else
+                   "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
+    return None
+
+
+def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, ep: int, world: int) -> tuple[LogicalCheckpoint, Any]:
+    """``ckpt`` and its source facts with every expert group at expert-parallel size ``ep`` (on ``world``
+    data-parallel ranks): the :class:`MoeLayout`'s cut
     sizes, and each expert group's flat order rebuilt as the new expert-parallel rank 0 lists it (its local
     experts ``0 .. n/E - 1`` in order, each with the source's per-expert param order). A stage-0 source has no flat
     order in its facts: :func:`~.stage0.stage0_as_zero_source` takes each expert group in module order; a stage-0
@@ -89,13 +103,9 @@ def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[Logi
 
     moe = ckpt.moe
     assert moe is not None
-    ep = target.ep_size
-    bad = [p for p, n, _ in moe.layers if n % ep]
-    if bad or target.world_size % ep:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {target.world_size} ranks: "
-            + (f"the {moe.layers[0][1]} experts of '{bad[0]}' do not split over {ep} ranks" if bad else
-               "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
+    message = ep_size_refusal(ckpt, ep, world)
+    if message is not None:
+        raise UnsupportedCheckpointError(message)
     new_moe = moe_layout_at(moe, ep)
     n_of = {p: n for p, n, _ in moe.layers}
     orders = []
