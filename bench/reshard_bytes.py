@@ -213,11 +213,15 @@ def _digest(root: Path) -> dict[str, str]:
     return out
 
 
+# the temporary folder OUT is written in before its rename (dsckpt.atomic: pid, host and a random part)
+_ATOMIC_TMP = re.compile(r"(/\.out\d+)\.[^/'\"\s]*?\.tmp(?=[/'\"\s:]|$)")
+
+
 def _normalize(text: str, tmp: Path) -> str:
     for path, name in ((tmp, "<TMP>"), (REPO, "<REPO>")):
         text = text.replace(str(path), name)
         text = text.replace(os.path.realpath(path), name)
-    return text
+    return _ATOMIC_TMP.sub(r"\1.<ATOMIC>.tmp", text)
 
 
 def _run(case: Case, tmp: Path, outputs: dict[str, Path]) -> dict[str, object]:
@@ -326,7 +330,8 @@ def compare(a: dict[str, dict[str, object]], b: dict[str, dict[str, object]]) ->
         ra, rb = a[cid], b[cid]
         diffs = []
         for key in ("exit_code", "stdout", "stderr", "exception"):
-            if ra[key] != rb[key]:
+            va, vb = (_ATOMIC_TMP.sub(r"\1.<ATOMIC>.tmp", v) if isinstance(v, str) else v for v in (ra[key], rb[key]))
+            if va != vb:
                 diffs.append(f"  {key}:\n    - {ra[key]!r}\n    + {rb[key]!r}")
         fa, fb = ra["files"], rb["files"]
         assert isinstance(fa, dict) and isinstance(fb, dict)
@@ -346,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="*", type=Path)
     ap.add_argument("-k", dest="match", default=None, help="only the cases whose id contains this")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--save", type=Path, default=None, help="check: also write the new record here")
     ap.add_argument("--src", type=Path, default=REPO,
                     help="the folder whose dsckpt/ package runs the cases (default: this checkout), e.g. a "
                          "`git archive` of the commit before a refactor; the fixtures are always this checkout's")
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         args.files[0].parent.mkdir(parents=True, exist_ok=True)
         args.files[0].write_text(json.dumps(recs, indent=1, sort_keys=True) + "\n")
         return 0
+    if args.save is not None:
+        args.save.write_text(json.dumps(recs, indent=1, sort_keys=True) + "\n")
     base = json.loads(args.files[0].read_text())
     if args.match:
         base = {k: v for k, v in base.items() if k in recs}
