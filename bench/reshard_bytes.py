@@ -84,7 +84,7 @@ def family(ckpt: Path) -> set[str]:
     rel = str(ckpt.relative_to(FIXTURES))
     files = _tag_files(ckpt)
     fam = set()
-    if any(re.fullmatch(r"layer_\d+-model_states\.pt", f) for f in files):
+    if any(re.fullmatch(r"layer_\d+(-model_\d+)?-model_states\.pt", f) for f in files):
         fam.add("pp")
     if re.search(r"(^|_)tp\d|megatron", rel):
         fam.add("tp")
@@ -154,6 +154,13 @@ EP = [
     ("-n", "4", "--ep-size", "2", "--zero-stage", "1", "--dry-run"), ("-n", "3", "--ep-size", "3"),
     ("-n", "8", "--ep-size", "8"), ("--universal", "--ep-size", "2"),
 ]
+TP_PP = [  # a tensor x pipeline run: every rank count a multiple of TP x stages
+    ("-n", "8"), ("-n", "8", "--tp-size", "4"), ("-n", "8", "--tp-size", "1", "--pp-size", "4", "--partition-method",
+                                                  "uniform"),
+    ("-n", "4", "--tp-size", "4", "--pp-size", "1", "--partition-method", "type:BlockPipe", "--layer-types",
+     TP_PP_LAYER_TYPES),
+    ("-n", "8", "--zero-stage", "0"), ("-n", "4", "--tp-size", "1", "--zero-stage", "0"), ("-n", "8", "--dry-run"),
+]
 HF = [("-n", "2", "--no-hf-files"), ("-n", "1", "--no-hf-files", "--zero-stage", "1"), ("-n", "3", "--dry-run",
                                                                                           "--no-hf-files")]
 NVME = [("-n", "2", "--zero-stage", "3"), ("-n", "3", "--zero-stage", "3", "--sub-group-size", "16")]
@@ -176,6 +183,7 @@ def all_cases() -> list[Case]:
         flag_sets += PP if "pp" in fam else NOT_PP
         flag_sets += EP if "ep" in fam else NOT_EP
         flag_sets += HF if "hf" in fam else []
+        flag_sets += TP_PP if {"tp", "pp"} <= fam else []
         for args in flag_sets:
             then: tuple[Case, ...] = ()
             if args == ("-n", "2", "--zero-stage", "0") and "pp" not in fam and "tp" not in fam and "ep" not in fam:
