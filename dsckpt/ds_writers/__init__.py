@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError
-from ..model import Kind, LogicalCheckpoint, Role
+from ..model import LogicalCheckpoint, Role
 from ..parallel_layout import AutoEpLayout, ParallelTarget
 from ..partition import undo_round_robin
 from .plan import (
@@ -77,6 +77,7 @@ from .plan import (
     source_optim_files,
 )
 from .source import SourceDescription
+from .stage0 import STAGE0_BF16_PIPELINE_NOTE
 
 __all__ = [
     "STAGE0_BF16_PIPELINE_NOTE",
@@ -127,65 +128,18 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts,
 
     parallel: ParallelTarget = common["parallel"]
     src_tp = max(1, ckpt.tp_world_size)
-    tp, stages, layout = parallel.tp_size, parallel.stages, parallel.tp
-    recut: tuple[Path, ...] = ()
-    if stages is not None and tp != src_tp:
-        assert ckpt.pipeline is not None
-        recut = ckpt.pipeline.tp_rank(0).layer_files
     parts = []
     for m in range(parallel.mp_size):
         view, view_facts = rank_view(ckpt, facts, parallel, m)
         part_common = {**common, "source_optim_files": source_optim_files(view), "mp_rank": m, "hf_files": None,
-                       "source_tp_size": src_tp, "source_pp_size": stages.source_pp_size if stages else 1}
-        if stages is not None and m == 0 and not recut:
-            assert ckpt.pipeline is not None
-            part_common["copied_model_files"] = ckpt.pipeline.layer_files
+                       "source_tp_size": src_tp,
+                       "source_pp_size": parallel.stages.source_pp_size if parallel.stages else 1}
+        if m == 0 and target.copied_layer_files:
+            part_common["copied_model_files"] = target.copied_layer_files
         parts.append(_plan_ranks(view, target, view_facts, part_common))
-    notes = parts[0].notes
-    if layout is not None and tp != src_tp and layout.source == "megatron":
-        notes = (*notes, _megatron_note(ckpt.tensor_parallel, layout))
-    elif layout is not None and tp not in (1, src_tp):
-        meta = target.autotp_meta
-        split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
-        note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
-                f"{tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced the source's widths "
-                f"of all {split} split params")
-        notes = (*notes, note)
-    if stages is not None:
-        notes = (*notes, stages.note(layer_files_recut=bool(recut)))
-    if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
-        notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
-    if recut:
-        frozen = sum(1 for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None)
-        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices"
-                 + (f" (frozen params' too: {frozen}, whose only copy they are)" if frozen else ""))
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), hf_files=common.get("hf_files"),
-                               source_tp_size=src_tp, notes=notes, copied_model_files=(), recut_layer_files=recut)
-
-
-#: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
-#: pipeline), whose state is the same as at ZeRO-1 with fp32 gradient accumulation; DeepSpeed 0.19.8 cannot resume the
-#: stage-0 form, not even unchanged (``_load_checkpoint`` hands the model states' ``optimizer`` dict to
-#: ``BF16_Optimizer._load_legacy_checkpoint``, which indexes it by data-parallel rank: ``KeyError: 0``).
-STAGE0_BF16_PIPELINE_NOTE = (
-    "ZeRO stage 0 bf16 pipeline (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files, the same optimizer and state: "
-    "DeepSpeed 0.19.8 cannot resume the stage-0 form (KeyError in BF16_Optimizer._load_legacy_checkpoint); resume "
-    'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
-
-
-def _megatron_note(source: Any, target: Any) -> str:
-    """What a TP size change of a Megatron-style record did, for the plan's notes."""
-    vocab = [(n, c) for n, c in target.name_to_cut.items() if c.keep_rows is not None]
-    split = sum(1 for c in target.name_to_cut.values() if c.dim is not None)
-    note = (f"tensor parallelism {source.tp_size} -> {target.tp_size} (Megatron-style record): {split} split params "
-            "cut in equal parts, as Megatron's layers and DeepSpeed's universal loader cut them")
-    if vocab:
-        name, c = vocab[0]
-        rows = sum(c.sub_widths[0])
-        note += (f"; vocabulary ({len(vocab)} params) of {c.keep_rows} rows padded to {rows} "
-                 f"({rows - c.keep_rows} zero rows in every copy; the source's "
-                 f"{source.name_to_cut[name].padding_rows} padding rows are not carried, as in ds_to_universal)")
-    return note
+                               source_tp_size=src_tp, notes=(*parts[0].notes, *target.model_parallel_notes),
+                               copied_model_files=(), recut_layer_files=target.recut_layer_files)
 
 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:

@@ -145,6 +145,11 @@ class Target:
     moe_recut: bool = False
     autotp_meta: Any = None
     total_world_size: int = 0
+    # a pipeline target: the layer files copied unchanged (with model-parallel rank 0's files), or those of source TP
+    # rank 0 re-cut for every target TP rank (another TP size: ds_writers.layer_file_trees)
+    copied_layer_files: tuple[Path, ...] = ()
+    recut_layer_files: tuple[Path, ...] = ()
+    model_parallel_notes: tuple[str, ...] = ()  # what the TP and stage cuts do, for a model-parallel plan's notes
 
 
 @dataclass(frozen=True)

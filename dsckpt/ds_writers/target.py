@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from ..errors import DsckptError, UnsupportedCheckpointError, UsageError
-from ..model import Precision
+from ..model import Kind, Precision
 from ..parallel_layout import AutoEpLayout, MoeLayout, ParallelTarget, StagePlan, TpLayout
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 from .facts import elastic_target_refusal
@@ -136,6 +137,49 @@ class _Decided:
     @cached_property
     def parallel(self) -> ParallelTarget:
         return ParallelTarget(self.dp, self.tp_layout, self.stages, self.experts)
+
+    @cached_property
+    def recut_layer_files(self) -> tuple[Path, ...]:
+        """A pipeline at another TP size: source TP rank 0's layer files, each re-cut for every target TP rank."""
+        if self.stages is None or self.parallel.tp_size == self.src.tp_size:
+            return ()
+        assert self.src.ckpt.pipeline is not None
+        return self.src.ckpt.pipeline.tp_rank(0).layer_files
+
+    @cached_property
+    def copied_layer_files(self) -> tuple[Path, ...]:
+        """A pipeline at its TP size: the layer files, copied unchanged."""
+        if self.stages is None or self.recut_layer_files:
+            return ()
+        assert self.src.ckpt.pipeline is not None
+        return self.src.ckpt.pipeline.layer_files
+
+    @cached_property
+    def model_parallel_notes(self) -> tuple[str, ...]:
+        """What the TP cut and the stages do, for a model-parallel plan's notes (after its ranks' own)."""
+        src, layout, stages, tp = self.src, self.parallel.tp, self.stages, self.parallel.tp_size
+        notes: list[str] = []
+        if layout is not None and tp != src.tp_size and layout.source == "megatron":
+            from ..tensor_parallel import megatron_note
+
+            notes.append(megatron_note(src.ckpt.tensor_parallel, layout))
+        elif layout is not None and tp not in (1, src.tp_size):
+            from ..autotp_widths import autotp_note
+
+            notes.append(autotp_note(layout, src.tp_size, self.autotp_meta))
+        if stages is not None:
+            notes.append(stages.note(layer_files_recut=bool(self.recut_layer_files)))
+        if stages is not None and src.ckpt.zero_stage == 0 and src.wrapper == BF16_WRAPPER:
+            from .stage0 import STAGE0_BF16_PIPELINE_NOTE
+
+            notes.append(STAGE0_BF16_PIPELINE_NOTE)
+        if self.recut_layer_files:
+            ckpt = src.ckpt
+            frozen = sum(1 for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None)
+            notes.append(f"layer files re-cut for TP {tp}: {len(self.recut_layer_files)} per TP rank, from the "
+                         "module's 16-bit slices" + (f" (frozen params' too: {frozen}, whose only copy they are)"
+                                                     if frozen else ""))
+        return tuple(notes)
 
     @cached_property
     def stage0_rebuilt(self) -> bool:
@@ -335,4 +379,5 @@ def resolve_target(src: SourceDescription, req: ReshardRequest) -> Target:
         parameter_alignment=(req.parameter_alignment if req.parameter_alignment is not None
                              else facts.parameter_alignment and src.stage != 3),
         stage0_rebuilt=d.stage0_rebuilt, moe_recut=d.moe_recut, autotp_meta=d.autotp_meta,
-        total_world_size=req.world_size)
+        total_world_size=req.world_size, copied_layer_files=d.copied_layer_files,
+        recut_layer_files=d.recut_layer_files, model_parallel_notes=d.model_parallel_notes)
