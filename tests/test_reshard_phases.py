@@ -67,6 +67,9 @@ def test_rules_are_read_top_to_bottom():
     with pytest.raises(UnsupportedCheckpointError, match=r"\(a pipeline run\) to ZeRO stage 2: DeepSpeed's "
                                                          "PipelineEngine refuses ZeRO-2 and ZeRO-3"):
         resolve_target(src, ReshardRequest(2, zero_stage=2, sub_group_size=40))
+    for bad in (None, 0, 2.0):
+        with pytest.raises(UsageError, match=f"--world-size must be a positive integer, got {bad!r}"):
+            resolve_target(src, ReshardRequest(bad))  # type: ignore[arg-type]
     flags = [r.flag for r in RULES]
     assert len(flags) == len(set(flags)) and flags.index("--world-size") == 0
 

@@ -334,7 +334,8 @@ def _positive(flag: str, value: Callable[[ReshardRequest, _Decided], Any], shown
 #: written). The rows marked "decided" also decide a dimension of the target, whose own module refuses what it
 #: cannot cut (pipeline stages, AutoEP's and native MoE's expert cuts, the TP cut).
 RULES: tuple[Rule, ...] = (
-    _positive("--world-size", lambda r, d: r.world_size if _bad_int(r.world_size) else None, lambda r: r.world_size),
+    Rule("--world-size", lambda s, r, d: f"--world-size must be a positive integer, got {r.world_size!r}"
+         if _bad_int(r.world_size) else None, UsageError),
     Rule("--zero-stage", lambda s, r, d: None if r.zero_stage in (None, 0, 1, 2, 3) else
          f"--zero-stage must be 0, 1, 2 or 3, got {r.zero_stage!r}", UsageError),
     _positive("--sub-group-size", lambda r, d: r.sub_group_size, lambda r: r.sub_group_size),
