@@ -256,3 +256,11 @@ def record_at(record: Mapping[str, Any], source: TpLayout, target: TpLayout) -> 
             f"cannot write the tensor-parallel record for TP {target.tp_size}: {first_of(problems, 4, '; ')}")
     out["affine_map"] = {**affine, "params": new}
     return out
+
+
+def autotp_note(layout: TpLayout, source_tp: int, meta: AutoTpMeta) -> str:
+    """What a TP size change of an AutoTP record did, for the plan's notes."""
+    split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
+    return (f"tensor parallelism {source_tp} -> {layout.tp_size}: every param cut as DeepSpeed AutoTP cuts it at "
+            f"autotp_size {layout.tp_size} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced "
+            f"the source's widths of all {split} split params")

@@ -6,9 +6,10 @@ for another ZeRO stage (1, 2 and 3 from any of 1, 2, 3, ``BF16_Optimizer`` sourc
 1. **read**: :func:`dsckpt.readers.read_checkpoint` gives the logical checkpoint;
    :func:`~dsckpt.ds_writers.facts.read_source_facts` the few layout facts it does not hold, and
    refuses what cannot be written (tensor/pipeline parallel, NVMe offload, non-Adam optimizers);
-2. **plan** (pure): :func:`plan_reshard` -> :func:`dsckpt.ds_writers.plan_layout`, the writer of
-   the target layout (:mod:`dsckpt.ds_writers`: one module per DeepSpeed layout) decides every file
-   and every byte range in it;
+2. **plan** (pure): :func:`plan_reshard`, three phases each done once (``docs/design.md``): describe the source
+   (:func:`dsckpt.ds_writers.source.describe_source`), resolve the target against it in one table of what is
+   allowed (:func:`dsckpt.ds_writers.target.resolve_target`), plan every file and every byte range in it
+   (:func:`dsckpt.ds_writers.plan_layout`: the writer of the target layout, one module per DeepSpeed layout);
 3. **write**: :func:`run_reshard` streams the trees of :func:`dsckpt.ds_writers.build_jobs` into a
    temporary save dir (``latest`` + the same tag, the ``zero_to_fp32.py`` copies, the Hugging Face
    Trainer files), torch-free byte copies with CRC checks, several files at once;
@@ -43,19 +44,17 @@ from .ds_writers import (
 from .ds_writers.common import fmt_key as _fmt_key
 from .ds_writers.facts import (
     ELASTIC_NOTE,
-    derive_facts,
-    is_elastic,
     read_source_facts,
-    refusal_message,
-    refusals_from_logical,
     refuse_elastic_target,
 )
 from .ds_writers.plan import source_model_files, source_optim_files
 from .ds_writers.readback import compare_checkpoints, verify_written
+from .ds_writers.source import describe_source
+from .ds_writers.target import ReshardRequest, resolve_target
 from .ds_writers.universal import UniversalPlan
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .errors import CorruptCheckpointError
 from .hf import HfFilesPlan, copy_files, plan_resume_files
-from .model import Kind, LogicalCheckpoint, Precision
+from .model import Kind, LogicalCheckpoint
 
 __all__ = [
     "ReshardPlan",
@@ -127,89 +126,17 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     (:func:`dsckpt.hf.plan_resume_files`: names listed from the folder, nothing opened), RNG states mapped to the new
     rank count.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"--world-size must be a positive integer, got {world_size!r}")
-    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if sub_group_size is not None and (not isinstance(sub_group_size, int) or sub_group_size < 1):
-        raise UsageError(f"--sub-group-size must be a positive integer, got {sub_group_size!r}")
-    tp = max(1, ckpt.tp_world_size) if tp_size is None else tp_size
-    if not isinstance(tp, int) or tp < 1:
-        raise UsageError(f"--tp-size must be a positive integer, got {tp_size!r}")
-    problems = refusals_from_logical(ckpt)
-    if problems:
-        raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
-    stages = None
-    if ckpt.pipeline is not None:
-        from .pipeline_stages import plan_stages
-
-        if zero_stage not in (None, 0, 1):
-            raise UnsupportedCheckpointError(
-                f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage {zero_stage}: DeepSpeed's "
-                "PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"incompatible with pipeline parallelism\"); pick "
-                "--zero-stage 1 or, at fp32, 0")
-        if zero_stage == 0:
-            _refuse_stage0_pipeline(ckpt)
-        stages = plan_stages(ckpt, pp_size, method=partition_method, num_layers=num_layers, layer_types=layer_types)
-    elif pp_size not in (None, 1) or partition_method is not None or num_layers is not None or layer_types:
-        raise UsageError(f"--pp-size, --partition-method, --num-layers and --layer-types are for pipeline "
-                         f"(PipelineModule) checkpoints, and '{ckpt.tag_dir}' has no pipeline stages")
-    pp = stages.pp_size if stages is not None else 1
-    if world_size % (tp * pp):
-        raise UsageError(f"--world-size {world_size} is not a multiple of the tensor-parallel size {tp} times the "
-                         f"pipeline size {pp} (the data-parallel size is world size / (TP size x pipeline stages))")
-    total_world = world_size
-    world_size //= tp * pp
-    facts = facts if facts is not None else derive_facts(ckpt)
-    if tp not in (1, max(1, ckpt.tp_world_size)) and ckpt.tensor_parallel is not None and facts.autotp_meta is None:
-        from dataclasses import replace
-
-        from .autotp_widths import read_autotp_meta
-
-        # AutoTP's widths at another TP size depend on the model's key/value heads: its config.json, beside the tag
-        facts = replace(facts, autotp_meta=read_autotp_meta(ckpt.root, ckpt.ds_config))
-    stage = source_layout_stage(ckpt) if zero_stage is None else zero_stage
-    refuse_elastic_target(ckpt, zero_stage=stage, tp_size=tp, ep_size=ep_size)
-    if sub_group_size is not None and stage != 3:
-        raise UsageError("--sub-group-size applies to a ZeRO-3 target only; add --zero-stage 3")
-    optim = source_optim_files(ckpt)
-    zero_optim = [p for p in optim if "zero_pp_rank_" in p.name]
-    common: dict[str, Any] = dict(
+    src = describe_source(ckpt, facts)  # 1. the source, described once (refuses what no target is written from)
+    target = resolve_target(src, ReshardRequest(  # 2. every flag checked against it, the target decided
+        world_size, zero_stage=zero_stage, sub_group_size=sub_group_size, tp_size=tp_size, ep_size=ep_size,
+        pp_size=pp_size, partition_method=partition_method, num_layers=num_layers, layer_types=layer_types,
+        vocab_divisor=make_vocab_size_divisible_by))
+    return plan_layout(src, target, dict(  # 3. the files, planned from both
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
-        precision=ckpt.precision, source_world_size=ckpt.dp_world_size, world_size=world_size,
-        source_optim_files=optim,
-        # DeepSpeed prefixes the ZeRO optimizer files whenever bf16 is enabled (engine.py:4319-4334); a source without
-        # them (stage 0, whose MoE expp_rank_* files are never prefixed; a universal folder) says so through its
-        # precision
-        bf16_prefixed_optim=(any(p.name.startswith("bf16_") for p in zero_optim) if zero_optim
-                             else ckpt.precision is Precision.BF16),
-        hf_files=_plan_hf_files(ckpt, total_world) if hf_files else None,
-        tied_keys=ckpt.pipeline.tied_keys if ckpt.pipeline is not None else (),
-    )
-    if is_elastic(ckpt):
-        common["notes"] = (ELASTIC_NOTE,)
-    if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
-        raise UsageError(f"--ep-size must be a positive integer, got {ep_size!r}")
-    if make_vocab_size_divisible_by is not None and (not isinstance(make_vocab_size_divisible_by, int)
-                                                     or make_vocab_size_divisible_by < 1):
-        raise UsageError("--make-vocab-size-divisible-by must be a positive integer, got "
-                         f"{make_vocab_size_divisible_by!r}")
-    return plan_layout(ckpt, Target(stage, world_size, sub_group_size=sub_group_size, tp_size=tp, ep_size=ep_size,
-                                    stages=stages, vocab_divisor=make_vocab_size_divisible_by), facts, common)
-
-
-
-def _refuse_stage0_pipeline(ckpt: LogicalCheckpoint) -> None:
-    """A pipeline target without ZeRO is written at fp32 only (a torch optimizer per stage,
-    :func:`dsckpt.ds_writers.stage0.plan_stage0_from_zero`): a 16-bit pipeline without ZeRO trains under
-    ``BF16_Optimizer``, whose stage-0 save DeepSpeed 0.19.8 cannot resume (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``).
-    A tensor x pipeline run is written per (stage, TP rank) like a plain one, its TP-local params named."""
-    if ckpt.precision is not Precision.FP32:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' (a pipeline run) to ZeRO stage 0: a {ckpt.precision.value} pipeline "
-            "without ZeRO trains under BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume even "
-            "unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); keep --zero-stage 1 (the same optimizer "
-            "and state)")
+        precision=src.precision, source_world_size=ckpt.dp_world_size, world_size=target.world_size,
+        source_optim_files=src.optim_files, bf16_prefixed_optim=src.bf16_prefixed_optim,
+        hf_files=_plan_hf_files(ckpt, target.total_world_size) if hf_files else None, tied_keys=src.tied_keys,
+        **({"notes": src.notes} if src.notes else {})))
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
@@ -340,13 +267,9 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
             written.append(f)
             if on_file is not None:
                 on_file(f)
-        (tmp / "latest").write_text(plan.tag, encoding="utf-8")
-        for script in ZERO_TO_FP32_SCRIPTS:
-            if (plan.source_root / script).is_file():
-                copy_file(plan.source_root / script, tmp / script)
-        hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
+        hf = _finish_save_dir(plan, tmp)
         with background_fsync(tmp, enabled=fsync):  # the disk finishes the write-back while we verify
-            checked = 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
+            checked = _verify_save_dir(plan, tmp, cache, mode)
             cache.finish_checks()  # CRC-32s of source records read only partly; a mismatch leaves no output
     return ReshardResult(out, plan.tag, tuple(out / plan.tag / f.name for f in written), checked, mode.value,
                          tuple(out / f.relative_to(tmp) for f in hf))
@@ -363,36 +286,73 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
     sizes against the filesystem, writes ``latest``, the scripts and the Trainer files, runs ``verify``
     over the whole output (on rank 0 alone, for now) and renames OUT into place. Same bytes as
     :func:`run_reshard`; OUT appears only if every rank succeeded."""
-    from . import crc
-    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
     from .readers import read_checkpoint
 
     mode, out, cache = _prepare(plan.source_root, out, verify, cache)
     group.agree({"plan": describe_plan(plan, max_copies=1 << 30), "out": str(out), "tag": plan.tag,
                  "verify": mode.value}, "the reshard plan")
     ckpt = read_checkpoint(plan.source_root, tag=plan.tag, cache=cache, tied_keys=dict(plan.tied_keys))
+
+    def finish(tmp: Path) -> tuple[int, list[str]]:
+        hf = _finish_save_dir(plan, tmp)
+        return _verify_save_dir(plan, tmp, cache, mode), [str(f.relative_to(tmp)) for f in hf]
+
+    rels, (checked, hf) = _run_distributed(
+        group, out, cache, force=force, fsync=fsync, workers=workers, on_file=on_file,
+        nbytes=lambda: output_nbytes_bound(plan), folders=[Path(plan.tag)],
+        jobs=lambda tmp: build_jobs(plan, ckpt, tmp / plan.tag, cache), finish=finish)
+    return ReshardResult(out, plan.tag, tuple(out / r for r in rels), checked, mode.value,
+                         tuple(out / f for f in hf))
+
+
+def _finish_save_dir(plan: ReshardPlan, tmp: Path) -> list[Path]:
+    """``latest``, the ``zero_to_fp32.py`` copies and the plan's Trainer files beside the written tag folder; the
+    Trainer files copied."""
+    (tmp / "latest").write_text(plan.tag, encoding="utf-8")
+    for script in ZERO_TO_FP32_SCRIPTS:
+        if (plan.source_root / script).is_file():
+            copy_file(plan.source_root / script, tmp / script)
+    return copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
+
+
+def _verify_save_dir(plan: ReshardPlan, tmp: Path, cache: Any, mode: Verify) -> int:
+    return 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
+
+
+def _run_distributed(group: Any, out: Path, cache: Any, *, force: bool, fsync: bool, workers: int | None,
+                     on_file: Callable[[Path], None] | None, nbytes: Callable[[], int], folders: Sequence[Path],
+                     jobs: Callable[[Path], list[tuple[Path, Any]]], finish: Callable[[Path], Any]
+                     ) -> tuple[list[str], Any]:
+    """The steps of a ``--distributed`` write, for a reshard and a universal folder alike: rank 0 claims ``out``
+    and opens its leased temporary folder (:func:`_claim_leased`, ``folders`` made in it); every rank builds the
+    ``jobs(tmp)`` trees (reading only pickles), writes its share of them split by bytes
+    (:func:`dsckpt.distributed.split_by_nbytes`), fsyncs them and reports their sizes; every source record's CRC-32
+    is completed once, by the rank owning its file; rank 0 checks the reported sizes against the filesystem, runs
+    ``finish(tmp)`` (the files beside them and the verification, on rank 0 alone for now) and renames OUT into
+    place. Returns the written files' paths relative to OUT and rank 0's ``finish`` result; OUT appears only if
+    every rank succeeded."""
+    from . import crc
+    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
+
     checks = record_checks(cache)
     workers = default_workers() if workers is None else workers
-
     with contextlib.ExitStack() as stack:
-        tmp = _claim_leased(group, stack, out, force=force, nbytes=lambda: output_nbytes_bound(plan), fsync=fsync,
-                            folders=[Path(plan.tag)])
-        tag_dir = tmp / plan.tag
-        jobs = build_jobs(plan, ckpt, tag_dir, cache)
-        names = [path.name for path, _ in jobs]
-        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]
+        tmp = _claim_leased(group, stack, out, force=force, nbytes=nbytes, fsync=fsync, folders=folders)
+        todo = jobs(tmp)
+        rels = [str(path.relative_to(tmp)) for path, _ in todo]
+        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in todo], group.world_size)[group.rank]
 
         def write() -> tuple[dict[str, int], Any]:
             sizes: dict[str, int] = {}
             # make_parent=False: a rank must not bring back the folder rank 0 removed after a failure
-            for f in _write_jobs([jobs[i] for i in mine], workers, writeback=fsync, make_parent=False):
+            for f in _write_jobs([todo[i] for i in mine], workers, writeback=fsync, make_parent=False):
                 if fsync:  # this rank's writes reach the disk before rank 0 renames OUT
                     fd = os.open(f, os.O_RDONLY)
                     try:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                sizes[f.name] = f.stat().st_size
+                sizes[str(f.relative_to(tmp))] = f.stat().st_size
                 if on_file is not None:
                     on_file(f)
             return sizes, export_segments(checks)
@@ -402,28 +362,21 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
                    "the CRC-32 checks of the input")
         reported = {k: v for r in results for k, v in r[0].items()}
 
-        def finish() -> tuple[int, list[str]]:
+        def check_and_finish() -> Any:
             if not group.is_root:
-                return 0, []
-            wrong = [f"{n}: reported {reported.get(n)} bytes, on disk "
-                     f"{(tag_dir / n).stat().st_size if (tag_dir / n).exists() else None}"
-                     for n in names if reported.get(n) is None or not (tag_dir / n).exists()
-                     or (tag_dir / n).stat().st_size != reported[n]]
+                return None
+            wrong = [f"{r}: reported {reported.get(r)} bytes, on disk "
+                     f"{(tmp / r).stat().st_size if (tmp / r).exists() else None}"
+                     for r in rels if reported.get(r) is None or not (tmp / r).exists()
+                     or (tmp / r).stat().st_size != reported[r]]
             if wrong:
                 raise CorruptCheckpointError(f"'{out}' was not written completely ({'; '.join(wrong)}); nothing was "
                                              "moved into place")
-            (tmp / "latest").write_text(plan.tag, encoding="utf-8")
-            for script in ZERO_TO_FP32_SCRIPTS:
-                if (plan.source_root / script).is_file():
-                    copy_file(plan.source_root / script, tmp / script)
-            hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
-            checked = 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
-            return checked, [str(f.relative_to(tmp)) for f in hf]
+            return finish(tmp)
 
-        checked, hf = group.step(finish, "checking OUT")[0]
+        done = group.step(check_and_finish, "checking OUT")[0]
         group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
-    return ReshardResult(out, plan.tag, tuple(out / plan.tag / n for n in names), checked, mode.value,
-                         tuple(out / f for f in hf))
+    return rels, done
 
 
 def _claim_leased(group: Any, stack: contextlib.ExitStack, out: Path, *, force: bool, nbytes: Callable[[], int],
@@ -577,7 +530,8 @@ def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = 
     stage = source_layout_stage(ckpt)
     zero_layout = None
     # without ZeRO optimizer files, or (a bf16 pipeline's BF16_Optimizer files) without param_shapes in the model
-    # states; DeepSpeed 0.10-0.16's stage-0 bf16 BF16_Optimizer saves have both and convert as they are
+    # states; DeepSpeed 0.10-0.16's stage-0 bf16 BF16_Optimizer saves have both and convert as they are: the same
+    # rank count's ZeRO-1 files are planned (the three phases of plan_reshard) and their universal folder written
     if (stage == 0 or (ckpt.zero_stage == 0 and ckpt.pipeline is not None)) and not ckpt.layout.startswith("universal"):
         world = ckpt.dp_world_size * max(1, ckpt.tp_world_size) * max(1, ckpt.pp_world_size)
         zero_layout = plan_reshard(ckpt, world, zero_stage=1, facts=facts, hf_files=False)
@@ -659,54 +613,18 @@ def run_universal_distributed(plan: UniversalPlan, out: str | os.PathLike[str], 
     """:func:`run_universal` spread over the ranks of ``group``, as :func:`run_reshard_distributed` does:
     the universal folder's files are split over the ranks by bytes; rank 0 makes the folders, checks the
     reported sizes, writes ``latest_universal``, verifies (alone, for now) and renames OUT into place."""
-    from . import crc
-    from .distributed import export_segments, owned_checks, record_checks, split_by_nbytes
     from .ds_writers.universal import universal_trees
 
     mode, out, cache = _prepare(plan.source_root, out, verify, cache)
     group.agree({"plan": plan.describe(), "out": str(out), "verify": mode.value}, "the universal plan")
     trees = list(universal_trees(plan, cache))
-    checks = record_checks(cache)
-    workers = default_workers() if workers is None else workers
 
-    with contextlib.ExitStack() as stack:
-        tmp = _claim_leased(group, stack, out, force=force, nbytes=lambda: _universal_nbytes(plan), fsync=fsync,
-                            folders=[(Path(plan.out_tag) / rel).parent for rel, _ in trees])
-        folder = tmp / plan.out_tag
-        jobs = [(folder / rel, tree) for rel, tree in trees]
-        mine = split_by_nbytes([_tree_nbytes(tree) for _, tree in jobs], group.world_size)[group.rank]
+    def finish(tmp: Path) -> int:
+        (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
+        return _verify_universal(plan, tmp, cache, mode)
 
-        def write() -> tuple[dict[str, int], Any]:
-            sizes: dict[str, int] = {}
-            for f in _write_jobs([jobs[i] for i in mine], workers, writeback=fsync, make_parent=False):
-                if fsync:
-                    fd = os.open(f, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                sizes[str(f.relative_to(tmp))] = f.stat().st_size
-                if on_file is not None:
-                    on_file(f)
-            return sizes, export_segments(checks)
-
-        results = group.step(write, "writing OUT")
-        group.step(lambda: crc.finish(owned_checks(checks, [r[1] for r in results], group)),
-                   "the CRC-32 checks of the input")
-        reported = {k: v for r in results for k, v in r[0].items()}
-        rels = [str(path.relative_to(tmp)) for path, _ in jobs]
-
-        def finish() -> int:
-            if not group.is_root:
-                return 0
-            wrong = [r for r in rels if reported.get(r) is None or not (tmp / r).exists()
-                     or (tmp / r).stat().st_size != reported[r]]
-            if wrong:
-                raise CorruptCheckpointError(f"'{out}' was not written completely ({', '.join(wrong[:5])}); nothing "
-                                             "was moved into place")
-            (tmp / "latest_universal").write_text(plan.out_tag, encoding="utf-8")
-            return _verify_universal(plan, tmp, cache, mode)
-
-        checked = group.step(finish, "checking OUT")[0]
-        group.step(lambda: stack.close() if group.is_root else None, "moving OUT into place")
+    rels, checked = _run_distributed(
+        group, out, cache, force=force, fsync=fsync, workers=workers, on_file=on_file,
+        nbytes=lambda: _universal_nbytes(plan), folders=[(Path(plan.out_tag) / rel).parent for rel, _ in trees],
+        jobs=lambda tmp: [(tmp / plan.out_tag / rel, tree) for rel, tree in trees], finish=finish)
     return ReshardResult(out, plan.out_tag, tuple(out / r for r in rels), checked, mode.value)

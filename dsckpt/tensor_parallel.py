@@ -587,3 +587,18 @@ def megatron_record_at(record: Mapping[str, Any], target: TpLayout) -> dict[str,
         out[_SUB_WIDTHS] = {p: next(([list(ws) for ws in c.sub_widths] for c in subs if re.match(str(p), c.name)), w)
                             for p, w in widths.items()}
     return out
+
+
+def megatron_note(source: Any, target: Any) -> str:
+    """What a TP size change of a Megatron-style record did, for the plan's notes."""
+    vocab = [(n, c) for n, c in target.name_to_cut.items() if c.keep_rows is not None]
+    split = sum(1 for c in target.name_to_cut.values() if c.dim is not None)
+    note = (f"tensor parallelism {source.tp_size} -> {target.tp_size} (Megatron-style record): {split} split params "
+            "cut in equal parts, as Megatron's layers and DeepSpeed's universal loader cut them")
+    if vocab:
+        name, c = vocab[0]
+        rows = sum(c.sub_widths[0])
+        note += (f"; vocabulary ({len(vocab)} params) of {c.keep_rows} rows padded to {rows} "
+                 f"({rows - c.keep_rows} zero rows in every copy; the source's "
+                 f"{source.name_to_cut[name].padding_rows} padding rows are not carried, as in ds_to_universal)")
+    return note

@@ -1,13 +1,18 @@
 """DeepSpeed layout writers: the mirror of :mod:`dsckpt.readers`.
 
-Design
+Design (drawn in ``docs/design.md``, which names the module for each layout and each dimension)
 ------
-A reader turns one DeepSpeed layout into the :class:`~dsckpt.model.LogicalCheckpoint` (names,
-shapes, and where every stored copy of every tensor lies). A writer here turns that logical
-checkpoint plus a :class:`~.plan.Target` (ZeRO stage, data-parallel world size, optimizer wrapper,
-ZeRO-3 ``sub_group_size``, round robin / parameter alignment) into a :class:`~.plan.LayoutPlan`: the
-target's files and, for every flat tensor in them, the element ranges of source tensors that land
-where (zeros elsewhere). One module per layout, named like its reader:
+A reshard is planned in three phases, each once, data flowing one way:
+
+1. **describe the source** (:mod:`.source`): :func:`.source.describe_source` turns the logical checkpoint and the
+   facts of its rank-0 files (:func:`.facts.read_source_facts`) into one frozen :class:`.source.SourceDescription`
+   and refuses what no target can be written from;
+2. **resolve the target** (:mod:`.target`): :func:`.target.resolve_target` checks every flag against that
+   description in one table (:data:`.target.RULES`: flag, when it refuses, message, exit code) and decides the
+   :class:`~.plan.Target`: ZeRO stage, optimizer wrapper, data-parallel size, the
+   :class:`~dsckpt.parallel_layout.ParallelTarget` (TP cut, pipeline stages, expert cut), sub-groups, stage-0 writer;
+3. **plan the files** (:func:`plan_layout`): pure functions of (source, target) -- per model-parallel rank
+   (:func:`.retarget.rank_view`) the writer of the target's layout, one module per layout, named like its reader:
 
 =====================  ==============================================  ==========================
 module                 layout                                          reader
@@ -18,33 +23,18 @@ module                 layout                                          reader
 :mod:`.universal`      universal folder: ``zero/<param>/<state>.pt``    ``readers/universal.py``
 =====================  ==============================================  ==========================
 
-:mod:`.universal` writes DeepSpeed's universal checkpoint folder (``ds_to_universal``'s output,
-``readers/universal.py``): one whole tensor per param and state, no partitions, so its plan
-(:class:`~.universal.UniversalPlan`) has no target world size. Each writer has a pure ``plan_*``
-function (no I/O: tested without files) and tree functions that turn a plan into the trees
-:func:`dsckpt.writers.torch_stream.write_torch_tree` streams: source tensors are referenced by byte
-range, never loaded, so writing is a torch-free byte copy with CRC checks. The one exception: a
-ZeRO-3 source written as ZeRO-1/2 in 16-bit needs the module's 16-bit params, which only exist as
-the fp32 master there; they are cast with torch, one file's worth in memory.
+and one module per dimension the writers compose: :mod:`.experts` (which ranks hold which experts: native MoE
+:mod:`.moe`, AutoEP :mod:`.autoep`), :mod:`.retarget` (the TP and stage cuts of a model-parallel rank, and every
+tree's parallel sizes rewritten), :mod:`dsckpt.nvme_swap` (ZeRO-3 NVMe swap files). A
+:class:`~.plan.LayoutPlan` holds the target's files and, for every flat tensor in them, the element ranges of
+source tensors that land where (zeros elsewhere). Each writer has a pure ``plan_*`` function (no I/O: tested
+without files) and tree functions that turn a plan into the trees :func:`dsckpt.writers.torch_stream.write_torch_tree`
+streams: source tensors are referenced by byte range, never loaded, so writing is a torch-free byte copy with CRC
+checks. The one exception: a ZeRO-3 source written as ZeRO-1/2 in 16-bit needs the module's 16-bit params, which
+only exist as the fp32 master there; they are cast with torch, one file's worth in memory.
 
-:func:`plan_layout` picks the writer; :func:`build_jobs` produces ``(path, tree)`` per target file.
-``dsckpt reshard`` (:mod:`dsckpt.reshard`) is only read -> :func:`plan_layout` -> write -> verify.
-
-One plan for every kind of parallelism: :func:`plan_layout` resolves the target's data-parallel size, tensor-parallel
-cut, pipeline stages and expert cut once, into one :class:`~dsckpt.parallel_layout.ParallelTarget`
-(:attr:`LayoutPlan.parallel`, the same record in every part of a plan), and everything downstream asks it:
-
-* a target with TP or stages is written per model-parallel rank ``m = stage * tp + t``, each an ordinary
-  data-parallel checkpoint of that rank's params and slices (:func:`.retarget.rank_view`: the TP cut, then the
-  stage's), planned by the writers above exactly as a checkpoint without TP or stages;
-* the expert cut is planned inside the layout writers, per param group, because ZeRO partitions an expert group over
-  the ranks holding the same experts (AutoEP: :func:`.autoep.autoep_groups`; native MoE, whose logical checkpoint is
-  re-cut at another expert-parallel size first, :func:`.moe.retarget_moe`: :func:`.moe.rank_in_group`);
-* every built tree has the keys that record a parallel size rewritten in one pass (:func:`.retarget.retarget_tree`:
-  the expert cut's, TP's, the stage count's).
-
-A new dimension is a field of that record with its cut in :func:`.retarget.rank_view` and its rewrite in
-:func:`.retarget.retarget_tree`, not another set of hooks in the planner.
+:func:`build_jobs` produces ``(path, tree)`` per target file. ``dsckpt reshard`` (:mod:`dsckpt.reshard`) is only
+describe -> resolve -> :func:`plan_layout` -> write -> verify.
 
 Stage changes: the fp32 master, Adam moments and step are layout-independent in the logical
 checkpoint, so any ZeRO stage 1-3 source can be planned for any stage 1-3 target. What a layout
@@ -58,6 +48,9 @@ with the full module and the stage-0 optimizer's state dict (:func:`.stage0.plan
 (and tensor x pipeline) run is written so per model-parallel rank, each stage's file naming its optimizer's params in
 ``param_shapes`` (:data:`.stage0.PIPELINE_NOTE`). Which source order each optimizer group is planned in is decided
 in one place for every target (:func:`source_group_orders`).
+
+Issue 41 (this design) counted the kind tests of ``ds_writers/`` and ``reshard.py`` before and after; the counts are
+in ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -66,14 +59,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedCheckpointError, UsageError
-from ..model import Kind, LogicalCheckpoint, Precision, Role
-from ..parallel_layout import AutoEpLayout, MoeLayout, ParallelTarget, TpLayout
-from ..partition import DEFAULT_SUB_GROUP_SIZE, undo_round_robin
+from ..errors import UnsupportedCheckpointError
+from ..model import LogicalCheckpoint, Role
+from ..parallel_layout import AutoEpLayout, ParallelTarget
+from ..partition import undo_round_robin
 from .plan import (
     BF16_WRAPPER,
-    ZERO3_WRAPPER,
-    ZERO_WRAPPER,
     FlatSpec,
     GroupPartition,
     LayoutPlan,
@@ -85,6 +76,8 @@ from .plan import (
     source_model_files,
     source_optim_files,
 )
+from .source import SourceDescription
+from .stage0 import STAGE0_BF16_PIPELINE_NOTE
 
 __all__ = [
     "STAGE0_BF16_PIPELINE_NOTE",
@@ -98,72 +91,30 @@ __all__ = [
     "build_jobs",
     "plan_layout",
     "source_layout_stage",
-    "target_wrapper",
 ]
 
 
 
-def target_wrapper(ckpt: LogicalCheckpoint, target: Target) -> str:
-    """The optimizer wrapper the target files are written for."""
-    if target.zero_stage == 0:
-        return ckpt.optimizer_wrapper
-    if target.zero_stage == 3:
-        if target.bf16_optimizer:
-            raise UsageError("BF16_Optimizer files exist for ZeRO stage 1 only (bf16_optimizer.py); drop the option")
-        return ZERO3_WRAPPER
-    wants_bf16 = (target.bf16_optimizer if target.bf16_optimizer is not None
-                  else ckpt.optimizer_wrapper == BF16_WRAPPER and target.zero_stage == 1)
-    if wants_bf16:
-        if target.zero_stage != 1 or ckpt.precision is not Precision.BF16:
-            raise UsageError("BF16_Optimizer files are written for bf16 checkpoints at ZeRO stage 1 only")
-        return BF16_WRAPPER
-    return ZERO_WRAPPER
+def plan_layout(src: SourceDescription, target: Target, common: Mapping[str, Any]) -> LayoutPlan:
+    """Phase 3: plan every file of ``target`` from the source ``src``. Pure: no tensor or file I/O, no refusal
+    (phase 2 refused what cannot be written) and no question of what kind of source or target it is beyond the
+    target's own records.
 
-
-def plan_layout(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
-    """Plan every file of ``target`` from ``ckpt``. Pure: no tensor or file I/O.
-
-    ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the
-    Trainer files plan). Refuses (:class:`UnsupportedCheckpointError`) what no writer here writes.
-
-    Every parallel dimension is planned once, into the plan's :class:`~dsckpt.parallel_layout.ParallelTarget`: the
-    expert cut (:func:`_expert_target`), the TP cut (the source's cuts at the target's TP size, :func:`_tp_layout`)
-    and the pipeline stages (``target.stages``). A target with TP or stages is written per model-parallel rank: each
+    ``common``: the :class:`LayoutPlan` fields that do not depend on the layout (paths, tag, the Trainer files
+    plan). A target with TP or stages (``target.parallel.model_parallel``) is written per model-parallel rank: each
     is an ordinary data-parallel checkpoint of that rank's params and local slices (:func:`.retarget.rank_view`),
     planned by the same writers into files named ``..._mp_rank_{m:02d}_...`` (:attr:`LayoutPlan.mp_ranks`).
     """
-    src_tp = max(1, ckpt.tp_world_size)
-    tp = src_tp if target.tp_size is None else target.tp_size
-    ckpt, facts, experts = _expert_target(ckpt, target, facts, tp)
-    layout = _tp_layout(ckpt, tp, facts, target) if ckpt.tensor_parallel is not None or tp != 1 else None
-    common = {**common, "parallel": ParallelTarget(target.world_size, layout, target.stages, experts)}
-    if layout is not None or target.stages is not None:
-        return _plan_mp_ranks(ckpt, target, facts, common)
-    return _plan_ranks(ckpt, target, facts, common)
-
-
-def _expert_target(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts,
-                   tp: int) -> tuple[LogicalCheckpoint, SourceFacts, AutoEpLayout | MoeLayout | None]:
-    """The target's expert cut (:attr:`ParallelTarget.experts`), and ``ckpt`` and ``facts`` as the writers plan them:
-    AutoEP's layout at the target's expert-parallel size (:func:`.autoep.autoep_target`); native MoE at another
-    expert-parallel size (``--ep-size``) re-cut in the logical checkpoint itself (:func:`.moe.retarget_moe`)."""
-    if target.ep_size is not None and ckpt.autoep is None and ckpt.moe is None:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {target.ep_size}: --ep-size is for "
-            "Mixture-of-Experts checkpoints (DeepSpeed AutoEP or deepspeed.moe), and this one has no experts")
-    if target.ep_size is not None and ckpt.moe is not None and set(ckpt.moe.ep_sizes) != {target.ep_size}:
+    ckpt, facts = src.ckpt, src.facts
+    if target.moe_recut:  # native MoE at another expert-parallel size: the source read at the target's expert cut
         from .moe import retarget_moe
 
-        ckpt, facts = retarget_moe(ckpt, facts, target)
-        return ckpt, facts, ckpt.moe
-    if ckpt.autoep is not None:
-        from .autoep import autoep_target
-
-        if tp != 1:
-            raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: AutoEP "
-                                             "together with AutoTP is not supported")
-        return ckpt, facts, autoep_target(ckpt, target.world_size, target.ep_size)
-    return ckpt, facts, None
+        assert target.parallel.ep_size is not None
+        ckpt, facts = retarget_moe(ckpt, facts, target.parallel.ep_size, target.world_size)
+    common = {**common, "parallel": target.parallel}
+    if target.parallel.model_parallel:
+        return _plan_mp_ranks(ckpt, target, facts, common)
+    return _plan_ranks(ckpt, target, facts, common)
 
 
 def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts,
@@ -177,144 +128,50 @@ def _plan_mp_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts,
 
     parallel: ParallelTarget = common["parallel"]
     src_tp = max(1, ckpt.tp_world_size)
-    tp, stages, layout = parallel.tp_size, parallel.stages, parallel.tp
-    recut: tuple[Path, ...] = ()
-    if stages is not None and tp != src_tp:
-        assert ckpt.pipeline is not None
-        recut = ckpt.pipeline.tp_rank(0).layer_files
     parts = []
     for m in range(parallel.mp_size):
         view, view_facts = rank_view(ckpt, facts, parallel, m)
         part_common = {**common, "source_optim_files": source_optim_files(view), "mp_rank": m, "hf_files": None,
-                       "source_tp_size": src_tp, "source_pp_size": stages.source_pp_size if stages else 1}
-        if stages is not None and m == 0 and not recut:
-            assert ckpt.pipeline is not None
-            part_common["copied_model_files"] = ckpt.pipeline.layer_files
-        parts.append(_plan_ranks(view, dataclasses.replace(target, tp_size=1, stages=None), view_facts,
-                                 part_common))
-    notes = parts[0].notes
-    if layout is not None and tp != src_tp and layout.source == "megatron":
-        notes = (*notes, _megatron_note(ckpt.tensor_parallel, layout))
-    elif layout is not None and tp not in (1, src_tp):
-        meta = facts.autotp_meta
-        split = sum(1 for c in layout.name_to_cut.values() if c.dim is not None)
-        note = (f"tensor parallelism {src_tp} -> {tp}: every param cut as DeepSpeed AutoTP cuts it at autotp_size "
-                f"{tp} ({meta.where}, tp_grain_size {meta.tp_grain_size}); the rule reproduced the source's widths "
-                f"of all {split} split params")
-        notes = (*notes, note)
-    if stages is not None:
-        notes = (*notes, stages.note(layer_files_recut=bool(recut)))
-    if stages is not None and ckpt.zero_stage == 0 and ckpt.optimizer_wrapper == BF16_WRAPPER:
-        notes = (*notes, STAGE0_BF16_PIPELINE_NOTE)
-    if recut:
-        frozen = sum(1 for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None)
-        notes = (*notes, f"layer files re-cut for TP {tp}: {len(recut)} per TP rank, from the module's 16-bit slices"
-                 + (f" (frozen params' too: {frozen}, whose only copy they are)" if frozen else ""))
+                       "source_tp_size": src_tp,
+                       "source_pp_size": parallel.stages.source_pp_size if parallel.stages else 1}
+        if m == 0 and target.copied_layer_files:
+            part_common["copied_model_files"] = target.copied_layer_files
+        parts.append(_plan_ranks(view, target, view_facts, part_common))
     return dataclasses.replace(parts[0], ranks=(), mp_ranks=tuple(parts), hf_files=common.get("hf_files"),
-                               source_tp_size=src_tp, notes=notes, copied_model_files=(), recut_layer_files=recut)
-
-
-#: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
-#: pipeline), whose state is the same as at ZeRO-1 with fp32 gradient accumulation; DeepSpeed 0.19.8 cannot resume the
-#: stage-0 form, not even unchanged (``_load_checkpoint`` hands the model states' ``optimizer`` dict to
-#: ``BF16_Optimizer._load_legacy_checkpoint``, which indexes it by data-parallel rank: ``KeyError: 0``).
-STAGE0_BF16_PIPELINE_NOTE = (
-    "ZeRO stage 0 bf16 pipeline (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files, the same optimizer and state: "
-    "DeepSpeed 0.19.8 cannot resume the stage-0 form (KeyError in BF16_Optimizer._load_legacy_checkpoint); resume "
-    'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
-
-
-def _megatron_note(source: Any, target: Any) -> str:
-    """What a TP size change of a Megatron-style record did, for the plan's notes."""
-    vocab = [(n, c) for n, c in target.name_to_cut.items() if c.keep_rows is not None]
-    split = sum(1 for c in target.name_to_cut.values() if c.dim is not None)
-    note = (f"tensor parallelism {source.tp_size} -> {target.tp_size} (Megatron-style record): {split} split params "
-            "cut in equal parts, as Megatron's layers and DeepSpeed's universal loader cut them")
-    if vocab:
-        name, c = vocab[0]
-        rows = sum(c.sub_widths[0])
-        note += (f"; vocabulary ({len(vocab)} params) of {c.keep_rows} rows padded to {rows} "
-                 f"({rows - c.keep_rows} zero rows in every copy; the source's "
-                 f"{source.name_to_cut[name].padding_rows} padding rows are not carried, as in ds_to_universal)")
-    return note
-
-
-def _tp_layout(ckpt: LogicalCheckpoint, tp: int, facts: SourceFacts, target: Target) -> TpLayout:
-    """The target's :class:`~dsckpt.parallel_layout.TpLayout`: the source's cuts at ``tp`` ranks."""
-    from ..tensor_parallel import resize_layout
-
-    if ckpt.tensor_parallel is None:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to tensor parallelism {tp}: it was saved without tensor parallelism, "
-            "so it has no record of how each param splits (DeepSpeed AutoTP writes universal_checkpoint_info only at "
-            "TP > 1), and dsckpt does not re-derive AutoTP's layer policy (HF tp_plan, presets, name heuristics) "
-            f"from the model code. Write it with --universal instead and load that with \"checkpoint\": "
-            f"{{\"load_universal\": true}} and autotp_size {tp}: DeepSpeed's universal loader cuts each param by the "
-            "live AutoTP layer")
-    try:
-        divisor = target.vocab_divisor if target.vocab_divisor is not None else facts.vocab_divisor
-        return resize_layout(ckpt.tensor_parallel, tp, meta=facts.autotp_meta, vocab_divisor=divisor)
-    except UnsupportedCheckpointError as e:
-        raise UnsupportedCheckpointError(f"cannot reshard '{ckpt.tag_dir}': {e}") from e
+                               source_tp_size=src_tp, notes=(*parts[0].notes, *target.model_parallel_notes),
+                               copied_model_files=(), recut_layer_files=target.recut_layer_files)
 
 
 def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, common: Mapping[str, Any]) -> LayoutPlan:
-    """The data-parallel plan of ``ckpt`` (one TP rank's files)."""
+    """The data-parallel plan of ``ckpt`` (one model-parallel rank's files), by the writer of the target's layout."""
     src_stage = source_layout_stage(ckpt)
-    if target.zero_stage == 0 and _stage0_rebuilt(src_stage, ckpt.layout, common.get("source_tp_size", 1),
-                                                  common["parallel"]):
+    if target.zero_stage == 0 and target.stage0_rebuilt:
         from .stage0 import plan_stage0_from_zero
 
         ckpt, orders = source_group_orders(ckpt, facts)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
-            "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1]})
-    if ckpt.moe is not None and target.zero_stage != src_stage and 3 in (src_stage, target.zero_stage):
-        raise UnsupportedCheckpointError(
-            f"cannot convert '{ckpt.tag_dir}' (Mixture of Experts) from ZeRO stage {src_stage} to stage "
-            f"{target.zero_stage}: DeepSpeed 0.19.8 has no native MoE at ZeRO-3 (\"Native DeepSpeed MoE is not "
-            "supported with ZeRO Stage 3\"); pick stage 0, 1 or 2")
-    if target.zero_stage in (0, 3) and any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
-        raise UnsupportedCheckpointError(
-            f"cannot convert '{ckpt.tag_dir}' (Muon) from ZeRO stage {src_stage} to stage {target.zero_stage}: "
-            "Muon's ZeRO-1/2 momentum holds whole params, and dsckpt writes it at ZeRO-1/2 only; reshard it at "
-            "stage 1 or 2")
-    wrapper = target_wrapper(ckpt, target)
-    common = {**common, "zero_stage": target.zero_stage, "optimizer_wrapper": wrapper,
+            "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1],
+            "stage0_rebuilt": True})
+    common = {**common, "zero_stage": target.zero_stage, "optimizer_wrapper": target.optimizer_wrapper,
               "source_zero_stage": src_stage, "source_optimizer_wrapper": ckpt.optimizer_wrapper}
     if target.zero_stage == 0:
         from .stage0 import plan_stage0
 
         return plan_stage0(ckpt, common)
     ckpt, orders = source_group_orders(ckpt, facts)
-    models = source_model_files(ckpt)
-    common = {**common, "source_model_files": models}
+    common = {**common, "source_model_files": source_model_files(ckpt)}
     if target.zero_stage == 3:
         from .zero3 import plan_zero3
 
-        sub = target.sub_group_size
-        if sub is None:
-            sub = facts.sub_group_size if src_stage == 3 else DEFAULT_SUB_GROUP_SIZE
-        return plan_zero3(ckpt, target.world_size, orders, sub_group_size=sub,
+        return plan_zero3(ckpt, target.world_size, orders, sub_group_size=target.sub_group_size,
                           param_ds_ids=dict(facts.param_ds_ids), source_subgroups=len(facts.group_flat_order),
                           common=common)
     from .zero12 import plan_zero12
 
-    round_robin = target.round_robin if target.round_robin is not None else (facts.round_robin and src_stage != 3)
-    alignment = (target.parameter_alignment if target.parameter_alignment is not None
-                 else facts.parameter_alignment and src_stage != 3)
-    return plan_zero12(ckpt, target.world_size, orders, round_robin=round_robin, parameter_alignment=alignment,
-                       bf16_optimizer=wrapper == BF16_WRAPPER, common=common)
-
-
-def _stage0_rebuilt(source_stage: int, layout: str, source_tp_size: int, parallel: ParallelTarget) -> bool:
-    """Whether a stage-0 target is rebuilt from the logical checkpoint (:func:`.stage0.plan_stage0_from_zero`) rather
-    than the source's stage-0 files rewritten (:func:`.stage0.plan_stage0`): a ZeRO source; one stage of a pipeline
-    (its optimizer's order is the stage plan's, :func:`source_group_orders`); native MoE at another expert-parallel
-    size (one ``expp_rank_*`` file per new rank); another TP size (each TP rank's module and optimizer state re-cut
-    from its view, not copied)."""
-    return (source_stage != 0 or layout == "pipeline" or parallel.tp_size != source_tp_size
-            or isinstance(parallel.experts, MoeLayout))
+    return plan_zero12(ckpt, target.world_size, orders, round_robin=target.round_robin,
+                       parameter_alignment=target.parameter_alignment,
+                       bf16_optimizer=target.optimizer_wrapper == BF16_WRAPPER, common=common)
 
 
 def source_group_orders(ckpt: LogicalCheckpoint, facts: SourceFacts) -> tuple[LogicalCheckpoint, list[list[str]]]:
@@ -386,7 +243,7 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
     from .common import optimizer_scalars
 
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and _stage0_rebuilt(plan.from_stage, plan.layout, plan.source_tp_size, plan.parallel):
+    if plan.zero_stage == 0 and plan.stage0_rebuilt:
         from .common import optimizer_scalars, stage0_scalars
         from .stage0 import stage0_trees_from_zero
 

@@ -30,7 +30,12 @@ from ..parallel_layout import (
     stacked_expert_cut,
 )
 
-__all__ = ["autoep_groups", "autoep_target", "retarget_record"]
+__all__ = ["autoep_groups", "autoep_stage0_refusal", "autoep_target", "retarget_record"]
+
+
+def autoep_stage0_refusal(ckpt: LogicalCheckpoint) -> str | None:
+    """Why ``ckpt`` cannot be rebuilt as stage 0 (None: no AutoEP layout)."""
+    return "AutoEP layouts are not converted to stage 0" if ckpt.autoep is not None else None
 
 
 def autoep_target(ckpt: LogicalCheckpoint, world: int, ep: int | None) -> AutoEpLayout:

@@ -24,8 +24,8 @@ from ..readers.zero3 import zero3_ds_ids
 from .moe import held_by_ep_rank_0
 from .plan import SourceFacts, source_layout_stage
 
-__all__ = ["ELASTIC_NOTE", "derive_facts", "entries_by_name", "is_elastic", "read_source_facts",
-           "refuse_elastic_target", "refusal_message", "refusals_from_logical"]
+__all__ = ["ELASTIC_NOTE", "derive_facts", "elastic_target_refusal", "entries_by_name", "is_elastic",
+           "read_source_facts", "refuse_elastic_target", "refusal_message", "refusals_from_logical"]
 
 # ds_config optimizer types whose state holds buffers sized by the world size (1-bit error feedback)
 ONE_BIT_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})
@@ -224,18 +224,27 @@ def is_elastic(ckpt: LogicalCheckpoint) -> bool:
 
 def refuse_elastic_target(ckpt: LogicalCheckpoint, *, zero_stage: int | None, tp_size: int | None = None,
                           ep_size: int | None = None, universal: bool = False) -> None:
+    """Raise :func:`elastic_target_refusal`'s refusal, if any."""
+    message = elastic_target_refusal(ckpt, zero_stage=zero_stage, tp_size=tp_size, ep_size=ep_size,
+                                     universal=universal)
+    if message is not None:
+        raise UnsupportedCheckpointError(message)
+
+
+def elastic_target_refusal(ckpt: LogicalCheckpoint, *, zero_stage: int | None, tp_size: int | None = None,
+                           ep_size: int | None = None, universal: bool = False) -> str | None:
     """Refuse, by name and why, every target of an ``elastic_checkpoint`` source but its own layout: ZeRO-1/2
     elastic files (at any data-parallel size; the config keeps ``elastic_checkpoint``) are its one lossless rewrite.
-    Every other layout stores the optimizer's param groups, which the elastic files do not keep."""
+    Every other layout stores the optimizer's param groups, which the elastic files do not keep. None: allowed."""
     if not is_elastic(ckpt):
-        return
+        return None
     target = ("a universal checkpoint (--universal)" if universal
               else f"ZeRO stage {zero_stage}" if zero_stage not in (None, 1, 2)
               else f"tensor parallel size {tp_size}" if tp_size not in (None, 1)
               else f"expert-parallel size {ep_size}" if ep_size is not None else None)
     if target is None:
-        return
-    raise UnsupportedCheckpointError(
+        return None
+    return (
         f"cannot reshard '{ckpt.tag_dir}' (a ZeRO-{ckpt.zero_stage} zero_optimization.elastic_checkpoint save) to "
         f"{target}: its optimizer files keep each param group's state but not the param groups themselves "
         "(lr, betas, eps, weight_decay: DeepSpeed's elastic save leaves them out, and its load keeps those of the "

@@ -20,8 +20,9 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..model import LogicalCheckpoint
 from ..parallel_layout import EXPERT_NAME, ParallelLayout, global_expert_name, local_expert_name
 
-__all__ = ["copied_files", "expert_group_sizes", "held_by_ep_rank_0", "moe_layout_at", "moe_note", "rank_in_group",
-           "rename_expert_groups", "retarget_moe"]
+__all__ = ["at_expert_cut", "copied_files", "ep_size_refusal", "expert_group_ids", "expert_group_sizes",
+           "expp_rank_orders", "held_by_ep_rank_0", "moe_layout_at", "moe_note", "moe_stage0_refusal", "rank_in_group",
+           "rename_expert_groups", "retarget_moe", "stage0_expp_files", "stage0_kept_files"]
 
 
 def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
@@ -79,8 +80,22 @@ def moe_note(ckpt: LogicalCheckpoint, world: int, n_copied: int) -> str:
     return f"Mixture of Experts: expert-parallel size kept at {sizes}; the {n_copied} expert files are copied unchanged"
 
 
-def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[LogicalCheckpoint, Any]:
-    """``ckpt`` and its source facts with every expert group at ``target.ep_size``: the :class:`MoeLayout`'s cut
+def ep_size_refusal(ckpt: LogicalCheckpoint, ep: int, world: int) -> str | None:
+    """Why native MoE ``ckpt`` cannot be written at expert-parallel size ``ep`` on ``world`` data-parallel ranks
+    (None: it can): every layer's experts and the world size must split over ``ep`` ranks."""
+    moe = ckpt.moe
+    assert moe is not None
+    bad = [p for p, n, _ in moe.layers if n % ep]
+    if bad or world % ep:
+        return (f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {world} ranks: "
+                + (f"the {moe.layers[0][1]} experts of '{bad[0]}' do not split over {ep} ranks" if bad else
+                   "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
+    return None
+
+
+def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, ep: int, world: int) -> tuple[LogicalCheckpoint, Any]:
+    """``ckpt`` and its source facts with every expert group at expert-parallel size ``ep`` (on ``world``
+    data-parallel ranks): the :class:`MoeLayout`'s cut
     sizes, and each expert group's flat order rebuilt as the new expert-parallel rank 0 lists it (its local
     experts ``0 .. n/E - 1`` in order, each with the source's per-expert param order). A stage-0 source has no flat
     order in its facts: :func:`~.stage0.stage0_as_zero_source` takes each expert group in module order; a stage-0
@@ -89,13 +104,9 @@ def retarget_moe(ckpt: LogicalCheckpoint, facts: Any, target: Any) -> tuple[Logi
 
     moe = ckpt.moe
     assert moe is not None
-    ep = target.ep_size
-    bad = [p for p, n, _ in moe.layers if n % ep]
-    if bad or target.world_size % ep:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to expert-parallel size {ep} on {target.world_size} ranks: "
-            + (f"the {moe.layers[0][1]} experts of '{bad[0]}' do not split over {ep} ranks" if bad else
-               "the expert-parallel size must divide the world size") + "; pick an --ep-size that divides both")
+    message = ep_size_refusal(ckpt, ep, world)
+    if message is not None:
+        raise UnsupportedCheckpointError(message)
     new_moe = moe_layout_at(moe, ep)
     n_of = {p: n for p, n, _ in moe.layers}
     orders = []
@@ -153,3 +164,79 @@ def rename_expert_groups(tree: Any, ep: int) -> Any:
     groups = [{**pg, "name": f"ep_size_{ep}"} if isinstance(pg, dict) and pg.get("moe") else pg
               for pg in base["param_groups"]]
     return {**tree, OSD: {**osd, "base_optimizer_state": {**base, "param_groups": groups}}}
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 0 (ds_writers/stage0.py): the expp_rank_* optimizer files, one per expert-parallel rank
+
+
+def stage0_kept_files(ckpt: LogicalCheckpoint, world: int) -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    """A stage-0 source rewritten at stage 0: the files copied unchanged (the experts' and the ``expp_rank_*``
+    optimizer files, which belong to expert-parallel ranks, which are kept) and the plan's note; none without MoE.
+    Refuses a world size the expert-parallel size does not divide."""
+    if ckpt.moe is None:
+        return (), ()
+    expert_group_sizes(ckpt, world)
+    copied = copied_files(ckpt, stage0=True)
+    return copied, (f"Mixture of Experts: expert-parallel size kept at {', '.join(map(str, ckpt.moe.ep_sizes))}; "
+                    f"the {len(copied)} expert and expert-parallel optimizer files are copied unchanged",)
+
+
+def moe_stage0_refusal(ckpt: LogicalCheckpoint, world: int) -> str | None:
+    """Why native MoE ``ckpt`` cannot be rebuilt as stage 0 on ``world`` ranks (None: it can, or it has no experts):
+    several expert-parallel sizes; refuses (raises) a world size its expert-parallel size does not divide."""
+    if ckpt.moe is None:
+        return None
+    if len(ckpt.moe.ep_sizes) != 1:
+        return (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
+                "keeps one expp_rank_* optimizer file per rank of one of them")
+    expert_group_sizes(ckpt, world)  # the expert-parallel size must divide the world size
+    return None
+
+
+def stage0_expp_files(ckpt: LogicalCheckpoint, copied: tuple[Path, ...]) -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    """A stage-0 target rebuilt from the logical checkpoint: the files copied unchanged (``copied`` and the expert
+    files) and the plan's note on the ``expp_rank_*`` files written."""
+    if ckpt.moe is None:
+        return copied, ()
+    copied = (*copied, *copied_files(ckpt, stage0=False))
+    return copied, (f"Mixture of Experts: expert-parallel size kept at {ckpt.moe.ep_sizes[0]}; one expp_rank_* "
+                    "optimizer file per expert-parallel rank (the dense groups and that rank's experts); the "
+                    f"{len(copied)} expert files are copied unchanged",)
+
+
+def expert_group_ids(ckpt: LogicalCheckpoint) -> set[int]:
+    """The optimizer param groups holding experts (none without MoE)."""
+    if ckpt.moe is None:
+        return set()
+    return {g for g, ep in enumerate(ckpt.moe.group_ep_sizes) if ep is not None}
+
+
+def at_expert_cut(ckpt: LogicalCheckpoint, parallel: Any) -> LogicalCheckpoint:
+    """``ckpt`` with native MoE's expert cut at the target's (``--ep-size``: :attr:`ParallelTarget.experts`)."""
+    import dataclasses
+
+    from ..parallel_layout import MoeLayout
+
+    if isinstance(parallel.experts, MoeLayout) and ckpt.moe is not None:
+        return dataclasses.replace(ckpt, moe=parallel.experts)
+    return ckpt
+
+
+def expp_rank_orders(ckpt: LogicalCheckpoint, orders: list[list[str]]) -> list[list[list[str]]] | None:
+    """Per expert-parallel rank, the optimizer groups of its ``expp_rank_*`` file: ``orders`` with each expert
+    group's local names as that rank's global ones; None without MoE."""
+    if ckpt.moe is None:
+        return None
+    moe = ckpt.moe
+    return [[[_on_ep_rank(ckpt, n, r) if moe.group_ep_sizes[g] else n for n in names]
+             for g, names in enumerate(orders)] for r in range(moe.ep_sizes[0])]
+
+
+def _on_ep_rank(ckpt: LogicalCheckpoint, local: str, ep_rank: int) -> str:
+    """The global name of expert param ``local`` (as ``param_shapes`` names it) on expert-parallel rank ``ep_rank``."""
+    assert ckpt.moe is not None
+    m = EXPERT_NAME.match(local)
+    if m is None:
+        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{local}' sits in an expert group but is no expert param")
+    return global_expert_name(local, ep_rank, ckpt.moe.expert_cut(m["prefix"]))

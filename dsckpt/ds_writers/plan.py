@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..hf import HfFilesPlan
 from ..model import ZERO_FILL, Fragment, LogicalCheckpoint, Piece, Precision, Role, TensorEntry
-from ..parallel_layout import ParallelTarget, StagePlan
+from ..parallel_layout import ParallelTarget
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 
 __all__ = [
@@ -122,27 +122,34 @@ class SourceFacts:
 
 @dataclass(frozen=True)
 class Target:
-    """What to write: ZeRO ``zero_stage`` (0-3) on ``world_size`` data-parallel ranks (of each of ``tp_size``
-    tensor-parallel ranks).
+    """What to write, every value decided (phase 2, :func:`.target.resolve_target`; ``docs/design.md``).
 
-    ``sub_group_size`` is ZeRO-3's (``None``: the source's when it is stage 3, else DeepSpeed's
-    default); ``round_robin`` / ``parameter_alignment`` are the target's ``zero_optimization``
-    flags (``None``: the source's). ``bf16_optimizer``: write ``BF16_Optimizer`` files (stage 1,
-    bf16 only; ``None``: keep the source's wrapper where the target stage allows it).
+    ZeRO ``zero_stage`` (0-3) written for ``optimizer_wrapper`` on ``world_size`` data-parallel ranks (of each
+    model-parallel rank); ``parallel`` every dimension's cut (data-parallel size, TP cut, pipeline stages, expert cut);
+    ``sub_group_size`` ZeRO-3's (the source's at stage 3, else DeepSpeed's default, unless given);
+    ``round_robin`` / ``parameter_alignment`` the target's ``zero_optimization`` flags; ``stage0_rebuilt``: a stage-0
+    target rebuilt from the logical checkpoint (:func:`.stage0.plan_stage0_from_zero`), not the source's stage-0
+    files rewritten; ``moe_recut``: native MoE written at another expert-parallel size (the planner reads the source
+    at that cut, :func:`.moe.retarget_moe`); ``autotp_meta``: the model config AutoTP's widths at another TP size
+    were taken from; ``total_world_size``: every rank (TP x stages x data-parallel).
     """
 
     zero_stage: int
     world_size: int
+    parallel: ParallelTarget
+    optimizer_wrapper: str
     sub_group_size: int | None = None
-    round_robin: bool | None = None
-    parameter_alignment: bool | None = None
-    bf16_optimizer: bool | None = None
-    tp_size: int | None = None  # tensor-parallel ranks (None: the source's); ``world_size`` is per TP rank
-    ep_size: int | None = None  # expert-parallel size of an AutoEP checkpoint (None: the source's)
-    stages: StagePlan | None = None  # a pipeline checkpoint's target stages (dsckpt.pipeline_stages.plan_stages)
-    # Megatron's make_vocab_size_divisible_by, for a TP size change of a Megatron-style record with a vocabulary
-    # (None: the one the checkpoint records, SourceFacts.vocab_divisor)
-    vocab_divisor: int | None = None
+    round_robin: bool = False
+    parameter_alignment: bool = False
+    stage0_rebuilt: bool = False
+    moe_recut: bool = False
+    autotp_meta: Any = None
+    total_world_size: int = 0
+    # a pipeline target: the layer files copied unchanged (with model-parallel rank 0's files), or those of source TP
+    # rank 0 re-cut for every target TP rank (another TP size: ds_writers.layer_file_trees)
+    copied_layer_files: tuple[Path, ...] = ()
+    recut_layer_files: tuple[Path, ...] = ()
+    model_parallel_notes: tuple[str, ...] = ()  # what the TP and stage cuts do, for a model-parallel plan's notes
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,8 @@ class LayoutPlan:
     # DeepSpeed's own fp32 stage-0 pipeline save: the TiedLayerSpec keys the source is read with (layer, key)
     # (dsckpt.readers.read_checkpoint's tied_keys; PipelineRecord.tied_keys)
     tied_keys: tuple[tuple[int, str], ...] = ()
+    # a stage-0 target rebuilt from the logical checkpoint (Target.stage0_rebuilt; stage0.plan_stage0_from_zero)
+    stage0_rebuilt: bool = False
 
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""

@@ -5,28 +5,23 @@ whole module and optimizer live in ``mp_rank_00_model_states.pt``; only the reco
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError
 from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
-from ..parallel_layout import MoeLayout
-from .moe import copied_files, expert_group_sizes
+from .autoep import autoep_stage0_refusal
+from .moe import at_expert_cut, expp_rank_orders, moe_stage0_refusal, stage0_expp_files, stage0_kept_files
 from .plan import LayoutPlan
 
-__all__ = ["PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero", "stage0_as_zero_source", "stage0_model_trees",
-           "stage0_trees_from_zero", "stage0_wrapper"]
+__all__ = ["PIPELINE_NOTE", "STAGE0_BF16_PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero",
+           "stage0_as_zero_source", "stage0_model_trees", "stage0_trees_from_zero", "stage0_wrapper"]
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
     models = tuple(p for p in ckpt.files if p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"))
     notes = ["stage 0: nothing is partitioned; only the recorded dp_world_size changes"]
-    copied: tuple[Path, ...] = ()
-    if ckpt.moe is not None:  # expp_rank_{R} files belong to expert-parallel ranks, which are kept
-        expert_group_sizes(ckpt, common["world_size"])
-        copied = copied_files(ckpt, stage0=True)
-        notes.append(f"Mixture of Experts: expert-parallel size kept at {', '.join(map(str, ckpt.moe.ep_sizes))}; "
-                     f"the {len(copied)} expert and expert-parallel optimizer files are copied unchanged")
+    copied, moe_notes = stage0_kept_files(ckpt, common["world_size"])  # native MoE's expert and expp_rank_* files
+    notes += moe_notes
     return LayoutPlan(**{**common, "source_model_files": models}, param_shapes=(), subgroup_to_group=(),
                       alignment_paddings=(), ranks=(), notes=tuple(notes), copied_model_files=copied)
 
@@ -50,9 +45,9 @@ def stage0_as_zero_source(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, l
     ranks' experts follow from the rank arithmetic (:func:`~.moe.rank_in_group`), each group in module order."""
     import dataclasses
 
-    from .moe import held_by_ep_rank_0
+    from .moe import expert_group_ids, held_by_ep_rank_0
 
-    expert_groups = {g for g, ep in enumerate(ckpt.moe.group_ep_sizes) if ep is not None} if ckpt.moe else set()
+    expert_groups = expert_group_ids(ckpt)
     position = {e.name: i for i, e in enumerate(ckpt.entries)}
     entries = []
     members: dict[int, list[tuple[tuple[object, ...], str]]] = {}
@@ -132,13 +127,8 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
         why = (f"{len(orders)} param groups and frozen params ({', '.join(frozen[:3])}): at fp32 the stage-0 optimizer "
                "numbers every param it is given, frozen ones too, and the files do not say which group a frozen param "
                "was given to")
-    elif ckpt.autoep is not None:
-        why = "AutoEP layouts are not converted to stage 0"
-    elif ckpt.moe is not None and len(ckpt.moe.ep_sizes) != 1:
-        why = (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
-               "keeps one expp_rank_* optimizer file per rank of one of them")
-    if ckpt.moe is not None and why is None:
-        expert_group_sizes(ckpt, common["world_size"])  # the expert-parallel size must divide the world size
+    else:
+        why = autoep_stage0_refusal(ckpt) or moe_stage0_refusal(ckpt, common["world_size"])
     if why is not None:
         raise UnsupportedCheckpointError(f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {ckpt.zero_stage} to "
                                          f"stage 0: {why}; write it as ZeRO-1 instead (--zero-stage 1: the full "
@@ -153,15 +143,20 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
                  + (" (each TP rank's slices in its own mp_rank_XX file)" if common["parallel"].tp_size > 1 else "")
                  + ("; pass model.parameters() to deepspeed.initialize (the stage-0 optimizer numbers frozen params "
                     "too)" if ckpt.precision is Precision.FP32 and len(orders) == 1 else "")]
-    copied: tuple[Path, ...] = tuple(common.get("copied_model_files", ()))
-    if ckpt.moe is not None:
-        copied = (*copied, *copied_files(ckpt, stage0=False))
-        ep = ckpt.moe.ep_sizes[0]
-        notes.append(f"Mixture of Experts: expert-parallel size kept at {ep}; one expp_rank_* optimizer file per "
-                     f"expert-parallel rank (the dense groups and that rank's experts); the {len(copied)} expert "
-                     "files are copied unchanged")
+    copied, moe_notes = stage0_expp_files(ckpt, tuple(common.get("copied_model_files", ())))
+    notes += moe_notes
     return LayoutPlan(**{**common, "optimizer_wrapper": wrapper, "copied_model_files": copied}, param_shapes=shapes,
                       subgroup_to_group=(), alignment_paddings=(), ranks=(), notes=tuple(notes))
+
+
+#: A bf16 pipeline run without ZeRO trains under BF16_Optimizer (engine.py ``_configure_optimizer``: bf16 +
+#: pipeline), whose state is the same as at ZeRO-1 with fp32 gradient accumulation; DeepSpeed 0.19.8 cannot resume the
+#: stage-0 form, not even unchanged (``_load_checkpoint`` hands the model states' ``optimizer`` dict to
+#: ``BF16_Optimizer._load_legacy_checkpoint``, which indexes it by data-parallel rank: ``KeyError: 0``).
+STAGE0_BF16_PIPELINE_NOTE = (
+    "ZeRO stage 0 bf16 pipeline (BF16_Optimizer) written as ZeRO-1 BF16_Optimizer files, the same optimizer and state: "
+    "DeepSpeed 0.19.8 cannot resume the stage-0 form (KeyError in BF16_Optimizer._load_legacy_checkpoint); resume "
+    'with "zero_optimization": {"stage": 1} and "data_types": {"grad_accum_dtype": "fp32"}')
 
 
 #: The stage-0 files of a pipeline stage (an fp32 ZeRO-1 pipeline written without ZeRO): DeepSpeed 0.19.8's
@@ -182,14 +177,12 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     hold its experts under local names -- a torch optimizer's at fp32, ``FP16_UnfusedOptimizer``'s or
     ``FP16_Optimizer``'s at 16 bits, the dense masters repeated in every file; ``mp_rank_00`` carries expert-parallel
     rank 0's, as DeepSpeed's rank 0 saves its own)."""
-    import dataclasses
 
     from .common import own_copy, shapes_tree, stage0_scale_fields, streamed, target_ds_config
     from .plan import FlatSpec, range_copies
     from .zero12 import full_module, module_from_copies
 
-    if isinstance(plan.parallel.experts, MoeLayout) and ckpt.moe is not None:  # --ep-size: the new expert cut
-        ckpt = dataclasses.replace(ckpt, moe=plan.parallel.experts)
+    ckpt = at_expert_cut(ckpt, plan.parallel)  # native MoE at --ep-size: the new expert cut
     src = dict(cache.tree(plan.source_model_files[0]))
     module: Mapping[str, Any]
     if plan.from_stage == 3:
@@ -228,10 +221,9 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     fp16 = ckpt.precision is Precision.FP16
     scale = stage0_scale_fields(scalars.loss_scaler, fp16=fp16, cur_iter=ckpt.global_steps or 0)
     expp: list[tuple[str, dict[str, Any]]] = []
-    if ckpt.moe is not None:  # fp32: a torch optimizer's state dict; 16-bit: FP16_UnfusedOptimizer's (plan)
-        for r in range(ckpt.moe.ep_sizes[0]):
-            groups = [[_on_ep_rank(ckpt, n, r) if ckpt.moe.group_ep_sizes[g] else n for n in names]
-                      for g, names in enumerate(orders)]
+    ep_rank_orders = expp_rank_orders(ckpt, orders)  # native MoE: per expert-parallel rank, its optimizer's groups
+    if ep_rank_orders is not None:  # fp32: a torch optimizer's state dict; 16-bit: FP16_UnfusedOptimizer's (plan)
+        for r, groups in enumerate(ep_rank_orders):
             if plan.optimizer_wrapper == "FP16_Optimizer":
                 # the module stays as saved: a MoE save clones every tensor, no view into the flat buffers
                 fused, _ = _fused_optimizer(plan, ckpt, scalars, module, groups, cache)
@@ -265,17 +257,6 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     if ckpt.layout == "pipeline":
         src["param_shapes"] = shapes_tree(plan)  # names the optimizer's params (PIPELINE_NOTE)
     return [(f"mp_rank_{plan.mp_rank:02d}_model_states.pt", src), *expp]
-
-
-def _on_ep_rank(ckpt: LogicalCheckpoint, local: str, ep_rank: int) -> str:
-    """The global name of expert param ``local`` (as ``param_shapes`` names it) on expert-parallel rank ``ep_rank``."""
-    from ..parallel_layout import EXPERT_NAME, global_expert_name
-
-    assert ckpt.moe is not None
-    m = EXPERT_NAME.match(local)
-    if m is None:
-        raise CorruptCheckpointError(f"'{ckpt.tag_dir}': '{local}' sits in an expert group but is no expert param")
-    return global_expert_name(local, ep_rank, ckpt.moe.expert_cut(m["prefix"]))
 
 
 def _fused_optimizer(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any, module: Mapping[str, Any],

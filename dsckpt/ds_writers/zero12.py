@@ -18,7 +18,7 @@ load, stage_1_and_2.py:3774-3787).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -42,7 +42,7 @@ from .common import (
     target_ds_config,
     zero_stage_enum,
 )
-from .moe import copied_files, expert_group_sizes, moe_note, rank_in_group
+from .experts import expert_files_and_note, expert_groups
 from .plan import (
     BF16_WRAPPER,
     FlatSpec,
@@ -72,20 +72,8 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     elem = element_nbytes(ckpt.precision)
     # A group's entries and a rank's position in it: the logical entries over all ranks, or (experts) the entries
     # of the rank's expert-parallel rank over its expert-data-parallel group.
-    position: Callable[[int, int], tuple[int, Mapping[str, Any]]] | None = None
-    if ckpt.autoep is not None:
-        from .autoep import autoep_groups
-
-        group_ep, position = autoep_groups(ckpt, world, group_orders, common["parallel"].experts)
-    else:
-        group_ep = expert_group_sizes(ckpt, world)
-
-    def entries_of(g: int, rank: int) -> tuple[int, Callable[[str], Any]]:
-        if position is not None:
-            k, ents = position(g, rank)
-            return k, ents.__getitem__
-        k, resolve = rank_in_group(ckpt, world, rank, group_ep[g] if g < len(group_ep) else None)
-        return k, lambda nm: by_name[resolve(nm)]
+    experts = expert_groups(ckpt, world, group_orders, common["parallel"])
+    entries_of = experts.position
     param_shapes = []
     all_paddings = []
     group_layouts = []  # per group: (names in flat order, layout, names in bit16 order, paddings)
@@ -99,10 +87,9 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
         entry0 = entries_of(g, 0)[1]  # every rank of a group holds the same shapes
         numels = [entry0(nm).numel for nm in flat]
         pads = param_alignment_paddings(numels, elem, enabled=parameter_alignment and not bf16_optimizer)
-        ep = group_ep[g] if g < len(group_ep) else None
         # An expert group is partitioned over the expert-data-parallel group only (its alignment too:
         # stage_1_and_2.py uses the size of real_dp_process_group[g]).
-        layout = zero12_group_layout(numels, world // ep if ep else world, alignment_paddings=pads)
+        layout = zero12_group_layout(numels, experts.partition_count(g, world), alignment_paddings=pads)
         param_shapes.append(tuple((nm, entry0(nm).shape) for nm in flat))
         all_paddings.append(tuple(pads))
         group_layouts.append((flat, layout, original, pads))
@@ -111,7 +98,6 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     for r in range(world):
         groups = []
         for g, (flat, layout, original, pads) in enumerate(group_layouts):
-            ep = group_ep[g] if g < len(group_ep) else None
             k, entry_of = entries_of(g, r)
             p_numel = layout.partition_numel
             p_start = k * p_numel
@@ -133,7 +119,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
                 group=g, partition_numel=p_numel, padding_numel=padding,
                 master=copies.master_spec(stored), states=copies.state_specs(p_numel),
                 slice_mappings=tuple((original[m.index], m.start, m.numel) for m in maps),
-                partition_count=layout.world_size if ep else None,
+                partition_count=layout.world_size if experts.ep(g) else None,
             ))
         ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"], common.get("mp_rank", 0)), None,
                               tuple(groups)))
@@ -141,18 +127,9 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     if round_robin and not bf16_optimizer:
         notes.append("round_robin_gradients: flat order recomputed for the new size; param_slice_mappings "
                      "reproduce DeepSpeed 0.19.8's own (mis-ordered) mapping")
-    copied = (*common.get("copied_model_files", ()), *copied_files(ckpt, stage0=False))
-    ep = common["parallel"].ep_size
-    if ckpt.moe is not None and ep is None:
-        notes.append(moe_note(ckpt, world, len(copied)))
-    elif ckpt.moe is not None:
-        notes.append(f"Mixture of Experts: expert-parallel size changed to {ep} (expert-data-parallel {world // ep}); "
-                     f"the {len(copied)} per-expert files are copied unchanged")
-    if ckpt.autoep is not None:
-        copied = ckpt.autoep.expert_files
-        ae, tgt = ckpt.autoep, common["parallel"].experts
-        notes.append(f"AutoEP: expert-parallel size {ae.ep_size} -> {tgt.ep_size} (expert-data-parallel {ae.expert_dp} "
-                     f"-> {tgt.expert_dp}); the {len(copied)} per-expert files are copied unchanged")
+    copied, expert_notes = expert_files_and_note(ckpt, world, common["parallel"],
+                                                 tuple(common.get("copied_model_files", ())))
+    notes += expert_notes
     return LayoutPlan(**{**common, "notes": tuple(notes), "copied_model_files": copied},
                       param_shapes=tuple(param_shapes),
                       subgroup_to_group=tuple(range(len(param_shapes))), alignment_paddings=tuple(all_paddings),

@@ -31,6 +31,7 @@ from .common import (
     target_ds_config,
     zero_stage_enum,
 )
+from .experts import expert_groups
 from .plan import (
     FlatSpec,
     GroupPartition,
@@ -52,20 +53,11 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
     trainable params in order; ``source_subgroups``: how many (sub-)groups the source has (for a note)."""
     by_name = {e.name: e for e in ckpt.entries}
     # A group's entries and a rank's partition index in it (AutoEP experts: the rank's expert-parallel rank's local
-    # view, partitioned over its expert-data-parallel group; see ds_writers/autoep.py), and its partition count.
-    group_ep: list[int | None] = [None] * len(group_orders)
-    position: Callable[[int, int], tuple[int, Mapping[str, Any]]] | None = None
-    if ckpt.autoep is not None:
-        from .autoep import autoep_groups
+    # view, partitioned over its expert-data-parallel group; see ds_writers/experts.py), and its partition count.
+    experts = expert_groups(ckpt, world, group_orders, common["parallel"])
 
-        group_ep, position = autoep_groups(ckpt, world, group_orders, common["parallel"].experts)
-
-    def entries_of(g: int, rank: int) -> tuple[int, Mapping[str, Any], int]:
-        ep = group_ep[g]
-        if position is None or ep is None:
-            return rank, by_name, world
-        k, ents = position(g, rank)
-        return k, ents, world // ep
+    def entries_of(g: int, rank: int) -> tuple[int, Callable[[str], Any], int]:
+        return (*experts.position(g, rank), experts.partition_count(g, world))
 
     target_subgroups: list[list[str]] = []
     sub_to_group: list[int] = []
@@ -74,7 +66,7 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
             if name not in by_name:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{name}' of group {g} has no stored values")
         _, ents0, count = entries_of(g, 0)
-        for idx in zero3_sub_groups([ents0[n].numel for n in group_names], count, sub_group_size):
+        for idx in zero3_sub_groups([ents0(n).numel for n in group_names], count, sub_group_size):
             target_subgroups.append([group_names[i] for i in idx])
             sub_to_group.append(g)
     # NVMe optimizer offload: a sub-group whose per-rank partition DeepSpeed swaps lives in swap files
@@ -85,9 +77,9 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
         for t, names in enumerate(target_subgroups):
             offset = 0
             k, ents, count = entries_of(sub_to_group[t], r)
-            copies = OptimizerCopies(ckpt, (ents[nm] for nm in names))
+            copies = OptimizerCopies(ckpt, (ents(nm) for nm in names))
             for nm in names:
-                e = ents[nm]
+                e = ents(nm)
                 per = zero3_partition_numel(e.numel, count)
                 lo, hi = k * per, min((k + 1) * per, e.numel)
                 if lo < hi:
@@ -112,7 +104,7 @@ def plan_zero3(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Seque
         mp = common.get("mp_rank", 0)
         ranks.append(RankPlan(r, optim_file_name(r, common["bf16_prefixed_optim"], mp), model_file_name(r, mp),
                               tuple(groups), tuple(frozen)))
-    shapes = tuple(tuple((n, entries_of(sub_to_group[t], 0)[1][n].shape) for n in names)
+    shapes = tuple(tuple((n, entries_of(sub_to_group[t], 0)[1](n).shape) for n in names)
                    for t, names in enumerate(target_subgroups))
     notes = list(common.get("notes", ()))
     if nvme is not None:
