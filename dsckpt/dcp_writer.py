@@ -336,7 +336,7 @@ def split_dcp_plan(plan: DcpPlan, model_output: Path, optim_output: Path, *, mod
 # do
 
 
-def _producer(plan: DcpPlan, cache: FileCache) -> Callable[[DcpTensor], torch.Tensor]:
+def _producer(cache: FileCache) -> Callable[[DcpTensor], torch.Tensor]:
     """``produce(t)``: the real tensor of ``t`` (read from its fragments, cast, checked against the plan)."""
     import torch
 
@@ -401,41 +401,132 @@ DEFAULT_WORKERS = 4
 
 
 def _bins(sizes: list[int], n: int) -> list[list[int]]:
-    """The indices of ``sizes`` in ``n`` bins of nearly equal total (largest first onto the emptiest bin), each bin
-    in its items' order."""
-    bins: list[list[int]] = [[] for _ in range(n)]
-    totals = [0] * n
+    """The indices of ``sizes`` in at most ``n`` non-empty bins of nearly equal total (largest first onto the
+    emptiest bin), each bin in its items' order."""
+    bins: list[list[int]] = [[] for _ in range(max(1, n))]
+    totals = [0] * len(bins)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = min(range(n), key=totals.__getitem__)
+        k = min(range(len(bins)), key=totals.__getitem__)
         bins[k].append(i)
         totals[k] += sizes[i]
     return [sorted(b) for b in bins if b]
 
 
-def _writer_and_planner(tmp: Path, plan: DcpPlan, cache: FileCache, on_tensor: Callable[[DcpTensor], None] | None,
-                        workers: int, synced: list[Path]) -> tuple[Any, Any]:
+#: DCP's file names: ``{prefix}{i}{suffix}``, the prefix ``__{rank}_`` (torch 2.4-2.13 filesystem.py
+#: prepare_global_plan and DEFAULT_SUFFIX); one process is rank 0.
+_SUFFIX = ".distcp"
+
+
+def _rank_prefix(rank: int) -> str:
+    return f"__{rank}_"
+
+
+class _DataFiles:
+    """The tensors of ``tensors`` being written into ``folder`` by one thread per file, ``{prefix}{k}.distcp`` for
+    k < ``workers`` (bins of nearly equal bytes): each tensor in ``torch.save``'s format at its offset, as DCP's
+    writer puts them, its bytes copied from the checkpoint through a few 512 KiB buffers
+    (:func:`~dsckpt.writers.torch_stream.append_torch_tree`; a cast or strided tensor produced through torch first).
+    Starts at once: the caller imports and runs DCP's planning meanwhile. :meth:`finish` waits, appends DCP's byte
+    items to the first file, fsyncs every file once and returns where each item is."""
+
+    def __init__(self, folder: Path, prefix: str, tensors: tuple[DcpTensor, ...], cache: FileCache,
+                 on_tensor: Callable[[DcpTensor], None] | None, workers: int) -> None:
+        self.folder, self.prefix = folder, prefix
+        self.tensors = tensors
+        self.on_tensor = on_tensor
+        self._produce = _producer(cache)
+        self._sources = {t.fqn: _copied_source(t, cache) for t in tensors}  # planned here: reads metadata only
+        self.files = [[tensors[i] for i in b] for b in _bins([t.nbytes for t in tensors], workers)]
+        self.names = [f"{prefix}{k}{_SUFFIX}" for k in range(max(1, len(self.files)))]
+        self.fqn_to_range: dict[str, tuple[str, int, int]] = {}  # fqn -> (file name, offset, length)
+        self.sizes = [0] * len(self.names)
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._write_file, args=(k,), name=f"dsckpt-dcp-{k}", daemon=True)
+                         for k in range(len(self.files))]
+        for th in self._threads:
+            th.start()
+
+    def _write_file(self, k: int) -> None:
+        from .writers.torch_stream import append_torch_tree
+
+        name = self.names[k]
+        try:
+            fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+            try:
+                pos = 0
+                for t in self.files[k]:
+                    if self.errors:
+                        return
+                    src = self._sources[t.fqn]
+                    n = append_torch_tree(fd, src if src is not None else self._produce(t), base=pos)
+                    with self._lock:
+                        self.fqn_to_range[t.fqn] = (name, pos, n)
+                    pos += n
+                    if self.on_tensor is not None:
+                        self.on_tensor(t)
+                self.sizes[k] = pos
+                if k > 0:  # the first file gets DCP's byte items after, then its fsync
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as e:  # noqa: BLE001 -- raised by finish() in the calling thread
+            with self._lock:
+                self.errors.append(e)
+
+    def stop(self) -> None:
+        """Stop after the tensors being written (an error elsewhere); waits for the threads."""
+        with self._lock:
+            self.errors.append(RuntimeError("stopped"))
+        for th in self._threads:
+            th.join()
+
+    def finish(self, byte_items: list[tuple[Any, Any]], synced: list[Path]) -> list[tuple[Any, tuple[str, int, int]]]:
+        """Wait for the tensors; append ``byte_items`` (``(key, bytes-like)``) to the first file; fsync it (the others
+        were fsync'd by their threads); returns ``(key, (file name, offset, length))`` of each byte item."""
+        for th in self._threads:
+            th.join()
+        if self.errors:
+            raise self.errors[0]
+        out: list[tuple[Any, tuple[str, int, int]]] = []
+        path = self.folder / self.names[0]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            pos = self.sizes[0]
+            for key, data in byte_items:
+                view = memoryview(data).cast("B")
+                out.append((key, (self.names[0], pos, view.nbytes)))
+                pos += view.nbytes
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        synced.extend(self.folder / n for n in self.names)
+        return out
+
+
+def _writer(tmp: Path, plan: DcpPlan, start: Callable[[str, tuple[DcpTensor, ...]], _DataFiles],
+            synced: list[Path], started: _DataFiles | None = None) -> Any:
+    """DCP's ``FileSystemWriter`` into ``tmp`` whose ``write_data`` takes the tensors' bytes from a
+    :class:`_DataFiles` (``started``, or one ``start(prefix, tensors)`` makes for this rank's items)."""
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
-    from .writers.torch_stream import append_torch_tree
-
     fqn_to_tensor = {t.fqn: t for t in plan.tensors}
-    fqn_to_source = {t.fqn: _copied_source(t, cache) for t in plan.tensors}
-    produce = _producer(plan, cache)
 
     class _Writer(FileSystemWriter):
-        """DCP's writer into the temp folder, files as DCP writes them with ``single_file_per_rank`` (one per
-        thread, ``__{rank}_{i}.distcp``: each item torch.save'd at its offset) but the bytes of each tensor copied
-        from the checkpoint rather than produced in memory and handed to ``torch.save``: DCP's writer keeps every
-        tensor of a file referenced until the file is closed (torch 2.11-2.13 ``_write_files_from_queue``), and
-        ``torch.save`` computes each record's CRC-32 holding the GIL, so its threads write one at a time (about
-        0.6 GB/s on a 16-core host whatever the disk). Each file is fsync'd once, by its thread, when complete
-        (``synced``); ``.metadata`` names OUT, not the temp folder, as its checkpoint id."""
+        """DCP's writer, files as DCP writes them with ``single_file_per_rank`` (``__{rank}_{i}.distcp``, each item
+        torch.save'd at its offset) but each tensor's bytes copied from the checkpoint (:class:`_DataFiles`) rather
+        than produced in memory for ``torch.save``: DCP's writer keeps every tensor of a file referenced until the
+        file is closed (torch 2.11-2.13 ``_write_files_from_queue``) and ``torch.save`` computes each record's
+        CRC-32 holding the GIL, so its threads write one at a time (about 0.6 GB/s on a 16-core host whatever the
+        disk). ``.metadata`` names OUT, not the temp folder, as its checkpoint id."""
 
         def storage_meta(self) -> StorageMeta | None:
             meta = super().storage_meta()
@@ -444,63 +535,35 @@ def _writer_and_planner(tmp: Path, plan: DcpPlan, cache: FileCache, on_tensor: C
             return meta
 
         def write_data(self, save_plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-            items = list(save_plan.items)
-            sizes = [fqn_to_tensor[w.index.fqn].nbytes if w.type != WriteItemType.BYTE_IO else 0 for w in items]
-            files = [(f"{save_plan.storage_data.prefix}{k}{DEFAULT_SUFFIX}", [items[i] for i in b])
-                     for k, b in enumerate(_bins(sizes, max(1, min(workers, len(items)))))]
-            results: list[list[WriteResult]] = [[] for _ in files]
-            errors: list[BaseException] = []
-
-            def write_file(k: int) -> None:
-                name, todo = files[k]
-                path = Path(self.path) / name
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-                try:
-                    pos = 0
-                    for w in todo:
-                        if errors:
-                            return
-                        if w.type == WriteItemType.BYTE_IO:  # a param group's value, torch.save'd by the planner
-                            data = planner.resolve_data(w)
-                            assert isinstance(data, io.BytesIO), f"{w.index.fqn}: a byte item resolved to {type(data)}"
-                            view = memoryview(data.getbuffer()).cast("B")
-                            n = view.nbytes
-                            while view.nbytes:
-                                view = view[os.write(fd, view):]
-                        else:
-                            t = fqn_to_tensor[w.index.fqn]
-                            src = fqn_to_source[t.fqn]
-                            n = append_torch_tree(fd, src if src is not None else produce(t), base=pos)
-                            if on_tensor is not None:
-                                on_tensor(t)
-                        results[k].append(WriteResult(index=w.index, size_in_bytes=n,
-                                                      storage_data=_StorageInfo(name, pos, n)))
-                        pos += n
-                    os.fsync(fd)
-                    synced.append(path)
-                except BaseException as e:  # noqa: BLE001 -- raised by the calling thread
-                    errors.append(e)
-                finally:
-                    os.close(fd)
-
-            threads = [threading.Thread(target=write_file, args=(k,), name=f"dsckpt-dcp-{k}", daemon=True)
-                       for k in range(1, len(files))]
-            for th in threads:
-                th.start()
-            if files:
-                write_file(0)
-            for th in threads:
-                th.join()
-            if errors:
-                raise errors[0]
+            prefix = save_plan.storage_data.prefix
+            tensor_items = [w for w in save_plan.items if w.type != WriteItemType.BYTE_IO]
+            byte_items = [w for w in save_plan.items if w.type == WriteItemType.BYTE_IO]
+            data = started
+            if data is None:
+                data = start(prefix, tuple(fqn_to_tensor[w.index.fqn] for w in tensor_items))
+            try:
+                assert data.prefix == prefix and {w.index.fqn for w in tensor_items} == {t.fqn for t in data.tensors}, \
+                    "DCP planned other tensors than those being written"
+                blobs = []
+                for w in byte_items:  # a param group's value, torch.save'd by the planner
+                    buf = planner.resolve_data(w)
+                    assert isinstance(buf, io.BytesIO), f"{w.index.fqn}: a byte item resolved to {type(buf)}"
+                    blobs.append((w, buf.getbuffer()))
+                placed = data.finish(blobs, synced)
+            except BaseException:
+                data.stop()
+                raise
+            results = [WriteResult(index=w.index, size_in_bytes=rng[2], storage_data=_StorageInfo(*rng))
+                       for w in tensor_items for rng in (data.fqn_to_range[w.index.fqn],)]
+            results += [WriteResult(index=w.index, size_in_bytes=rng[2], storage_data=_StorageInfo(*rng))
+                        for w, rng in placed]
             fut: Future[list[WriteResult]] = Future()
-            fut.set_result([r for rs in results for r in rs])
+            fut.set_result(results)
             return fut
 
-    # sync_files False: DCP's own fsync is only .metadata's (the data files are fsync'd above); atomic_dir fsyncs
-    # it with the folders.
-    return _Writer(tmp, single_file_per_rank=True, sync_files=False, thread_count=max(1, workers),
-                   per_thread_copy_ahead=0), DefaultSavePlanner()
+    # sync_files False: DCP's own fsync is only .metadata's (the data files are fsync'd by _DataFiles); atomic_dir
+    # fsyncs it with the folders.
+    return _Writer(tmp, single_file_per_rank=True, sync_files=False)
 
 
 def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
@@ -521,15 +584,25 @@ def save_dcp_into(folder: Path, plan: DcpPlan, cache: FileCache, *,
                   on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS,
                   synced: list[Path] | None = None) -> None:
     """Write ``plan``'s DCP files into ``folder``, an empty folder inside the caller's atomic output (``.metadata``
-    names ``plan.output``), in this process alone. Each data file is fsync'd once when written and appended to
-    ``synced`` (for :func:`dsckpt.atomic.atomic_dir`); ``.metadata`` is not (the caller's atomic_dir does it). The
-    caller completes ``cache``'s CRC checks."""
-    import torch.distributed.checkpoint as dcp
+    names ``plan.output``), in this process alone. The tensors' bytes start streaming into ``workers`` files at once,
+    while DCP is imported and plans (DCP's planner gives one process every item); each data file is fsync'd once and
+    appended to ``synced`` (for :func:`dsckpt.atomic.atomic_dir`), ``.metadata`` is not (the caller's atomic_dir
+    does it). The caller completes ``cache``'s CRC checks."""
+    def start(prefix: str, tensors: tuple[DcpTensor, ...]) -> _DataFiles:
+        return _DataFiles(folder, prefix, tensors, cache, on_tensor, workers)
 
-    writer, planner = _writer_and_planner(folder, plan, cache, on_tensor, workers, [] if synced is None else synced)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
+    data = start(_rank_prefix(0), plan.tensors)
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        writer = _writer(folder, plan, start, [] if synced is None else synced, started=data)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(plan.state_dict(), storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+    except BaseException:
+        data.stop()
+        raise
 
 
 def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force: bool = False,
@@ -555,8 +628,12 @@ def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force
         tmp = Path(group.step(claim, "claiming OUT")[0])
 
         def write() -> None:
-            writer, planner = _writer_and_planner(tmp, plan, cache, on_tensor, workers, [])
-            dcp.save(plan.state_dict(), storage_writer=writer, planner=planner)
+            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+            def start(prefix: str, tensors: tuple[DcpTensor, ...]) -> _DataFiles:
+                return _DataFiles(tmp, prefix, tensors, cache, on_tensor, workers)
+
+            dcp.save(plan.state_dict(), storage_writer=_writer(tmp, plan, start, []), planner=DefaultSavePlanner())
             cache.finish_checks()
 
         group.step(write, "writing the DCP folder")
