@@ -19,11 +19,13 @@ plain process resume from::
   True) and stays so.
 
 :func:`plan_to_dcp` decides every key, dtype and shape without reading tensor data; :func:`run_to_dcp` writes with
-DCP's own :class:`~torch.distributed.checkpoint.FileSystemWriter`. The planner hands DCP shape-only (``meta``)
-tensors, and produces each real tensor only when the writer asks for it (:meth:`_StreamingPlanner.resolve_data`),
-one file per tensor and ``workers`` files at a time, so memory stays at a few tensors whatever the model size, as in
-``to-fp32``. The folder appears atomically
-(:func:`dsckpt.atomic.atomic_dir`; every file fsync'd). ``--distributed``: every rank plans the same state dict and
+DCP's own ``dcp.save``, planner and :class:`~torch.distributed.checkpoint.FileSystemWriter` (``.metadata`` is DCP's),
+whose ``write_data`` alone is dsckpt's (:class:`_DataFiles`): the files DCP writes with ``single_file_per_rank``,
+``__0_0.distcp`` ... one per ``workers`` thread, each tensor in ``torch.save``'s format at its offset, its bytes
+copied from the checkpoint's files through a few 512 KiB buffers (CRC-checked as they are read), so memory stays flat
+whatever the model size, as in ``to-fp32``. The copying starts before DCP is imported and plans, which it overlaps.
+The folder appears atomically (:func:`dsckpt.atomic.atomic_dir`) and durably, with one fsync per file (by the
+thread that wrote it) and per folder. ``--distributed``: every rank plans the same state dict and
 DCP's own planner spreads the tensors over the ranks by bytes (its de-duplication of replicated items); rank 0
 writes ``.metadata`` and moves the folder into place.
 """
