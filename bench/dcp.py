@@ -118,8 +118,8 @@ def main() -> None:
            optim_nbytes=sum(f.stat().st_size for f in optim_files), optim_files=len(optim_files),
            disk=shutil.disk_usage(args.work)._asdict())
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    if args.pycache is not None:
-        env["PYTHONPYCACHEPREFIX"] = str(args.pycache.resolve())
+    if args.pycache is not None:  # and bytecode written there, even where the host's environment forbids it
+        env.update(PYTHONPYCACHEPREFIX=str(args.pycache), PYTHONDONTWRITEBYTECODE="")
 
     if "imports" not in args.skip:
         for what, code in (("torch", "import torch"),

@@ -18,7 +18,8 @@ echo "import torch + DCP, as the host has it:"; time "$PY" -c "import torch, tor
 "$PY" -m pip install -q --no-deps --no-index "$D"/whl/*.whl 2>&1 | tail -2
 "$PY" -c "import numpy" 2>/dev/null || "$PY" -m pip install -q --no-deps --no-index "$D"/whl/numpy/*.whl
 "$PY" -c "import isal, deepspeed; print('isal', isal.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-export PYTHONPYCACHEPREFIX=$WORK/pycache
+export PYTHONPYCACHEPREFIX=$WORK/pycache  # bytecode kept there from now on, as pip leaves it in site-packages
+unset PYTHONDONTWRITEBYTECODE
 cd "$D/new"
 s=$(date +%s)
 OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu "$(dirname "$PY")/deepspeed" --num_gpus 8 --master_port 29811 \
@@ -26,5 +27,5 @@ OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu "$(dirname "$PY")/deepspeed" --num_gpus 8 -
 echo "generate rc=$? in $(( $(date +%s) - s )) s"; grep -i "wrote" "$OUT/gen.log" | tail -2; ls -la "$WORK/zero3-1b"/*/ | head -20
 timeout "${BUDGET_S:-420}" "$PY" bench/dcp.py --ckpt "$WORK/zero3-1b" --work "$WORK" --out "$OUT" \
     --dcp-workers ${DCP_WORKERS:-4 8 16 2} --rounds "${ROUNDS:-2}" --baseline-src "$D/old" --pycache "$WORK/pycache" \
-    --check --drop-caches --skip ds_to_universal
+    ${CHECK---check} --drop-caches --skip ds_to_universal
 echo "bench rc=$?"; date
