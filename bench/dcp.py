@@ -111,10 +111,12 @@ def main() -> None:
             f.write(line + "\n")
         print(line, flush=True)
 
-    import torch
-
+    # torch's version from a child: importing it here would make every step's peak RSS at least this process's
+    # (Linux keeps the high-water mark across fork and exec)
+    torch_version = subprocess.run([PY, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                                   text=True, check=False).stdout.strip()
     record("host", node=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
-           torch=torch.__version__, ckpt=str(args.ckpt), ckpt_nbytes=tree_nbytes(args.ckpt / tag),
+           torch=torch_version, ckpt=str(args.ckpt), ckpt_nbytes=tree_nbytes(args.ckpt / tag),
            optim_nbytes=sum(f.stat().st_size for f in optim_files), optim_files=len(optim_files),
            disk=shutil.disk_usage(args.work)._asdict())
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
