@@ -43,3 +43,14 @@ def test_each_file_and_folder_is_flushed_once(tmp_path: Path, monkeypatch: pytes
     temp = [n for n in names if n not in files]  # the temp folder (renamed to OUT after) and OUT's parent
     assert names[plan.output.parent.name] == 1 and len(temp) == 2, calls
     assert len(calls) == len(files) + 2
+
+
+def test_files_get_nearly_equal_bytes() -> None:
+    """The tensors go to at most ``workers`` files, largest first onto the emptiest (as DCP's own writer splits a
+    rank's items over its threads), each file in state-dict order; never an empty file."""
+    from dsckpt.dcp_writer import _bins
+
+    assert _bins([64, 4, 64, 4, 64, 0], 4) == [[0], [2], [4], [1, 3, 5]]
+    assert _bins([10, 10, 10], 2) == [[0, 2], [1]]
+    assert _bins([1, 2], 8) == [[1], [0]]
+    assert _bins([], 4) == []
