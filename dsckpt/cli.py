@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from ._version import __version__
+from ._version import package_version
 from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError, shorten_runs
 from .interrupts import Terminated, signals_as_exceptions
 
@@ -197,8 +197,17 @@ def _close_quietly(group: Any) -> None:
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # click's own version_option reads the version when the CLI is built, i.e. on every run; this reads it only
+    # for --version (same output: "dsckpt, version X")
+    if value and not ctx.resilient_parsing:
+        click.echo(f"dsckpt, version {package_version()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="dsckpt")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
@@ -235,6 +244,13 @@ def info(ckpt: str, tag: str | None, as_json: bool, show_tensors: bool) -> None:
         sys.exit(3)
 
 
+def _training_lines(t: dict[str, Any] | None) -> list[str]:
+    """``info``'s training-state lines: an fp16 run's loss scaler, skipped steps where there are any, findings."""
+    if t is None or not t["worth_showing"]:
+        return []
+    return [f"training     {t['describe']}", *(f"             finding: {m}" for m in t["findings"])]
+
+
 def _human(nbytes: int) -> str:
     size = float(nbytes)
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -268,6 +284,7 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         f"deepspeed    {s['deepspeed_version'] or 'unknown'}",
         f"progress     global step {known(s['global_steps'])}, samples {known(s['global_samples'])}, "
         f"optimizer step {known(s['optimizer_step'])}",
+        *_training_lines(s.get("training")),
         f"params       {p['count']} tensors, {p['numel_total']:,} elements "
         f"({p['numel_trainable']:,} trainable, {p['numel_frozen']:,} frozen"
         + (f", {p['numel_undetermined']:,} undetermined" if p["numel_undetermined"] else "") + ")",
@@ -303,6 +320,16 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
         lines.append("buffers      " + ", ".join(f"{b['name']} ({b['dtype']})" for b in s["buffers"]))
+    opt = s.get("optimizer")
+    if opt is not None and opt["model_only"]:
+        lines.append("optimizer    none: model only (no optimizer state)")
+    elif opt is not None:
+        lines.append(f"optimizer    {opt['type'] or 'unknown class'}, {len(opt['groups'])} param group"
+                     + ("s" if len(opt["groups"]) != 1 else ""))
+        for g in opt["groups"]:
+            lines.append(f"  group {g['index']}    {len(g['params'])} params; " + ", ".join(
+                f"{k} {tuple(v) if isinstance(v, list) else v}" for k, v in g["hyperparams"].items()))
+    lines += [f"note         {msg}" for msg in (opt or {}).get("notes", [])]
     hf = s.get("hf_trainer")
     if hf is not None:
         files = hf["files"]
@@ -625,19 +652,31 @@ _CHECK_NAMES = {"nonfinite": "inf/NaN", "fp16_overflow": "fp16 overflow", "misma
 @click.option("--workers", default=None, type=click.IntRange(0, 64),
               help="Workers reading and checking chunks in parallel (default: one per core, at most 8; "
                    "0: everything in one thread); processes from 4 workers and 1 GiB read, else threads.")
+@click.option("--all", "whole_run", is_flag=True,
+              help="TARGET is a run (a save dir, a Trainer output_dir, a Lightning dirpath): scan every checkpoint "
+                   "in step order, then name the last clean one and the first with findings.")
 @distributed_option
 @handle_errors
 def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quiet: bool,
-         workers: int | None, distributed: bool) -> None:
+         workers: int | None, whole_run: bool, distributed: bool) -> None:
     """Find inf/NaN values in every stored tensor of TARGET.
 
     TARGET: a DeepSpeed checkpoint, a .safetensors file, a folder of safetensors shards, or a torch
     state-dict file. Also flags fp32 masters beyond fp16's range in fp16-trained checkpoints and
     16-bit weights that disagree with their fp32 master (not with --nonfinite). Exit 1 on findings.
     Non-finite values in client state (a trainer's callbacks, loops, schedulers) are listed as notes
-    naming their key path and do not change the exit code.
+    naming their key path and do not change the exit code. fp16 runs: a loss scale at its floor is a
+    finding; so is a trained param whose optimizer state is all zeros where its module's others are not.
     """
     from types import SimpleNamespace
+
+    if whole_run:
+        if tag is not None or distributed:
+            from .errors import UsageError
+
+            raise UsageError("--all scans every checkpoint of TARGET: it takes neither --tag nor --distributed")
+        _scan_run(target, nonfinite_only=nonfinite_only, as_json=as_json, quiet=quiet, workers=workers)
+        return
 
     from .scan import prepare_scan, run_scan, run_scan_distributed
 
@@ -657,16 +696,102 @@ def scan(target: str, tag: str | None, nonfinite_only: bool, as_json: bool, quie
         head = (f"scanned {report.target} ({report.target_kind.value}): {report.stored_tensors} stored tensors, "
                 f"{report.numel_scanned:,} values, {_human(report.nbytes_read)}; checks: {checks}")
         click.echo(head)
+        if report.training is not None and report.training.worth_showing:
+            click.echo(f"training: {report.training.describe()}")
         if report.clean:
             click.echo("clean: nothing found" if not report.client_state else
                        "clean: nothing found in model or optimizer data")
         for f in report.findings:
             click.echo(f"  {f.check.value:13s} {f.describe()}")
+        for h in report.health:
+            click.echo(f"  {h.check.value:13s} {h.describe()}")
         for f in report.client_state:
             click.echo(f"  note          {f.describe()}")
         if not report.clean:
-            click.echo(f"{len(report.findings)} finding(s); see 'dsckpt repair' to patch inf/NaN values")
+            n = len(report.findings) + len(report.health)
+            click.echo(f"{n} finding(s)" + ("; see 'dsckpt repair' to patch inf/NaN values" if report.findings
+                                            else ""))
     sys.exit(0 if report.clean else 1)
+
+
+def _scan_run(target: str, *, nonfinite_only: bool, as_json: bool, quiet: bool, workers: int | None) -> None:
+    from .scan_run import scan_run
+
+    show = not quiet and not as_json and sys.stderr.isatty()
+
+    def started(c: Any) -> None:
+        if show:
+            click.echo(f"scanning {c.path} ...", err=True)
+
+    report = scan_run(target, nonfinite_only=nonfinite_only, workers=workers, on_checkpoint=started)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        sys.exit(0 if report.clean else 1)
+    entries = report.checkpoints
+    click.echo(f"scanned run {report.run}: {len(entries)} checkpoint(s)"
+               + (", inf/NaN only" if nonfinite_only else ""))
+    fp16 = any(e.loss_scale is not None for e in entries)
+    width = max(len(str(e.path)) for e in entries)
+    click.echo(f"  {'step':>6}  " + (f"{'loss scale':>10}  " if fp16 else "") + f"{'skipped':>7}  "
+               + f"{'checkpoint':{width}s}  result")
+    for e in entries:
+        step = "?" if e.step is None else str(e.step)
+        scale = "-" if e.loss_scale is None else f"{e.loss_scale:g}"
+        skipped = "-" if e.skipped_steps is None else str(e.skipped_steps)
+        result = e.summary + (" (scan record reused)" if e.reused_record else "")
+        result += "".join(f"; note: {n}" for n in e.notes)
+        click.echo(f"  {step:>6}  " + (f"{scale:>10}  " if fp16 else "") + f"{skipped:>7}  "
+                   + f"{str(e.path):{width}s}  {one_line(result)}")
+    lc, ff = report.last_clean, report.first_with_findings
+    click.echo(f"last clean:          {lc.path} (step {lc.step})" if lc is not None else "last clean:          none")
+    click.echo(f"first with findings: {ff.path} (step {ff.step})" if ff is not None
+               else "first with findings: none")
+    sys.exit(0 if report.clean else 1)
+
+
+@main.command()
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--exit-on-finding", is_flag=True,
+              help="Exit 1 as soon as a checkpoint has findings, naming it (the rest of the run is not watched).")
+@click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="Seconds between looks at RUN for new checkpoints.")
+@click.option("--timeout", "timeout_s", default=None, type=click.FloatRange(min=0.0),
+              help="Stop watching after this many seconds (default: until Ctrl-C).")
+@click.option("--once", is_flag=True,
+              help="Check the newest complete checkpoint now, then exit (use 'scan RUN --all' for every one).")
+@click.option("--nonfinite", "nonfinite_only", is_flag=True, help="Only look for inf/NaN values.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line, per checkpoint.")
+@handle_errors
+def watch(run: str, exit_on_finding: bool, interval: float, timeout_s: float | None, once: bool,
+          nonfinite_only: bool, as_json: bool) -> None:
+    """Scan each checkpoint of RUN as soon as it is completely written, for runs whose code you cannot change.
+
+    RUN: a DeepSpeed save dir, a Trainer output_dir or a Lightning dirpath, as training writes it. Each
+    checkpoint is scanned once every rank file is written, in one background process at low priority, one at a
+    time; when several newer checkpoints complete during a scan, only the newest is scanned next (the others are
+    listed as skipped). The result is recorded beside each checkpoint (dsckpt-scan.json), which 'scan RUN --all'
+    reuses while its files are unchanged. Exit 1 if a checkpoint had findings or could not be read, else 0.
+    """
+    from .watch import Status, watch_run
+
+    seen_bad = False
+    click.echo(f"dsckpt: watching {run} (every {interval:g} s"
+               + (f", for {timeout_s:g} s" if timeout_s is not None else "") + ")", err=True)
+    for outcome in watch_run(run, interval_s=interval, timeout_s=timeout_s, once=once,
+                             nonfinite_only=nonfinite_only):
+        if as_json:
+            click.echo(json.dumps(outcome.to_dict()))
+        else:
+            click.echo(outcome.describe())
+            for line in outcome.findings:
+                click.echo(f"  {line}")
+        sys.stdout.flush()
+        if outcome.status in (Status.FINDINGS, Status.UNREADABLE):
+            seen_bad = True
+        if exit_on_finding and outcome.status is Status.FINDINGS:
+            click.echo(f"dsckpt: findings in {outcome.path}; stopped watching (--exit-on-finding)", err=True)
+            sys.exit(1)
+    sys.exit(1 if seen_bad else 0)
 
 
 @main.command()
@@ -789,11 +914,17 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.argument("ckpt", type=click.Path(exists=True, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--from", "source", default=None,
-              help="fp32 source: a .safetensors file, a sharded folder, a torch state-dict file, or 'master' "
-                   "(the checkpoint's own fp32 master weights, for 16-bit param copies).")
+              help="Source of the values: a .safetensors file, a sharded folder, a torch state-dict file, 'master' "
+                   "(the checkpoint's own fp32 master weights, for 16-bit param copies), or another DeepSpeed "
+                   "checkpoint of the same run (e.g. RUN/global_step100: masters, 16-bit copies, buffers and "
+                   "optimizer moments).")
 @tag_option
 @click.option("--policy", type=click.Choice(["refuse", "reset-bn-stats"]), default="refuse", show_default=True,
               help="Tensors with no source value: refuse, or reset BatchNorm running stats (mean 0, var 1).")
+@click.option("--loss-scale", "loss_scale", type=float, default=None, metavar="S",
+              help="fp16 runs: write the dynamic loss scaler of every rank file at scale S, its counters reset as "
+                   "DeepSpeed starts a scaler (cur_iter 0, last_overflow_iter -1, hysteresis refilled); for a run "
+                   "stopped at its loss-scale floor. S must be positive and at least the scaler's floor.")
 @click.option("--whole-tensor", is_flag=True, help="Replace whole tensors, not only the non-finite values.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit (1 if there is work).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -801,22 +932,28 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @distributed_option
 @handle_errors
-def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, whole_tensor: bool,
-           dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
-    """Write a copy of CKPT to OUT with every inf/NaN value patched from an fp32 source.
+def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, loss_scale: float | None,
+           whole_tensor: bool, dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
+    """Write a copy of CKPT to OUT with every inf/NaN value patched from a source, and/or (--loss-scale) the
+    fp16 loss scaler reset.
 
     CKPT: a DeepSpeed checkpoint folder (OUT: the same layout, untouched files copied byte for byte)
     or a .safetensors file (OUT: a .safetensors file). CKPT is never modified.
     """
     from .errors import UsageError
-    from .repair import Policy, prepare_repair, run_repair, run_repair_distributed
+    from .repair import Policy, check_loss_scale_value, prepare_repair, run_repair, run_repair_distributed
 
-    if source is None and policy != "reset-bn-stats":
-        raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    if loss_scale is not None:
+        check_loss_scale_value(loss_scale)
+    if source is None and policy != "reset-bn-stats" and loss_scale is None:
+        raise UsageError("give a source with --from SOURCE (or --policy reset-bn-stats, or --loss-scale S)")
     group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
-    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
+    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy),
+                             loss_scale=loss_scale)
     lines = [p.describe() for p in plan.patches]
+    if plan.loss_scale is not None:
+        lines.append(plan.loss_scale.describe())
     if not plan.has_work:
         if as_json:
             click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
@@ -827,7 +964,9 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
         if as_json:
             click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
-            click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
+            click.echo(f"would patch {len(plan.patches)} tensor(s)"
+                       + (" and reset the loss scaler" if plan.loss_scale is not None else "")
+                       + f", rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
     result = (run_repair(plan, out, force=force) if group is None
@@ -837,7 +976,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                                "rewritten": [str(f) for f in result.rewritten],
                                "rescan": result.rescan.to_dict()}, indent=2))
         return
-    click.echo(f"patched {len(plan.patches)} tensor(s):")
+    click.echo(f"patched {len(plan.patches)} tensor(s)"
+               + (" and reset the loss scaler" if plan.loss_scale is not None else "") + ":")
     click.echo("\n".join(lines))
     for p in plan.promotions:
         click.echo(f"dsckpt: warning: '{p.name}' is now stored as {p.promote_to}; DeepSpeed loads it, but an engine "

@@ -50,6 +50,10 @@ def health_notes(ckpt: LogicalCheckpoint) -> list[str]:
     return [NO_CRC_NOTE.format(files=", ".join(legacy))] if legacy else []
 
 
+# layouts read from a plain state dict (dsckpt.state_dict_files): no DeepSpeed training state
+_STATE_DICT_LAYOUTS = frozenset({"dcp", "safetensors", "safetensors-sharded", "torch"})
+
+
 def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
     """A JSON-ready description of ``ckpt``."""
     params = [e for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
@@ -64,6 +68,11 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         files.append({"name": str(path.relative_to(ckpt.tag_dir)), "nbytes": path.stat().st_size,
                       "crc32": has_record_crcs(path)})
     problems = health_problems(ckpt, cache)
+    training = None
+    if ckpt.layout not in _STATE_DICT_LAYOUTS:
+        from .training_state import read_training_state
+
+        training = read_training_state(ckpt, cache).to_dict()
     try:
         cache.finish_checks()
     except DsckptError as err:
@@ -106,11 +115,29 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "files": files,
         "total_nbytes": sum(f["nbytes"] for f in files),
         "health": {"ok": not problems, "problems": problems, "notes": health_notes(ckpt)},
+        "training": training,
         "hf_trainer": hf_trainer_summary(ckpt.root),
         "moe": moe_summary(ckpt),
         "tensor_parallel": tp_summary(ckpt),
         "peft": peft_summary(ckpt),
         "autoep": autoep_summary(ckpt),
+        "optimizer": optimizer_summary(ckpt),
+    }
+
+
+def optimizer_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:
+    """The optimizer side of a DCP folder (None for every other layout, whose wrapper and step lines say it): the
+    ``torch.optim`` class its keys point to, whether it holds optimizer state at all, each param group's params and
+    hyper-parameters as saved, and what the reader noted (groups rebuilt from a flattened save, steps that differ)."""
+    if ckpt.layout != "dcp":
+        return None
+    return {
+        "type": ckpt.optimizer_type,
+        "model_only": not ckpt.optimizer_groups and not any(e.state_keys for e in ckpt.entries),
+        "groups": [{"index": g.index, "params": list(g.param_names),
+                    "hyperparams": {k: list(v) if isinstance(v, tuple) else v for k, v in g.hyperparams}}
+                   for g in ckpt.optimizer_groups],
+        "notes": list(ckpt.notes),
     }
 
 

@@ -25,13 +25,13 @@ import json
 import logging
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import copy_file
 from .ds_writers import (
     LayoutPlan,
     SourceFacts,
@@ -343,7 +343,7 @@ def run_reshard(plan: ReshardPlan, out: str | os.PathLike[str], *, cache: Any = 
         (tmp / "latest").write_text(plan.tag, encoding="utf-8")
         for script in ZERO_TO_FP32_SCRIPTS:
             if (plan.source_root / script).is_file():
-                shutil.copy2(plan.source_root / script, tmp / script)
+                copy_file(plan.source_root / script, tmp / script)
         hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
         with background_fsync(tmp, enabled=fsync):  # the disk finishes the write-back while we verify
             checked = 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
@@ -415,7 +415,7 @@ def run_reshard_distributed(plan: ReshardPlan, out: str | os.PathLike[str], grou
             (tmp / "latest").write_text(plan.tag, encoding="utf-8")
             for script in ZERO_TO_FP32_SCRIPTS:
                 if (plan.source_root / script).is_file():
-                    shutil.copy2(plan.source_root / script, tmp / script)
+                    copy_file(plan.source_root / script, tmp / script)
             hf = copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
             checked = 0 if mode is Verify.NONE else verify_written(plan, tmp, cache, full=mode is Verify.FULL)
             return checked, [str(f.relative_to(tmp)) for f in hf]

@@ -59,6 +59,8 @@ from .scan_plan import (
     Check,
     EntryScan,
     Finding,
+    HealthCheck,
+    HealthFinding,
     RawScan,
     ScanPlan,
     ScanReport,
@@ -78,6 +80,8 @@ __all__ = [
     "Check",
     "EntryScan",
     "Finding",
+    "HealthCheck",
+    "HealthFinding",
     "NonFinite",
     "RawScan",
     "ScanPlan",
@@ -102,17 +106,52 @@ def run_scan(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], N
     where :func:`dsckpt.scan_engine.use_processes` says, or as ``processes`` says) each read and check
     whole chunks -- every stored copy of ``plan.chunk_numel`` elements of one tensor, CRC-32 included --
     into buffers of their own, so memory is bounded by ``workers`` sets of chunk buffers."""
+    zero: dict[tuple[str, str], bool] = {}
     findings, stored, totals = scan_pass(plan, cache, on_progress=on_progress, workers=workers,
-                                         processes=processes)
+                                         processes=processes, zero_states=zero)
     cache.finish_checks()  # CRC-32s of records read only partly (16-bit flat buffers' padding ...)
-    return _report(plan, [*findings, *plan.scalars], len(stored), totals)
+    return _report(plan, [*findings, *plan.scalars], len(stored), totals, zero)
 
 
-def _report(plan: ScanPlan, found: list[Finding], stored_tensors: int, totals: tuple[int, int]) -> ScanReport:
+def state_reset_findings(zero_states: dict[tuple[str, str], bool]) -> list[HealthFinding]:
+    """Trained params whose per-element optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer`` ...) is
+    all zeros where a neighbour's same state is not: the state was reset (an optimizer rebuilt or a state dropped
+    mid-run, silently). Pure. ``zero_states``: ``(param, state key) -> any value not zero``
+    (:func:`dsckpt.scan_engine.scan_pass`).
+
+    A *neighbour* is a param of the same module (``fc1.weight`` for ``fc1.bias``): a module all of whose params'
+    states are zero is one that never received a gradient (a frozen module that an old DeepSpeed kept in its
+    stage-0 optimizer, a Mixture-of-Experts expert no token was routed to), which the files cannot tell from a
+    reset of the whole module, and is not reported."""
+    def module(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else ""
+
+    live = {(module(name), state) for (name, state), nonzero in zero_states.items() if nonzero}
+    by_param: dict[str, list[str]] = {}
+    for (name, state), nonzero in zero_states.items():
+        if not nonzero and (module(name), state) in live:
+            by_param.setdefault(name, []).append(state)
+    return [HealthFinding(HealthCheck.STATE_RESET, name,
+                          f"{name}: optimizer state {', '.join(states)} all zeros, while the rest of module "
+                          f"'{module(name)}' trains: its state was reset (an optimizer rebuilt or its state dropped "
+                          "mid-run, silently); a run resumed from here restarts its moments from zero")
+            for name, states in by_param.items()]
+
+
+def _report(plan: ScanPlan, found: list[Finding], stored_tensors: int, totals: tuple[int, int],
+            zero_states: dict[tuple[str, str], bool] | None = None) -> ScanReport:
+    health: list[HealthFinding] = []
+    if plan.checks == (Check.NONFINITE,):  # --nonfinite: inf/NaN only; the training state is still shown
+        pass
+    elif plan.training is not None:
+        health += [HealthFinding(HealthCheck.LOSS_SCALE, None, m) for m in plan.training.findings()]
+    if zero_states and plan.checks != (Check.NONFINITE,):
+        health += state_reset_findings(zero_states)
     return ScanReport(plan.target, plan.target_kind, plan.checks_run,
                       tuple(f for f in found if f.kind is not StoredKind.CLIENT_STATE), stored_tensors,
                       totals[0], totals[1],
-                      client_state=tuple(f for f in found if f.kind is StoredKind.CLIENT_STATE))
+                      client_state=tuple(f for f in found if f.kind is StoredKind.CLIENT_STATE),
+                      training=plan.training, health=tuple(health))
 
 
 
@@ -137,13 +176,24 @@ def open_target(target: str | os.PathLike[str], *, tag: str | None = None
 def prepare_scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
                  chunk_numel: int | None = None) -> tuple[ScanPlan, FileCache]:
     """Open ``target`` (see :func:`open_target`), parse its files' metadata and plan the scan."""
+    plan, cache, _ = prepare_scan_opened(target, tag=tag, nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)
+    return plan, cache
+
+
+def prepare_scan_opened(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
+                        chunk_numel: int | None = None) -> tuple[ScanPlan, FileCache, LogicalCheckpoint]:
+    """:func:`prepare_scan`, and the logical checkpoint it opened."""
     logical, cache, kind = open_target(target, tag=tag)
     is_st = getattr(cache, "is_safetensors", lambda _f: False)
     # a DCP folder's files are read item by item (dsckpt.dcp_reader), never parsed whole
     trees = {} if kind is TargetKind.DCP else {f: cache.tree(f) for f in logical.files if not is_st(f)}
     plan = plan_scan(logical, trees, cache.tensor, target=Path(target), target_kind=kind,
                      nonfinite_only=nonfinite_only, chunk_numel=chunk_numel)
-    return plan, cache
+    if kind is TargetKind.DEEPSPEED:
+        from .training_state import read_training_state
+
+        plan = dataclasses.replace(plan, training=read_training_state(logical, cache))
+    return plan, cache, logical
 
 
 def scan(target: str | os.PathLike[str], *, tag: str | None = None, nonfinite_only: bool = False,
@@ -207,20 +257,27 @@ def run_scan_distributed(plan: ScanPlan, cache: FileCache, group: Any, *,
     checks = record_checks(cache)
     item_of = _item_of(items, plan)
 
-    def share() -> tuple[list[tuple[int, Finding]], set[tuple[Path, tuple[Any, ...]]], tuple[int, int], Any]:
+    def share() -> tuple[list[tuple[int, Finding]], set[tuple[Path, tuple[Any, ...]]], tuple[int, int], Any,
+                         dict[tuple[str, str], bool]]:
         sub = dataclasses.replace(
             plan, entries=tuple(plan.entries[e] for i in mine for e in items[i].entries),
             raw=tuple(plan.raw[k] for k in sorted(k for i in mine for k in items[i].raw)), scalars=())
         # threads: this rank is one process of many already, and a fork would copy gloo's threads' locks
-        found, stored, totals = scan_pass(sub, cache, on_progress=on_progress, workers=workers, processes=False)
-        return [(item_of(f), f) for f in found], stored, totals, export_segments(checks)
+        zero: dict[tuple[str, str], bool] = {}
+        found, stored, totals = scan_pass(sub, cache, on_progress=on_progress, workers=workers, processes=False,
+                                          zero_states=zero)
+        return [(item_of(f), f) for f in found], stored, totals, export_segments(checks), zero
 
     shares = group.step(share, "the scan")
     group.step(lambda: crc.finish(owned_checks(checks, [s[3] for s in shares], group)), "the CRC-32 checks")
     ordered = sorted((pair for s in shares for pair in s[0]), key=lambda pair: pair[0])
     stored_all: set[tuple[Path, tuple[Any, ...]]] = set().union(*(s[1] for s in shares))
     totals = (sum(s[2][0] for s in shares), sum(s[2][1] for s in shares))
-    return _report(plan, [*(f for _, f in ordered), *plan.scalars], len(stored_all), totals)
+    zero: dict[tuple[str, str], bool] = {}
+    for s in shares:  # a param split over items of several ranks: zero only if zero in every one
+        for k, nonzero in s[4].items():
+            zero[k] = zero.get(k, False) or nonzero
+    return _report(plan, [*(f for _, f in ordered), *plan.scalars], len(stored_all), totals, zero)
 
 
 def _item_of(items: tuple[ScanItem, ...], plan: ScanPlan) -> Callable[[Finding], int]:

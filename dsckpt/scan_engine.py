@@ -77,6 +77,9 @@ class _Where:
     replica: int
     aliases: tuple[str, ...]
     padding_rows: tuple[int, int] | None = None
+    # a trained param's per-element optimizer state: whether every value is zero is tallied (a state reset)
+    zero_check: bool = False
+    state_key: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,16 +130,19 @@ class _Update:
     neginf: int = 0
     first: tuple[int, ...] = ()
     nbytes_read: int = 0
+    nonzero: bool = False
 
 
 class _Tally:
-    __slots__ = ("count", "first", "nan", "neginf", "numel", "posinf")
+    __slots__ = ("count", "first", "nan", "neginf", "nonzero", "numel", "posinf")
 
     def __init__(self) -> None:
         self.count = self.nan = self.posinf = self.neginf = self.numel = 0
         self.first: list[int] = []
+        self.nonzero = False
 
     def add(self, u: _Update) -> None:
+        self.nonzero = self.nonzero or u.nonzero
         self.numel += u.numel
         self.count += u.count
         self.nan += u.nan
@@ -166,6 +172,15 @@ class _Collector:
                                    w.padding_rows))
         return out
 
+    def zero_states(self) -> dict[tuple[str, str], bool]:
+        """``(param, state) -> any value not zero`` over every stored copy of each tallied optimizer state."""
+        out: dict[tuple[str, str], bool] = {}
+        for (check, *_), (w, t) in self.tallies.items():
+            if check is Check.NONFINITE and w.zero_check and w.name is not None and t.numel:
+                k = (w.name, w.state_key or w.kind.value)
+                out[k] = out.get(k, False) or t.nonzero
+        return out
+
 
 def use_processes(plan: ScanPlan, workers: int, processes: bool | None = None) -> bool:
     """Whether :func:`scan_pass` runs its tasks in worker processes rather than threads: ``processes`` if given,
@@ -192,10 +207,13 @@ def plan_nbytes(plan: ScanPlan) -> int:
 
 
 def scan_pass(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], None] | None,
-              workers: int | None, processes: bool | None = None
+              workers: int | None, processes: bool | None = None,
+              zero_states: dict[tuple[str, str], bool] | None = None
               ) -> tuple[list[Finding], set[tuple[Path, tuple[Any, ...]]], tuple[int, int]]:
     """The value pass of :func:`run_scan` (no CRC completion): findings in tally order, the stored
-    tensors read, and (numel scanned, bytes read). ``processes``: see :func:`use_processes`."""
+    tensors read, and (numel scanned, bytes read). ``processes``: see :func:`use_processes`. ``zero_states``, if
+    given, receives ``(param, optimizer state key) -> whether any value is not zero`` for every trained param's
+    per-element optimizer state read (found on the way: the check costs nothing more for fp32 states)."""
     col = _Collector()
     stored: set[tuple[Path, tuple[Any, ...]]] = set()
     totals = [0, 0]  # numel scanned, bytes read
@@ -233,6 +251,8 @@ def scan_pass(plan: ScanPlan, cache: FileCache, *, on_progress: Callable[[int], 
     finally:
         for files in opened:
             files.close()
+    if zero_states is not None:
+        zero_states.update(col.zero_states())
     return col.findings(), stored, (totals[0], totals[1])
 
 
@@ -476,6 +496,9 @@ def _work_batch(data: bytes) -> tuple[list[tuple[list[_Update], list[_CrcPart]]]
     return results, None
 
 
+_STATE_KINDS = frozenset({StoredKind.EXP_AVG, StoredKind.EXP_AVG_SQ, StoredKind.OPTIM_STATE})
+
+
 def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
            stored: set[tuple[Path, tuple[Any, ...]]]) -> Iterator[_Task]:
     """The chunks to check, in plan order. Resolves every stored tensor here, in the calling thread."""
@@ -491,8 +514,9 @@ def _tasks(plan: ScanPlan, cache: FileCache, chunk: int,
             striding.append(ss)
         starts = [[f.dst_offset for f in fs] for fs in frags]
         for piece, kind, fs, ss in zip(es.pieces, es.kinds, frags, striding):
+            zero_check = kind in _STATE_KINDS and es.padding_rows is None
             wheres.append([_Where(es.name, f.file, f.key, kind, piece.dtype, f.rank, piece.replica, es.aliases,
-                                  es.padding_rows) for f in (*fs, *ss)])
+                                  es.padding_rows, zero_check, piece.state_key) for f in (*fs, *ss)])
             refs.append([cache.tensor(f.file, f.key) for f in (*fs, *ss)])
             for f in (*fs, *ss):
                 stored.add((f.file, f.key))
@@ -593,9 +617,10 @@ COMPARE_BLOCK_NUMEL = 1 << 19
 class _Acc:
     """What one part's blocks found so far."""
 
-    __slots__ = ("differ", "differ_first", "first", "nan", "neginf", "over", "over_first", "posinf")
+    __slots__ = ("differ", "differ_first", "first", "nan", "neginf", "nonzero", "over", "over_first", "posinf")
 
     def __init__(self) -> None:
+        self.nonzero = False
         self.nan = self.posinf = self.neginf = self.over = self.differ = 0
         self.first: list[int] = []
         self.over_first: list[int] = []
@@ -623,7 +648,7 @@ def _run_task(task: _Task, pool: dict[Any, np.ndarray], files: _OpenFiles) -> li
             out.append(_Update(Check.NONFINITE, p.where, 0, nbytes_read=nbytes))
             continue
         out.append(_Update(Check.NONFINITE, p.where, p.numel, count, a.nan, a.posinf, a.neginf, tuple(a.first),
-                           nbytes))
+                           nbytes, a.nonzero))
         if p.overflow:
             out.append(_Update(Check.FP16_OVERFLOW, p.where, p.numel, a.over, first=tuple(a.over_first)))
     if compare is not None:
@@ -778,13 +803,25 @@ def _check(x: np.ndarray, dtype: str, p: _Part, off: int, a: _Acc, pool: dict[An
             count, first = _fp16_overflow(x)
             a.over += count
             _add_first(a.over_first, p, off, first)
+        if p.where.zero_check and not a.nonzero:
+            a.nonzero = not (hi == 0 and lo == 0)  # NaN compares unequal: not zero
     else:
         nan, posinf, neginf, first = _nonfinite(x, dtype, pool)
         if nan + posinf + neginf:
             _add_first(a.first, p, off, first)
+        if p.where.zero_check and not a.nonzero:
+            a.nonzero = bool(nan + posinf + neginf) or _any_nonzero_bits(x, dtype)
     a.nan += nan
     a.posinf += posinf
     a.neginf += neginf
+
+
+def _any_nonzero_bits(x: np.ndarray, dtype: str) -> bool:
+    """A block of stored ``dtype`` values holds a value other than +-0 (sign bit ignored)."""
+    if x.dtype.kind == "f":
+        return bool(np.any(x))
+    sign = np.array(1 << (8 * x.dtype.itemsize - 1), dtype=x.dtype)
+    return bool(np.any(x & ~sign)) if x.dtype.kind == "u" else bool(np.any(x))
 
 
 def _add_first(first: list[int], p: _Part, off: int, found: np.ndarray) -> None:

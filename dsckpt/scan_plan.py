@@ -32,6 +32,8 @@ from .tensor_ref import TensorRef
 if TYPE_CHECKING:
     import torch
 
+    from .training_state import TrainingState
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -42,6 +44,8 @@ __all__ = [
     "Check",
     "EntryScan",
     "Finding",
+    "HealthCheck",
+    "HealthFinding",
     "RawScan",
     "ScanPlan",
     "ScanReport",
@@ -69,6 +73,26 @@ class Check(enum.Enum):
     NONFINITE = "nonfinite"
     FP16_OVERFLOW = "fp16_overflow"
     MISMATCH = "mismatch"
+
+
+class HealthCheck(enum.Enum):
+    """Findings about the training state rather than about values of one stored tensor (issue 39)."""
+
+    LOSS_SCALE = "loss_scale"  # an fp16 run's dynamic loss scale sits at its floor
+    STATE_RESET = "state_reset"  # a trained param's optimizer state is all zeros where its neighbours' are not
+
+
+@dataclass(frozen=True)
+class HealthFinding:
+    check: HealthCheck
+    name: str | None  # the param, for state_reset
+    message: str
+
+    def describe(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check.value, "name": self.name, "message": self.message}
 
 
 class StoredKind(enum.Enum):
@@ -216,6 +240,7 @@ class ScanPlan:
     nbytes: int
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     scalars: tuple[Finding, ...] = ()  # non-finite Python floats, found while planning (nonfinite_scalars)
+    training: TrainingState | None = None  # a DeepSpeed checkpoint's loss scaler and skipped steps
 
     @property
     def checks_run(self) -> tuple[Check, ...]:
@@ -240,10 +265,13 @@ class ScanReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # non-finite values in client state (kind CLIENT_STATE): shown apart, never findings
     client_state: tuple[Finding, ...] = field(default_factory=tuple)
+    training: TrainingState | None = None
+    # findings about the training state: a loss scale at its floor, an optimizer state silently reset
+    health: tuple[HealthFinding, ...] = field(default_factory=tuple)
 
     @property
     def clean(self) -> bool:
-        return not self.findings
+        return not self.findings and not self.health
 
     def of(self, check: Check) -> list[Finding]:
         return [f for f in self.findings if f.check is check]
@@ -255,6 +283,8 @@ class ScanReport:
             "stored_tensors": self.stored_tensors, "numel_scanned": self.numel_scanned,
             "nbytes_read": self.nbytes_read, "findings": [f.to_dict() for f in self.findings],
             "notes": list(self.notes), "client_state_nonfinite": [f.to_dict() for f in self.client_state],
+            "training": None if self.training is None else self.training.to_dict(),
+            "health": [h.to_dict() for h in self.health],
         }
 
 

@@ -141,7 +141,8 @@ def test_no_source_value_refuses_listing_all_and_writes_nothing(tmp_path):
     sd = {k: v.contiguous() for k, v in fx.expected_fp32().items() if k != "bn.running_var"}
     save_file(sd, str(tmp_path / "partial.safetensors"))
     with pytest.raises(RepairError, match=r"cannot repair 2 tensor\(s\).*fc1.bias: non-finite values in its exp_avg; "
-                                          r"no source holds optimizer moments; bn.running_var \(buffer, 1 non-finite\): "
+                                          r"only another DeepSpeed checkpoint of the run given with --from holds "
+                                          r"optimizer moments; bn.running_var \(buffer, 1 non-finite\): "
                                           r"no value in fp32 source"):
         prepare_repair(ckpt, tmp_path / "partial.safetensors")
     with pytest.raises(RepairError, match="bn.running_var \\(buffer\\): has no fp32 master"):
@@ -274,3 +275,24 @@ def test_deepspeed_loads_planted_then_repaired_checkpoint(tmp_path, name):
                          world=2, cwd=tmp_path, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     assert lines == [f"PASS {tmp_path / 'fixed'}"], proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_the_inputs_scan_record_is_not_copied_into_the_repaired_copy(tmp_path):
+    """A scan record (written by watch / the callbacks) describes the input checkpoint; the repaired copy is another
+    checkpoint, so the record stays behind (it would be stale there)."""
+    import shutil
+
+    from dsckpt import scan_record
+
+    fx = next(f for f in all_fixtures() if f.name == "s2_fp16_w1_bnoverflow")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx.ckpt, ckpt)
+    rec = scan_record.write_record(ckpt, {"status": "findings"})
+    assert rec.is_file() and rec.parent.parent == ckpt
+    plan, _ = prepare_repair(ckpt, fx.dir / "source_fp32.safetensors")
+    out = tmp_path / "fixed"
+    run_repair(plan, out)
+    copied = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert not [p for p in copied if scan_record.is_record_file(Path(p).name)], copied
+    assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()
+                  if not scan_record.is_record_file(p.name)) == copied

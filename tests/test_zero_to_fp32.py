@@ -196,7 +196,8 @@ def test_get_equals_deepspeed_or_works_where_it_raises(fx, dsckpt_fp32):
     reference = dsckpt_fp32(fx)
     assert set(sd) == set(reference) - excluded_tie_aliases(fx)
     for k, v in sd.items():
-        assert torch.equal(as_fp32(v), reference[k]), k
+        # equal_nan: the lossfloor run's BN stats hold NaN, and NaN is equal to itself here (the same stored value)
+        assert torch.equal(as_fp32(v), reference[k]) or torch.allclose(as_fp32(v), reference[k], 0, 0, True), k
 
 
 @pytest.mark.parametrize("fx", [fx for fx in ALL if fx not in AMBIGUOUS_VALUES and fx not in REFUSED])
