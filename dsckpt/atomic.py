@@ -43,7 +43,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -374,12 +374,15 @@ def verification_failed(target: Path, what: str) -> CorruptCheckpointError:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bool = False) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bool = False,
+               synced: Collection[Path] = ()) -> Iterator[Path]:
     """Yield an empty temporary directory that replaces ``target`` only if the block completes.
 
     An existing ``target`` (allowed by :func:`check_can_write`) is moved aside first and removed
     once the new one is in place. Every file is fsync'd before the rename, unless ``fsync=False``
-    (see :func:`atomic_file`: atomic, not crash-durable). ``leased``: name the temporary directory
+    (see :func:`atomic_file`: atomic, not crash-durable), and so is every folder under it once, its own included
+    (the names in it). ``synced``: files the caller's writers fsync'd themselves after writing them (it may be
+    filled during the block), not fsync'd again. ``leased``: name the temporary directory
     as a ``--distributed`` run's (:func:`leased_temp`) and hold its :func:`lease` until it is renamed into place,
     through the final fsync of every file (on a slow shared filesystem that can outlast the lease expiry).
     """
@@ -392,10 +395,17 @@ def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bo
     try:
         with lease(tmp) if leased else contextlib.nullcontext():
             yield tmp
-            for p in tmp.rglob("*") if fsync else ():
-                if p.is_file():
-                    with open(p, "rb") as f:
-                        os.fsync(f.fileno())
+            if fsync:
+                done = {Path(p) for p in synced}
+                folders = [tmp]
+                for p in tmp.rglob("*"):
+                    if p.is_dir() and not p.is_symlink():
+                        folders.append(p)
+                    elif p.is_file() and p not in done:
+                        with open(p, "rb") as f:
+                            os.fsync(f.fileno())
+                for d in reversed(folders):  # deepest first: a folder's entries before the folder holding it
+                    fsync_dir(d)
             replace_into_place(tmp, target, fsync=fsync)
     except BaseException:
         with uninterrupted():  # a SIGTERM now (torchrun stopping a rank that is unwinding) waits for it

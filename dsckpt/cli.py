@@ -493,7 +493,8 @@ def to_fp32(ckpt: str, out: str, tag: str | None, dtype: str | None, max_shard_s
 @click.option("--dry-run", is_flag=True, help="Print what would be written and exit.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="Tensors written at once (DCP writer threads; one file each). Memory: about that many tensors.")
+              help="DCP files written at once (one writer thread each, its tensors' bytes copied from CKPT through a "
+                   "few small buffers).")
 @click.option("--plain", is_flag=True,
               help="For a Trainer or Accelerate folder too, write one DCP folder {model, optim} instead of the "
                    "folder the Trainer / Accelerate resumes from under FSDP2.")

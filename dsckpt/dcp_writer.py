@@ -19,19 +19,24 @@ plain process resume from::
   True) and stays so.
 
 :func:`plan_to_dcp` decides every key, dtype and shape without reading tensor data; :func:`run_to_dcp` writes with
-DCP's own :class:`~torch.distributed.checkpoint.FileSystemWriter`. The planner hands DCP shape-only (``meta``)
-tensors, and produces each real tensor only when the writer asks for it (:meth:`_StreamingPlanner.resolve_data`),
-one file per tensor and ``workers`` files at a time, so memory stays at a few tensors whatever the model size, as in
-``to-fp32``. The folder appears atomically
-(:func:`dsckpt.atomic.atomic_dir`; every file fsync'd). ``--distributed``: every rank plans the same state dict and
+DCP's own ``dcp.save``, planner and :class:`~torch.distributed.checkpoint.FileSystemWriter` (``.metadata`` is DCP's),
+whose ``write_data`` alone is dsckpt's (:class:`_DataFiles`): the files DCP writes with ``single_file_per_rank``,
+``__0_0.distcp`` ... one per ``workers`` thread, each tensor in ``torch.save``'s format at its offset, its bytes
+copied from the checkpoint's files through a few 512 KiB buffers (CRC-checked as they are read), so memory stays flat
+whatever the model size, as in ``to-fp32``. The copying starts before DCP is imported and plans, which it overlaps.
+The folder appears atomically (:func:`dsckpt.atomic.atomic_dir`) and durably, with one fsync per file (by the
+thread that wrote it) and per folder. ``--distributed``: every rank plans the same state dict and
 DCP's own planner spreads the tensors over the ranks by bytes (its de-duplication of replicated items); rank 0
 writes ``.metadata`` and moves the folder into place.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import sys
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,12 +46,14 @@ from typing import TYPE_CHECKING, Any
 from .atomic import atomic_dir, claim_output, refuse_overlap
 from .convert import parse_dtype
 from .dtypes import dtype_info
-from .errors import UnsupportedCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .model import Kind, LogicalCheckpoint, Piece, Role
 from .readers import FileCache
 
 if TYPE_CHECKING:
     import torch
+
+    from .writers.torch_stream import StreamedTensor
 
 __all__ = [
     "DcpGroup",
@@ -332,17 +339,13 @@ def split_dcp_plan(plan: DcpPlan, model_output: Path, optim_output: Path, *, mod
 # do
 
 
-def _producer(plan: DcpPlan, cache: FileCache,
-              on_tensor: Callable[[DcpTensor], None] | None) -> Callable[[str], torch.Tensor]:
-    """``produce(fqn)``: the real tensor of ``fqn`` (read from its fragments, cast, checked against the plan)."""
+def _producer(cache: FileCache) -> Callable[[DcpTensor], torch.Tensor]:
+    """``produce(t)``: the real tensor of ``t`` (read from its fragments, cast, checked against the plan)."""
     import torch
 
     from .assemble import read_piece
 
-    fqn_to_tensor = {t.fqn: t for t in plan.tensors}
-
-    def produce(fqn: str) -> torch.Tensor:
-        t = fqn_to_tensor[fqn]
+    def produce(t: DcpTensor) -> torch.Tensor:
         want = getattr(torch, t.dtype)
         if t.piece is None:
             assert t.value is not None
@@ -351,37 +354,187 @@ def _producer(plan: DcpPlan, cache: FileCache,
             out = read_piece(t.piece, t.shape, cache, name=t.name)
             if out.dtype != want:
                 out = out.to(want)
-        assert tuple(out.shape) == t.shape and out.dtype == want, f"{fqn}: produced {out.dtype} {tuple(out.shape)}"
-        if on_tensor is not None:
-            on_tensor(t)
+        assert tuple(out.shape) == t.shape and out.dtype == want, f"{t.fqn}: produced {out.dtype} {tuple(out.shape)}"
         return out
 
     return produce
 
 
-#: DCP writer threads by default: each holds one tensor at a time; together they overlap reading the checkpoint,
-#: torch.save's framing and each file's fsync.
+def _copied_source(t: DcpTensor, cache: FileCache) -> StreamedTensor | None:
+    """``t`` as byte ranges of the checkpoint's files when its bytes are stored as they are written (same dtype,
+    contiguous fragments tiling it in order: a ZeRO partition's slices of a master or moment, a buffer), else None
+    (a cast or a strided fragment: produced through torch). Reads no tensor data."""
+    from .chunks import check_numel, check_tiling
+    from .model import ZERO_FILL
+    from .writers.torch_stream import Extent, StreamedTensor, element_nbytes
+
+    piece = t.piece
+    if piece is None or piece.dtype != t.dtype or any(f.strided or f.file == ZERO_FILL for f in piece.fragments):
+        return None
+    numel = check_numel(piece, t.shape, t.name)
+    check_tiling(piece, numel, t.name)
+    item = element_nbytes(t.dtype)
+    extents: list[Extent] = []
+    pos = 0
+    for f in sorted(piece.fragments, key=lambda f: f.dst_offset):
+        ref = cache.tensor(f.file, f.key)
+        if ref.dtype_name != t.dtype or not ref.is_contiguous() or f.dst_offset != pos:
+            return None
+        first = ref.storage_offset + f.src_offset
+        if f.src_offset < 0 or f.src_offset + f.numel > ref.numel or first + f.numel > ref.storage.numel:
+            raise CorruptCheckpointError(
+                f"{f.file}: tensor '{t.name}' needs elements [{f.src_offset}, {f.src_offset + f.numel}) of a stored "
+                f"tensor with {ref.numel}; the checkpoint metadata does not match its tensors")
+        ext = Extent(Path(ref.storage.path), ref.storage.file_offset + first * item, f.numel * item,
+                     ref.storage.check, first * item)
+        last = extents[-1] if extents else None
+        if last is not None and last.path == ext.path and last.record is ext.record \
+                and last.file_offset + last.nbytes == ext.file_offset:
+            extents[-1] = Extent(last.path, last.file_offset, last.nbytes + ext.nbytes, last.record,
+                                 last.record_offset)
+        else:
+            extents.append(ext)
+        pos += f.numel
+    return StreamedTensor(t.dtype, t.shape, tuple(extents))
+
+
+#: Files of OUT written at once by default (one writer thread each, with a reader thread): each copies its tensors'
+#: bytes from the checkpoint in a few 512 KiB buffers, one tensor after another.
 DEFAULT_WORKERS = 4
 
 
-def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch.Tensor],
-                        workers: int) -> tuple[Any, Any]:
+def _bins(sizes: list[int], n: int) -> list[list[int]]:
+    """The indices of ``sizes`` in at most ``n`` non-empty bins of nearly equal total (largest first onto the
+    emptiest bin), each bin in its items' order."""
+    bins: list[list[int]] = [[] for _ in range(max(1, n))]
+    totals = [0] * len(bins)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        k = min(range(len(bins)), key=totals.__getitem__)
+        bins[k].append(i)
+        totals[k] += sizes[i]
+    return [sorted(b) for b in bins if b]
+
+
+#: DCP's file names: ``{prefix}{i}{suffix}``, the prefix ``__{rank}_`` (torch 2.4-2.13 filesystem.py
+#: prepare_global_plan and DEFAULT_SUFFIX); one process is rank 0.
+_SUFFIX = ".distcp"
+
+
+#: The GIL switch interval while DCP is imported and the files are being copied (CPython's default is 5 ms). On the
+#: 2-core bench machine, 1.2 GB: 0.5-1.0 GB copied during the 4 s import with it, 0.5-0.8 GB without.
+_IMPORT_SWITCH_INTERVAL_S = 0.0005
+
+
+def _rank_prefix(rank: int) -> str:
+    return f"__{rank}_"
+
+
+class _DataFiles:
+    """The tensors of ``tensors`` being written into ``folder`` by one thread per file, ``{prefix}{k}.distcp`` for
+    k < ``workers`` (bins of nearly equal bytes): each tensor in ``torch.save``'s format at its offset, as DCP's
+    writer puts them, its bytes copied from the checkpoint through a few 512 KiB buffers
+    (:func:`~dsckpt.writers.torch_stream.append_torch_tree`; a cast or strided tensor produced through torch first).
+    Starts at once: the caller imports and runs DCP's planning meanwhile. :meth:`finish` waits, appends DCP's byte
+    items to the first file, fsyncs every file once and returns where each item is."""
+
+    def __init__(self, folder: Path, prefix: str, tensors: tuple[DcpTensor, ...], cache: FileCache,
+                 on_tensor: Callable[[DcpTensor], None] | None, workers: int) -> None:
+        self.folder, self.prefix = folder, prefix
+        self.tensors = tensors
+        self.on_tensor = on_tensor
+        self._produce = _producer(cache)
+        self._sources = {t.fqn: _copied_source(t, cache) for t in tensors}  # planned here: reads metadata only
+        self.files = [[tensors[i] for i in b] for b in _bins([t.nbytes for t in tensors], workers)]
+        self.names = [f"{prefix}{k}{_SUFFIX}" for k in range(max(1, len(self.files)))]
+        self.fqn_to_range: dict[str, tuple[str, int, int]] = {}  # fqn -> (file name, offset, length)
+        self.sizes = [0] * len(self.names)
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._write_file, args=(k,), name=f"dsckpt-dcp-{k}", daemon=True)
+                         for k in range(len(self.files))]
+        for th in self._threads:
+            th.start()
+
+    def _write_file(self, k: int) -> None:
+        from .writers.torch_stream import append_torch_tree
+
+        name = self.names[k]
+        try:
+            fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+            try:
+                pos = 0
+                for t in self.files[k]:
+                    if self.errors:
+                        return
+                    src = self._sources[t.fqn]
+                    n = append_torch_tree(fd, src if src is not None else self._produce(t), base=pos)
+                    with self._lock:
+                        self.fqn_to_range[t.fqn] = (name, pos, n)
+                    pos += n
+                    if self.on_tensor is not None:
+                        self.on_tensor(t)
+                self.sizes[k] = pos
+                if k > 0:  # the first file gets DCP's byte items after, then its fsync
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as e:  # noqa: BLE001 -- raised by finish() in the calling thread
+            with self._lock:
+                self.errors.append(e)
+
+    def stop(self) -> None:
+        """Stop after the tensors being written (an error elsewhere); waits for the threads."""
+        with self._lock:
+            self.errors.append(RuntimeError("stopped"))
+        for th in self._threads:
+            th.join()
+
+    def finish(self, byte_items: list[tuple[Any, Any]], synced: list[Path]) -> list[tuple[Any, tuple[str, int, int]]]:
+        """Wait for the tensors; append ``byte_items`` (``(key, bytes-like)``) to the first file; fsync it (the others
+        were fsync'd by their threads); returns ``(key, (file name, offset, length))`` of each byte item."""
+        for th in self._threads:
+            th.join()
+        if self.errors:
+            raise self.errors[0]
+        out: list[tuple[Any, tuple[str, int, int]]] = []
+        path = self.folder / self.names[0]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            pos = self.sizes[0]
+            for key, data in byte_items:
+                view = memoryview(data).cast("B")
+                out.append((key, (self.names[0], pos, view.nbytes)))
+                pos += view.nbytes
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        synced.extend(self.folder / n for n in self.names)
+        return out
+
+
+def _writer(tmp: Path, plan: DcpPlan, start: Callable[[str, tuple[DcpTensor, ...]], _DataFiles],
+            synced: list[Path], started: _DataFiles | None = None) -> Any:
+    """DCP's ``FileSystemWriter`` into ``tmp`` whose ``write_data`` takes the tensors' bytes from a
+    :class:`_DataFiles` (``started``, or one ``start(prefix, tensors)`` makes for this rank's items)."""
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
-    class _StreamingPlanner(DefaultSavePlanner):
-        """DCP's default planner, but the tensors it plans from are shapes only: each real tensor is produced
-        when the writer asks for it, so one tensor at a time is in memory."""
-
-        def resolve_data(self, write_item: WriteItem) -> Any:
-            if write_item.type == WriteItemType.BYTE_IO:
-                return super().resolve_data(write_item)
-            return produce(write_item.index.fqn)
+    fqn_to_tensor = {t.fqn: t for t in plan.tensors}
 
     class _Writer(FileSystemWriter):
-        """DCP's writer into the temp folder; ``.metadata`` names OUT, not the temp folder, as its checkpoint id."""
+        """DCP's writer, files as DCP writes them with ``single_file_per_rank`` (``__{rank}_{i}.distcp``, each item
+        torch.save'd at its offset) but each tensor's bytes copied from the checkpoint (:class:`_DataFiles`) rather
+        than produced in memory for ``torch.save``: DCP's writer keeps every tensor of a file referenced until the
+        file is closed (torch 2.11-2.13 ``_write_files_from_queue``) and ``torch.save`` computes each record's
+        CRC-32 holding the GIL, so its threads write one at a time (about 0.6 GB/s on a 16-core host whatever the
+        disk). ``.metadata`` names OUT, not the temp folder, as its checkpoint id."""
 
         def storage_meta(self) -> StorageMeta | None:
             meta = super().storage_meta()
@@ -389,38 +542,83 @@ def _writer_and_planner(tmp: Path, plan: DcpPlan, produce: Callable[[str], torch
                 meta.checkpoint_id = str(plan.output)
             return meta
 
-    # single_file_per_rank False: one .distcp file per item. DCP's writer keeps every tensor of a file referenced
-    # until the file is closed (torch 2.11-2.13 filesystem.py _write_files_from_queue, for its safetensors format),
-    # so one file per rank would hold the whole state in memory; one file per tensor holds one.
-    # thread_count ``workers``: that many files written at once, each thread producing its tensors in turn.
-    # per_thread_copy_ahead 0: DCP's serial loader even where CUDA is present (its overlapping one starts a CUDA
-    # context to copy CPU tensors). sync_files: each file fsync'd when written (while the other threads go on);
-    # atomic_dir fsyncs the folder and renames it into place.
-    return (_Writer(tmp, single_file_per_rank=False, sync_files=True, thread_count=max(1, workers),
-                    per_thread_copy_ahead=0), _StreamingPlanner())
+        def write_data(self, save_plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+            prefix = save_plan.storage_data.prefix
+            tensor_items = [w for w in save_plan.items if w.type != WriteItemType.BYTE_IO]
+            byte_items = [w for w in save_plan.items if w.type == WriteItemType.BYTE_IO]
+            data = started
+            if data is None:
+                data = start(prefix, tuple(fqn_to_tensor[w.index.fqn] for w in tensor_items))
+            try:
+                assert data.prefix == prefix and {w.index.fqn for w in tensor_items} == {t.fqn for t in data.tensors}, \
+                    "DCP planned other tensors than those being written"
+                blobs = []
+                for w in byte_items:  # a param group's value, torch.save'd by the planner
+                    buf = planner.resolve_data(w)
+                    assert isinstance(buf, io.BytesIO), f"{w.index.fqn}: a byte item resolved to {type(buf)}"
+                    blobs.append((w, buf.getbuffer()))
+                placed = data.finish(blobs, synced)
+            except BaseException:
+                data.stop()
+                raise
+            results = [WriteResult(index=w.index, size_in_bytes=rng[2], storage_data=_StorageInfo(*rng))
+                       for w in tensor_items for rng in (data.fqn_to_range[w.index.fqn],)]
+            results += [WriteResult(index=w.index, size_in_bytes=rng[2], storage_data=_StorageInfo(*rng))
+                        for w, rng in placed]
+            fut: Future[list[WriteResult]] = Future()
+            fut.set_result(results)
+            return fut
+
+    # sync_files False: DCP's own fsync is only .metadata's (the data files are fsync'd by _DataFiles); atomic_dir
+    # fsyncs it with the folders.
+    return _Writer(tmp, single_file_per_rank=True, sync_files=False)
 
 
 def run_to_dcp(plan: DcpPlan, cache: FileCache, *, force: bool = False,
                on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS) -> DcpResult:
-    """Write ``plan`` to its OUT folder atomically, one file per tensor, ``workers`` tensors at a time (the memory
-    bound); every input record's CRC-32 is checked before the folder is moved into place."""
-    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), atomic_dir(plan.output) as tmp:
-        save_dcp_into(tmp, plan, cache, on_tensor=on_tensor, workers=workers)
+    """Write ``plan`` to its OUT folder atomically, ``workers`` files at once (each tensor's bytes copied from the
+    checkpoint through a few small buffers: memory stays flat); every input record's CRC-32 is checked before the
+    folder is moved into place. Durable when it returns, with one fsync per file and per folder."""
+    synced: list[Path] = []
+    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), \
+            atomic_dir(plan.output, synced=synced) as tmp:
+        save_dcp_into(tmp, plan, cache, on_tensor=on_tensor, workers=workers, synced=synced)
         cache.finish_checks()
         names = sorted(p.name for p in tmp.iterdir())
     return DcpResult(plan, tuple(plan.output / n for n in names))
 
 
 def save_dcp_into(folder: Path, plan: DcpPlan, cache: FileCache, *,
-                  on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS) -> None:
+                  on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = DEFAULT_WORKERS,
+                  synced: list[Path] | None = None) -> None:
     """Write ``plan``'s DCP files into ``folder``, an empty folder inside the caller's atomic output (``.metadata``
-    names ``plan.output``), in this process alone. The caller completes ``cache``'s CRC checks."""
-    import torch.distributed.checkpoint as dcp
+    names ``plan.output``), in this process alone. The tensors' bytes start streaming into ``workers`` files at once,
+    while DCP is imported and plans (DCP's planner gives one process every item); each data file is fsync'd once and
+    appended to ``synced`` (for :func:`dsckpt.atomic.atomic_dir`), ``.metadata`` is not (the caller's atomic_dir
+    does it). The caller completes ``cache``'s CRC checks."""
+    def start(prefix: str, tensors: tuple[DcpTensor, ...]) -> _DataFiles:
+        return _DataFiles(folder, prefix, tensors, cache, on_tensor, workers)
 
-    writer, planner = _writer_and_planner(folder, plan, _producer(plan, cache, on_tensor), workers)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(plan.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
+    data = start(_rank_prefix(0), plan.tensors)
+    try:
+        # While the import runs Python (seconds where no bytecode is kept), the copying threads need the GIL back
+        # after each read, CRC and write of a 512 KiB buffer, and would wait up to the switch interval (5 ms) for it
+        # every time: a shorter one lets them copy meanwhile.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _IMPORT_SWITCH_INTERVAL_S))
+        try:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        finally:
+            sys.setswitchinterval(interval)
+
+        writer = _writer(folder, plan, start, [] if synced is None else synced, started=data)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(plan.state_dict(), storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+    except BaseException:
+        data.stop()
+        raise
 
 
 def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force: bool = False,
@@ -428,14 +626,14 @@ def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force
                            workers: int = DEFAULT_WORKERS) -> DcpResult:
     """:func:`run_to_dcp` over the ranks of ``group`` (:class:`dsckpt.distributed.Group`): rank 0 claims OUT and
     makes a leased temp folder; every rank runs ``dcp.save`` on the default (gloo) process group with the same
-    shape-only state dict, and DCP's planner gives each tensor to one rank, balancing bytes; each rank completes
-    the CRC-32 checks of what it read; rank 0 moves the folder into place once every rank succeeded."""
+    shape-only state dict, and DCP's planner gives each tensor to one rank, balancing bytes; each rank fsyncs the
+    files it wrote and completes the CRC-32 checks of what it read; rank 0 moves the folder into place once every
+    rank succeeded (fsyncing every file again: it cannot tell what another rank's fsync made durable)."""
     import contextlib
 
     import torch.distributed.checkpoint as dcp
 
     group.agree(describe_dcp_plan(plan), "the to-dcp plan")
-    produce = _producer(plan, cache, on_tensor)
     with contextlib.ExitStack() as stack:
         def claim() -> str | None:
             if not group.is_root:
@@ -446,8 +644,12 @@ def run_to_dcp_distributed(plan: DcpPlan, cache: FileCache, group: Any, *, force
         tmp = Path(group.step(claim, "claiming OUT")[0])
 
         def write() -> None:
-            writer, planner = _writer_and_planner(tmp, plan, produce, workers)
-            dcp.save(plan.state_dict(), storage_writer=writer, planner=planner)
+            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+            def start(prefix: str, tensors: tuple[DcpTensor, ...]) -> _DataFiles:
+                return _DataFiles(tmp, prefix, tensors, cache, on_tensor, workers)
+
+            dcp.save(plan.state_dict(), storage_writer=_writer(tmp, plan, start, []), planner=DefaultSavePlanner())
             cache.finish_checks()
 
         group.step(write, "writing the DCP folder")

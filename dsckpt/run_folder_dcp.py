@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .atomic import atomic_dir, claim_output
-from .dcp_writer import DcpGroup, DcpPlan, DcpTensor, plan_to_dcp, save_dcp_into, split_dcp_plan
+from .dcp_writer import DEFAULT_WORKERS, DcpGroup, DcpPlan, DcpTensor, plan_to_dcp, save_dcp_into, split_dcp_plan
 from .errors import UnsupportedCheckpointError
 from .hf import FileRole, HfFilesPlan, LeftOut, copy_files, is_accelerate_folder, is_hf_folder, plan_resume_files
 from .model import LogicalCheckpoint
@@ -320,16 +320,19 @@ def trainer_param_groups(root: str | os.PathLike[str], trained: frozenset[str]) 
 
 
 def run_run_folder_dcp(plan: RunFolderDcpPlan, cache: FileCache, *, force: bool = False,
-                       on_tensor: Callable[[DcpTensor], None] | None = None, workers: int = 4) -> list[Path]:
+                       on_tensor: Callable[[DcpTensor], None] | None = None,
+                       workers: int = DEFAULT_WORKERS) -> list[Path]:
     """Write OUT atomically: both DCP folders, scheduler.pt, the carried files; every record read is CRC-checked
     before OUT is moved into place. Returns the top-level entries written."""
     import torch
 
-    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), atomic_dir(plan.output) as tmp:
+    synced: list[Path] = []  # the DCP data files, fsync'd by their writer threads
+    with claim_output(plan.output, force=force, nbytes=plan.output_nbytes_bound), \
+            atomic_dir(plan.output, synced=synced) as tmp:
         for sub in (plan.model, plan.optim):
             folder = tmp / sub.output.name
             folder.mkdir()
-            save_dcp_into(folder, sub, cache, on_tensor=on_tensor, workers=workers)
+            save_dcp_into(folder, sub, cache, on_tensor=on_tensor, workers=workers, synced=synced)
         if plan.scheduler is not None:
             with open(tmp / plan.scheduler.name, "wb") as f:
                 torch.save(plan.scheduler.state, f)
