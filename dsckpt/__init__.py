@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-
 __all__ = [
     "Checkpoint",
     "DsckptError",
@@ -42,6 +40,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    __version__: str  # pyproject.toml's version, read from the installed metadata on first use (dsckpt._version)
+
     from .api import to_fp32
     from .checkpoint import Checkpoint, open_checkpoint
     from .convert import plan_to_fp32, run_to_fp32
@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from ._version import package_version
+
+        return package_version()
     if name in _LAZY:
         import importlib
 

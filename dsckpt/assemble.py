@@ -11,7 +11,7 @@ import torch
 
 from .chunks import check_numel, check_tiling, reads_span
 from .errors import CorruptCheckpointError
-from .model import Fragment, LogicalCheckpoint, Piece, Role, TensorEntry
+from .model import DeprecatedStateRole, Fragment, LogicalCheckpoint, Piece, Role, TensorEntry
 from .readers.common import FileCache
 from .tensor_ref import TensorRef
 
@@ -56,7 +56,7 @@ def _read_strided(frag: Fragment, ref: TensorRef, out: torch.Tensor) -> None:
     dst.copy_(tmp.as_strided((runs, r), (step, 1)))
 
 
-def read_entry(entry: TensorEntry, cache: FileCache, role: Role | None = None, *,
+def read_entry(entry: TensorEntry, cache: FileCache, role: Role | DeprecatedStateRole | None = None, *,
                state: str | None = None) -> torch.Tensor:
     """The tensor of ``entry``: the copy with ``role``, or the optimizer state ``state`` ("exp_avg", ...), by default
     the most precise copy."""

@@ -19,6 +19,13 @@ Every writing command wraps its output in :func:`claim_output`, which
   (:class:`~dsckpt.errors.NotEnoughSpaceError`), and turns ENOSPC/EDQUOT/EROFS/EACCES during the write
   into :class:`~dsckpt.errors.OutputWriteError` naming OUT (the temp is removed first).
 
+Modes: every published file gets ``0666 & ~umask`` and every published folder ``0777 & ~umask``, as
+``torch.save``, safetensors and DeepSpeed's own saves give them; a file copied unchanged from the input gets the
+input's mode ``& ~umask``, as ``cp`` gives it (:func:`copy_file`). ``mkstemp``/``mkdtemp`` create the temporaries
+0600/0700, so no one reads a half-written output; :func:`publish_modes` gives a temporary its final mode once it is
+complete, just before it is renamed into place, so the published name is never private. Nothing is inherited from
+an output that ``--force`` replaces (the new one is a fresh temporary).
+
 Notes (leftovers removed or left) go to the ``dsckpt`` logger at WARNING; the CLI prints them.
 """
 
@@ -32,6 +39,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -56,12 +64,16 @@ __all__ = [
     "check_can_write",
     "check_free_space",
     "claim_output",
+    "copy_file",
+    "copy_tree",
+    "current_umask",
     "format_nbytes",
     "fsync_dir",
     "free_bytes",
     "lease",
     "lease_expiry_s",
     "leased_temp",
+    "publish_modes",
     "refuse_overlap",
     "remove_leftovers",
     "replace_into_place",
@@ -98,6 +110,96 @@ def _pid_space() -> str:
 _PID_SPACE = _pid_space()
 #: Added to every planned output size: headers, pickles, zip directories, file-system rounding.
 SPACE_MARGIN_NBYTES = 1 << 20
+
+
+def _proc_umask() -> int | None:
+    """This process's umask from ``/proc/self/status`` (Linux >= 4.7), or None where there is none."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _startup_umask() -> int:
+    """The umask at import. Reading it without ``/proc`` means setting it and setting it back: ``os.umask`` is
+    process-wide, so a thread creating a file in between would create it with the wrong mode. Done once here, at
+    import (before any dsckpt command starts a thread), never while one writes."""
+    found = _proc_umask()
+    if found is not None:
+        return found
+    old = os.umask(0o077)  # meanwhile 077: a file another thread created in between is at worst more private
+    os.umask(old)
+    return old
+
+
+_STARTUP_UMASK = _startup_umask()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it: ``/proc/self/status`` where the kernel has it, else the umask
+    at import. Read each time (about 25 us; ~30 us of CPU per published file, measured against a 1 KB
+    ``atomic_file`` without fsync at ~150 us), so a library caller's later ``os.umask`` counts, and no thread ever
+    sees the umask changed under it."""
+    found = _proc_umask()
+    return _STARTUP_UMASK if found is None else found
+
+
+#: ``chmod`` errors of a filesystem that keeps no modes (some FUSE, CIFS and FAT mounts): ignored, as ``cp`` does.
+_NO_MODES_ERRNOS = frozenset(e for e in (errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", None)) if e is not None)
+
+
+def _chmod(path: Path, mode: int) -> None:
+    """``chmod`` of a file or folder dsckpt made (never a symlink: callers check)."""
+    try:
+        os.chmod(path, mode)
+    except OSError as e:
+        if e.errno not in _NO_MODES_ERRNOS:
+            raise
+
+
+def publish_modes(path: str | os.PathLike[str], *, umask: int | None = None) -> None:
+    """Give ``path`` (a complete temporary file or folder that dsckpt wrote, not a copy, about to be renamed into
+    place) the mode the umask gives a new one: ``0666 & ~umask`` for a file, ``0777 & ~umask`` for a folder (the
+    folder itself; what it holds got its modes as it was written). A symlink is left as it is."""
+    path = Path(path)
+    mask = current_umask() if umask is None else umask
+    if path.is_symlink():
+        return
+    _chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keep_times: bool = True) -> Path:
+    """Copy ``src`` to ``dst`` as ``cp`` does: its bytes, its times if ``keep_times`` (:func:`shutil.copy2`), and
+    the mode of ``src`` (a link followed) ``& ~umask``, never more than ``0777`` (``copy2`` alone would copy the
+    mode exactly, ignoring the umask; ``copyfile`` would ignore the source's). ``dst`` is inside a private
+    temporary folder, so nobody reads it half-copied."""
+    if keep_times:
+        shutil.copy2(src, dst)
+    else:
+        shutil.copyfile(src, dst)
+    _chmod(Path(dst), stat.S_IMODE(os.stat(src).st_mode) & 0o777 & ~current_umask())
+    return Path(dst)
+
+
+def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+              copy_function: Callable[[str, str], object] = shutil.copy2) -> Path:
+    """:func:`shutil.copytree` (each file copied by ``copy_function``) with :func:`copy_file`'s modes: each file
+    the mode of its source ``& ~umask``, each folder ``0777 & ~umask`` (``copytree`` would copy the source
+    folders' and files' modes exactly)."""
+    def copy(s: str, d: str) -> object:
+        copy_function(s, d)
+        _chmod(Path(d), stat.S_IMODE(os.stat(s).st_mode) & 0o777 & ~mask)
+        return d
+
+    mask = current_umask()
+    shutil.copytree(src, dst, copy_function=copy)
+    for folder, _, _ in os.walk(dst):
+        _chmod(Path(folder), 0o777 & ~mask)
+    return Path(dst)
 
 
 def format_nbytes(nbytes: int) -> str:
@@ -249,6 +351,7 @@ def atomic_file(target: str | os.PathLike[str], *, fsync: bool = True, make_pare
                 os.fsync(f.fileno())
         if check is not None:
             check(Path(tmp))
+        publish_modes(tmp)  # private while written and checked; never published private
         try:
             os.replace(tmp, target)  # a symlink at target is replaced as a link
         except OSError as e:
@@ -302,8 +405,12 @@ def atomic_dir(target: str | os.PathLike[str], *, fsync: bool = True, leased: bo
 
 def replace_into_place(tmp: Path, target: Path, *, fsync: bool = True) -> None:
     """``os.replace(tmp, target)``; an existing ``target`` is moved aside first (named so that a killed
-    run's is put back by :func:`remove_leftovers`) and removed once ``tmp`` is in place."""
+    run's is put back by :func:`remove_leftovers`) and removed once ``tmp`` is in place. ``tmp`` (a complete
+    temporary file or folder dsckpt wrote) gets its published mode first (:func:`publish_modes`): the old
+    ``target``'s modes are never inherited."""
     old = None
+    with _write_errors(target):
+        publish_modes(tmp)
     try:
         if target.exists() or target.is_symlink():  # a symlink is moved aside as a link (rename never follows it)
             old = target.with_name(f"{_temp_prefix(target)}old")

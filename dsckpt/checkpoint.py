@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .model import LogicalCheckpoint, Role, TensorEntry
+from .model import DeprecatedStateRole, LogicalCheckpoint, Role, TensorEntry
 from .readers import FileCache, read_checkpoint
 
 if TYPE_CHECKING:
@@ -32,9 +32,11 @@ class Checkpoint:
     def names(self) -> list[str]:
         return [e.name for e in self.logical.entries]
 
-    def tensor(self, name: str, *, role: Role | None = None, state: str | None = None) -> torch.Tensor:
+    def tensor(self, name: str, *, role: Role | DeprecatedStateRole | None = None,
+               state: str | None = None) -> torch.Tensor:
         """One tensor in its stored dtype: the fp32 master by default (else the module copy); the copy with
-        ``role``; or the optimizer state ``state`` ("exp_avg", "momentum_buffer", ...)."""
+        ``role``; or the optimizer state ``state`` ("exp_avg", "momentum_buffer", ...). ``role=Role.EXP_AVG`` (0.1.0)
+        still reads ``state="exp_avg"``, with a ``DeprecationWarning``."""
         from .assemble import read_entry
 
         return read_entry(self.logical.entry(name), self._cache, role, state=state)

@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from ._version import __version__
+from ._version import package_version
 from .errors import EXIT_BAD_CHECKPOINT, EXIT_INTERNAL, DsckptError, shorten_runs
 from .interrupts import Terminated, signals_as_exceptions
 
@@ -197,8 +197,17 @@ def _close_quietly(group: Any) -> None:
 tag_option = click.option("--tag", default=None, help="Tag folder to read (default: the one named in 'latest').")
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # click's own version_option reads the version when the CLI is built, i.e. on every run; this reads it only
+    # for --version (same output: "dsckpt, version X")
+    if value and not ctx.resilient_parsing:
+        click.echo(f"dsckpt, version {package_version()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="dsckpt")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 def main() -> None:
     """Get DeepSpeed checkpoints out of trouble: inspect, consolidate to fp32, compare, scan, repair, reshard.
 
@@ -303,6 +312,16 @@ def _render_info(s: dict[str, Any], show_tensors: bool) -> str:
         lines.append("tied         " + "; ".join(" = ".join(g) for g in s["tied"]))
     if s["buffers"]:
         lines.append("buffers      " + ", ".join(f"{b['name']} ({b['dtype']})" for b in s["buffers"]))
+    opt = s.get("optimizer")
+    if opt is not None and opt["model_only"]:
+        lines.append("optimizer    none: model only (no optimizer state)")
+    elif opt is not None:
+        lines.append(f"optimizer    {opt['type'] or 'unknown class'}, {len(opt['groups'])} param group"
+                     + ("s" if len(opt["groups"]) != 1 else ""))
+        for g in opt["groups"]:
+            lines.append(f"  group {g['index']}    {len(g['params'])} params; " + ", ".join(
+                f"{k} {tuple(v) if isinstance(v, list) else v}" for k, v in g["hyperparams"].items()))
+    lines += [f"note         {msg}" for msg in (opt or {}).get("notes", [])]
     hf = s.get("hf_trainer")
     if hf is not None:
         files = hf["files"]
@@ -788,11 +807,17 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.argument("ckpt", type=click.Path(exists=True, path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--from", "source", default=None,
-              help="fp32 source: a .safetensors file, a sharded folder, a torch state-dict file, or 'master' "
-                   "(the checkpoint's own fp32 master weights, for 16-bit param copies).")
+              help="Source of the values: a .safetensors file, a sharded folder, a torch state-dict file, 'master' "
+                   "(the checkpoint's own fp32 master weights, for 16-bit param copies), or another DeepSpeed "
+                   "checkpoint of the same run (e.g. RUN/global_step100: masters, 16-bit copies, buffers and "
+                   "optimizer moments).")
 @tag_option
 @click.option("--policy", type=click.Choice(["refuse", "reset-bn-stats"]), default="refuse", show_default=True,
               help="Tensors with no source value: refuse, or reset BatchNorm running stats (mean 0, var 1).")
+@click.option("--loss-scale", "loss_scale", type=float, default=None, metavar="S",
+              help="fp16 runs: write the dynamic loss scaler of every rank file at scale S, its counters reset as "
+                   "DeepSpeed starts a scaler (cur_iter 0, last_overflow_iter -1, hysteresis refilled); for a run "
+                   "stopped at its loss-scale floor. S must be positive and at least the scaler's floor.")
 @click.option("--whole-tensor", is_flag=True, help="Replace whole tensors, not only the non-finite values.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit (1 if there is work).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -800,22 +825,28 @@ def verify(ckpt: str, tag: str | None, as_json: bool, workers: int | None, distr
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @distributed_option
 @handle_errors
-def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, whole_tensor: bool,
-           dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
-    """Write a copy of CKPT to OUT with every inf/NaN value patched from an fp32 source.
+def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str, loss_scale: float | None,
+           whole_tensor: bool, dry_run: bool, force: bool, as_json: bool, quiet: bool, distributed: bool) -> None:
+    """Write a copy of CKPT to OUT with every inf/NaN value patched from a source, and/or (--loss-scale) the
+    fp16 loss scaler reset.
 
     CKPT: a DeepSpeed checkpoint folder (OUT: the same layout, untouched files copied byte for byte)
     or a .safetensors file (OUT: a .safetensors file). CKPT is never modified.
     """
     from .errors import UsageError
-    from .repair import Policy, prepare_repair, run_repair, run_repair_distributed
+    from .repair import Policy, check_loss_scale_value, prepare_repair, run_repair, run_repair_distributed
 
-    if source is None and policy != "reset-bn-stats":
-        raise UsageError("give an fp32 source with --from SOURCE (or --policy reset-bn-stats)")
+    if loss_scale is not None:
+        check_loss_scale_value(loss_scale)
+    if source is None and policy != "reset-bn-stats" and loss_scale is None:
+        raise UsageError("give a source with --from SOURCE (or --policy reset-bn-stats, or --loss-scale S)")
     group = _start_distributed(distributed)
     ckpt, run = _run_folder(ckpt)
-    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy))
+    plan, _ = prepare_repair(ckpt, source, tag=tag, whole_tensor=whole_tensor, policy=Policy(policy),
+                             loss_scale=loss_scale)
     lines = [p.describe() for p in plan.patches]
+    if plan.loss_scale is not None:
+        lines.append(plan.loss_scale.describe())
     if not plan.has_work:
         if as_json:
             click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
@@ -826,7 +857,9 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
         if as_json:
             click.echo(json.dumps({"plan": plan.to_dict(), "written": None, "run_folder": run}, indent=2))
         else:
-            click.echo(f"would patch {len(plan.patches)} tensor(s), rewriting {len(plan.files)} file(s):")
+            click.echo(f"would patch {len(plan.patches)} tensor(s)"
+                       + (" and reset the loss scaler" if plan.loss_scale is not None else "")
+                       + f", rewriting {len(plan.files)} file(s):")
             click.echo("\n".join(lines))
         sys.exit(1)
     result = (run_repair(plan, out, force=force) if group is None
@@ -836,7 +869,8 @@ def repair(ckpt: str, out: str, source: str | None, tag: str | None, policy: str
                                "rewritten": [str(f) for f in result.rewritten],
                                "rescan": result.rescan.to_dict()}, indent=2))
         return
-    click.echo(f"patched {len(plan.patches)} tensor(s):")
+    click.echo(f"patched {len(plan.patches)} tensor(s)"
+               + (" and reset the loss scaler" if plan.loss_scale is not None else "") + ":")
     click.echo("\n".join(lines))
     for p in plan.promotions:
         click.echo(f"dsckpt: warning: '{p.name}' is now stored as {p.promote_to}; DeepSpeed loads it, but an engine "

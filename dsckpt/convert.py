@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._version import __version__
+from ._version import package_version
 from .atomic import atomic_dir, claim_output, refuse_overlap
 from .chunks import plan_piece_chunks, read_chunks
 from .dtypes import dtype_info, from_float32, to_float32
@@ -261,7 +261,7 @@ def plan_to_fp32(ckpt: LogicalCheckpoint, output: str | os.PathLike[str], *, dty
 def _metadata(ckpt: LogicalCheckpoint) -> dict[str, str]:
     return {
         "format": "pt",
-        "dsckpt_version": __version__,
+        "dsckpt_version": package_version(),
         "source_tag": ckpt.tag,
         "deepspeed_version": ckpt.ds_version or "unknown",
         "zero_stage": str(ckpt.zero_stage),

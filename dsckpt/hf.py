@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import copy_file, copy_tree
 from .errors import CorruptCheckpointError
 from .limits import read_small_file, regular_file
 
@@ -315,7 +316,7 @@ def plan_resume_files(root: str | os.PathLike[str], world_size: int, *, tag: str
 def _copy_regular(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     """Copy one file, refusing anything but a regular file (a FIFO blocks, ``/dev/zero`` never ends)."""
     regular_file(src)
-    shutil.copyfile(src, dst)
+    copy_file(src, dst, keep_times=False)
 
 
 def _copy2_regular(src: str, dst: str) -> str:
@@ -331,7 +332,7 @@ def copy_files(plan: HfFilesPlan, dest: Path) -> list[Path]:
     for c in plan.copies:
         target = dest / c.dest_name
         if c.source.is_dir():
-            shutil.copytree(c.source, target, copy_function=_copy2_regular)
+            copy_tree(c.source, target, copy_function=_copy2_regular)
         elif c.json_updates:
             data = json.loads(read_small_file(c.source).decode("utf-8"))
             data.update(dict(c.json_updates))

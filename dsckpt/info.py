@@ -111,6 +111,23 @@ def summarize(ckpt: LogicalCheckpoint, cache: FileCache) -> dict[str, Any]:
         "tensor_parallel": tp_summary(ckpt),
         "peft": peft_summary(ckpt),
         "autoep": autoep_summary(ckpt),
+        "optimizer": optimizer_summary(ckpt),
+    }
+
+
+def optimizer_summary(ckpt: LogicalCheckpoint) -> dict[str, Any] | None:
+    """The optimizer side of a DCP folder (None for every other layout, whose wrapper and step lines say it): the
+    ``torch.optim`` class its keys point to, whether it holds optimizer state at all, each param group's params and
+    hyper-parameters as saved, and what the reader noted (groups rebuilt from a flattened save, steps that differ)."""
+    if ckpt.layout != "dcp":
+        return None
+    return {
+        "type": ckpt.optimizer_type,
+        "model_only": not ckpt.optimizer_groups and not any(e.state_keys for e in ckpt.entries),
+        "groups": [{"index": g.index, "params": list(g.param_names),
+                    "hyperparams": {k: list(v) if isinstance(v, tuple) else v for k, v in g.hyperparams}}
+                   for g in ckpt.optimizer_groups],
+        "notes": list(ckpt.notes),
     }
 
 

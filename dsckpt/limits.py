@@ -79,6 +79,11 @@ class ReadLimits:
     #: Bytes of a small text file read whole (``latest``, ``config.json``, ``*.index.json``,
     #: ``trainer_state.json``).
     max_text_nbytes: int = 64 * _MIB
+    #: Non-tensor items of a DCP folder's optimizer side parsed one by one (each its own small ``torch.save``
+    #: stream: a param group's hyper-parameters, a step kept as a Python number). ``get_state_dict``'s default
+    #: layout keeps ~12 per param group; its flattened layout ~12 per param, so a model of 100k param tensors ~1.2M
+    #: (each parse costs ~0.1 ms, the same order as the tensors' own reads).
+    max_dcp_values: int = 2_000_000
 
     def describe(self) -> str:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import deprecated
+
 from .optimizer_group import OptimizerGroup
 
 if TYPE_CHECKING:
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ZERO_FILL",
+    "DeprecatedStateRole",
     "Fragment",
     "Kind",
     "LogicalCheckpoint",
@@ -42,8 +45,49 @@ class Kind(enum.Enum):
     BUFFER = "buffer"
 
 
-class Role(enum.Enum):
-    """What a stored copy of a tensor is."""
+@dataclass(frozen=True)
+class DeprecatedStateRole:
+    """What ``Role.EXP_AVG`` and ``Role.EXP_AVG_SQ`` give since dsckpt 0.2.0: the name of one optimizer state, which
+    :meth:`TensorEntry.piece`, :meth:`TensorEntry.padding_piece` and ``Checkpoint.tensor(name, role=...)`` take as
+    0.1.0 took those members (each reads the :attr:`Role.OPTIM_STATE` copy whose ``state_key`` is ``state_key``).
+
+    Deprecated with the two names (kept through 0.2.x, removed in 0.3.0): read a state with
+    ``Checkpoint.tensor(name, state="exp_avg")`` or :meth:`TensorEntry.state_piece`. ``name`` and ``value`` are
+    what the old members' were (``"EXP_AVG"``, ``"exp_avg"``)."""
+
+    name: str
+    state_key: str
+
+    @property
+    def value(self) -> str:
+        return self.state_key
+
+
+class _RoleType(enum.EnumMeta):
+    """Role's metaclass, only for the two names 0.1.0 published as members. An enum member cannot carry the state key
+    that reading a state now needs (``Role.OPTIM_STATE`` + ``state=``), so each old name is a read-only property of
+    the class that warns (``DeprecationWarning``, and PEP 702's ``@deprecated`` for type checkers) and gives a
+    :class:`DeprecatedStateRole`. Iterating ``Role`` and ``Role.__members__`` show the three real members only."""
+
+    @property
+    @deprecated("Role.EXP_AVG is deprecated since dsckpt 0.2.0 and will be removed in 0.3.0: read the Adam moment with "
+                "ckpt.tensor(name, state=\"exp_avg\") (the Role.OPTIM_STATE piece entry.state_piece(\"exp_avg\"))")
+    def EXP_AVG(cls) -> DeprecatedStateRole:
+        return DeprecatedStateRole("EXP_AVG", "exp_avg")
+
+    @property
+    @deprecated("Role.EXP_AVG_SQ is deprecated since dsckpt 0.2.0 and will be removed in 0.3.0: read the Adam moment "
+                "with ckpt.tensor(name, state=\"exp_avg_sq\") (the Role.OPTIM_STATE piece "
+                "entry.state_piece(\"exp_avg_sq\"))")
+    def EXP_AVG_SQ(cls) -> DeprecatedStateRole:
+        return DeprecatedStateRole("EXP_AVG_SQ", "exp_avg_sq")
+
+
+class Role(enum.Enum, metaclass=_RoleType):
+    """What a stored copy of a tensor is.
+
+    ``Role.EXP_AVG`` / ``Role.EXP_AVG_SQ`` (dsckpt 0.1.0) still work where a role is taken, with a
+    ``DeprecationWarning``: see :class:`DeprecatedStateRole`."""
 
     MASTER = "master"  # fp32 master weights (optimizer side)
     MODULE = "module"  # the module's copy (16-bit under fp16/bf16, fp32 otherwise); buffers too
@@ -237,16 +281,21 @@ class TensorEntry:
     def padding_numel(self) -> int:
         return self.padding_rows * math.prod(self.shape[1:])
 
-    def padding_piece(self, role: Role, replica: int = 0, state_key: str | None = None) -> Piece | None:
+    def padding_piece(self, role: Role | DeprecatedStateRole, replica: int = 0,
+                      state_key: str | None = None) -> Piece | None:
         """The padding values of the stored copy with ``role``, ``replica`` (and ``state_key``), or None."""
-        return next((p for p in self.padding if p.copy_id == (role, state_key, replica)), None)
+        copy_id = ((Role.OPTIM_STATE, role.state_key, replica) if isinstance(role, DeprecatedStateRole)
+                   else (role, state_key, replica))
+        return next((p for p in self.padding if p.copy_id == copy_id), None)
 
     def padding_of(self, piece: Piece) -> Piece | None:
         """The padding values of the same stored copy as ``piece``, or None."""
         return next((p for p in self.padding if p.same_copy(piece)), None)
 
-    def piece(self, role: Role) -> Piece | None:
+    def piece(self, role: Role | DeprecatedStateRole) -> Piece | None:
         """The primary copy with ``role`` (replica 0), or None. For optimizer states use :meth:`state_piece`."""
+        if isinstance(role, DeprecatedStateRole):
+            return self.state_piece(role.state_key)
         for p in self.pieces:
             if p.role is role and p.replica == 0:
                 return p

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._version import __version__
+from ._version import package_version
 from .atomic import atomic_dir, claim_output, refuse_overlap
 from .convert import DEFAULT_MAX_SHARD_SIZE, convert_chunk, parse_size
 from .dtypes import DTYPES, dtype_info
@@ -172,7 +172,7 @@ def plan_merge(ckpt: LogicalCheckpoint, cache: FileCache, cfg: AdapterConfig, ou
         specs.append(TensorSpec(name, dtype if dtype is not None and floating else stored, b.entry.shape))
     shards = plan_shards(specs, parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
     hf = _merge_files(folder, ckpt.root, specs) if hf_files else None
-    metadata = {"format": "pt", "dsckpt_version": __version__, "merged_adapter": cfg.variant,
+    metadata = {"format": "pt", "dsckpt_version": package_version(), "merged_adapter": cfg.variant,
                 "source_tag": ckpt.tag}
     return MergePlan(out, cfg, what, tuple(specs), actions, base, shards, metadata, hf, notes,
                      {e.name: e for e in ckpt.entries}, tied)

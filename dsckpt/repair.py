@@ -25,9 +25,10 @@ fit its 16-bit dtype is refused: its module copy is a view into DeepSpeed's flat
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,9 @@ import torch
 
 from . import parsed_tree, safe_load, safe_save
 from .assemble import read_piece
-from .atomic import atomic_dir, claim_output, refuse_overlap, scratch_dir
+from .atomic import atomic_dir, claim_output, copy_file, refuse_overlap, scratch_dir
 from .errors import RepairError, UsageError
+from .loss_scale import LossScalePlan, apply_loss_scale, check_loss_scale, find_scalers, plan_loss_scale
 from .model import Kind, LogicalCheckpoint, Role, TensorEntry, contiguous_fragments
 from .readers.common import FileCache, format_key, lookup
 from .scan import Check, ScanReport, StoredKind, open_target, scan, stored_kind
@@ -91,6 +93,10 @@ class SourceValues:
     label: str
     is_master: bool
     values: Mapping[str, torch.Tensor] = field(compare=False)
+    # (name, optimizer state key) -> flat fp32 values: only a DeepSpeed checkpoint given as source holds them
+    moments: Mapping[tuple[str, str], torch.Tensor] = field(default_factory=dict, compare=False)
+    # (name, replica) -> flat fp32 values of that replica of the module copy (replicas >= 1; checkpoint source only)
+    replicas: Mapping[tuple[str, int], torch.Tensor] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -107,10 +113,12 @@ class PatchTarget:
     src_offset: int
     numel: int
     dst_offset: int
+    state_key: str | None = None  # the optimizer state ("exp_avg") of an OPTIM_STATE target
 
     def describe(self) -> str:
         rank = f" rank {self.rank}" if self.rank is not None else ""
-        return f"{self.file.name}{format_key(self.key)} ({self.role.value}{rank})"
+        what = self.state_key if self.role is Role.OPTIM_STATE and self.state_key else self.role.value
+        return f"{self.file.name}{format_key(self.key)} ({what}{rank})"
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,7 @@ class Patch:
     neginf: int = 0
     promote_to: str | None = None
     note: str = ""
+    state_key: str | None = None  # set on a patch of an optimizer state (moments), which only targets that state
 
     @property
     def numel_patched(self) -> int:
@@ -138,11 +147,13 @@ class Patch:
 
     def describe(self) -> str:
         before = ", ".join(f"{n} {lbl}" for n, lbl in ((self.nan, "NaN"), (self.posinf, "+inf"),
-                                                          (self.neginf, "-inf")) if n) or "finite"
+                                                          (self.neginf, "-inf")) if n) \
+            or ("non-finite" if self.state_key else "finite")
         shown = self.indices[:8].tolist()
         where = "all" if self.whole else f"{self.numel_patched} of {self.numel}"
         lo, hi = (float(self.values.min()), float(self.values.max())) if self.values.numel() else (0.0, 0.0)
-        lines = [f"{self.name} ({self.kind.value}): {where} values at {shown}"
+        what = f"{self.kind.value}, {self.state_key}" if self.state_key else self.kind.value
+        lines = [f"{self.name} ({what}): {where} values at {shown}"
                  + ("..." if self.numel_patched > 8 else "")
                  + f"; before: {before}; after: min {lo:.6g}, max {hi:.6g}; from {self.source}"]
         for t in self.targets:
@@ -157,13 +168,14 @@ class Patch:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "kind": self.kind.value, "source": self.source, "numel": self.numel,
+            "name": self.name, "kind": self.kind.value, "state_key": self.state_key, "source": self.source,
+            "numel": self.numel,
             "numel_patched": self.numel_patched, "indices": self.indices[:64].tolist(),
             "before": {"nan": self.nan, "posinf": self.posinf, "neginf": self.neginf},
             "after": {"min": float(self.values.min()) if self.values.numel() else None,
                       "max": float(self.values.max()) if self.values.numel() else None},
             "targets": [{"file": str(t.file), "key": format_key(t.key), "role": t.role.value, "rank": t.rank,
-                         "replica": t.replica, "dtype": t.dtype} for t in self.targets],
+                         "replica": t.replica, "dtype": t.dtype, "state_key": t.state_key} for t in self.targets],
             "promote_to": self.promote_to, "note": self.note,
         }
 
@@ -178,14 +190,16 @@ class RepairPlan:
     policy: Policy
     whole_tensor: bool
     patches: tuple[Patch, ...]
+    loss_scale: LossScalePlan | None = None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.patches)
+        return bool(self.patches) or self.loss_scale is not None
 
     @property
     def files(self) -> tuple[Path, ...]:
-        return tuple(sorted({t.file for p in self.patches for t in p.targets}))
+        scaler_files = self.loss_scale.files if self.loss_scale is not None else ()
+        return tuple(sorted({t.file for p in self.patches for t in p.targets} | set(scaler_files)))
 
     @property
     def promotions(self) -> list[Patch]:
@@ -194,7 +208,8 @@ class RepairPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"input": str(self.input), "input_kind": self.input_kind.value, "tag": self.tag,
                 "source": self.source, "policy": self.policy.value, "whole_tensor": self.whole_tensor,
-                "files_rewritten": [str(f) for f in self.files], "patches": [p.to_dict() for p in self.patches]}
+                "files_rewritten": [str(f) for f in self.files], "patches": [p.to_dict() for p in self.patches],
+                "loss_scale": self.loss_scale.to_dict() if self.loss_scale is not None else None}
 
 
 @dataclass(frozen=True)
@@ -254,8 +269,9 @@ def _bn_partner(name: str) -> str | None:
 
 
 def read_source_values(source: str | os.PathLike[str], logical: LogicalCheckpoint, cache: FileCache,
-                       names: list[str]) -> SourceValues:
-    """The source's values for ``names`` (flat fp32). ``source`` is ``"master"`` or a state-dict path.
+                       names: list[str], *, source_tag: str | None = None) -> SourceValues:
+    """The source's values for ``names`` (flat fp32). ``source`` is ``"master"``, a state-dict path, or another
+    DeepSpeed checkpoint of the same model (:func:`read_checkpoint_values`).
 
     Tied aliases are looked up under every name of the group."""
     values: dict[str, torch.Tensor] = {}
@@ -266,6 +282,8 @@ def read_source_values(source: str | os.PathLike[str], logical: LogicalCheckpoin
             if p is not None:
                 values[name] = read_piece(p, e.shape, cache, name=name).reshape(-1).float()
         return SourceValues("the checkpoint's fp32 master weights", True, values)
+    if detect_target(source) is TargetKind.DEEPSPEED:
+        return read_checkpoint_values(Path(source), logical, names, tag=source_tag)
     src_logical, src_cache = open_state_dict(source)
     by_name = {e.name: e for e in src_logical.entries}
     aliases: dict[str, list[str]] = {}
@@ -282,16 +300,69 @@ def read_source_values(source: str | os.PathLike[str], logical: LogicalCheckpoin
     return SourceValues(f"fp32 source {source}", False, values)
 
 
+def read_checkpoint_values(source: Path, logical: LogicalCheckpoint, names: list[str], *,
+                           tag: str | None = None) -> SourceValues:
+    """Values for ``names`` from ``source``, another DeepSpeed checkpoint of the same model (e.g. the last clean
+    one of the run): per tensor its most precise copy (the fp32 master of a trained param, else the stored
+    module copy: buffers, frozen params), and every optimizer state it keeps (``exp_avg``, ``exp_avg_sq`` ...).
+
+    The two checkpoints must hold the same tensors (names and shapes), else :class:`UsageError`; the source may
+    have another ZeRO stage, rank count or precision (values are read by name)."""
+    from .checkpoint import open_checkpoint
+
+    c = open_checkpoint(source, tag=tag)
+    src = c.logical
+    if src.tag_dir.resolve() == logical.tag_dir.resolve():
+        raise UsageError(f"--from '{source}' is the checkpoint being repaired (tag {src.tag}); give another "
+                         "checkpoint of the run (a tag folder such as RUN/global_step100)")
+    mine = {e.name: tuple(e.shape) for e in logical.entries}
+    theirs = {e.name: tuple(e.shape) for e in src.entries}
+    if mine != theirs:
+        missing = sorted(set(mine) - set(theirs))
+        extra = sorted(set(theirs) - set(mine))
+        shapes = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+        why = "; ".join(x for x in (
+            f"{len(missing)} tensor(s) it lacks ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+            if missing else "",
+            f"{len(extra)} it has that '{logical.tag_dir}' lacks ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''})" if extra else "",
+            ", ".join(f"{n} is {list(theirs[n])} there, {list(mine[n])} here" for n in shapes[:3]) if shapes else "",
+        ) if x)
+        raise UsageError(f"--from '{source}' (tag {src.tag}) is not a checkpoint of the same model: {why}; give "
+                         "another checkpoint of the same run")
+    src.require_unambiguous("repair", moments=True, names=set(names))
+    by_name = {e.name: e for e in src.entries}
+    values: dict[str, torch.Tensor] = {}
+    moments: dict[tuple[str, str], torch.Tensor] = {}
+    replicas: dict[tuple[str, int], torch.Tensor] = {}
+    for name in names:
+        se = by_name[name]
+        if se.tied_to is not None:
+            se = by_name[se.tied_to]
+        values[name] = read_piece(se.source_for_fp32(), se.shape, c.cache, name=se.name).reshape(-1).float()
+        for key in se.state_keys:
+            piece = se.state_piece(key)
+            if piece is not None:
+                moments[(name, key)] = read_piece(piece, se.shape, c.cache, name=se.name).reshape(-1).float()
+        if se.piece(Role.MASTER) is None:  # the module copy is the value: each replica its own
+            for p in se.pieces:
+                if p.role is Role.MODULE and p.replica > 0:
+                    replicas[(name, p.replica)] = read_piece(p, se.shape, c.cache, name=se.name).reshape(-1).float()
+    c.cache.finish_checks()
+    return SourceValues(f"checkpoint {source} (tag {src.tag})", False, values, moments, replicas)
+
+
 # --------------------------------------------------------------------------------------------
 # Planning (pure)
 
 
-def _targets(entry: TensorEntry, roles: tuple[Role, ...], indices: torch.Tensor) -> tuple[PatchTarget, ...]:
+def _targets(entry: TensorEntry, roles: tuple[Role, ...], indices: torch.Tensor,
+             state_key: str | None = None) -> tuple[PatchTarget, ...]:
     out = []
     lo, hi = (int(indices.min()), int(indices.max()) + 1) if indices.numel() else (0, 0)
     seen = set()
     for p in entry.pieces:
-        if p.role not in roles:
+        if p.role not in roles or (p.role is Role.OPTIM_STATE and p.state_key != state_key):
             continue
         for f in contiguous_fragments(p):
             if f.dst_offset >= hi or f.dst_offset + f.numel <= lo:
@@ -301,7 +372,7 @@ def _targets(entry: TensorEntry, roles: tuple[Role, ...], indices: torch.Tensor)
             if bool(inside) and sig not in seen:
                 seen.add(sig)
                 out.append(PatchTarget(f.file, f.key, p.role, p.replica, f.rank, p.dtype, f.src_offset, f.numel,
-                                       f.dst_offset))
+                                       f.dst_offset, p.state_key if p.role is Role.OPTIM_STATE else None))
     return tuple(out)
 
 
@@ -321,10 +392,27 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
     for name, d in damage.items():
         e = logical.entry(name)
         kind = stored_kind(e, Role.MODULE)
-        moment_bad = [e.pieces[i].label for i in d.piece_masks if e.pieces[i].role is Role.OPTIM_STATE]
-        if moment_bad:
-            problems.append(f"{name}: non-finite values in its {' and '.join(sorted(set(moment_bad)))}; no source "
-                            "holds optimizer moments")
+        moment_masks: dict[str, torch.Tensor] = {}
+        for i, m in d.piece_masks.items():
+            key = e.pieces[i].label
+            if e.pieces[i].role is Role.OPTIM_STATE:
+                moment_masks[key] = moment_masks[key] | m if key in moment_masks else m
+        no_moments = sorted(k for k in moment_masks if (name, k) not in source.moments)
+        if no_moments:
+            problems.append(f"{name}: non-finite values in its {' and '.join(no_moments)}; only another DeepSpeed "
+                            "checkpoint of the run given with --from holds optimizer moments")
+        for key, m in sorted(moment_masks.items()):
+            mvals = source.moments.get((name, key))
+            if mvals is None:
+                continue
+            midx = torch.arange(e.numel) if whole_tensor else m.nonzero().flatten()
+            if mvals.numel() != e.numel or not bool(torch.isfinite(mvals[midx]).all()):
+                problems.append(f"{name}: {source.label} has no finite {key} at the same places")
+                continue
+            patches.append(Patch(name, kind, f"{source.label} ({key})", e.numel, midx, mvals[midx].float(),
+                                 _targets(e, (Role.OPTIM_STATE,), midx, key),
+                                 note="optimizer state taken from the earlier checkpoint at these elements",
+                                 state_key=key))
         value_masks = [m for i, m in d.piece_masks.items() if e.pieces[i].role in (Role.MASTER, Role.MODULE)]
         if not value_masks:
             continue
@@ -361,22 +449,31 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             problems.append(f"{name}: {source.label} holds {values.numel()} values, the checkpoint's tensor "
                             f"has shape {list(e.shape)}")
             continue
-        new = values[indices]
-        if not bool(torch.isfinite(new).all()):
-            problems.append(f"{name}: {source.label} is non-finite at the same places")
-            continue
         targets = _targets(e, roles, indices)
-        promote = None
-        misfit = sorted({t.dtype for t in targets if not _fits(new, t.dtype)})
-        if misfit:
-            if e.kind is Kind.BUFFER:
-                promote = "float32"
-            else:
-                problems.append(f"{name} ({kind.value}): source values up to {float(new.abs().max()):.6g} do not "
-                                f"fit its stored {', '.join(misfit)} copy; a param cannot change dtype")
+        # a checkpoint source holds its own value for each replica of a module copy (ZeRO-3 keeps a buffer per
+        # rank, and DP ranks update them apart): each replica gets the same replica's value
+        own = {r: v for (n, r), v in source.replicas.items() if n == name and v.numel() == e.numel}
+        groups = [(values, tuple(t for t in targets if not (t.role is Role.MODULE and t.replica in own)), "")]
+        groups += [(v, tuple(t for t in targets if t.role is Role.MODULE and t.replica == r), f" (replica {r})")
+                   for r, v in sorted(own.items())]
+        for vals, tgts, which in groups:
+            if not tgts:
                 continue
-        patches.append(Patch(name, kind, source.label, e.numel, indices, new.float(), targets, d.nan, d.posinf,
-                             d.neginf, promote_to=promote))
+            new = vals[indices]
+            if not bool(torch.isfinite(new).all()):
+                problems.append(f"{name}: {source.label}{which} is non-finite at the same places")
+                continue
+            promote = None
+            misfit = sorted({t.dtype for t in tgts if not _fits(new, t.dtype)})
+            if misfit:
+                if e.kind is Kind.BUFFER:
+                    promote = "float32"
+                else:
+                    problems.append(f"{name} ({kind.value}): source values up to {float(new.abs().max()):.6g} do "
+                                    f"not fit its stored {', '.join(misfit)} copy; a param cannot change dtype")
+                    continue
+            patches.append(Patch(name, kind, source.label + which, e.numel, indices, new.float(), tgts, d.nan,
+                                 d.posinf, d.neginf, promote_to=promote))
     for prefix, mask in resets.items():
         for leaf, initial in _BN_INITIAL.items():
             name = f"{prefix}.{leaf}" if prefix else leaf
@@ -400,26 +497,38 @@ def plan_repair(logical: LogicalCheckpoint, damage: Mapping[str, Damage], source
             + ". Give an fp32 source that holds them with --from"
         )
     return RepairPlan(input, input_kind, logical.tag, logical.tag_dir, source.label, policy, whole_tensor,
-                      tuple(sorted(patches, key=lambda p: p.name)))
+                      tuple(sorted(patches, key=lambda p: (p.name, p.state_key or ""))))
 
 
 def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike[str] | None, *, tag: str | None = None,
-                   whole_tensor: bool = False, policy: Policy = Policy.REFUSE,
+                   whole_tensor: bool = False, policy: Policy = Policy.REFUSE, loss_scale: float | None = None,
+                   source_tag: str | None = None,
                    on_progress: Callable[[int], None] | None = None) -> tuple[RepairPlan, FileCache]:
     """Scan ``checkpoint``, read the damaged tensors and their source values, and plan the repair.
 
-    ``source`` None: only ``--policy reset-bn-stats`` can supply values."""
+    ``source`` None: only ``--policy reset-bn-stats`` can supply values. ``source`` a DeepSpeed checkpoint (another
+    checkpoint of the same model, ``source_tag`` its tag): see :func:`read_source_values`. ``loss_scale``: also
+    reset the fp16 dynamic loss scaler of every rank file to this scale (:mod:`dsckpt.loss_scale`)."""
     inp = Path(checkpoint)
+    if loss_scale is not None:
+        check_loss_scale_value(loss_scale)
     kind = detect_target(inp)
     if kind not in (TargetKind.DEEPSPEED, TargetKind.SAFETENSORS):
         raise UsageError(f"'{inp}': repair works on DeepSpeed checkpoint folders and single .safetensors files; "
                          "convert with 'dsckpt to-fp32' first")
+    if loss_scale is not None and kind is not TargetKind.DEEPSPEED:
+        raise UsageError(f"--loss-scale: '{inp}' is a .safetensors file, which has no loss scaler; give the "
+                         "DeepSpeed checkpoint folder")
     if source is not None and str(source) != MASTER and not Path(source).exists():
         raise UsageError(f"source '{source}' does not exist; give a .safetensors file, a sharded folder, a torch "
                          "state-dict file, or 'master'")
     logical, cache, kind = open_target(inp, tag=tag)
     if kind is TargetKind.DEEPSPEED:  # the output carries every file's other fields as they are
         refuse_unloadable_fields([(f, cache.tree(f)) for f in logical.files], source=f"'{logical.tag_dir}'")
+    scaler_plan = None
+    if loss_scale is not None:
+        scaler_plan = plan_loss_scale(find_scalers(list(logical.files), cache.tree), loss_scale,
+                                      precision=logical.precision.value, source=str(inp))
     report = scan(inp, tag=tag, nonfinite_only=True, on_progress=on_progress)
     damage, orphans = assess_damage(logical, cache, report)
     # Patching a master or moments by name needs the proven owner of each optimizer-side tensor.
@@ -428,11 +537,17 @@ def prepare_repair(checkpoint: str | os.PathLike[str], source: str | os.PathLike
     if source is None:
         values = SourceValues("no source (none given)", False, {})
     else:
-        values = read_source_values(source, logical, cache, list(damage))
+        values = read_source_values(source, logical, cache, list(damage), source_tag=source_tag)
     cache.finish_checks()  # records read only partly by the reads above (the scan finished its own)
     plan = plan_repair(logical, damage, values, input=inp, input_kind=kind, whole_tensor=whole_tensor,
                        policy=policy, orphans=tuple(orphans))
-    return plan, cache
+    return dataclasses.replace(plan, loss_scale=scaler_plan), cache
+
+
+def check_loss_scale_value(scale: float) -> None:
+    """:class:`UsageError` unless ``scale`` is a positive finite number (``--loss-scale``)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise UsageError(f"--loss-scale {scale}: give a positive finite loss scale (e.g. 1024)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,7 +574,8 @@ def _apply(tensor_at: Callable[[tuple[Any, ...], PatchTarget], torch.Tensor], pa
             flat[p.indices[sel] - t.dst_offset + t.src_offset] = p.values[sel].to(flat.dtype)
 
 
-def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> None:
+def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...],
+                        loss_scale: LossScalePlan | None = None) -> None:
     parsed = safe_load.load(src)  # first: it checks that src is a regular file before opening it
     with open(src, "rb") as f:
         legacy = f.read(2) != b"PK"
@@ -479,6 +595,8 @@ def _rewrite_torch_file(src: Path, dst: Path, patches: tuple[Patch, ...]) -> Non
         return t
 
     _apply(tensor_at, patches, src)
+    if loss_scale is not None:
+        apply_loss_scale(tree, loss_scale, src)
     safe_save.save(tree, dst, legacy_format=legacy)
 
 
@@ -545,9 +663,9 @@ def run_repair_distributed(plan: RepairPlan, output: str | os.PathLike[str], gro
                 rel = src.relative_to(inp)
                 dst = tmp / rel
                 if src.resolve() in to_rewrite:
-                    _rewrite_torch_file(src, dst, _retarget(plan.patches, src))
+                    _rewrite_torch_file(src, dst, _retarget(plan.patches, src), plan.loss_scale)
                 else:
-                    shutil.copy2(src, dst)
+                    copy_file(src, dst)
                 fd = os.open(dst, os.O_RDONLY)
                 try:
                     os.fsync(fd)
@@ -598,10 +716,10 @@ def _run_folder(plan: RepairPlan, inp: Path, out: Path,
                 continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             if src.resolve() in to_rewrite:
-                _rewrite_torch_file(src, dst, _retarget(plan.patches, src))
+                _rewrite_torch_file(src, dst, _retarget(plan.patches, src), plan.loss_scale)
                 rewritten.append(out / rel)
             else:
-                shutil.copy2(src, dst)
+                copy_file(src, dst)
         tag = None if inp == plan.tag_dir.resolve() else plan.tag
         report = _verify(plan, tmp, tag, inp, on_progress)
     return RepairResult(plan, out, tuple(rewritten), report)
@@ -619,11 +737,14 @@ def _verify(plan: RepairPlan, written: Path, tag: str | None, inp: Path,
         raise RepairError(f"the repaired copy of '{plan.input}' still holds non-finite values "
                           f"({'; '.join(f.describe() for f in report.findings)}); nothing was written. "
                           "This is a dsckpt bug: please report it")
+    if plan.loss_scale is not None:
+        check_loss_scale(plan.loss_scale, written, inp, safe_load.load)
     logical, cache, _ = open_target(written, tag=tag)
     for p in plan.patches:
         e = logical.entry(p.name)
         for t in p.targets:
-            piece = next((q for q in e.pieces if q.role is t.role and q.replica == t.replica), None)
+            piece = next((q for q in e.pieces if q.role is t.role and q.replica == t.replica
+                          and (t.role is not Role.OPTIM_STATE or q.state_key == t.state_key)), None)
             if piece is None:
                 raise RepairError(f"repaired copy lost the {t.role.value} copy of '{p.name}'; nothing was written")
             got = read_piece(piece, e.shape, cache, name=p.name).reshape(-1)[p.indices]

@@ -26,13 +26,13 @@ import json
 import logging
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import copy_file
 from .ds_writers import (
     LayoutPlan,
     SourceFacts,
@@ -311,7 +311,7 @@ def _finish_save_dir(plan: ReshardPlan, tmp: Path) -> list[Path]:
     (tmp / "latest").write_text(plan.tag, encoding="utf-8")
     for script in ZERO_TO_FP32_SCRIPTS:
         if (plan.source_root / script).is_file():
-            shutil.copy2(plan.source_root / script, tmp / script)
+            copy_file(plan.source_root / script, tmp / script)
     return copy_files(plan.hf_files, tmp) if plan.hf_files is not None else []
 
 

@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from typing_extensions import deprecated
 
 from . import crc, limits
 from .dtypes import DTYPES, dtype_info
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, shorten
 from .parsed_tree import check_tree, map_structure
+from .parsed_tree import finish_checks as _finish_checks
 from .pickle_scan import prescan
 from .stand_ins import (
     ATTRIBUTE_DICTS,
@@ -768,3 +770,11 @@ def load_work_batch(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
     unpickled here, allowing only classes defined in dsckpt's modules (not names they import, not dotted paths)
     and paths, so that this module stays the one place dsckpt unpickles anything."""
     return _WorkUnpickler(io.BytesIO(data), persistent_load).load()
+
+
+@deprecated("dsckpt.safe_load.finish_checks is deprecated since dsckpt 0.2.0 and will be removed in 0.3.0: use "
+            "dsckpt.parsed_tree.finish_checks(tree) (the walks over parsed trees moved to dsckpt.parsed_tree)")
+def finish_checks(obj: Any) -> int:
+    """Deprecated since 0.2.0 (removed in 0.3.0): :func:`dsckpt.parsed_tree.finish_checks`, where docs/api.md
+    of 0.1.0 showed it."""
+    return _finish_checks(obj)

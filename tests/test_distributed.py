@@ -246,6 +246,9 @@ def _jobs(fx_root: Path, out: Path) -> list[list[str]]:
                      "--policy", "reset-bn-stats"])
     jobs.append(["repair", "--json", str(fx / "s0_fp16_w1_bnoverflow" / "ckpt"), str(out / "repair_s0"),
                  "--policy", "reset-bn-stats"])
+    run = fx / "lossfloor" / "s2_fp16_w2" / "ckpt"  # another checkpoint of the run as source, and the loss scaler reset
+    jobs.append(["repair", "-q", str(run), str(out / "repair_lossfloor"), "--from", str(run / "global_step3"),
+                 "--loss-scale", "32"])
     # a failure on a rank: --strict on a checkpoint with inf values (exit 1 everywhere, nothing written)
     jobs.append(["to-fp32", "--strict", str(fx / "s2_fp16_w1_bnoverflow" / "ckpt"),
                  str(out / "strict.safetensors")])

@@ -428,3 +428,91 @@ def test_every_command_example_runs() -> None:
             elif b.lang not in ("console", "text") and any(ln.startswith("$ ") for ln in b.lines):
                 problems.append(f"{where}: '$ ' commands in a ```{b.lang} block are not run; use ```console")
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CHANGELOG.md and the version (issue 43 item 5)
+
+CHANGELOG = REPO / "CHANGELOG.md"
+_RELEASE = re.compile(r"^## \[(?P<version>\d+\.\d+\.\d+)\] - (?P<date>\d{4}-\d{2}-\d{2})$")
+# Keep a Changelog's kinds of change; "Added — what" groups a long list; the last is this project's own
+_KINDS = re.compile(r"^### (Added|Changed|Deprecated|Removed|Fixed|Security)( — [a-zA-Z -]+)?$"
+                    r"|^### DeepSpeed behaviours documented$")
+
+
+def _changelog_sections() -> list[tuple[str, list[str]]]:
+    """``(heading, lines)`` of every ``##`` section of CHANGELOG.md, in order."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in CHANGELOG.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            sections.append((line, []))
+        elif sections:
+            sections[-1][1].append(line)
+    return sections
+
+
+def _pyproject_version() -> str:
+    m = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(encoding="utf-8"), flags=re.M)
+    assert m, "pyproject.toml has no version line"
+    return m.group(1)
+
+
+def test_changelog_version_dsckpt_version_and_pyproject_agree() -> None:
+    """The newest release the changelog names is the version pyproject.toml gives, which the installed metadata,
+    ``dsckpt.__version__`` and ``dsckpt --version`` report."""
+    import importlib.metadata
+
+    import dsckpt
+
+    released = [m.group("version") for h, _ in _changelog_sections() if (m := _RELEASE.match(h))]
+    assert released, "CHANGELOG.md names no release ('## [X.Y.Z] - YYYY-MM-DD')"
+    newest = released[0]
+    assert _pyproject_version() == newest, f"pyproject.toml says {_pyproject_version()}, CHANGELOG.md's newest is {newest}"
+    installed = importlib.metadata.version("dsckpt")
+    assert installed == newest, (f"the installed metadata says {installed}, pyproject.toml {newest}: the install is "
+                                 "older than this checkout's version; run pip install -e . again")
+    assert dsckpt.__version__ == newest
+    pythonpath = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-m", "dsckpt", "--version"], env={**os.environ, "PYTHONPATH": pythonpath},
+                         capture_output=True, text=True, check=True).stdout
+    assert out == f"dsckpt, version {newest}\n"
+
+
+def test_changelog_keeps_its_format() -> None:
+    """Keep a Changelog: '# Changelog', an '[Unreleased]' section first, then releases newest first with ISO dates,
+    each holding only the known kinds of change; and every deprecated name is in the Deprecated section of the
+    release its warning names."""
+    text = CHANGELOG.read_text(encoding="utf-8")
+    assert text.startswith("# Changelog\n")
+    sections = _changelog_sections()
+    assert sections[0][0] == "## [Unreleased]", sections[0][0]
+    releases = [m for h, _ in sections[1:] if (m := _RELEASE.match(h))]
+    assert len(releases) == len(sections) - 1, [h for h, _ in sections[1:] if not _RELEASE.match(h)]
+    versions = [tuple(int(x) for x in m.group("version").split(".")) for m in releases]
+    dates = [m.group("date") for m in releases]
+    assert versions == sorted(versions, reverse=True) and len(set(versions)) == len(versions), versions
+    assert dates == sorted(dates, reverse=True), dates
+    for heading, lines in sections:
+        bad = [ln for ln in lines if ln.startswith("#") and not _KINDS.match(ln)]
+        assert not bad, f"{heading}: {bad} is not a Keep a Changelog kind of change"
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from test_api import _deprecated_objects
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    by_heading = {h: "\n".join(lines) for h, lines in sections}
+    for name, message in _deprecated_objects().items():
+        since = re.search(r"deprecated since dsckpt (\S+) ", message)
+        assert since, message
+        heading = next((h for h in by_heading if h.startswith(f"## [{since.group(1)}]")), None)
+        assert heading, f"{name} is deprecated since {since.group(1)}, which CHANGELOG.md does not name"
+        deprecated = by_heading[heading].partition("### Deprecated")[2].partition("\n### ")[0]
+        short = name.removeprefix("dsckpt.model.")
+        assert short in deprecated or name in deprecated, f"{heading} does not list {name} under Deprecated"
+
+
+def test_changelog_is_linked_from_the_docs() -> None:
+    """docs/changelog.md is CHANGELOG.md itself (included, so the two cannot differ), in the nav and on the index."""
+    assert (DOCS / "changelog.md").read_text(encoding="utf-8").strip() == '--8<-- "CHANGELOG.md"'
+    assert re.search(r"^\s+- Changelog: changelog\.md$", (REPO / "mkdocs.yml").read_text(encoding="utf-8"), re.M)
+    assert "](changelog.md)" in (DOCS / "index.md").read_text(encoding="utf-8")

@@ -141,7 +141,8 @@ def test_no_source_value_refuses_listing_all_and_writes_nothing(tmp_path):
     sd = {k: v.contiguous() for k, v in fx.expected_fp32().items() if k != "bn.running_var"}
     save_file(sd, str(tmp_path / "partial.safetensors"))
     with pytest.raises(RepairError, match=r"cannot repair 2 tensor\(s\).*fc1.bias: non-finite values in its exp_avg; "
-                                          r"no source holds optimizer moments; bn.running_var \(buffer, 1 non-finite\): "
+                                          r"only another DeepSpeed checkpoint of the run given with --from holds "
+                                          r"optimizer moments; bn.running_var \(buffer, 1 non-finite\): "
                                           r"no value in fp32 source"):
         prepare_repair(ckpt, tmp_path / "partial.safetensors")
     with pytest.raises(RepairError, match="bn.running_var \\(buffer\\): has no fp32 master"):

@@ -12,6 +12,7 @@ from conftest import all_fixtures, fixtures_where, ids, tree_digest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import dsckpt
 from dsckpt import open_checkpoint, to_fp32
 from dsckpt.cli import main
 from dsckpt.model import Kind, Role
@@ -204,7 +205,7 @@ def test_safetensors_metadata(tmp_path):
     assert meta["format"] == "pt"
     assert meta["source_tag"] == fx.meta["tag"]
     assert meta["deepspeed_version"] == fx.meta["ds_version"]  # as the files say, whatever release wrote them
-    assert meta["dsckpt_version"]
+    assert meta["dsckpt_version"] == dsckpt.__version__ != "0+unknown"  # pyproject's version, as installed
 
 
 def test_refuses_to_overwrite_without_force(tmp_path):
