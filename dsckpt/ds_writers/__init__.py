@@ -219,10 +219,12 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     thread-safe (the cache is not). Refuses a tree carrying a field DeepSpeed's loader rejects
     (:func:`~dsckpt.validate.refuse_unloadable_fields`) before anything is written."""
     from ..validate import refuse_unloadable_fields
+    from .precision import retype_tree
     from .retarget import rank_view, retarget_tree
 
     facts = SourceFacts((), ())
-    jobs = [(path, retarget_tree(path.name, tree, part, ckpt.tensor_parallel))
+    jobs = [(path, retype_tree(retarget_tree(path.name, tree, part, ckpt.tensor_parallel), plan.precision_change,
+                               ckpt, cache))
             for part in plan.parts()
             for path, tree in _build_layout_jobs(
                 part, rank_view(ckpt, facts, plan.parallel, part.mp_rank)[0] if plan.mp_ranks else ckpt, tag_dir,

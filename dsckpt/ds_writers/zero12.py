@@ -69,7 +69,8 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     layout.
     """
     by_name = {e.name: e for e in ckpt.entries}
-    elem = element_nbytes(ckpt.precision)
+    change = common.get("precision_change")  # the written 16-bit dtype sets the alignment (ds_writers.precision)
+    elem = element_nbytes(change.precision if change is not None else ckpt.precision)
     # A group's entries and a rank's position in it: the logical entries over all ranks, or (experts) the entries
     # of the rank's expert-parallel rank over its expert-data-parallel group.
     experts = expert_groups(ckpt, world, group_orders, common["parallel"])
