@@ -60,6 +60,8 @@ CASES = [
     ("s0_bf16_w2", 2, 1, "fp32"),
     ("s0_fp32_w1", 2, 2, "bf16"),
     ("s0_fp32_w1", 1, 3, "fp16"),
+    # DeepSpeed 0.16.9's stage-0 bf16 save (BF16_Optimizer files, its config saying stage 0) as ZeRO-1 fp32
+    ("ds0169_s0_bf16_w2", 2, None, "fp32"),
 ]
 
 
