@@ -269,6 +269,8 @@ LIVE_CASES = [  # (fixture, target dtype); every output written for 2 ranks
     ("s2_bf16_w2_2groups", "fp16"),
     ("s3_bf16_w3_subgroups", "fp32"),  # and a world-size change: 3 -> 2 ranks, ZeRO-3 sub-groups
     ("s2_fp16_w2_cpuforced", "bf16"),  # fp16 -> bf16: the scaler dropped, fp16 buffers widened
+    ("s3_fp16_w2_cpuforced", "fp32"),  # fp16 ZeRO-3 -> fp32
+    ("s1_bf16_w2_bf16opt", "fp16"),  # BF16_Optimizer -> DeepSpeedZeroOptimizer at fp16
 ]
 LIVE_SCALE = 256.0
 LIVE_CONTROL = "s1_fp32_w2"  # -> fp16 with --loss-scale 1024: the check expects 256 and must see the scale
