@@ -1038,6 +1038,8 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
+    if plan.changes_layout and plan.from_stage == plan.zero_stage:  # the wrapper only (--dtype: BF16_Optimizer)
+        stages = f", {plan.from_wrapper} -> {plan.optimizer_wrapper}"
     if plan.precision_change is not None:
         stages += f", {plan.precision.value} -> {plan.written_precision.value}"
     if plan.parallel.stages is not None:

@@ -311,3 +311,20 @@ def test_deepspeed_resumes_dtype_changes(ds_dtype_run):
         "'last_overflow_iter': -1, 'cur_hysteresis': 2}"}, control[0]["problems"]
     assert rc == 1, log
     assert "DTYPE-EVIDENCE s2_bf16_w2_2groups:fp16: DeepSpeedZeroOptimizer, loss scaler DynamicLossScaler" in log
+
+
+def test_cli_says_what_changed_and_what_to_resume_with(tmp_path):
+    src = FIXTURES / "s1_bf16_w2_bf16opt" / "ckpt"
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "dry"), "-n", "2", "--dtype", "fp16",
+                                  "--dry-run"])
+    assert r.exit_code == 1, r.output  # there is work
+    assert "to ZeRO stage 1 (DeepSpeedZeroOptimizer), to fp16, tag 'global_step3'" in r.output
+    assert "note: precision bf16 -> fp16: fp32 masters and optimizer state kept exactly" in r.output
+    assert ('resume with: "zero_optimization": {"stage": 1}, "fp16": {"enabled": true}; no '
+            '"data_types.grad_accum_dtype": "fp32" (that selects BF16_Optimizer)') in r.output
+    assert not (tmp_path / "dry").exists()
+    r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "out"), "-n", "2", "--dtype", "fp32", "-q"])
+    assert r.exit_code == 0, r.output
+    assert (f"from 2 to 2 ranks, BF16_Optimizer -> DeepSpeedZeroOptimizer, bf16 -> fp32: wrote 3 files to "
+            f"{tmp_path / 'out'}/global_step3") in r.output
+    assert 'resume with: "zero_optimization": {"stage": 1}; neither "bf16" nor "fp16" enabled (fp32)' in r.output
