@@ -62,6 +62,8 @@ CASES = [
     ("s0_fp32_w1", 1, 3, "fp16"),
     # DeepSpeed 0.16.9's stage-0 bf16 save (BF16_Optimizer files, its config saying stage 0) as ZeRO-1 fp32
     ("ds0169_s0_bf16_w2", 2, None, "fp32"),
+    # a DeepSpeed universal folder (ds_to_universal of s2_bf16_w2_2groups) written as native fp16 files
+    ("universal/s2_bf16_w2_2groups", 3, None, "fp16"),
 ]
 
 
@@ -81,7 +83,7 @@ def test_dtype_change_keeps_masters_and_moments_and_casts_16bit(fixture, world, 
     assert new.optimizer_wrapper == ("DeepSpeedZeroOptimizer_Stage3" if want_stage == 3 else "DeepSpeedZeroOptimizer")
     from safetensors.torch import load_file
 
-    truth = load_file(str(FIXTURES / fixture / "truth.safetensors"))
+    truth = load_file(str(FIXTURES / fixture.removeprefix("universal/") / "truth.safetensors"))
     src_by = {e.name: e for e in src.entries}
     compared = 0
     for e in new.entries:
