@@ -341,12 +341,19 @@ def test_stage0_source_universal_holds_the_recorded_truth(name, tmp_path):
 
 
 def test_stage0_source_needs_its_zero1_layout():
-    """plan_universal alone (no ZeRO-1 layout planned by plan_universal_reshard) refuses a stage-0 source."""
-    from dsckpt.ds_writers.universal import plan_universal
+    """A stage-0 source's universal target is written from its ZeRO-1 files (resolve_universal decides it); a target
+    that is not is refused by UNIVERSAL_RULES' first row."""
+    import dataclasses
+
+    from dsckpt.ds_writers.source import describe_source
+    from dsckpt.ds_writers.target import refuse_universal, resolve_universal
 
     ckpt = read_checkpoint(FIXTURES / "s0_fp32_w1" / "ckpt")
+    src = describe_source(ckpt, refuse=False)
+    target = resolve_universal(src)
+    assert target.from_zero1 and target.source_stage == 0 and target.zero1_world_size == 1
     with pytest.raises(UnsupportedCheckpointError, match="ZeRO stage 0 without the ZeRO-1 layout it is written from"):
-        plan_universal(ckpt, source_stage=0, optimizer_files=(), model_files=ckpt.files[:1])
+        refuse_universal(src, dataclasses.replace(target, from_zero1=False))
 
 
 @pytest.mark.parametrize("name, world", [("s0_bf16_w2", 2), ("autotp/autotp_z0_fp32_tp2_dp2", 4)],
@@ -431,12 +438,20 @@ def _logical(stage: int):
                              optimizer_wrapper="DeepSpeedZeroOptimizer", entries=(w, f, h, b), files=(o0, o1, ms)), (o0, o1, ms)
 
 
+def _universal_target(ckpt):
+    """The universal target of ``ckpt`` (phases 1 and 2 of plan_universal_reshard)."""
+    from dsckpt.ds_writers.source import describe_source
+    from dsckpt.ds_writers.target import resolve_universal
+
+    return resolve_universal(describe_source(ckpt, refuse=False))
+
+
 def test_plan_zero12_source_without_files():
     from dsckpt.ds_writers.plan import RangeCopy
     from dsckpt.ds_writers.universal import plan_universal
 
     ckpt, (o0, o1, ms) = _logical(2)
-    plan = plan_universal(ckpt, source_stage=2, optimizer_files=(o1, o0), model_files=(ms,))
+    plan = plan_universal(ckpt, _universal_target(ckpt), optimizer_files=(o1, o0), model_files=(ms,))
     assert plan.out_tag == "t_universal" and plan.optimizer_source == o0 and not plan.zero3
     assert [f.path for f in plan.state_files] == ["zero/w/fp32.pt", "zero/w/exp_avg.pt", "zero/w/exp_avg_sq.pt"]
     master = plan.state_files[0]
@@ -456,7 +471,7 @@ def test_plan_zero3_source_without_files():
     from dsckpt.ds_writers.universal import plan_universal
 
     ckpt, (o0, o1, ms) = _logical(3)
-    plan = plan_universal(ckpt, source_stage=3, optimizer_files=(o0, o1), model_files=(ms,))
+    plan = plan_universal(ckpt, _universal_target(ckpt), optimizer_files=(o0, o1), model_files=(ms,))
     assert plan.zero3 and plan.step_files == () and plan.cast_files == ()
     assert [(f.shape, f.wrapped) for f in plan.state_files] == [((6,), False)] * 3
 
@@ -472,7 +487,7 @@ def test_plan_refuses_incomplete_fragments():
     short = Piece(w.pieces[0].role, "float32", w.pieces[0].fragments[:1])
     ckpt = replace(ckpt, entries=(replace(w, pieces=(short, *w.pieces[1:])), *ckpt.entries[1:]))
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'w': its master copy covers 4 of elements \[0, 6\)"):
-        plan_universal(ckpt, source_stage=2, optimizer_files=(o0, o1), model_files=(ms,))
+        plan_universal(ckpt, _universal_target(ckpt), optimizer_files=(o0, o1), model_files=(ms,))
 
 
 # --- real DeepSpeed ---------------------------------------------------------------------------------
