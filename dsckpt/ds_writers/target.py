@@ -360,6 +360,26 @@ def _bf16_optimizer(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str
     return None
 
 
+def _stage0_rebuilt(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
+    """A stage-0 target rebuilt from the logical checkpoint: what :func:`.stage0.plan_stage0_from_zero` cannot write
+    (:func:`.stage0.stage0_rebuild_refusal`, per model-parallel rank as the planner sees it)."""
+    if d.stage != 0 or not d.stage0_rebuilt:
+        return None
+    from .stage0 import stage0_rebuild_refusal
+
+    return stage0_rebuild_refusal(s.ckpt, s.facts, d.parallel, d.dp, d.moe_recut)
+
+
+def _moe_world(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
+    """Native MoE at its own expert-parallel sizes: each must divide the data-parallel size (another ``--ep-size``:
+    the ``--ep-size (native MoE)`` row)."""
+    if not s.moe or d.moe_recut:
+        return None
+    from .moe import moe_world_refusal
+
+    return moe_world_refusal(s.ckpt, d.dp)
+
+
 def _positive(flag: str, value: Callable[[ReshardRequest, _Decided], Any], shown: Callable[[ReshardRequest], Any]
               ) -> Rule:
     def refuses(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
@@ -492,6 +512,9 @@ RULES: tuple[Rule, ...] = (
     Rule("--zero-stage (native MoE)", _moe_zero3),
     Rule("--zero-stage (Muon)", _muon),
     Rule("BF16_Optimizer", _bf16_optimizer, UsageError),
+    # what the layout's own module refuses once every flag passed (each asked here, before any file is planned)
+    Rule("--zero-stage 0 (rebuilt: param groups, AutoEP, native MoE, the 16-bit wrapper)", _stage0_rebuilt),
+    Rule("--world-size (native MoE's expert-parallel sizes)", _moe_world),
 )
 
 
