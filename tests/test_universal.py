@@ -387,10 +387,11 @@ def test_universal_source_to_universal_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", UNIV)
-@pytest.mark.parametrize("world,stage", [(3, None), (1, 3), (2, 1)])
+@pytest.mark.parametrize("world,stage", [(3, None), (1, 3), (2, 1), (2, 0)])
 def test_universal_source_written_as_zero_files(name, world, stage, tmp_path):
-    """A universal folder as reshard input: native ZeRO files for any world size and stage, holding the truth
-    recorded for the run it was converted from (masters, moments, module copies, frozen params, buffers)."""
+    """A universal folder as reshard input: native ZeRO files for any world size and stage (stage 0 too: the
+    optimizer's scalars from zero/optimizer_state.pt), holding the truth recorded for the run it was converted from
+    (masters, moments, module copies, frozen params, buffers)."""
     from dsckpt.assemble import iter_tensors
     from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 
@@ -401,7 +402,7 @@ def test_universal_source_written_as_zero_files(name, world, stage, tmp_path):
     run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
     back = read_checkpoint(tmp_path / "out")
     assert not back.layout.startswith("universal") and back.dp_world_size == world
-    assert back.zero_stage == (stage or fx.meta["stage"]) and back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    assert back.zero_stage == (fx.meta["stage"] if stage is None else stage) and back.optimizer_step == int(fx.meta["optimizer_step"][0])
     expected = fx.expected_fp32()
     got = dict(iter_tensors(back))
     assert sorted(got) == sorted(expected)

@@ -222,15 +222,15 @@ class _Decided:
     @cached_property
     def scalars_from(self) -> str:
         """Where the written optimizer files' scalars come from (:data:`~.plan.SCALARS_FROM`): a stage-0 source's model
-        states; for a stage-0 target rebuilt from a ZeRO source, source rank 0's optimizer file; a universal folder's
-        ``zero/optimizer_state.pt``; else source rank 0's optimizer file, kept as it is where the target is of the same
+        states; a universal folder's ``zero/optimizer_state.pt`` (a stage-0 target too); for a stage-0 target rebuilt
+        from ZeRO files, source rank 0's optimizer file; else that file, kept as it is where the target is of the same
         layout family (ZeRO-3 or not) and wrapper."""
         if self.src.stage == 0:
             return "stage-0 model states"
-        if self.stage == 0 and self.stage0_rebuilt:
-            return "optimizer file"
         if self.src.universal:
             return "universal"
+        if self.stage == 0 and self.stage0_rebuilt:
+            return "optimizer file"
         same_family = (self.src.stage == 3) == (self.stage == 3) and self.src.wrapper == self.wrapper
         return "optimizer file, kept" if same_family else "optimizer file"
 
