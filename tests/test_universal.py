@@ -379,6 +379,19 @@ def test_stage0_source_universal_is_that_of_its_zero1_files(name, world, tmp_pat
     assert opt["zero_stage"] == 1 and "base_optimizer_state" not in opt and opt["param_groups"]
 
 
+def test_universal_source_zero3_sub_group_size_recorded_in_every_file(tmp_path):
+    """A ZeRO-3 universal folder written as ZeRO-3 at another --sub-group-size: every written file's ds_config
+    records the target's sub_group_size (the model-states files copied from the folder said the source's while the
+    optimizer files said the target's, and verification refused the output: "ds_config: files disagree")."""
+    r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s3_bf16_w3_subgroups" / "ckpt"), str(tmp_path / "o"),
+                                  "-n", "3", "--zero-stage", "3", "--sub-group-size", "40", "--no-fsync"])
+    assert r.exit_code == 0, r.output
+    files = sorted((tmp_path / "o").glob("*/*_states.pt"))
+    assert len(files) == 6
+    for f in files:
+        assert torch.load(f, weights_only=False)["ds_config"]["zero_optimization"]["sub_group_size"] == 40, f.name
+
+
 def test_universal_source_to_universal_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s1_fp32_w2" / "ckpt"), str(tmp_path / "u"),
                                   "--universal"])
