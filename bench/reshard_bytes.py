@@ -4,7 +4,8 @@ nothing.
 Every checkpoint under ``tests/fixtures`` (a folder holding ``latest`` or ``latest_universal``; Lightning run
 folders too) is run through the CLI with a list of flag sets: the generic ones for every checkpoint (other
 data-parallel sizes up and down, every ``--zero-stage``, ``--universal``, ``--dry-run``, ``--sub-group-size``, the
-tensor/pipeline/expert-parallel flags where they must be refused) and those of its family, told from its files
+tensor/pipeline/expert-parallel flags where they must be refused, ``--dtype`` to each precision with and without
+``--loss-scale``) and those of its family, told from its files
 and name (tensor parallel: ``--tp-size``, ``--make-vocab-size-divisible-by``; pipeline: ``--pp-size``,
 ``--partition-method``, ``--num-layers``, ``--layer-types``, ``--tied-key``; native MoE and AutoEP: ``--ep-size``;
 Trainer/Accelerate folders: ``--no-hf-files``), plus NVMe targets (the source's config edited to NVMe offload, as
@@ -161,6 +162,11 @@ TP_PP = [  # a tensor x pipeline run: every rank count a multiple of TP x stages
      TP_PP_LAYER_TYPES),
     ("-n", "8", "--zero-stage", "0"), ("-n", "4", "--tp-size", "1", "--zero-stage", "0"), ("-n", "8", "--dry-run"),
 ]
+# another precision (--dtype, ds_writers/precision.py): written where DeepSpeed trains the layout in it, refused by
+# name elsewhere (stage 0, pipeline, TP, MoE, --universal), --loss-scale's usage errors
+DTYPE = [("-n", "2", "--dtype", "fp32"), ("-n", "2", "--dtype", "bf16"), ("-n", "3", "--dtype", "fp16", "--zero-stage", "3"),
+         ("-n", "2", "--dtype", "fp16", "--loss-scale", "1024"), ("-n", "3", "--dtype", "bf16", "--dry-run"),
+         ("-n", "2", "--dtype", "bf16", "--loss-scale", "8"), ("--universal", "--dtype", "fp16")]
 HF = [("-n", "2", "--no-hf-files"), ("-n", "1", "--no-hf-files", "--zero-stage", "1"), ("-n", "3", "--dry-run",
                                                                                           "--no-hf-files")]
 NVME = [("-n", "2", "--zero-stage", "3"), ("-n", "3", "--zero-stage", "3", "--sub-group-size", "16")]
@@ -178,7 +184,7 @@ def all_cases() -> list[Case]:
     for ckpt in ckpts:
         rel = str(ckpt.relative_to(REPO))
         fam = family(ckpt)
-        flag_sets = list(GENERIC)
+        flag_sets = list(GENERIC) + DTYPE
         flag_sets += TP if "tp" in fam else NOT_TP
         flag_sets += PP if "pp" in fam else NOT_PP
         flag_sets += EP if "ep" in fam else NOT_EP

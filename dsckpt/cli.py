@@ -1047,6 +1047,14 @@ def _parse_tied_keys(items: tuple[str, ...]) -> dict[int, str]:
 @click.option("--sub-group-size", "sub_group_size", type=click.IntRange(min=1), default=None,
               help="ZeRO-3 target: zero_optimization.sub_group_size of the new run (default: the input's "
                    "at stage 3, else DeepSpeed's default 1e9).")
+@click.option("--dtype", "dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Write the checkpoint for this precision (default: the input's): fp32 masters and optimizer "
+                   "state kept exactly, 16-bit copies cast from the masters, the loss scaler DeepSpeed starts for "
+                   "it, the bf16_ file prefix as DeepSpeed names the files. The plan says which ds_config "
+                   "precision block to resume with.")
+@click.option("--loss-scale", "loss_scale", type=float, default=None, metavar="S",
+              help="With --dtype fp16 from a bf16 or fp32 run: the new dynamic loss scaler's initial scale "
+                   "(default: DeepSpeed's 2**16).")
 @click.option("--universal", is_flag=True,
               help="Write DeepSpeed's universal checkpoint folder instead (what ds_to_universal writes: "
                    "OUT/latest_universal and OUT/<tag>_universal/), which DeepSpeed loads on any rank count with "
@@ -1062,7 +1070,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
             sub_group_size: int | None, universal: bool, no_fsync: bool, tp_size: int | None,
             ep_size: int | None, pp_size: int | None, partition_method: str | None, num_layers: int | None,
             layer_types: str | None, tied_keys: tuple[str, ...], vocab_divisor: int | None,
-            distributed: bool) -> None:
+            distributed: bool, dtype: str | None, loss_scale: float | None) -> None:
     """Re-partition a ZeRO checkpoint so that plain engine.load_checkpoint(OUT) works on N ranks
     (and, with --zero-stage, under another ZeRO stage: 0, 1, 2 and 3 from any of them).
 
@@ -1092,6 +1100,9 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
 
     group = _start_distributed(distributed)
     ckpt, _ = _run_folder(ckpt)
+    if universal and (dtype is not None or loss_scale is not None):
+        raise UsageError("--universal writes fp32 values only (masters and optimizer state), which DeepSpeed loads "
+                         "in whatever precision the loading ds_config enables; drop --dtype and --loss-scale")
     if universal:
         if world_size is not None or zero_stage is not None or sub_group_size is not None or tp_size is not None \
                 or ep_size is not None or pp_size is not None or partition_method is not None \
@@ -1113,7 +1124,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                         facts=read_source_facts(logical, cache), hf_files=not no_hf_files, tp_size=tp_size,
                         ep_size=ep_size, pp_size=pp_size, partition_method=partition_method, num_layers=num_layers,
                         layer_types=layer_types.split(",") if layer_types else None,
-                        make_vocab_size_divisible_by=vocab_divisor)
+                        make_vocab_size_divisible_by=vocab_divisor, dtype=dtype, loss_scale=loss_scale)
     if dry_run:
         click.echo("\n".join(describe_plan(plan)))
         sys.exit(1 if plan.has_work else 0)
@@ -1134,6 +1145,10 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
     verified = ("" if mode == "none" else
                 f", verified {result.verified_tensors} tensors against the input ({mode})")
     stages = f", ZeRO stage {plan.from_stage} -> {plan.zero_stage}" if plan.changes_layout else ""
+    if plan.changes_layout and plan.from_stage == plan.zero_stage:  # the wrapper only (--dtype: BF16_Optimizer)
+        stages = f", {plan.from_wrapper} -> {plan.optimizer_wrapper}"
+    if plan.precision_change is not None:
+        stages += f", {plan.precision.value} -> {plan.written_precision.value}"
     if plan.parallel.stages is not None:
         tp = ((f"TP {plan.source_tp_size} x ", f"TP {plan.tp_size} x ") if max(plan.source_tp_size, plan.tp_size) > 1
               else ("", ""))
@@ -1149,7 +1164,7 @@ def reshard(ckpt: str, out: str, world_size: int | None, tag: str | None, dry_ru
                   + stages)
     click.echo(f"resharded {plan.source_tag_dir} from {plan.source_total_world_size} to {world_size} ranks{stages}: "
                f"wrote {len(result.files)} files to {result.output}/{result.tag}{verified}{_not_synced(no_fsync)}")
-    if plan.changes_layout:
+    if plan.changes_layout or plan.precision_change is not None:
         click.echo("resume with: " + describe_target_config(plan))
     from .ds_writers import STAGE0_BF16_PIPELINE_NOTE
 

@@ -102,7 +102,8 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
                  hf_files: bool = True, tp_size: int | None = None, ep_size: int | None = None,
                  pp_size: int | None = None, partition_method: str | None = None, num_layers: int | None = None,
                  layer_types: Sequence[str] | None = None,
-                 make_vocab_size_divisible_by: int | None = None) -> ReshardPlan:
+                 make_vocab_size_divisible_by: int | None = None, dtype: str | None = None,
+                 loss_scale: float | None = None) -> ReshardPlan:
     """Decide every byte range of the checkpoint resharded to ``world_size`` ranks and ZeRO stage
     ``zero_stage`` (default: the source's). No tensor I/O.
 
@@ -123,18 +124,24 @@ def plan_reshard(ckpt: LogicalCheckpoint, world_size: int, *, zero_stage: int | 
     ``save_state`` folder and ``hf_files``, the plan also carries their files into OUT
     (:func:`dsckpt.hf.plan_resume_files`: names listed from the folder, nothing opened), RNG states mapped to the new
     rank count.
+
+    ``dtype`` (``fp32``, ``fp16``, ``bf16``; default the source's): the target's precision
+    (:mod:`dsckpt.ds_writers.precision`); ``loss_scale``: an fp16 target's initial dynamic loss scale (default
+    DeepSpeed's 2**16).
     """
     src = describe_source(ckpt, facts)  # 1. the source, described once (refuses what no target is written from)
     target = resolve_target(src, ReshardRequest(  # 2. every flag checked against it, the target decided
         world_size, zero_stage=zero_stage, sub_group_size=sub_group_size, tp_size=tp_size, ep_size=ep_size,
         pp_size=pp_size, partition_method=partition_method, num_layers=num_layers, layer_types=layer_types,
-        vocab_divisor=make_vocab_size_divisible_by))
+        vocab_divisor=make_vocab_size_divisible_by, dtype=dtype, loss_scale=loss_scale))
+    changed = target.precision if target.precision.changed else None
     return plan_layout(src, target, dict(  # 3. the files, planned from both
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, layout=ckpt.layout,
         precision=src.precision, source_world_size=ckpt.dp_world_size, world_size=target.world_size,
-        source_optim_files=src.optim_files, bf16_prefixed_optim=src.bf16_prefixed_optim,
+        source_optim_files=src.optim_files, bf16_prefixed_optim=target.precision.bf16_prefix(src.bf16_prefixed_optim),
         hf_files=_plan_hf_files(ckpt, target.total_world_size) if hf_files else None, tied_keys=src.tied_keys,
-        **({"notes": src.notes} if src.notes else {})))
+        **({"precision_change": changed} if changed else {}),
+        **({"notes": (*src.notes, *((changed.note(),) if changed else ()))} if src.notes or changed else {})))
 
 
 def _plan_hf_files(ckpt: LogicalCheckpoint, world_size: int) -> HfFilesPlan | None:
@@ -155,6 +162,7 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         + (f" ({' x '.join(f'{k} {v}' for k, v, _ in sizes)} -> {' x '.join(f'{k} {v}' for k, _, v in sizes)})"
            if len(sizes) > 1 else "")
         + (f", to ZeRO stage {plan.zero_stage} ({plan.optimizer_wrapper})" if plan.changes_layout else "")
+        + (f", to {plan.written_precision.value}" if plan.precision_change is not None else "")
         + f", tag '{plan.tag}'",
     ]
     lines += [f"note: {n}" for n in plan.notes]
@@ -173,7 +181,7 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
             lines.append(f"  frozen {name}: {spec.numel} elements ({spec.copied_numel} copied)")
     if plan.copied_model_files:
         lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
-    if plan.changes_layout:
+    if plan.changes_layout or plan.precision_change is not None:
         lines.append("resume with: " + describe_target_config(plan))
     if plan.wording.model_states_line is not None:  # stage 0: one model-states file per model-parallel rank
         verb, remark = plan.wording.model_states_line
@@ -190,8 +198,14 @@ def describe_target_config(plan: ReshardPlan) -> str:
     z: dict[str, int | None] = {"stage": plan.zero_stage}
     if plan.wording.config_sub_group_size:
         z["sub_group_size"] = plan.sub_group_size
-    precision = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true}'}.get(plan.precision.value)
+    if plan.precision_change is not None:  # the precision block of the target's (ds_writers.precision)
+        precision = plan.precision_change.config_block()
+    else:
+        precision = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true}'}.get(
+            plan.precision.value)
     parts = [f'"zero_optimization": {json.dumps(z)}' + (f", {precision}" if precision else "")]
+    if plan.precision_change is not None and precision is None:
+        parts.append('neither "bf16" nor "fp16" enabled (fp32)')
     if plan.wording.config_zero_flags:
         rr = any(n.startswith("round_robin_gradients") for n in plan.notes)
         aligned = any(any(p) for p in plan.alignment_paddings)

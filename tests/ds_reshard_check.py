@@ -5,6 +5,7 @@
     deepspeed --num_gpus N tests/ds_reshard_check.py --device cuda ...   # fp16 (see tests/gpu/)
     ... tests/ds_reshard_check.py --zero-stage 3 [--sub-group-size 40] ...  # a stage-converted checkpoint
     ... tests/ds_reshard_check.py FIXTURE@0=DIR ...   # this pair's target ZeRO stage (overrides --zero-stage)
+    ... tests/ds_reshard_check.py FIXTURE:fp16=DIR ...   # a `reshard --dtype fp16` output (another precision)
 
 For each pair: rebuild the fixture's model, param groups and ds_config (train_batch_size adapted to
 N ranks; with ``--zero-stage`` the ZeRO stage, and ``--sub-group-size``, replaced by the target's),
@@ -17,7 +18,12 @@ N ranks; with ``--zero-stage`` the ZeRO stage, and ``--sub-group-size``, replace
   from every rank and cut at DeepSpeed's live param offsets;
 * module (16-bit) weights, frozen params, buffers; Adam step, global_steps/samples, skipped_steps;
 
-then run one more training step. With ``--universal`` the directory is a universal checkpoint
+then run one more training step. A pair ``FIXTURE:DTYPE`` is a ``reshard --dtype DTYPE`` output: the engine is
+built with that precision as the plan's ``resume with:`` line says (``"bf16": {"enabled": true}``,
+``"fp16": {"enabled": true}`` or neither; no ``data_types.buffer_dtype``), masters and moments are compared with
+the source's truth as above, module weights with the truth's masters cast to DTYPE (frozen params: their stored
+copy cast), buffers with the truth's values (fp32 in the live module), and an fp16 target's loss scaler with a new
+``DynamicLossScaler`` at 2**16 (``--expect-scale``). With ``--universal`` the directory is a universal checkpoint
 (``latest_universal``) loaded with ``"checkpoint": {"load_universal": true}``; DeepSpeed 0.19.8's
 universal loader restores only the optimizer's params, so frozen params (set to
 :data:`FROZEN_SENTINEL` before ``deepspeed.initialize``) and buffers are checked to be exactly what the
@@ -52,6 +58,8 @@ p.add_argument("--universal", action="store_true", help="the directories are uni
 p.add_argument("--scale-state", action="store_true",
                help="fp16: also compare the loss scaler's whole state (dynamic, iteration, last overflow, window, "
                     "factor) with what 3 steps without overflow leave")
+p.add_argument("--expect-scale", type=float, default=65536.0,
+               help="FIXTURE:fp16 pairs: the loss scale the new dynamic scaler starts at")
 args = p.parse_args()
 FROZEN_SENTINEL = 0.25  # exact in bf16/fp16; never a trained value
 
@@ -106,9 +114,14 @@ def use_gloo_safe_all_gather(stage):
     ds_comm.cdb.all_gather_function = None if fallback else NATIVE_ALL_GATHER
 
 
-def build(name, zero_stage=None):
+def build(name, zero_stage=None, dtype=None):
     spec = dict(fm.FIXTURES[name])
     cfg = fm.ds_config(spec)
+    if dtype is not None:  # the precision block the reshard plan says to resume with
+        for k in ("bf16", "fp16", "data_types"):
+            cfg.pop(k, None)
+        if dtype != "fp32":
+            cfg[dtype] = {"enabled": True}
     if zero_stage is not None:
         spec["stage"] = zero_stage
         cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": zero_stage}
@@ -314,7 +327,9 @@ def check_one(name, ckpt_dir):
         return check_optim(name, ckpt_dir)
     problems = []
     name, _, pair_stage = name.partition("@")
-    spec, cfg, engine = build(name, int(pair_stage) if pair_stage else args.zero_stage)
+    name, _, dtype = name.partition(":")
+    dtype = dtype or None
+    spec, cfg, engine = build(name, int(pair_stage) if pair_stage else args.zero_stage, dtype)
     meta = json.load(open(os.path.join(args.fixtures, name, "truth.json")))
     truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
     stage = spec["stage"]
@@ -359,16 +374,22 @@ def check_one(name, ckpt_dir):
             lowp = {n: q.data.detach().cpu().clone() for n, q in params.items()}
     else:
         lowp = {n: q.data.detach().cpu().clone() for n, q in params.items()}
+    cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     for n, t in lowp.items():
         key = f"lowp/{n}"
         if args.universal and n in meta["frozen"]:
             continue  # not restored by a universal load: check_universal_leaves_alone
-        if key in truth and not torch.equal(t, truth[key]):
+        if cast is not None:  # another precision: the master cast (round to nearest even); a frozen param's copy
+            want = (truth[key] if n in meta["frozen"] else truth[f"param/{n}"]).to(cast)
+            if t.dtype != cast or not torch.equal(t, want):
+                problems.append(f"module weight '{n}' ({t.dtype}) is not the source's cast to {cast}")
+        elif key in truth and not torch.equal(t, truth[key]):
             problems.append(f"module weight '{n}' differs from the source")
     if args.universal:
         check_universal_leaves_alone(meta, truth, lowp, buffers_before, dict(module.named_buffers()), problems)
     for n in meta["frozen"] if not args.universal else ():
-        if not torch.equal(lowp[n].float(), truth[f"param/{n}"]):
+        want = truth[f"param/{n}"] if cast is None else truth[f"lowp/{n}"].to(cast).float()
+        if not torch.equal(lowp[n].float(), want):
             problems.append(f"frozen param '{n}' differs from the source")
     buffers = dict(module.named_buffers())
     expected_buffers = {n: truth[f"buffer/{n}"] for n in meta["buffers"]}
@@ -381,7 +402,11 @@ def check_one(name, ckpt_dir):
                                           f"zero_pp_rank_{src_rank}_mp_rank_00_model_states.pt"))
         expected_buffers = {n: src["module"][n].load() for n in meta["buffers"]}
     for n in meta["buffers"] if not args.universal else ():
-        if not torch.equal(buffers[n].detach().cpu(), expected_buffers[n]):
+        got = buffers[n].detach().cpu()
+        if cast is not None and got.is_floating_point():  # the live module's buffers (fp32): the values widened
+            if got.dtype != torch.float32 or not torch.equal(got, expected_buffers[n].float()):
+                problems.append(f"buffer '{n}' ({got.dtype}) differs from the source")
+        elif not torch.equal(got, expected_buffers[n]):
             problems.append(f"buffer '{n}' differs from the source")
     # counters
     if engine.global_steps != meta["global_steps"]:
@@ -418,7 +443,22 @@ def check_one(name, ckpt_dir):
                   flush=True)
         for st in states:
             st["step"] = st["step"].clone()
-    if meta.get("loss_scale") is not None:
+    if dtype is not None:
+        scaler = getattr(opt, "loss_scaler", None)
+        kind = type(scaler).__name__
+        if dtype == "fp16":
+            got = {k: getattr(scaler, k, None) for k in ("cur_scale", "cur_iter", "last_overflow_iter",
+                                                         "cur_hysteresis")}
+            want = {"cur_scale": args.expect_scale, "cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 2}
+            if kind != "DynamicLossScaler" or got != want:
+                problems.append(f"loss scaler {kind} {got} != a new DynamicLossScaler {want}")
+        elif scaler is not None and (kind != "LossScaler" or float(scaler.cur_scale) != 1.0):
+            problems.append(f"loss scaler {kind} in a {dtype} engine")
+        if rank == 0:
+            print(f"DTYPE-EVIDENCE {name}:{dtype}: {type(opt).__name__}, loss scaler {kind}"
+                  + (f" at {scaler.cur_scale}" if scaler is not None else "")
+                  + f", module dtype {next(iter(lowp.values())).dtype}", flush=True)
+    elif meta.get("loss_scale") is not None:
         scale = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
         if scale != float(meta["loss_scale"]):
             problems.append(f"loss scale {scale} != {meta['loss_scale']}")

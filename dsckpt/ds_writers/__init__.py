@@ -25,7 +25,8 @@ module                 layout                                          reader
 
 and one module per dimension the writers compose: :mod:`.experts` (which ranks hold which experts: native MoE
 :mod:`.moe`, AutoEP :mod:`.autoep`), :mod:`.retarget` (the TP and stage cuts of a model-parallel rank, and every
-tree's parallel sizes rewritten), :mod:`dsckpt.nvme_swap` (ZeRO-3 NVMe swap files). A
+tree's parallel sizes rewritten), :mod:`.precision` (``--dtype``: decided in phase 2, every tree rewritten for it by
+:func:`.precision.retype_tree`), :mod:`dsckpt.nvme_swap` (ZeRO-3 NVMe swap files). A
 :class:`~.plan.LayoutPlan` holds the target's files and, for every flat tensor in them, the element ranges of
 source tensors that land where (zeros elsewhere). Each writer has a pure ``plan_*`` function (no I/O: tested
 without files) and tree functions that turn a plan into the trees :func:`dsckpt.writers.torch_stream.write_torch_tree`
@@ -220,10 +221,12 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     thread-safe (the cache is not). Refuses a tree carrying a field DeepSpeed's loader rejects
     (:func:`~dsckpt.validate.refuse_unloadable_fields`) before anything is written."""
     from ..validate import refuse_unloadable_fields
+    from .precision import retype_tree
     from .retarget import rank_view, retarget_tree
 
     facts = SourceFacts((), ())
-    jobs = [(path, retarget_tree(path.name, tree, part, ckpt.tensor_parallel))
+    jobs = [(path, retype_tree(retarget_tree(path.name, tree, part, ckpt.tensor_parallel), plan.precision_change,
+                               ckpt, cache))
             for part in plan.parts()
             for path, tree in _build_layout_jobs(
                 part, rank_view(ckpt, facts, plan.parallel, part.mp_rank)[0] if plan.mp_ranks else ckpt, tag_dir,

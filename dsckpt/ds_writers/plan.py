@@ -177,6 +177,7 @@ class Target:
     copied_layer_files: tuple[Path, ...] = ()
     recut_layer_files: tuple[Path, ...] = ()
     model_parallel_notes: tuple[str, ...] = ()  # what the TP and stage cuts do, for a model-parallel plan's notes
+    precision: Any = None  # the target's precision (.precision.PrecisionTarget; None in hand-made targets: kept)
 
 
 #: Where a plan's optimizer scalars (loss scaler, ``clip_grad``, param groups, step;
@@ -235,6 +236,9 @@ class LayoutPlan:
     tied_keys: tuple[tuple[int, str], ...] = ()
     # a stage-0 target rebuilt from the logical checkpoint (Target.stage0_rebuilt; stage0.plan_stage0_from_zero)
     stage0_rebuilt: bool = False
+    # another precision than the source's (``--dtype``; .precision.PrecisionTarget): what phase 3 writes for it
+    # (.precision.retype_tree); None when kept (``precision`` above is the source's)
+    precision_change: Any = None
 
     def parts(self) -> tuple[LayoutPlan, ...]:
         """The data-parallel plans to write: one per model-parallel rank (stage x TP rank), or this plan itself."""
@@ -270,8 +274,14 @@ class LayoutPlan:
         return self.from_stage != self.zero_stage or self.from_wrapper != self.optimizer_wrapper
 
     @property
+    def written_precision(self) -> Precision:
+        """The precision of the written files (the target's)."""
+        return self.precision if self.precision_change is None else self.precision_change.precision
+
+    @property
     def has_work(self) -> bool:
-        return (self.world_size != self.source_world_size or self.changes_layout or self.tp_size != self.source_tp_size
+        return (self.precision_change is not None or self.world_size != self.source_world_size
+                or self.changes_layout or self.tp_size != self.source_tp_size
                 or self.pp_size != self.source_pp_size
                 or (self.parallel.stages is not None and self.parallel.stages.target is not None))
 

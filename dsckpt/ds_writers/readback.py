@@ -48,8 +48,9 @@ def verify_written(plan: LayoutPlan, new_root: Path, src_cache: Any, *, full: bo
     if plan.tp_size != plan.source_tp_size and layout is not None and layout.source == "megatron":
         # another TP size re-pads a Megatron vocabulary: the real rows are compared, the new padding must be zeros
         _check_zero_padding(new, new_cache, layout)
-        return compare_checkpoints(src, src_cache, new, new_cache, full=full, padding=False)
-    return compare_checkpoints(src, src_cache, new, new_cache, full=full)
+        return compare_checkpoints(src, src_cache, new, new_cache, full=full, padding=False,
+                                   recast=plan.precision_change)
+    return compare_checkpoints(src, src_cache, new, new_cache, full=full, recast=plan.precision_change)
 
 
 def _check_zero_padding(new: LogicalCheckpoint, cache: Any, layout: Any) -> None:
@@ -75,10 +76,12 @@ def _check_zero_padding(new: LogicalCheckpoint, cache: Any, layout: Any) -> None
 
 
 def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalCheckpoint, new_cache: Any, *,
-                        full: bool, padding: bool = True) -> int:
+                        full: bool, padding: bool = True, recast: Any = None) -> int:
     """Compare every stored copy (master, moments, module) of every tensor of ``new`` with ``src``, vocabulary
     padding rows included (:attr:`~dsckpt.model.TensorEntry.padding`; not with ``padding=False``: a universal
-    folder, which keeps none) (quick: sampled windows, full: every value); raise :class:`CorruptCheckpointError`
+    folder, which keeps none) (quick: sampled windows, full: every value); ``recast``: the target's
+    :class:`~.precision.PrecisionTarget` of a precision change, whose module copies are compared, every value, with
+    the cast they must be (:func:`.precision.module_copy_problem`); raise :class:`CorruptCheckpointError`
     listing what differs. Returns the number of copies compared."""
     from ..writers.torch_stream import element_nbytes
 
@@ -110,6 +113,14 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
                           else side.piece(Role.MODULE))
                 module = module if module is not None and module.dtype == "float32" else None
                 a, b = (module, b) if a is None else (a, module)
+            if recast is not None and role is Role.MODULE and b is not None and not what.endswith("padding rows"):
+                from .precision import module_copy_problem
+
+                problem = module_copy_problem(e, b, src_cache, new_cache, recast)
+                if problem is not None:
+                    problems.append(problem)
+                checked += 1
+                continue
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
                     problems.append(f"'{name}' lost its {what} copy")

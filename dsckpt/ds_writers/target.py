@@ -6,7 +6,8 @@ dimension) it is about, when it refuses and what it says. What the rows need is 
 :class:`_Decided` (the ZeRO stage, the TP size and cut, the pipeline stages, the expert cut, ...); the first row that
 refuses raises its error. What passes becomes a frozen :class:`~.plan.Target`: ZeRO stage, optimizer wrapper,
 data-parallel size, the :class:`~dsckpt.parallel_layout.ParallelTarget` (TP cut, stages, expert cut), ZeRO-3
-sub-group size, round robin and alignment, which stage-0 writer -- what the planner (phase 3) composes without asking
+sub-group size, round robin and alignment, which stage-0 writer, the precision (:mod:`.precision`) -- what the
+planner (phase 3) composes without asking
 what kind of source or target it has.
 
 A new target dimension (``--dtype``, next) is a field of :class:`ReshardRequest`, its decision in :class:`_Decided`,
@@ -27,6 +28,7 @@ from ..parallel_layout import AutoEpLayout, MoeLayout, ParallelTarget, StagePlan
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 from .facts import elastic_target_refusal
 from .plan import BF16_WRAPPER, ZERO3_WRAPPER, ZERO_WRAPPER, PlanWording, Target
+from .precision import PrecisionTarget, decide_precision, loss_scale_refusal, precision_refusal
 from .source import SourceDescription
 
 __all__ = ["RULES", "UNIVERSAL_RULES", "ReshardRequest", "Rule", "UniversalTarget", "refuse_universal",
@@ -51,6 +53,8 @@ class ReshardRequest:
     bf16_optimizer: bool | None = None  # write BF16_Optimizer files (None: the source's wrapper where allowed)
     round_robin: bool | None = None  # the target's zero_optimization flags (None: the source's)
     parameter_alignment: bool | None = None
+    dtype: str | None = None  # --dtype fp32|fp16|bf16 (None: the source's precision)
+    loss_scale: float | None = None  # --loss-scale: an fp16 target's initial dynamic scale
 
 
 class _Decided:
@@ -86,6 +90,12 @@ class _Decided:
     @cached_property
     def stage(self) -> int:
         return self.src.stage if self.req.zero_stage is None else self.req.zero_stage
+
+    @cached_property
+    def precision(self) -> PrecisionTarget:
+        """The target's precision and what it decides (:mod:`.precision`)."""
+        return decide_precision(self.src, self.req.dtype if self.req.dtype in ("fp32", "fp16", "bf16") else None,
+                                self.req.loss_scale)
 
     @cached_property
     def autotp_meta(self) -> Any:
@@ -242,7 +252,7 @@ class _Decided:
         if self.stage == 3:
             return ZERO3_WRAPPER
         wants_bf16 = (self.req.bf16_optimizer if self.req.bf16_optimizer is not None
-                      else self.src.wrapper == BF16_WRAPPER and self.stage == 1)
+                      else self.src.wrapper == BF16_WRAPPER and self.stage == 1 and not self.precision.changed)
         return BF16_WRAPPER if wants_bf16 else ZERO_WRAPPER
 
 
@@ -272,10 +282,10 @@ def _pipeline_stage0(s: SourceDescription, r: ReshardRequest, d: _Decided) -> st
     """A pipeline target without ZeRO is written at fp32 only (a torch optimizer per stage,
     :func:`.stage0.plan_stage0_from_zero`): a 16-bit pipeline without ZeRO trains under ``BF16_Optimizer``, whose
     stage-0 save DeepSpeed 0.19.8 cannot resume (``ds_writers.STAGE0_BF16_PIPELINE_NOTE``)."""
-    if s.pipeline and r.zero_stage == 0 and s.precision is not Precision.FP32:
-        return (f"cannot reshard '{s.tag_dir}' (a pipeline run) to ZeRO stage 0: a {s.precision.value} pipeline "
-                "without ZeRO trains under BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume even "
-                "unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); keep --zero-stage 1 (the same "
+    if s.pipeline and r.zero_stage == 0 and d.precision.precision is not Precision.FP32:
+        return (f"cannot reshard '{s.tag_dir}' (a pipeline run) to ZeRO stage 0: a {d.precision.precision.value} "
+                "pipeline without ZeRO trains under BF16_Optimizer, whose stage-0 save DeepSpeed 0.19.8 cannot resume "
+                "even unchanged (KeyError in BF16_Optimizer._load_legacy_checkpoint); keep --zero-stage 1 (the same "
                 "optimizer and state)")
     return None
 
@@ -355,9 +365,15 @@ def _bf16_optimizer(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str
         return None
     if d.stage == 3 and r.bf16_optimizer:
         return "BF16_Optimizer files exist for ZeRO stage 1 only (bf16_optimizer.py); drop the option"
-    if d.wrapper == BF16_WRAPPER and (d.stage != 1 or s.precision is not Precision.BF16):
+    if d.wrapper == BF16_WRAPPER and (d.stage != 1 or d.precision.precision is not Precision.BF16):
         return "BF16_Optimizer files are written for bf16 checkpoints at ZeRO stage 1 only"
     return None
+
+
+def _precision(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
+    if not d.precision.changed:
+        return None
+    return precision_refusal(s, d.precision, d.stage, d.tp, d.stages is not None, r.ep_size is not None)
 
 
 def _stage0_rebuilt(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
@@ -495,6 +511,8 @@ RULES: tuple[Rule, ...] = (
          f"--zero-stage must be 0, 1, 2 or 3, got {r.zero_stage!r}", UsageError),
     _positive("--sub-group-size", lambda r, d: r.sub_group_size, lambda r: r.sub_group_size),
     _positive("--tp-size", lambda r, d: d.tp, lambda r: r.tp_size),
+    Rule("--dtype / --loss-scale", lambda s, r, d: loss_scale_refusal(r.dtype, r.loss_scale, d.precision),
+         UsageError),
     Rule("--zero-stage (pipeline)", _pipeline_stage),
     Rule("--zero-stage 0 (pipeline)", _pipeline_stage0),
     Rule("--pp-size ... (decided: pipeline stages)", _pipeline_flags, UsageError),
@@ -512,6 +530,7 @@ RULES: tuple[Rule, ...] = (
     Rule("--zero-stage (native MoE)", _moe_zero3),
     Rule("--zero-stage (Muon)", _muon),
     Rule("BF16_Optimizer", _bf16_optimizer, UsageError),
+    Rule("--dtype (decided: precision; the layouts a precision change is written for)", _precision),
     # what the layout's own module refuses once every flag passed (each asked here, before any file is planned)
     Rule("--zero-stage 0 (rebuilt: param groups, AutoEP, native MoE, the 16-bit wrapper)", _stage0_rebuilt),
     Rule("--world-size (native MoE's expert-parallel sizes)", _moe_world),
@@ -540,4 +559,4 @@ def resolve_target(src: SourceDescription, req: ReshardRequest) -> Target:
                              else facts.parameter_alignment and src.stage != 3),
         stage0_rebuilt=d.stage0_rebuilt, moe_recut=d.moe_recut, autotp_meta=d.autotp_meta,
         total_world_size=req.world_size, copied_layer_files=d.copied_layer_files,
-        recut_layer_files=d.recut_layer_files, model_parallel_notes=d.model_parallel_notes)
+        recut_layer_files=d.recut_layer_files, model_parallel_notes=d.model_parallel_notes, precision=d.precision)

@@ -69,7 +69,8 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
     layout.
     """
     by_name = {e.name: e for e in ckpt.entries}
-    elem = element_nbytes(ckpt.precision)
+    change = common.get("precision_change")  # the written 16-bit dtype sets the alignment (ds_writers.precision)
+    elem = element_nbytes(change.precision if change is not None else ckpt.precision)
     # A group's entries and a rank's position in it: the logical entries over all ranks, or (experts) the entries
     # of the rank's expert-parallel rank over its expert-data-parallel group.
     experts = expert_groups(ckpt, world, group_orders, common["parallel"])
@@ -152,7 +153,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             # another TP cut: the module's 16-bit slices are re-cut too (a pipeline's are in its layer files)
             tree["module"] = module_from_copies(ckpt, tree["module"], cache)
             _set_frozen(tree, plan, ckpt, tree["module"])
-        if plan.from_stage != plan.zero_stage:
+        if plan.changes_layout:  # another stage, or wrapper (a stage-0 BF16_Optimizer save's config says stage 0)
             _set_frozen(tree, plan, ckpt, dict(tree["module"]))
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         if _stage0_pipeline(plan, tree):
