@@ -39,15 +39,13 @@ from .ds_writers import (
     Target,
     build_jobs,
     plan_layout,
-    source_layout_stage,
 )
 from .ds_writers.common import fmt_key as _fmt_key
 from .ds_writers.facts import (
     ELASTIC_NOTE,
     read_source_facts,
-    refuse_elastic_target,
 )
-from .ds_writers.plan import source_model_files, source_optim_files
+from .ds_writers.plan import source_model_files
 from .ds_writers.readback import compare_checkpoints, verify_written
 from .ds_writers.source import describe_source
 from .ds_writers.target import ReshardRequest, resolve_target
@@ -172,8 +170,7 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         files = ", ".join(f for f in (r.optim_file, r.model_file) if f)
         lines.append(f"rank {r.rank}: {files}")
         for g in r.groups:
-            label = "sub-group" if plan.zero_stage == 3 else "group"
-            lines.append(f"  {label} {g.group}: partition {g.partition_numel} elements, padding "
+            lines.append(f"  {plan.wording.group_label} {g.group}: partition {g.partition_numel} elements, padding "
                          f"{g.partition_numel - g.master.copied_numel}, fp32 master stored {g.master.numel}")
             for c in g.master.copies[:max_copies]:
                 lines.append(f"    [{c.dst_offset}:{c.dst_offset + c.numel}) <- {c.file.name} "
@@ -186,12 +183,10 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
         lines.append("copy " + ", ".join(p.name for p in plan.copied_model_files))
     if plan.changes_layout or plan.precision_change is not None:
         lines.append("resume with: " + describe_target_config(plan))
-    if plan.zero_stage == 0 and plan.parallel.stages is not None:  # stages: each file rebuilt from its stage's params
-        lines.append("write " + ", ".join(f"mp_rank_{p.mp_rank:02d}_model_states.pt" for p in plan.mp_ranks)
-                     + f" (each stage's optimizer state) with dp_world_size={plan.world_size}")
-    elif plan.zero_stage == 0:  # one model-states file per model-parallel (TP) rank
-        lines.append("rewrite " + ", ".join(f"mp_rank_{part.mp_rank:02d}_model_states.pt" for part in plan.parts())
-                     + f" with dp_world_size={plan.world_size}")
+    if plan.wording.model_states_line is not None:  # stage 0: one model-states file per model-parallel rank
+        verb, remark = plan.wording.model_states_line
+        lines.append(f"{verb} " + ", ".join(f"mp_rank_{part.mp_rank:02d}_model_states.pt" for part in plan.parts())
+                     + f"{remark} with dp_world_size={plan.world_size}")
     if plan.hf_files is not None:
         lines.append(f"{plan.hf_files.client} files from {plan.hf_files.folder} (byte for byte):")
         lines += plan.hf_files.describe()
@@ -201,7 +196,7 @@ def describe_plan(plan: ReshardPlan, *, max_copies: int = 6) -> list[str]:
 def describe_target_config(plan: ReshardPlan) -> str:
     """What the DeepSpeed config of the resumed run must hold for the files of ``plan`` to load."""
     z: dict[str, int | None] = {"stage": plan.zero_stage}
-    if plan.zero_stage == 3:
+    if plan.wording.config_sub_group_size:
         z["sub_group_size"] = plan.sub_group_size
     if plan.precision_change is not None:  # the precision block of the target's (ds_writers.precision)
         precision = plan.precision_change.config_block()
@@ -211,7 +206,7 @@ def describe_target_config(plan: ReshardPlan) -> str:
     parts = [f'"zero_optimization": {json.dumps(z)}' + (f", {precision}" if precision else "")]
     if plan.precision_change is not None and precision is None:
         parts.append('neither "bf16" nor "fp16" enabled (fp32)')
-    if plan.zero_stage in (1, 2):
+    if plan.wording.config_zero_flags:
         rr = any(n.startswith("round_robin_gradients") for n in plan.notes)
         aligned = any(any(p) for p in plan.alignment_paddings)
         elastic = ELASTIC_NOTE in plan.notes
@@ -223,14 +218,7 @@ def describe_target_config(plan: ReshardPlan) -> str:
         parts.append('BF16_Optimizer: "data_types": {"grad_accum_dtype": "fp32"} at stage 1')
     elif plan.from_wrapper == "BF16_Optimizer":
         parts.append('no "data_types.grad_accum_dtype": "fp32" (that selects BF16_Optimizer)')
-    if plan.from_stage == 3 and plan.zero_stage != 3:
-        parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad)")
-    elif plan.from_stage != 3 and plan.zero_stage == 3:
-        parts.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
-                     "optimizer files recorded one)")
-    if plan.zero_stage == 0 and plan.parallel.stages is not None:  # ds_writers.stage0.PIPELINE_NOTE
-        parts.append("model_parameters=[p for p in model.parameters() if p.requires_grad] (each stage's optimizer "
-                     "numbers its params that require grad)")
+    parts += plan.wording.resume_notes  # gradient_clipping across ZeRO-3, a stage-0 pipeline's model_parameters
     dp = "data-parallel " if plan.tp_size > 1 else ""
     parts.append(f"train_batch_size for {plan.world_size} {dp}rank{'s' if plan.world_size != 1 else ''}")
     return "; ".join(parts)
@@ -454,10 +442,11 @@ def output_nbytes_bound(plan: ReshardPlan) -> int:
                 + layers)
     models = [size(p) for p in plan.source_model_files]
     copied = sum(size(p) for p in plan.copied_model_files)
-    model_nbytes = max(models, default=0) * plan.world_size if plan.zero_stage == 3 else sum(models)
-    if plan.from_stage == 3 and plan.zero_stage != 3:  # the module is rebuilt in full: at most fp32 per element
+    sizes = plan.wording
+    model_nbytes = max(models, default=0) * plan.world_size if sizes.model_files_per_rank else sum(models)
+    if sizes.module_rebuilt:  # the module is rebuilt in full from a ZeRO-3 source: at most fp32 per element
         model_nbytes += 4 * sum(math.prod(shape) for group in plan.param_shapes for _, shape in group)
-    if plan.zero_stage == 0 and plan.from_stage != 0:  # the optimizer state moves into the model states and (native
+    if sizes.optimizer_into_model_states:  # the optimizer state moves into the model states and (native
         # MoE) into one expp_rank_* file per expert-parallel rank, fewer than the expert files: master and up to 4
         # states, fp32, per element
         files = 1 + len(plan.copied_model_files)
@@ -534,23 +523,23 @@ def _write_jobs(jobs: list[tuple[Path, Any]], workers: int, *, writeback: bool =
 
 
 def plan_universal_reshard(ckpt: LogicalCheckpoint, facts: SourceFacts | None = None) -> UniversalPlan:
-    """Plan DeepSpeed's universal folder for ``ckpt`` (:mod:`dsckpt.ds_writers.universal`). Pure.
-    ``facts`` (from :func:`read_source_facts`) is only taken as proof that the refusals ran, and for a stage-0
-    source (which ``ds_to_universal`` does not read) to plan the ZeRO-1 files of the same size whose universal folder
-    is written (:func:`dsckpt.ds_writers.universal.plan_universal`)."""
+    """Plan DeepSpeed's universal folder for ``ckpt`` (:mod:`dsckpt.ds_writers.universal`). Pure. The same three
+    phases as :func:`plan_reshard`: the source described (its universal-target refusals are the folder's own), the
+    target resolved (:func:`dsckpt.ds_writers.target.resolve_universal`; a stage-0 source is written as the folder of
+    the ZeRO-1 files of the same size, planned by :func:`plan_reshard` from ``facts``), the folder's refusals
+    (:data:`~dsckpt.ds_writers.target.UNIVERSAL_RULES`), the folder planned
+    (:func:`dsckpt.ds_writers.universal.plan_universal`). ``facts`` (from :func:`read_source_facts`) is otherwise
+    only taken as proof that the refusals ran."""
+    from .ds_writers.target import refuse_universal, resolve_universal
     from .ds_writers.universal import plan_universal
 
-    refuse_elastic_target(ckpt, zero_stage=None, universal=True)
-    stage = source_layout_stage(ckpt)
-    zero_layout = None
-    # without ZeRO optimizer files, or (a bf16 pipeline's BF16_Optimizer files) without param_shapes in the model
-    # states; DeepSpeed 0.10-0.16's stage-0 bf16 BF16_Optimizer saves have both and convert as they are: the same
-    # rank count's ZeRO-1 files are planned (the three phases of plan_reshard) and their universal folder written
-    if (stage == 0 or (ckpt.zero_stage == 0 and ckpt.pipeline is not None)) and not ckpt.layout.startswith("universal"):
-        world = ckpt.dp_world_size * max(1, ckpt.tp_world_size) * max(1, ckpt.pp_world_size)
-        zero_layout = plan_reshard(ckpt, world, zero_stage=1, facts=facts, hf_files=False)
-    return plan_universal(ckpt, source_stage=stage, optimizer_files=source_optim_files(ckpt),
-                          model_files=source_model_files(ckpt), zero_layout=zero_layout)
+    src = describe_source(ckpt, facts, refuse=False)  # 1. (a universal target's refusals are its own rows)
+    target = resolve_universal(src)  # 2.
+    zero_layout = (plan_reshard(ckpt, target.zero1_world_size, zero_stage=1, facts=facts, hf_files=False)
+                   if target.from_zero1 else None)
+    refuse_universal(src, target)
+    return plan_universal(ckpt, target, optimizer_files=src.optim_files, model_files=source_model_files(ckpt),
+                          zero_layout=zero_layout)  # 3.
 
 
 def run_universal(plan: UniversalPlan, out: str | os.PathLike[str], *, cache: Any = None, force: bool = False,

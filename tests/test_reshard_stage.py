@@ -196,11 +196,12 @@ def test_zero_to_stage0_refusals(tmp_path):
     cache = FileCache()
     ckpt = read_checkpoint(fx.ckpt, cache=cache)
     # fp32 with two param groups: which group a frozen param was given to is not recorded
-    from dsckpt.ds_writers.stage0 import plan_stage0_from_zero, stage0_wrapper
+    from dsckpt.ds_writers.stage0 import plan_stage0_from_zero, stage0_refusal, stage0_wrapper
 
     two = [*fx.meta["trainable"][:2]], [*fx.meta["trainable"][2:]]
+    assert "2 param groups and frozen params" in stage0_refusal(ckpt, [list(two[0]), list(two[1])], 2)
     with pytest.raises(UnsupportedCheckpointError, match="2 param groups"):
-        plan_stage0_from_zero(ckpt, [list(two[0]), list(two[1])], {})
+        plan_stage0_from_zero(ckpt, [list(two[0]), list(two[1])], {"world_size": 2})
     with pytest.raises(UsageError, match="--zero-stage must be 0, 1, 2 or 3"):
         plan_reshard(ckpt, 2, zero_stage=4)
     # 16-bit: FusedAdam (FP16_Optimizer) or not, from the ds_config, else from the param groups' keys

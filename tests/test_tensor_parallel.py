@@ -667,7 +667,7 @@ def test_subparam_shape_stand_in_takes_exactly_its_fields(tmp_path, state, ok):
 ], ids=["extra-key", "no-partition-dim", "count-not-sizes", "other-sizes", "other-dim"])
 def test_universal_refuses_sub_params_entry_it_cannot_write(entry):
     """A parameter_with_sub_params entry that is not the SubparamShape ds_to_universal writes back unchanged is
-    refused by plan_universal (naming the params), as before this was written; the fixture's own entry is written."""
+    refused by the universal target's rows (naming the params), as before this was written; the fixture's own entry is written."""
     from dsckpt.ds_writers.universal import universal_tp_keys
     from dsckpt.reshard import plan_universal_reshard, read_source_facts
 

@@ -341,12 +341,19 @@ def test_stage0_source_universal_holds_the_recorded_truth(name, tmp_path):
 
 
 def test_stage0_source_needs_its_zero1_layout():
-    """plan_universal alone (no ZeRO-1 layout planned by plan_universal_reshard) refuses a stage-0 source."""
-    from dsckpt.ds_writers.universal import plan_universal
+    """A stage-0 source's universal target is written from its ZeRO-1 files (resolve_universal decides it); a target
+    that is not is refused by UNIVERSAL_RULES' first row."""
+    import dataclasses
+
+    from dsckpt.ds_writers.source import describe_source
+    from dsckpt.ds_writers.target import refuse_universal, resolve_universal
 
     ckpt = read_checkpoint(FIXTURES / "s0_fp32_w1" / "ckpt")
+    src = describe_source(ckpt, refuse=False)
+    target = resolve_universal(src)
+    assert target.from_zero1 and target.source_stage == 0 and target.zero1_world_size == 1
     with pytest.raises(UnsupportedCheckpointError, match="ZeRO stage 0 without the ZeRO-1 layout it is written from"):
-        plan_universal(ckpt, source_stage=0, optimizer_files=(), model_files=ckpt.files[:1])
+        refuse_universal(src, dataclasses.replace(target, from_zero1=False))
 
 
 @pytest.mark.parametrize("name, world", [("s0_bf16_w2", 2), ("autotp/autotp_z0_fp32_tp2_dp2", 4)],
@@ -372,6 +379,19 @@ def test_stage0_source_universal_is_that_of_its_zero1_files(name, world, tmp_pat
     assert opt["zero_stage"] == 1 and "base_optimizer_state" not in opt and opt["param_groups"]
 
 
+def test_universal_source_zero3_sub_group_size_recorded_in_every_file(tmp_path):
+    """A ZeRO-3 universal folder written as ZeRO-3 at another --sub-group-size: every written file's ds_config
+    records the target's sub_group_size (the model-states files copied from the folder said the source's while the
+    optimizer files said the target's, and verification refused the output: "ds_config: files disagree")."""
+    r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s3_bf16_w3_subgroups" / "ckpt"), str(tmp_path / "o"),
+                                  "-n", "3", "--zero-stage", "3", "--sub-group-size", "40", "--no-fsync"])
+    assert r.exit_code == 0, r.output
+    files = sorted((tmp_path / "o").glob("*/*_states.pt"))
+    assert len(files) == 6
+    for f in files:
+        assert torch.load(f, weights_only=False)["ds_config"]["zero_optimization"]["sub_group_size"] == 40, f.name
+
+
 def test_universal_source_to_universal_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["reshard", str(UNIVERSAL / "s1_fp32_w2" / "ckpt"), str(tmp_path / "u"),
                                   "--universal"])
@@ -380,10 +400,11 @@ def test_universal_source_to_universal_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", UNIV)
-@pytest.mark.parametrize("world,stage", [(3, None), (1, 3), (2, 1)])
+@pytest.mark.parametrize("world,stage", [(3, None), (1, 3), (2, 1), (2, 0)])
 def test_universal_source_written_as_zero_files(name, world, stage, tmp_path):
-    """A universal folder as reshard input: native ZeRO files for any world size and stage, holding the truth
-    recorded for the run it was converted from (masters, moments, module copies, frozen params, buffers)."""
+    """A universal folder as reshard input: native ZeRO files for any world size and stage (stage 0 too: the
+    optimizer's scalars from zero/optimizer_state.pt), holding the truth recorded for the run it was converted from
+    (masters, moments, module copies, frozen params, buffers)."""
     from dsckpt.assemble import iter_tensors
     from dsckpt.reshard import plan_reshard, read_source_facts, run_reshard
 
@@ -394,7 +415,7 @@ def test_universal_source_written_as_zero_files(name, world, stage, tmp_path):
     run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
     back = read_checkpoint(tmp_path / "out")
     assert not back.layout.startswith("universal") and back.dp_world_size == world
-    assert back.zero_stage == (stage or fx.meta["stage"]) and back.optimizer_step == int(fx.meta["optimizer_step"][0])
+    assert back.zero_stage == (fx.meta["stage"] if stage is None else stage) and back.optimizer_step == int(fx.meta["optimizer_step"][0])
     expected = fx.expected_fp32()
     got = dict(iter_tensors(back))
     assert sorted(got) == sorted(expected)
@@ -431,12 +452,20 @@ def _logical(stage: int):
                              optimizer_wrapper="DeepSpeedZeroOptimizer", entries=(w, f, h, b), files=(o0, o1, ms)), (o0, o1, ms)
 
 
+def _universal_target(ckpt):
+    """The universal target of ``ckpt`` (phases 1 and 2 of plan_universal_reshard)."""
+    from dsckpt.ds_writers.source import describe_source
+    from dsckpt.ds_writers.target import resolve_universal
+
+    return resolve_universal(describe_source(ckpt, refuse=False))
+
+
 def test_plan_zero12_source_without_files():
     from dsckpt.ds_writers.plan import RangeCopy
     from dsckpt.ds_writers.universal import plan_universal
 
     ckpt, (o0, o1, ms) = _logical(2)
-    plan = plan_universal(ckpt, source_stage=2, optimizer_files=(o1, o0), model_files=(ms,))
+    plan = plan_universal(ckpt, _universal_target(ckpt), optimizer_files=(o1, o0), model_files=(ms,))
     assert plan.out_tag == "t_universal" and plan.optimizer_source == o0 and not plan.zero3
     assert [f.path for f in plan.state_files] == ["zero/w/fp32.pt", "zero/w/exp_avg.pt", "zero/w/exp_avg_sq.pt"]
     master = plan.state_files[0]
@@ -456,7 +485,7 @@ def test_plan_zero3_source_without_files():
     from dsckpt.ds_writers.universal import plan_universal
 
     ckpt, (o0, o1, ms) = _logical(3)
-    plan = plan_universal(ckpt, source_stage=3, optimizer_files=(o0, o1), model_files=(ms,))
+    plan = plan_universal(ckpt, _universal_target(ckpt), optimizer_files=(o0, o1), model_files=(ms,))
     assert plan.zero3 and plan.step_files == () and plan.cast_files == ()
     assert [(f.shape, f.wrapped) for f in plan.state_files] == [((6,), False)] * 3
 
@@ -472,7 +501,7 @@ def test_plan_refuses_incomplete_fragments():
     short = Piece(w.pieces[0].role, "float32", w.pieces[0].fragments[:1])
     ckpt = replace(ckpt, entries=(replace(w, pieces=(short, *w.pieces[1:])), *ckpt.entries[1:]))
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'w': its master copy covers 4 of elements \[0, 6\)"):
-        plan_universal(ckpt, source_stage=2, optimizer_files=(o0, o1), model_files=(ms,))
+        plan_universal(ckpt, _universal_target(ckpt), optimizer_files=(o0, o1), model_files=(ms,))
 
 
 # --- real DeepSpeed ---------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def plan_layout(src: SourceDescription, target: Target, common: Mapping[str, Any
 
         assert target.parallel.ep_size is not None
         ckpt, facts = retarget_moe(ckpt, facts, target.parallel.ep_size, target.world_size)
-    common = {**common, "parallel": target.parallel}
+    common = {**common, "parallel": target.parallel, "scalars_from": target.scalars_from,
+              "wording": target.wording}
     if target.parallel.model_parallel:
         return _plan_mp_ranks(ckpt, target, facts, common)
     return _plan_ranks(ckpt, target, facts, common)
@@ -243,36 +244,18 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
 
 
 def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: Any) -> list[tuple[Path, Any]]:
-    from .common import optimizer_scalars
-
     jobs: list[tuple[Path, Any]] = []
-    if plan.zero_stage == 0 and plan.stage0_rebuilt:
-        from .common import optimizer_scalars, stage0_scalars
-        from .stage0 import stage0_trees_from_zero
-
-        zero_scalars = (stage0_scalars(cache.tree(plan.source_model_files[0])) if plan.from_stage == 0
-                        else optimizer_scalars(cache.tree(plan.source_optim_files[0]), plan.from_stage))
-        return [*((tag_dir / name, tree) for name, tree in stage0_trees_from_zero(plan, ckpt, zero_scalars, cache)),
-                *_copied(plan, tag_dir, cache)]
-    if plan.zero_stage == 0:
+    if plan.zero_stage == 0 and not plan.stage0_rebuilt:
         from .stage0 import stage0_model_trees
 
         return [*((tag_dir / name, tree) for name, tree in stage0_model_trees(plan, cache)),
                 *_copied(plan, tag_dir, cache)]
-    if plan.from_stage == 0:  # the optimizer state is inside the stage-0 model states
-        from .common import OptimizerScalars, stage0_scalars
+    src0, scalars = _optimizer_scalars(plan, ckpt, cache)
+    if plan.zero_stage == 0:
+        from .stage0 import stage0_trees_from_zero
 
-        src0: Any = None
-        scalars: OptimizerScalars | None = stage0_scalars(cache.tree(plan.source_model_files[0]))
-    elif plan.layout.startswith("universal"):  # a universal folder: zero/optimizer_state.pt
-        from .common import universal_scalars
-
-        src0, scalars = None, universal_scalars(ckpt, cache)
-    else:
-        src0 = cache.tree(plan.source_optim_files[0])
-        same_family = ((plan.from_stage == 3) == (plan.zero_stage == 3)
-                       and plan.from_wrapper == plan.optimizer_wrapper)
-        scalars = None if same_family else optimizer_scalars(src0, plan.from_stage)
+        return [*((tag_dir / name, tree) for name, tree in stage0_trees_from_zero(plan, ckpt, scalars, cache)),
+                *_copied(plan, tag_dir, cache)]
     if plan.zero_stage in (1, 2):
         from .zero12 import zero12_model_tree, zero12_optim_tree
 
@@ -296,6 +279,21 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         jobs.append((tag_dir / r.optim_file, zero3_optim_tree(plan, r, src0, scalars, cache)))
         jobs += [(tag_dir / rel, t) for rel, t in zero3_swap_jobs(plan, r, ckpt.ds_config, cache)]
     return jobs
+
+
+def _optimizer_scalars(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> tuple[Any, Any]:
+    """Source rank 0's optimizer file (None where the scalars come from elsewhere) and the scalars the written
+    optimizer files get (None: the trees keep the source file's), from where phase 2 decided
+    (:attr:`LayoutPlan.scalars_from`)."""
+    from .common import optimizer_scalars, stage0_scalars, universal_scalars
+
+    where = plan.scalars_from
+    if where == "stage-0 model states":  # the optimizer state is inside the stage-0 model states
+        return None, stage0_scalars(cache.tree(plan.source_model_files[0]))
+    if where == "universal":  # a universal folder: zero/optimizer_state.pt
+        return None, universal_scalars(ckpt, cache)
+    src0 = cache.tree(plan.source_optim_files[0])
+    return src0, (None if where == "optimizer file, kept" else optimizer_scalars(src0, plan.from_stage))
 
 
 def layer_file_trees(sources: Sequence[Path], ckpt: LogicalCheckpoint, view: LogicalCheckpoint, t: int,

@@ -21,8 +21,9 @@ from ..model import LogicalCheckpoint
 from ..parallel_layout import EXPERT_NAME, ParallelLayout, global_expert_name, local_expert_name
 
 __all__ = ["at_expert_cut", "copied_files", "ep_size_refusal", "expert_group_ids", "expert_group_sizes",
-           "expp_rank_orders", "held_by_ep_rank_0", "moe_layout_at", "moe_note", "moe_stage0_refusal", "rank_in_group",
-           "rename_expert_groups", "retarget_moe", "stage0_expp_files", "stage0_kept_files"]
+           "expp_rank_orders", "held_by_ep_rank_0", "moe_layout_at", "moe_note", "moe_stage0_refusal",
+           "moe_world_refusal", "rank_in_group", "rename_expert_groups", "retarget_moe", "stage0_expp_files",
+           "stage0_kept_files"]
 
 
 def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
@@ -30,13 +31,23 @@ def expert_group_sizes(ckpt: LogicalCheckpoint, world: int) -> list[int | None]:
     sizes the expert-parallel size does not divide."""
     if ckpt.moe is None:
         return []
+    why = moe_world_refusal(ckpt, world)  # a row of .target.RULES: refused before any writer plans
+    if why is not None:
+        raise UnsupportedCheckpointError(why)
+    return list(ckpt.moe.group_ep_sizes)
+
+
+def moe_world_refusal(ckpt: LogicalCheckpoint, world: int) -> str | None:
+    """Why native MoE ``ckpt``'s expert cut, kept, cannot be written on ``world`` data-parallel ranks (None: it can,
+    or it has no experts): every expert group's expert-parallel size must divide the world size."""
+    if ckpt.moe is None:
+        return None
     bad = sorted({ep for ep in ckpt.moe.group_ep_sizes if ep is not None and world % ep})
     if bad:
-        raise UnsupportedCheckpointError(
-            f"cannot reshard '{ckpt.tag_dir}' to {world} ranks: its experts are split over expert-parallel "
-            f"size {bad[0]}, which must divide the new world size; pick a multiple of {bad[0]}, or another "
-            "expert-parallel size with --ep-size")
-    return list(ckpt.moe.group_ep_sizes)
+        return (f"cannot reshard '{ckpt.tag_dir}' to {world} ranks: its experts are split over expert-parallel "
+                f"size {bad[0]}, which must divide the new world size; pick a multiple of {bad[0]}, or another "
+                "expert-parallel size with --ep-size")
+    return None
 
 
 def rank_in_group(ckpt: LogicalCheckpoint, world: int, rank: int, ep: int | None) -> tuple[int, Callable[[str], str]]:
@@ -182,15 +193,14 @@ def stage0_kept_files(ckpt: LogicalCheckpoint, world: int) -> tuple[tuple[Path, 
                     f"the {len(copied)} expert and expert-parallel optimizer files are copied unchanged",)
 
 
-def moe_stage0_refusal(ckpt: LogicalCheckpoint, world: int) -> str | None:
-    """Why native MoE ``ckpt`` cannot be rebuilt as stage 0 on ``world`` ranks (None: it can, or it has no experts):
-    several expert-parallel sizes; refuses (raises) a world size its expert-parallel size does not divide."""
+def moe_stage0_refusal(ckpt: LogicalCheckpoint) -> str | None:
+    """Why native MoE ``ckpt`` cannot be rebuilt as stage 0 (None: it can, or it has no experts): several
+    expert-parallel sizes. (A world size its expert-parallel size does not divide: :func:`moe_world_refusal`.)"""
     if ckpt.moe is None:
         return None
     if len(ckpt.moe.ep_sizes) != 1:
         return (f"expert groups of several expert-parallel sizes {list(ckpt.moe.ep_sizes)}: without ZeRO DeepSpeed "
                 "keeps one expp_rank_* optimizer file per rank of one of them")
-    expert_group_sizes(ckpt, world)  # the expert-parallel size must divide the world size
     return None
 
 

@@ -24,7 +24,9 @@ __all__ = [
     "GroupPartition",
     "LayoutPlan",
     "OptimizerCopies",
+    "PlanWording",
     "RangeCopy",
+    "SCALARS_FROM",
     "RankPlan",
     "SourceFacts",
     "Target",
@@ -121,6 +123,28 @@ class SourceFacts:
 
 
 @dataclass(frozen=True)
+class PlanWording:
+    """What :mod:`dsckpt.reshard` says about a target and how it sizes it, decided with the target (phase 2,
+    :attr:`.target._Decided.wording`) so that describing a plan asks no stage: ``group_label`` a rank's optimizer
+    partitions (``"sub-group"`` at ZeRO-3); ``config_sub_group_size`` / ``config_zero_flags`` whether the resume
+    config names ``sub_group_size`` (ZeRO-3) or the ZeRO-1/2 flags (round robin, alignment, elastic);
+    ``resume_notes`` what else it must hold (``gradient_clipping`` across ZeRO-3, a stage-0 pipeline's
+    ``model_parameters``); ``model_states_line`` the verb and remark of the stage-0 model-states line (None: not
+    stage 0); ``model_files_per_rank`` / ``module_rebuilt`` / ``optimizer_into_model_states`` how the output's size
+    is bounded (one model-states file per rank at ZeRO-3; the module rebuilt in full from a ZeRO-3 source; the
+    optimizer state moved into a stage-0 target's model states)."""
+
+    group_label: str = "group"
+    config_sub_group_size: bool = False
+    config_zero_flags: bool = False
+    resume_notes: tuple[str, ...] = ()
+    model_states_line: tuple[str, str] | None = None
+    model_files_per_rank: bool = False
+    module_rebuilt: bool = False
+    optimizer_into_model_states: bool = False
+
+
+@dataclass(frozen=True)
 class Target:
     """What to write, every value decided (phase 2, :func:`.target.resolve_target`; ``docs/design.md``).
 
@@ -145,12 +169,24 @@ class Target:
     moe_recut: bool = False
     autotp_meta: Any = None
     total_world_size: int = 0
+    # where the written optimizer files' scalars come from (one of SCALARS_FROM; LayoutPlan.scalars_from)
+    scalars_from: str = "optimizer file"
+    wording: PlanWording = PlanWording()  # what reshard.py says about the target (LayoutPlan.wording)
     # a pipeline target: the layer files copied unchanged (with model-parallel rank 0's files), or those of source TP
     # rank 0 re-cut for every target TP rank (another TP size: ds_writers.layer_file_trees)
     copied_layer_files: tuple[Path, ...] = ()
     recut_layer_files: tuple[Path, ...] = ()
     model_parallel_notes: tuple[str, ...] = ()  # what the TP and stage cuts do, for a model-parallel plan's notes
     precision: Any = None  # the target's precision (.precision.PrecisionTarget; None in hand-made targets: kept)
+
+
+#: Where a plan's optimizer scalars (loss scaler, ``clip_grad``, param groups, step;
+#: :class:`.common.OptimizerScalars`) come from, decided in phase 2 (:attr:`.target._Decided.scalars_from`): a
+#: stage-0 source's model states (:func:`.common.stage0_scalars`), a universal folder's ``zero/optimizer_state.pt``
+#: (:func:`.common.universal_scalars`), source rank 0's optimizer file rebuilt for the target's layout
+#: (:func:`.common.optimizer_scalars`), or that file kept as it is (the same layout family and wrapper: the trees
+#: keep its scalars).
+SCALARS_FROM = ("stage-0 model states", "universal", "optimizer file", "optimizer file, kept")
 
 
 @dataclass(frozen=True)
@@ -192,6 +228,9 @@ class LayoutPlan:
     # tensor x pipeline at another TP size: TP rank 0's layer_XX-model_00 files, each re-cut for every target TP rank
     # (the module's slices of its layer's params; dsckpt.ds_writers.layer_file_trees)
     recut_layer_files: tuple[Path, ...] = ()
+    # where the optimizer scalars of the written files come from (SCALARS_FROM; Target.scalars_from)
+    scalars_from: str = "optimizer file"
+    wording: PlanWording = PlanWording()  # what reshard.py says about the target and how it sizes it (Target.wording)
     # DeepSpeed's own fp32 stage-0 pipeline save: the TiedLayerSpec keys the source is read with (layer, key)
     # (dsckpt.readers.read_checkpoint's tied_keys; PipelineRecord.tied_keys)
     tied_keys: tuple[tuple[int, str], ...] = ()

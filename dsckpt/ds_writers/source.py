@@ -70,11 +70,13 @@ class SourceDescription:
         return self.ckpt.autoep is not None
 
 
-def describe_source(ckpt: LogicalCheckpoint, facts: SourceFacts | None = None) -> SourceDescription:
+def describe_source(ckpt: LogicalCheckpoint, facts: SourceFacts | None = None, *,
+                    refuse: bool = True) -> SourceDescription:
     """The :class:`SourceDescription` of ``ckpt``; refuses (:class:`UnsupportedCheckpointError`, every problem in one
-    message) a source no target can be written from. ``facts`` from :func:`~.facts.read_source_facts`; without it,
-    derived from ``ckpt`` alone (:func:`~.facts.derive_facts`: enough for tests and dry runs)."""
-    problems = refusals_from_logical(ckpt)
+    message) a source no target can be written from -- unless ``refuse`` is false (a universal folder as the target,
+    whose refusals are its own: :data:`.target.UNIVERSAL_RULES`). ``facts`` from :func:`~.facts.read_source_facts`;
+    without it, derived from ``ckpt`` alone (:func:`~.facts.derive_facts`: enough for tests and dry runs)."""
+    problems = refusals_from_logical(ckpt) if refuse else []
     if problems:
         raise UnsupportedCheckpointError(refusal_message(ckpt, problems))
     optim = source_optim_files(ckpt)

@@ -14,7 +14,8 @@ from .moe import at_expert_cut, expp_rank_orders, moe_stage0_refusal, stage0_exp
 from .plan import LayoutPlan
 
 __all__ = ["PIPELINE_NOTE", "STAGE0_BF16_PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero",
-           "stage0_as_zero_source", "stage0_model_trees", "stage0_trees_from_zero", "stage0_wrapper"]
+           "stage0_as_zero_source", "stage0_model_trees", "stage0_rebuild_refusal", "stage0_refusal",
+           "stage0_trees_from_zero", "stage0_wrapper", "stage0_wrapper_refusal"]
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
@@ -86,6 +87,22 @@ def stage0_wrapper(ckpt: LogicalCheckpoint) -> str:
     run's DeepSpeedCPUAdam is FusedAdam too once there is no ZeRO to offload with), else ``FP16_UnfusedOptimizer``.
     Without an ``optimizer`` section (a client optimizer) the param groups tell: FusedAdam's hold ``bias_correction``
     and no ``foreach``, torch's ``foreach``."""
+    why = stage0_wrapper_refusal(ckpt)  # a row of .target.RULES (stage0_refusal): refused before any writer plans
+    if why is not None:
+        raise UnsupportedCheckpointError(why)
+    return _stage0_wrapper(ckpt) or ""
+
+
+def stage0_wrapper_refusal(ckpt: LogicalCheckpoint) -> str | None:
+    """Why :func:`stage0_wrapper` cannot tell the wrapper of ``ckpt``'s stage-0 run (None: it can)."""
+    if _stage0_wrapper(ckpt) is not None:
+        return None
+    return (f"cannot convert '{ckpt.tag_dir}' to stage 0: its ds_config names no optimizer and its param groups do "
+            "not say whether it was DeepSpeed's FusedAdam (stage 0 then uses FP16_Optimizer) or another optimizer "
+            "(FP16_UnfusedOptimizer); write it as ZeRO-1 instead (--zero-stage 1: the full module on every rank)")
+
+
+def _stage0_wrapper(ckpt: LogicalCheckpoint) -> str | None:
     if ckpt.precision is Precision.FP32:
         return "torch optimizer"
     cfg = ckpt.ds_config or {}
@@ -99,10 +116,50 @@ def stage0_wrapper(ckpt: LogicalCheckpoint) -> str:
         return "FP16_UnfusedOptimizer"
     if "bias_correction" in keys:
         return "FP16_Optimizer"
-    raise UnsupportedCheckpointError(
-        f"cannot convert '{ckpt.tag_dir}' to stage 0: its ds_config names no optimizer and its param groups do not "
-        "say whether it was DeepSpeed's FusedAdam (stage 0 then uses FP16_Optimizer) or another optimizer "
-        "(FP16_UnfusedOptimizer); write it as ZeRO-1 instead (--zero-stage 1: the full module on every rank)")
+    return None
+
+
+def stage0_refusal(ckpt: LogicalCheckpoint, orders: list[list[str]], world: int) -> str | None:
+    """Why ``ckpt`` (one model-parallel rank's view, its optimizer groups' ``orders``:
+    :func:`dsckpt.ds_writers.source_group_orders`) cannot be rebuilt as stage 0 on ``world`` data-parallel ranks
+    (:func:`plan_stage0_from_zero`), None where it can: at fp32 several param groups and frozen params; AutoEP; native
+    MoE of several expert-parallel sizes, or one that does not divide ``world``; a 16-bit run whose wrapper the files
+    do not tell (:func:`stage0_wrapper`). In that order: the first that applies."""
+    from .moe import moe_world_refusal
+
+    frozen = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None]
+    if ckpt.precision is Precision.FP32 and len(orders) != 1 and frozen:
+        why: str | None = (
+            f"{len(orders)} param groups and frozen params ({', '.join(frozen[:3])}): at fp32 the stage-0 optimizer "
+            "numbers every param it is given, frozen ones too, and the files do not say which group a frozen param "
+            "was given to")
+    else:
+        why = autoep_stage0_refusal(ckpt) or moe_stage0_refusal(ckpt)
+    if why is not None:
+        return (f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {ckpt.zero_stage} to stage 0: {why}; write it as "
+                "ZeRO-1 instead (--zero-stage 1: the full module on every rank, as at stage 0)")
+    return moe_world_refusal(ckpt, world) or stage0_wrapper_refusal(ckpt)
+
+
+def stage0_rebuild_refusal(ckpt: LogicalCheckpoint, facts: Any, parallel: Any, world: int,
+                           moe_recut: bool) -> str | None:
+    """:func:`stage0_refusal` of every model-parallel rank's view of the target, as the planner will see them
+    (:func:`dsckpt.ds_writers.plan_layout`: native MoE at the target's expert cut, then
+    :func:`.retarget.rank_view` per model-parallel rank, then :func:`dsckpt.ds_writers.source_group_orders`): the
+    first refusal, in rank order. Asked by phase 2 (a row of :data:`.target.RULES`) for a rebuilt stage-0 target."""
+    from . import source_group_orders
+    from .moe import retarget_moe
+    from .retarget import rank_view
+
+    if moe_recut:
+        ckpt, facts = retarget_moe(ckpt, facts, parallel.ep_size, world)
+    for m in range(parallel.mp_size) if parallel.model_parallel else (None,):
+        view, view_facts = (ckpt, facts) if m is None else rank_view(ckpt, facts, parallel, m)
+        view, orders = source_group_orders(view, view_facts)
+        why = stage0_refusal(view, orders, world)
+        if why is not None:
+            return why
+    return None
 
 
 def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], common: Mapping[str, Any]) -> LayoutPlan:
@@ -121,18 +178,10 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     * fp16: the loss scale as those wrappers keep it (``cur_scale``, ``cur_iter`` and, dynamic, ``last_overflow_iter``,
       ``scale_factor``, ``scale_window``; :func:`~.common.stage0_scale_fields`). They have no hysteresis: the ZeRO
       scaler's ``cur_hysteresis`` has nowhere to go (a stage-0 run lowers the scale at the first overflow)."""
-    why = None
-    frozen = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and not e.trainable and e.tied_to is None]
-    if ckpt.precision is Precision.FP32 and len(orders) != 1 and frozen:
-        why = (f"{len(orders)} param groups and frozen params ({', '.join(frozen[:3])}): at fp32 the stage-0 optimizer "
-               "numbers every param it is given, frozen ones too, and the files do not say which group a frozen param "
-               "was given to")
-    else:
-        why = autoep_stage0_refusal(ckpt) or moe_stage0_refusal(ckpt, common["world_size"])
+    # what cannot be written was refused in phase 2 (.target.RULES: stage0_rebuild_refusal); a guard here
+    why = stage0_refusal(ckpt, orders, common["world_size"])
     if why is not None:
-        raise UnsupportedCheckpointError(f"cannot convert '{ckpt.tag_dir}' from ZeRO stage {ckpt.zero_stage} to "
-                                         f"stage 0: {why}; write it as ZeRO-1 instead (--zero-stage 1: the full "
-                                         "module on every rank, as at stage 0)")
+        raise UnsupportedCheckpointError(why)
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = stage0_wrapper(ckpt)

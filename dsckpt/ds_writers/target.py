@@ -27,11 +27,12 @@ from ..model import Kind, Precision
 from ..parallel_layout import AutoEpLayout, MoeLayout, ParallelTarget, StagePlan, TpLayout
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 from .facts import elastic_target_refusal
-from .plan import BF16_WRAPPER, ZERO3_WRAPPER, ZERO_WRAPPER, Target
+from .plan import BF16_WRAPPER, ZERO3_WRAPPER, ZERO_WRAPPER, PlanWording, Target
 from .precision import PrecisionTarget, decide_precision, loss_scale_refusal, precision_refusal
 from .source import SourceDescription
 
-__all__ = ["RULES", "ReshardRequest", "Rule", "resolve_target"]
+__all__ = ["RULES", "UNIVERSAL_RULES", "ReshardRequest", "Rule", "UniversalTarget", "refuse_universal",
+           "resolve_target", "resolve_universal"]
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,44 @@ class _Decided:
         return not (self.stage == 0 and self.stage0_rebuilt)
 
     @cached_property
+    def wording(self) -> PlanWording:
+        """What :mod:`dsckpt.reshard` says about this target and how it bounds its size
+        (:class:`~.plan.PlanWording`)."""
+        src, stage = self.src.stage, self.stage
+        notes = []
+        if src == 3 and stage != 3:
+            notes.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad)")
+        elif src != 3 and stage == 3:
+            notes.append("gradient_clipping as you want it (ZeRO-3 files store no clip_grad; the input's "
+                         "optimizer files recorded one)")
+        if stage == 0 and self.stages is not None:  # ds_writers.stage0.PIPELINE_NOTE
+            notes.append("model_parameters=[p for p in model.parameters() if p.requires_grad] (each stage's optimizer "
+                         "numbers its params that require grad)")
+        line = None
+        if stage == 0:  # stages: each file rebuilt from its stage's params; else one per model-parallel (TP) rank
+            line = ("write", " (each stage's optimizer state)") if self.stages is not None else ("rewrite", "")
+        return PlanWording(
+            group_label="sub-group" if stage == 3 else "group", config_sub_group_size=stage == 3,
+            config_zero_flags=stage in (1, 2), resume_notes=tuple(notes), model_states_line=line,
+            model_files_per_rank=stage == 3, module_rebuilt=src == 3 and stage != 3,
+            optimizer_into_model_states=stage == 0 and src != 0)
+
+    @cached_property
+    def scalars_from(self) -> str:
+        """Where the written optimizer files' scalars come from (:data:`~.plan.SCALARS_FROM`): a stage-0 source's model
+        states; a universal folder's ``zero/optimizer_state.pt`` (a stage-0 target too); for a stage-0 target rebuilt
+        from ZeRO files, source rank 0's optimizer file; else that file, kept as it is where the target is of the same
+        layout family (ZeRO-3 or not) and wrapper."""
+        if self.src.stage == 0:
+            return "stage-0 model states"
+        if self.src.universal:
+            return "universal"
+        if self.stage == 0 and self.stage0_rebuilt:
+            return "optimizer file"
+        same_family = (self.src.stage == 3) == (self.stage == 3) and self.src.wrapper == self.wrapper
+        return "optimizer file, kept" if same_family else "optimizer file"
+
+    @cached_property
     def wrapper(self) -> str:
         """The optimizer wrapper the target files are written for."""
         if self.stage == 0:
@@ -337,12 +376,128 @@ def _precision(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | No
     return precision_refusal(s, d.precision, d.stage, d.tp, d.stages is not None, r.ep_size is not None)
 
 
+def _stage0_rebuilt(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
+    """A stage-0 target rebuilt from the logical checkpoint: what :func:`.stage0.plan_stage0_from_zero` cannot write
+    (:func:`.stage0.stage0_rebuild_refusal`, per model-parallel rank as the planner sees it)."""
+    if d.stage != 0 or not d.stage0_rebuilt:
+        return None
+    from .stage0 import stage0_rebuild_refusal
+
+    return stage0_rebuild_refusal(s.ckpt, s.facts, d.parallel, d.dp, d.moe_recut)
+
+
+def _moe_world(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
+    """Native MoE at its own expert-parallel sizes: each must divide the data-parallel size (another ``--ep-size``:
+    the ``--ep-size (native MoE)`` row)."""
+    if not s.moe or d.moe_recut:
+        return None
+    from .moe import moe_world_refusal
+
+    return moe_world_refusal(s.ckpt, d.dp)
+
+
 def _positive(flag: str, value: Callable[[ReshardRequest, _Decided], Any], shown: Callable[[ReshardRequest], Any]
               ) -> Rule:
     def refuses(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
         v = value(r, d)
         return f"{flag} must be a positive integer, got {shown(r)!r}" if v is not None and _bad_int(v) else None
     return Rule(flag, refuses, UsageError)
+
+
+# --------------------------------------------------------------------------------------------
+# A universal folder as the target (reshard --universal): its own decisions and rows
+
+
+@dataclass(frozen=True)
+class UniversalTarget:
+    """What a universal folder of the source is written as (:func:`resolve_universal`; the folder is planned by
+    :func:`.universal.plan_universal`). ``source_stage``: the ZeRO stage whose layout the source's files use
+    (``zero3``: the ZeRO-3 form of the folder); ``from_zero1``: a stage-0 source (or a bf16 pipeline's
+    ``BF16_Optimizer`` files without ``param_shapes``), written as the folder of the ZeRO-1 files of the same run
+    planned at its own size (``zero1_world_size`` ranks); ``pipeline``: a pipeline run, whose model states hold no
+    module (no ``zero/<name>/fp32.pt`` of buffers and frozen params); ``autoep`` / ``expert_cuts``: AutoEP's stacked
+    expert params and their cuts (ds_to_universal's expert keys)."""
+
+    source_stage: int
+    from_zero1: bool
+    zero1_world_size: int
+    pipeline: bool
+    autoep: bool
+    expert_cuts: Any  # Mapping[str, ParamCut]: AutoEP's stacked expert params ({} without AutoEP)
+
+    @property
+    def zero3(self) -> bool:
+        return self.source_stage == 3
+
+
+def resolve_universal(src: SourceDescription) -> UniversalTarget:
+    """The :class:`UniversalTarget` of ``src``; refuses an ``elastic_checkpoint`` source (whose files keep no param
+    groups, which the folder stores). The folder's own refusals are :data:`UNIVERSAL_RULES`
+    (:func:`refuse_universal`), checked once the ZeRO-1 files of a stage-0 source are planned."""
+    if src.elastic:
+        raise UnsupportedCheckpointError(elastic_target_refusal(src.ckpt, zero_stage=None, universal=True) or "")
+    ckpt = src.ckpt
+    # without ZeRO optimizer files, or (a bf16 pipeline's BF16_Optimizer files) without param_shapes in the model
+    # states; DeepSpeed 0.10-0.16's stage-0 bf16 BF16_Optimizer saves have both and convert as they are: the same
+    # rank count's ZeRO-1 files are planned (the three phases of plan_reshard) and their universal folder written
+    from_zero1 = (src.stage == 0 or (ckpt.zero_stage == 0 and src.pipeline)) and not src.universal
+    return UniversalTarget(
+        source_stage=src.stage, from_zero1=from_zero1,
+        zero1_world_size=ckpt.dp_world_size * max(1, ckpt.tp_world_size) * max(1, ckpt.pp_world_size),
+        pipeline=src.pipeline, autoep=src.autoep,
+        expert_cuts=ckpt.autoep.name_to_cut if ckpt.autoep is not None else {})
+
+
+def _universal_sub_params(s: SourceDescription) -> str | None:
+    from .universal import universal_tp_keys
+
+    tp = s.ckpt.tensor_parallel
+    sub_params = [c.name for c in tp.name_to_cut.values() if universal_tp_keys(c, tp.source) is None] if tp else []
+    if sub_params:
+        return (f"params with sub-params ({', '.join(sub_params[:5])}) whose parameter_with_sub_params entry in the "
+                "Megatron-style record is not the SubparamShape ds_to_universal writes back (exactly patterns, shape "
+                "and partition_dim, the sub-param sizes listed at shape[partition_dim] and adding up to the param's "
+                "rows)")
+    return None
+
+
+def _universal_pipeline_record(s: SourceDescription) -> str | None:
+    ckpt = s.ckpt
+    if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and not s.pipeline:
+        return f"pipeline parallel size {ckpt.pp_world_size}" + (
+            f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else "")
+    return None
+
+
+#: What a universal folder cannot be written from, in the order the refusal lists it (every row that applies is
+#: listed, in one message: :func:`refuse_universal`). Each row: what it is about, and ``refuses(source, target)``.
+UNIVERSAL_RULES: tuple[tuple[str, Callable[[SourceDescription, UniversalTarget], str | None]], ...] = (
+    ("ZeRO stage 0", lambda s, t: "ZeRO stage 0 without the ZeRO-1 layout it is written from (ds_to_universal "
+     "converts ZeRO optimizer files and model states naming their params; plan it with "
+     "dsckpt.reshard.plan_universal_reshard)" if not t.from_zero1 and (
+         s.stage not in (1, 2, 3) or (s.pipeline and s.ckpt.zero_stage == 0)) else None),
+    ("native MoE", lambda s, t: "native Mixture-of-Experts layers (no universal form holds them: DeepSpeed 0.19.8's "
+     "universal loader looks each param up by its engine name, and an expert's is its local one, "
+     "deepspeed_experts.<i>, the same on every expert-parallel rank; reshard it as ZeRO files, --ep-size for another "
+     "expert-parallel size)" if s.moe else None),
+    ("pipeline record", lambda s, t: _universal_pipeline_record(s)),
+    ("tensor-parallel record", lambda s, t: f"tensor parallel size {s.ckpt.tp_world_size} without a tensor-parallel "
+     "record" if s.ckpt.tp_world_size > 1 and not s.tensor_parallel else None),
+    ("sub-params", lambda s, t: _universal_sub_params(s)),
+    ("universal source", lambda s, t: "a universal checkpoint already" if s.universal else None),
+    ("Muon", lambda s, t: "Muon param groups, whose ZeRO-1/2 momentum holds whole params and which ds_to_universal "
+     "does not convert" if s.muon else None),
+    ("optimizer files", lambda s, t: "no ZeRO optimizer files" if not s.optim_files and not t.from_zero1 else None),
+)
+
+
+def refuse_universal(src: SourceDescription, target: UniversalTarget) -> None:
+    """Refuse (:class:`UnsupportedCheckpointError`, every problem of :data:`UNIVERSAL_RULES` in one message) a
+    source whose universal folder cannot be written."""
+    problems = [m for _, refuses in UNIVERSAL_RULES if (m := refuses(src, target)) is not None]
+    if problems:
+        raise UnsupportedCheckpointError(
+            f"cannot write a universal checkpoint of '{src.tag_dir}': found " + "; ".join(problems))
 
 
 #: Every check of a reshard's flags against its source, in the order they are made (the first refusal is reported).
@@ -376,6 +531,9 @@ RULES: tuple[Rule, ...] = (
     Rule("--zero-stage (Muon)", _muon),
     Rule("BF16_Optimizer", _bf16_optimizer, UsageError),
     Rule("--dtype (decided: precision; the layouts a precision change is written for)", _precision),
+    # what the layout's own module refuses once every flag passed (each asked here, before any file is planned)
+    Rule("--zero-stage 0 (rebuilt: param groups, AutoEP, native MoE, the 16-bit wrapper)", _stage0_rebuilt),
+    Rule("--world-size (native MoE's expert-parallel sizes)", _moe_world),
 )
 
 
@@ -395,6 +553,7 @@ def resolve_target(src: SourceDescription, req: ReshardRequest) -> Target:
     return Target(
         zero_stage=d.stage, world_size=d.dp, parallel=d.parallel, optimizer_wrapper=d.wrapper,
         sub_group_size=sub if d.stage == 3 else req.sub_group_size,
+        scalars_from=d.scalars_from, wording=d.wording,
         round_robin=req.round_robin if req.round_robin is not None else (facts.round_robin and src.stage != 3),
         parameter_alignment=(req.parameter_alignment if req.parameter_alignment is not None
                              else facts.parameter_alignment and src.stage != 3),

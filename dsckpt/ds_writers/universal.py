@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
@@ -48,6 +48,9 @@ from ..model import Kind, LogicalCheckpoint, Precision, Role
 from ..readers.common import lookup
 from ..tensor_ref import TensorRef
 from .plan import FlatSpec, LayoutPlan, coalesce, range_copies, rank_of
+
+if TYPE_CHECKING:
+    from .target import UniversalTarget
 
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
            "universal_trees"]
@@ -160,58 +163,29 @@ class UniversalPlan:
         return lines
 
 
-def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_files: tuple[Path, ...],
+def plan_universal(ckpt: LogicalCheckpoint, target: UniversalTarget, *, optimizer_files: tuple[Path, ...],
                    model_files: tuple[Path, ...], zero_layout: LayoutPlan | None = None) -> UniversalPlan:
-    """Plan the universal folder of ``ckpt``, a ZeRO-1/2/3 (or ``BF16_Optimizer``) checkpoint whose
-    files use ``source_stage``'s layout. Pure: no file is opened. ``optimizer_files`` in rank order.
+    """Plan the universal folder of ``ckpt`` as ``target`` decided it (:func:`.target.resolve_universal`, whose rows
+    :func:`.target.refuse_universal` refused what cannot be written): a ZeRO-1/2/3 (or ``BF16_Optimizer``)
+    checkpoint whose files use ``target.source_stage``'s layout. Pure: no file is opened. ``optimizer_files`` in rank
+    order.
 
-    A stage-0 source (``ckpt.zero_stage`` 0; ds_to_universal reads none) is written as the universal folder of the
+    A stage-0 source (``target.from_zero1``; ds_to_universal reads none) is written as the universal folder of the
     ZeRO-1 files ``zero_layout`` plans from it at its own size (:func:`dsckpt.reshard.plan_universal_reshard`): its
     trainable params' fp32 masters (the module weights at fp32), optimizer states and steps come from the stage-0
     files (:func:`~.stage0.stage0_as_zero_source`), ``zero/optimizer_state.pt`` and the model states from the
     ZeRO-1 trees; ``model_files`` are the stage-0 model-states files they replace. A bf16 pipeline without ZeRO
     (``BF16_Optimizer`` files, model states with ``param_shapes`` None) goes the same way."""
-    problems = []
     tp = ckpt.tensor_parallel
-    pipeline = ckpt.pipeline is not None
-    stage0 = ckpt.zero_stage == 0 and zero_layout is not None
-    if not stage0 and (source_stage not in (1, 2, 3) or (pipeline and ckpt.zero_stage == 0)):
-        problems.append("ZeRO stage 0 without the ZeRO-1 layout it is written from (ds_to_universal converts ZeRO "
-                        "optimizer files and model states naming their params; plan it with "
-                        "dsckpt.reshard.plan_universal_reshard)")
-    if ckpt.moe is not None:
-        problems.append("native Mixture-of-Experts layers (no universal form holds them: DeepSpeed 0.19.8's universal "
-                        "loader looks each param up by its engine name, and an expert's is its local one, "
-                        "deepspeed_experts.<i>, the same on every expert-parallel rank; reshard it as ZeRO files, "
-                        "--ep-size for another expert-parallel size)")
-    if (ckpt.pp_world_size > 1 or ckpt.layout == "pipeline") and not pipeline:
-        problems.append(f"pipeline parallel size {ckpt.pp_world_size}" + (
-            f" x tensor parallel size {ckpt.tp_world_size}" if ckpt.tp_world_size > 1 else ""))
-    if ckpt.tp_world_size > 1 and tp is None:
-        problems.append(f"tensor parallel size {ckpt.tp_world_size} without a tensor-parallel record")
-    sub_params = [c.name for c in tp.name_to_cut.values() if universal_tp_keys(c, tp.source) is None] if tp else []
-    if sub_params:
-        problems.append(f"params with sub-params ({', '.join(sub_params[:5])}) whose parameter_with_sub_params entry "
-                        "in the Megatron-style record is not the SubparamShape ds_to_universal writes back (exactly "
-                        "patterns, shape and partition_dim, the sub-param sizes listed at shape[partition_dim] and "
-                        "adding up to the param's rows)")
-    if ckpt.layout.startswith("universal"):
-        problems.append("a universal checkpoint already")
-    if any(g.hyperparam("use_muon") for g in ckpt.optimizer_groups):
-        problems.append("Muon param groups, whose ZeRO-1/2 momentum holds whole params and which ds_to_universal "
-                        "does not convert")
-    if not optimizer_files and not stage0:
-        problems.append("no ZeRO optimizer files")
-    if problems:
-        raise UnsupportedCheckpointError(
-            f"cannot write a universal checkpoint of '{ckpt.tag_dir}': found " + "; ".join(problems))
+    stage0 = target.from_zero1
+    assert not stage0 or zero_layout is not None, "a stage-0 source's universal folder is that of its ZeRO-1 files"
     zero_source = None
     if stage0:
         from .stage0 import stage0_as_zero_source
 
         zero_source = ckpt  # as read: what build_jobs takes with zero_layout, as reshard's own writes do
         ckpt, _ = stage0_as_zero_source(ckpt)  # fp32: the module weights as the master
-    zero3 = source_stage == 3
+    zero3 = target.zero3
     states: list[StateFile] = []
     steps: list[StepFile] = []
     casts: list[CastFile] = []
@@ -226,7 +200,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
             if piece is None:
                 raise CorruptCheckpointError(f"'{ckpt.tag_dir}': param '{e.name}' has no {state} values")
             spec = FlatSpec(e.numel, "float32", coalesce(range_copies(piece, 0, e.numel, 0, e.name)))
-            cut = ckpt.autoep.name_to_cut.get(e.name) if ckpt.autoep is not None else None
+            cut = target.expert_cuts.get(e.name)
             if cut is not None:
                 states.append(StateFile(e.name, state, spec, e.shape, True, expert_keys=(
                     ("cat_dim", 0), ("is_expert_param", True), ("ep_num_experts", cut.full_shape[0]))))
@@ -248,7 +222,7 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
     # rank 0's local tensor, unmerged (a TP-split frozen param's rank-0 slice, a replicated buffer whole).
     module_only: list[str] = []
     tp0_file = min((p.name for p in model_files), default=None) if tp is not None else None
-    if not zero3 and not pipeline:
+    if not zero3 and not target.pipeline:
         for e in ckpt.entries:
             if e.name in written:
                 continue
@@ -295,11 +269,11 @@ def plan_universal(ckpt: LogicalCheckpoint, *, source_stage: int, optimizer_file
                      "writes them, but load_universal will fail on them as on ds_to_universal's folder")
     return UniversalPlan(
         source_root=ckpt.root, source_tag_dir=ckpt.tag_dir, tag=ckpt.tag, out_tag=f"{ckpt.tag}_universal",
-        source_stage=source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
+        source_stage=target.source_stage, optimizer_wrapper=ckpt.optimizer_wrapper, precision=ckpt.precision,
         source_world_size=ckpt.dp_world_size, state_files=tuple(states), step_files=tuple(steps),
         cast_files=tuple(casts), model_files=tuple(sorted(model_files, key=rank_of)),
         optimizer_source=min(optimizer_files or model_files, key=rank_of), notes=tuple(notes),
-        autoep=ckpt.autoep is not None, zero_layout=zero_layout if stage0 else None, zero_source=zero_source)
+        autoep=target.autoep, zero_layout=zero_layout if stage0 else None, zero_source=zero_source)
 
 
 def universal_tp_keys(cut: Any, source: str) -> tuple[tuple[str, Any], ...] | None:

@@ -140,7 +140,8 @@ def zero3_model_tree(plan: LayoutPlan, r: RankPlan, ckpt: LogicalCheckpoint, src
         zero_keys_from_stage0(tree, ckpt, r.rank)
     if plan.from_stage != 3:
         _partitioned_module(tree, ckpt)
-        tree["ds_config"] = target_ds_config(tree.get("ds_config"), 3, plan.sub_group_size)
+    # every written file records the target's sub_group_size, as the optimizer files do (_template, zero3_optim_tree)
+    tree["ds_config"] = target_ds_config(tree.get("ds_config"), 3, plan.sub_group_size)
     tree["dp_world_size"] = plan.world_size
     tree["param_shapes"] = shapes_tree(plan)
     if tree.get("frozen_param_fragments") is not None or r.frozen_fragments:
@@ -190,7 +191,10 @@ def zero3_optim_tree(plan: LayoutPlan, r: RankPlan, src0: Mapping[str, Any], sca
     osd[OSD] = {**inner0, "state": state, "param_groups": param_groups}
     osd["fp32_flat_groups"] = [_saved(g, g.master, cache, {"ds_id": g.ds_id} if g.ds_id is not None else None)
                                for g in r.groups]
-    return {**src0, OSD: osd}
+    out = {**src0, OSD: osd}
+    if "ds_config" in out:  # the target's sub_group_size, as the model-states files record it (zero3_model_tree)
+        out["ds_config"] = target_ds_config(out["ds_config"], 3, plan.sub_group_size)
+    return out
 
 
 def _saved(g: GroupPartition, spec: FlatSpec, cache: Any, attrs: dict[str, Any] | None = None) -> Any:
