@@ -151,6 +151,85 @@ def test_dtype_change_keeps_masters_and_moments_and_casts_16bit(fixture, world, 
     assert any(f"precision {src.precision.value} -> {dtype}" in line for line in lines)
 
 
+# tensor parallelism (AutoTP and Megatron-style), ZeRO-1/2 targets: (fixture under autotp/, world, extra flags, dtype)
+TP_CASES = [
+    ("autotp_z1_bf16_tp2_dp1", 2, [], "fp32"),
+    ("autotp_z1_bf16_tp2_dp1", 4, [], "fp16"),  # and a world-size change: DP 1 -> 2
+    ("autotp_z2_fp32_tp2_dp2", 4, [], "bf16"),
+    ("autotp_z1_fp16_tp2_dp1_cpuforced", 2, [], "bf16"),
+    ("autotp_z1_bf16_tp2_dp1_frozen_buf", 2, [], "fp32"),  # frozen params and buffers
+    ("autotp_z0_fp32_tp2_dp2", 4, ["zero_stage=1"], "bf16"),  # a stage-0 TP source, ZeRO-1 target
+    ("megatron_z1_bf16_tp2_dp2_bf16opt", 4, [], "fp16"),  # BF16_Optimizer; vocabulary padding rows recast
+    ("megatron_z2_fp32_tp2_dp2", 2, [], "bf16"),
+    ("autotp_z1_bf16_tp4_dp1_kv6", 2, ["tp_size=2"], "fp32"),  # TP re-cut 4 -> 2 (per-file truth not compared)
+]
+
+
+@pytest.mark.parametrize("fixture,world,extra,dtype", TP_CASES, ids=[f"{f}-n{w}-{d}{''.join(x)}" for f, w, x, d in TP_CASES])
+def test_dtype_change_tensor_parallel(fixture, world, extra, dtype, tmp_path):
+    """Each TP rank's files recast from its own slices' masters: masters and moments the source's (the fixture's
+    truth, read back merged), every model-states file's module params its TP rank's recorded fp32 slice cast
+    (vocabulary padding rows included), frozen params their stored slice cast, floating buffers fp32."""
+    from safetensors.torch import load_file
+
+    kw = dict(x.split("=") for x in extra)
+    src_dir = FIXTURES / "autotp" / fixture / "ckpt"
+    before = tree_digest(src_dir)
+    cache = FileCache()
+    src = read_checkpoint(src_dir, cache=cache)
+    plan = plan_reshard(src, world, zero_stage=int(kw.get("zero_stage", 0)) or None,
+                        tp_size=int(kw["tp_size"]) if "tp_size" in kw else None,
+                        facts=read_source_facts(src, cache), dtype=dtype)
+    result = run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    assert tree_digest(src_dir) == before and result.verified_tensors > 0
+    truth = load_file(str(FIXTURES / "autotp" / fixture / "truth.safetensors"))
+    new_cache = FileCache()
+    new = read_checkpoint(tmp_path / "out", cache=new_cache)
+    tp = int(kw.get("tp_size", src.tp_world_size))
+    assert (new.precision.value, new.tp_world_size, new.dp_world_size * tp) == (dtype, tp, world)
+    assert new.optimizer_wrapper == "DeepSpeedZeroOptimizer"
+    compared = 0
+    for e in new.entries:
+        if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
+            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
+            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
+                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            module = read_piece(e.piece(Role.MODULE), e.shape, new_cache, name=e.name)
+            assert _bytes(module) == _bytes(master.to(TORCH[dtype])), e.name
+            compared += 1
+    assert compared > 5
+    tag_dir = tmp_path / "out" / src.tag
+    prefix = "bf16_" if dtype == "bf16" else ""
+    for t in range(tp):
+        tree = safe_load.load(tag_dir / f"mp_rank_{t:02d}_model_states.pt")
+        src_tree = safe_load.load(src_dir / src.tag / f"mp_rank_{t:02d}_model_states.pt")
+        for name, value in tree["module"].items():
+            value = value if isinstance(value, torch.Tensor) else value.load()
+            src_tree["module"][name] = stored = src_tree["module"][name]
+            if not isinstance(stored, torch.Tensor):
+                src_tree["module"][name] = stored.load()
+            if f"buffer/{name}" in truth or not src_tree["module"][name].is_floating_point() or (
+                    name not in {e.name for e in src.entries if e.kind is Kind.PARAM}):  # buffers: fp32 / as stored
+                stored = src_tree["module"][name]
+                want = stored.float() if stored.is_floating_point() else stored
+            elif tp == src.tp_world_size and f"tp{t}/param/{name}" in truth:  # TP rank t's fp32 slice, cast
+                want = truth[f"tp{t}/param/{name}"].to(TORCH[dtype])
+            elif tp == src.tp_world_size:  # frozen: its stored slice, cast
+                want = src_tree["module"][name].to(TORCH[dtype])
+            else:
+                assert value.dtype in (TORCH[dtype], torch.float32), name
+                continue
+            assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (t, name)
+        optim = sorted(p.name for p in tag_dir.glob(f"*mp_rank_{t:02d}_optim_states.pt"))
+        assert optim == [f"{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt" for r in range(world // tp)]
+        for f in optim:
+            osd = safe_load.load(tag_dir / f)["optimizer_state_dict"]
+            assert type(osd["loss_scaler"]).__name__ == ("DynamicLossScaler" if dtype == "fp16" else "LossScaler")
+            assert osd["dynamic_loss_scale"] is (dtype == "fp16")
+
+
 def test_loss_scale_sets_the_new_scaler(tmp_path):
     _, _, plan, _ = _reshard("s2_bf16_w2_2groups", tmp_path / "out", 2, "fp16", loss_scale=1024.0)
     for f in sorted((tmp_path / "out" / "global_step3").glob("*optim_states.pt")):
@@ -201,14 +280,10 @@ def test_refused_by_name(fixture, args, code, message, tmp_path):
     assert "Traceback" not in r.output and not (tmp_path / "out").exists() and tree_digest(ckpt) == before
 
 
-def test_tp_source_refused():
-    tp = sorted(p.parent for p in (FIXTURES / "autotp").rglob("latest"))
-    if not tp:
-        pytest.skip("no AutoTP fixture")
-    ckpt = read_checkpoint(tp[0])
-    with pytest.raises(UnsupportedCheckpointError, match="tensor-parallel module slices are not recast"):
-        plan_reshard(ckpt, max(1, ckpt.tp_world_size) * ckpt.dp_world_size, zero_stage=1, dtype="fp16" if
-                     ckpt.precision is not Precision.FP16 else "fp32")
+def test_tp_zero3_target_refused():
+    ckpt = read_checkpoint(FIXTURES / "autotp" / "autotp_z1_bf16_tp2_dp1" / "ckpt")
+    with pytest.raises(UnsupportedCheckpointError, match="a tensor-parallel ZeRO-3 target is not written with"):
+        plan_reshard(ckpt, 2, zero_stage=3, dtype="fp32")
 
 
 def test_loss_scale_usage_error_in_the_api():

@@ -128,9 +128,10 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
                       experts: bool) -> str | None:
     """Why a precision change cannot be written for this target (None: it can). Refused by name: a target
     without ZeRO (the stage-0 wrappers' state dicts -- FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, the
-    torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); tensor or pipeline
-    parallelism and Mixture of Experts (their layer, expert and TP files hold 16-bit copies dsckpt does not recast
-    yet)."""
+    torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); a tensor-parallel
+    ZeRO-3 target; pipeline parallelism and Mixture of Experts (their layer and expert files hold 16-bit copies
+    dsckpt does not recast yet). A tensor-parallel ZeRO-1/2 target is written: each model-parallel rank's trees are
+    recast from its own view's masters (:func:`~dsckpt.ds_writers.build_jobs`)."""
     if not precision.changed:
         return None
     what = f"cannot reshard '{src.tag_dir}' from {precision.source.value} to {precision.precision.value}"
@@ -141,9 +142,10 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
     if src.pipeline or pp_target:
         return (f"{what}: a pipeline run's layer files hold its 16-bit params, which dsckpt does not recast; "
                 "write --universal and load it with the precision you want")
-    if src.tensor_parallel or tp != 1:
-        return (f"{what}: tensor-parallel module slices are not recast by dsckpt; write --universal and load it "
-                "with the precision you want")
+    if (src.tensor_parallel or tp != 1) and stage == 3:
+        return (f"{what}: a tensor-parallel ZeRO-3 target is not written with another precision by dsckpt yet; "
+                "change the precision at --zero-stage 1 or 2, or write --universal and load it with the precision "
+                "you want")
     if src.moe or src.autoep or experts:
         return (f"{what}: Mixture-of-Experts expert files hold 16-bit params dsckpt does not recast; write "
                 "--universal and load it with the precision you want")
@@ -327,4 +329,28 @@ def module_copy_problem(e: Any, new_piece: Any, src_cache: Any, new_cache: Any,
     if got.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() != want.contiguous().reshape(-1).view(
             torch.uint8).numpy().tobytes():
         return f"'{e.name}' (module) is not its {'master' if e.trainable else 'stored copy'} cast to {want.dtype}"
+    return None
+
+
+def padding_copy_problem(e: Any, new_piece: Any, src_cache: Any, new_cache: Any,
+                         precision: PrecisionTarget) -> str | None:
+    """Why the output's module copy of ``e``'s vocabulary padding rows (``new_piece``) is not the source's master
+    padding rows cast (a trainable param: Megatron's vocab-parallel loss trains them) or its stored padding cast;
+    None when it is, every value bit for bit."""
+    import torch
+
+    from ..assemble import read_piece
+
+    src = e.padding_piece(Role.MASTER) if e.trainable else None
+    if src is None:
+        src = e.padding_piece(Role.MODULE)
+        if src is None:
+            return None
+    shape = (src.numel,)
+    want = _cast(read_piece(src, shape, src_cache, name=e.name), precision.bit16_dtype)
+    got = read_piece(new_piece, (new_piece.numel,), new_cache, name=e.name)
+    if got.dtype != want.dtype or got.numel() != want.numel():
+        return f"'{e.name}' (module padding rows) is {got.dtype}[{got.numel()}], expected {want.dtype}[{want.numel()}]"
+    if got.view(torch.uint8).numpy().tobytes() != want.view(torch.uint8).numpy().tobytes():
+        return f"'{e.name}' (module padding rows) are not the master's padding rows cast to {want.dtype}"
     return None
