@@ -18,7 +18,7 @@ from dsckpt import safe_load
 from dsckpt.assemble import read_piece
 from dsckpt.cli import main
 from dsckpt.ds_writers.precision import PrecisionTarget, retype_tree
-from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.errors import UsageError
 from dsckpt.model import Kind, Precision, Role
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
@@ -162,6 +162,10 @@ TP_CASES = [
     ("megatron_z1_bf16_tp2_dp2_bf16opt", 4, [], "fp16"),  # BF16_Optimizer; vocabulary padding rows recast
     ("megatron_z2_fp32_tp2_dp2", 2, [], "bf16"),
     ("autotp_z1_bf16_tp4_dp1_kv6", 2, ["tp_size=2"], "fp32"),  # TP re-cut 4 -> 2 (per-file truth not compared)
+    ("autotp_z3_bf16_tp2_dp1", 2, [], "fp32"),
+    ("autotp_z3_fp16_tp2_dp1_cpuforced", 2, [], "bf16"),
+    ("autotp_z1_bf16_tp2_dp1", 2, ["zero_stage=3"], "fp16"),
+    ("autotp_z3_fp32_tp2_dp2", 4, ["zero_stage=2"], "bf16"),
 ]
 
 
@@ -187,7 +191,8 @@ def test_dtype_change_tensor_parallel(fixture, world, extra, dtype, tmp_path):
     new = read_checkpoint(tmp_path / "out", cache=new_cache)
     tp = int(kw.get("tp_size", src.tp_world_size))
     assert (new.precision.value, new.tp_world_size, new.dp_world_size * tp) == (dtype, tp, world)
-    assert new.optimizer_wrapper == "DeepSpeedZeroOptimizer"
+    stage3 = new.zero_stage == 3
+    assert new.optimizer_wrapper == ("DeepSpeedZeroOptimizer_Stage3" if stage3 else "DeepSpeedZeroOptimizer")
     compared = 0
     for e in new.entries:
         if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
@@ -196,17 +201,23 @@ def test_dtype_change_tensor_parallel(fixture, world, extra, dtype, tmp_path):
             for key in ("exp_avg", "exp_avg_sq"):
                 got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
                 assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            compared += 1
+            if stage3:  # ZeRO-3 files keep no 16-bit copy of a trainable param (0-element placeholders)
+                assert e.piece(Role.MODULE) is None
+                continue
             module = read_piece(e.piece(Role.MODULE), e.shape, new_cache, name=e.name)
             assert _bytes(module) == _bytes(master.to(TORCH[dtype])), e.name
-            compared += 1
     assert compared > 5
     tag_dir = tmp_path / "out" / src.tag
     prefix = "bf16_" if dtype == "bf16" else ""
     for t in range(tp):
-        tree = safe_load.load(tag_dir / f"mp_rank_{t:02d}_model_states.pt")
-        src_tree = safe_load.load(src_dir / src.tag / f"mp_rank_{t:02d}_model_states.pt")
+        tree = safe_load.load(sorted(tag_dir.glob(f"*mp_rank_{t:02d}_model_states.pt"))[0])
+        src_tree = safe_load.load(sorted((src_dir / src.tag).glob(f"*mp_rank_{t:02d}_model_states.pt"))[0])
         for name, value in tree["module"].items():
             value = value if isinstance(value, torch.Tensor) else value.load()
+            if stage3 and value.numel() == 0:  # a ZeRO-3 placeholder, in the target's dtype
+                assert value.dtype == TORCH[dtype], name
+                continue
             src_tree["module"][name] = stored = src_tree["module"][name]
             if not isinstance(stored, torch.Tensor):
                 src_tree["module"][name] = stored.load()
@@ -223,6 +234,9 @@ def test_dtype_change_tensor_parallel(fixture, world, extra, dtype, tmp_path):
                 continue
             assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (t, name)
         optim = sorted(p.name for p in tag_dir.glob(f"*mp_rank_{t:02d}_optim_states.pt"))
+        if stage3:
+            assert optim == [f"{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt" for r in range(world // tp)]
+            continue
         assert optim == [f"{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt" for r in range(world // tp)]
         for f in optim:
             osd = safe_load.load(tag_dir / f)["optimizer_state_dict"]
@@ -278,12 +292,6 @@ def test_refused_by_name(fixture, args, code, message, tmp_path):
     assert r.exit_code == code, r.output
     assert message in r.output
     assert "Traceback" not in r.output and not (tmp_path / "out").exists() and tree_digest(ckpt) == before
-
-
-def test_tp_zero3_target_refused():
-    ckpt = read_checkpoint(FIXTURES / "autotp" / "autotp_z1_bf16_tp2_dp1" / "ckpt")
-    with pytest.raises(UnsupportedCheckpointError, match="a tensor-parallel ZeRO-3 target is not written with"):
-        plan_reshard(ckpt, 2, zero_stage=3, dtype="fp32")
 
 
 def test_loss_scale_usage_error_in_the_api():

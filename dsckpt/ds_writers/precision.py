@@ -128,10 +128,10 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
                       experts: bool) -> str | None:
     """Why a precision change cannot be written for this target (None: it can). Refused by name: a target
     without ZeRO (the stage-0 wrappers' state dicts -- FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, the
-    torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); a tensor-parallel
-    ZeRO-3 target; pipeline parallelism and Mixture of Experts (their layer and expert files hold 16-bit copies
-    dsckpt does not recast yet). A tensor-parallel ZeRO-1/2 target is written: each model-parallel rank's trees are
-    recast from its own view's masters (:func:`~dsckpt.ds_writers.build_jobs`)."""
+    torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); pipeline
+    parallelism and Mixture of Experts (their layer and expert files hold 16-bit copies dsckpt does not recast
+    yet). A tensor-parallel target is written: each model-parallel rank's trees are recast from its own view's
+    masters (:func:`~dsckpt.ds_writers.build_jobs`)."""
     if not precision.changed:
         return None
     what = f"cannot reshard '{src.tag_dir}' from {precision.source.value} to {precision.precision.value}"
@@ -142,10 +142,6 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
     if src.pipeline or pp_target:
         return (f"{what}: a pipeline run's layer files hold its 16-bit params, which dsckpt does not recast; "
                 "write --universal and load it with the precision you want")
-    if (src.tensor_parallel or tp != 1) and stage == 3:
-        return (f"{what}: a tensor-parallel ZeRO-3 target is not written with another precision by dsckpt yet; "
-                "change the precision at --zero-stage 1 or 2, or write --universal and load it with the precision "
-                "you want")
     if src.moe or src.autoep or experts:
         return (f"{what}: Mixture-of-Experts expert files hold 16-bit params dsckpt does not recast; write "
                 "--universal and load it with the precision you want")
