@@ -398,6 +398,51 @@ def test_deepspeed_resumes_dtype_changes(ds_dtype_run):
     assert "DTYPE-EVIDENCE s2_bf16_w2_2groups:fp16: DeepSpeedZeroOptimizer, loss scaler DynamicLossScaler" in log
 
 
+# live, tensor parallelism: tests/ds_tp_reshard_check.py builds each NAME:DTYPE pair's engine at TP 2 with the target's
+# precision (one launch, 2 ranks: TP 2 x DP 1); the control is an fp16 output whose scaler starts at 1024
+TP_LIVE_CASES = [  # (fixture under autotp/, target dtype)
+    ("autotp_z1_bf16_tp2_dp1", "fp32"),
+    ("autotp_z2_fp32_tp2_dp2", "bf16"),  # and DP 2 -> 1
+    ("autotp_z1_bf16_tp2_dp1", "fp16"),  # a new DynamicLossScaler at 2**16 (CPU fp16 forced)
+    ("megatron_z1_bf16_tp2_dp1", "fp32"),  # an mpu, vocabulary padding rows
+    ("autotp_z3_bf16_tp2_dp1", "fp32"),  # ZeRO-3 with AutoTP
+]
+
+
+@pytest.fixture(scope="module")
+def ds_tp_dtype_run(tmp_path_factory):
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_tp_dtype")
+    pairs = []
+    for name, dtype in TP_LIVE_CASES:
+        _reshard(f"autotp/{name}", base / f"{name}_{dtype}", 2, dtype)
+        pairs.append(f"{name}:{dtype}={base / f'{name}_{dtype}'}")
+    _reshard("autotp/autotp_z1_bf16_tp2_dp1", base / "tampered", 2, "fp16", loss_scale=1024.0)
+    pairs.append(f"autotp_z1_bf16_tp2_dp1:fp16={base / 'tampered'}")
+    return run_check_script("ds_tp_reshard_check.py", pairs, args=["--tp-size", "2"], world=2, cwd=base, timeout=900)
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_tp_dtype_changes(ds_tp_dtype_run):
+    """Each TP rank's engine, built with the target's precision, loads its --dtype output: fp32 masters and Adam
+    moments its recorded TP slice exactly, module weights that slice cast (bit for bit), buffers, counters, the
+    loss scaler DeepSpeed starts for the target; one more step. The control (a scaler at 1024) fails on that."""
+    from ds_launch import passed_except_controls
+
+    rc, results, log = ds_tp_dtype_run
+    results, control = passed_except_controls(results, log)
+    assert [r["fixture"] for r in results] == [f"{n}:{d}" for n, d in TP_LIVE_CASES]
+    assert len(control) == 1 and not control[0]["ok"], log
+    assert {p.split(": ", 1)[1] for p in control[0]["problems"]} == {
+        "loss scaler ('DynamicLossScaler', 1024.0, 0) != ('DynamicLossScaler', 65536.0, 0)"}, control[0]["problems"]
+    assert rc == 1, log
+    assert "DTYPE-EVIDENCE autotp_z1_bf16_tp2_dp1:fp16: DeepSpeedZeroOptimizer, module torch.float16" in log
+
+
 def test_cli_says_what_changed_and_what_to_resume_with(tmp_path):
     src = FIXTURES / "s1_bf16_w2_bf16opt" / "ckpt"
     r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "dry"), "-n", "2", "--dtype", "fp16",
