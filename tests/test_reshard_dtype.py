@@ -64,6 +64,15 @@ CASES = [
     ("ds0169_s0_bf16_w2", 2, None, "fp32"),
     # a DeepSpeed universal folder (ds_to_universal of s2_bf16_w2_2groups) written as native fp16 files
     ("universal/s2_bf16_w2_2groups", 3, None, "fp16"),
+    # native MoE: the expert files' params cast from their masters (test_moe_expert_files_recast checks each file)
+    ("moe_s2_bf16_w2_ep2", 2, None, "fp32"),
+    ("moe_s2_fp32_w2_ep1", 2, None, "bf16"),
+    ("moe_s1_bf16_w2_ep2_bf16opt", 2, None, "fp16"),
+    ("moe_s1_bf16_w4_ep2", 2, None, "fp32"),
+    ("moe_s0_fp32_w2_ep2", 2, 1, "bf16"),
+    # AutoEP at ZeRO-3 (no expert files; ZeRO-1/2 targets refused: their expert files hold fused slices)
+    ("autoep/autoep_qwen3_z3_fp32_ep2_dp2", 4, None, "bf16"),
+    ("autoep/autoep_qwen3_z3_bf16_ep2_dp1", 2, None, "fp32"),
 ]
 
 
@@ -149,6 +158,34 @@ def test_dtype_change_keeps_masters_and_moments_and_casts_16bit(fixture, world, 
         assert '"bf16"' not in resume.split(";")[0] and '"fp16"' not in resume.split(";")[0]
         assert 'neither "bf16" nor "fp16" enabled (fp32)' in resume
     assert any(f"precision {src.precision.value} -> {dtype}" in line for line in lines)
+
+
+MOE_FILE_CASES = [("moe_s2_bf16_w2_ep2", 2, None, "fp32"), ("moe_s2_fp32_w2_ep1", 2, None, "bf16"),
+                  ("moe_s2_bf16_w2_ep2", 4, 4, "fp16")]  # the last: and expert-parallel size 2 -> 4
+
+
+@pytest.mark.parametrize("fixture,world,ep,dtype", MOE_FILE_CASES, ids=[f"{f}-n{w}-ep{e}-{d}" for f, w, e, d in MOE_FILE_CASES])
+def test_moe_expert_files_recast(fixture, world, ep, dtype, tmp_path):
+    """Every layer_L_expert_E file of a native MoE --dtype output holds its experts' params as the fixture's
+    recorded fp32 masters cast to the target dtype, bit for bit, and nothing else."""
+    from safetensors.torch import load_file
+
+    cache = FileCache()
+    src = read_checkpoint(FIXTURES / fixture / "ckpt", cache=cache)
+    plan = plan_reshard(src, world, ep_size=ep, facts=read_source_facts(src, cache), dtype=dtype)
+    run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    truth = load_file(str(FIXTURES / fixture / "truth.safetensors"))
+    src_files = sorted(p.name for p in (FIXTURES / fixture / "ckpt" / src.tag).glob("layer_*_expert_*"))
+    files = sorted((tmp_path / "out" / src.tag).glob("layer_*_expert_*"))
+    assert [p.name for p in files] == src_files and files
+    n = 0
+    for f in files:
+        for key, value in safe_load.load(f).items():
+            value = value if isinstance(value, torch.Tensor) else value.load()
+            want = truth[f"param/{key}"].to(TORCH[dtype])
+            assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (f.name, key)
+            n += 1
+    assert n >= 8
 
 
 # tensor parallelism (AutoTP and Megatron-style), ZeRO-1/2 targets: (fixture under autotp/, world, extra flags, dtype)
@@ -272,7 +309,8 @@ REFUSED = [
     ("s0_bf16_w2", ["-n", "2", "--dtype", "fp32"], 3, "without ZeRO: a stage-0 save keeps its precision wrapper"),
     ("s1_fp32_w2", ["-n", "2", "--dtype", "bf16", "--zero-stage", "0"], 3, "without ZeRO"),
     ("pp2_bf16", ["-n", "2", "--dtype", "fp32"], 3, "a pipeline run's layer files hold its 16-bit params"),
-    ("moe_s2_bf16_w2_ep2", ["-n", "2", "--dtype", "fp32"], 3, "Mixture-of-Experts expert files"),
+    ("autoep/autoep_mixtral_z2_bf16_ep2_dp1", ["-n", "2", "--dtype", "fp32"], 3,
+     "AutoEP's expert files (layer_L_expert_X_...) hold each expert-parallel rank's slice"),
     ("s2_bf16_w2_2groups", ["-n", "2", "--dtype", "fp32", "--loss-scale", "128"], 2,
      "--loss-scale starts the dynamic loss scaler of an fp16 target"),
     ("s2_fp16_w2_cpuforced", ["-n", "2", "--dtype", "fp16", "--loss-scale", "128"], 2,

@@ -32,6 +32,7 @@ What DeepSpeed 0.19.8 does, which the target follows:
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -129,9 +130,10 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
     """Why a precision change cannot be written for this target (None: it can). Refused by name: a target
     without ZeRO (the stage-0 wrappers' state dicts -- FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, the
     torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); pipeline
-    parallelism and Mixture of Experts (their layer and expert files hold 16-bit copies dsckpt does not recast
-    yet). A tensor-parallel target is written: each model-parallel rank's trees are recast from its own view's
-    masters (:func:`~dsckpt.ds_writers.build_jobs`)."""
+    parallelism (its layer files hold 16-bit copies dsckpt does not recast yet); an AutoEP ZeRO-1/2 target (its
+    expert files hold each rank's slice of fused expert tensors, not recast yet). Written: tensor-parallel targets
+    (each model-parallel rank's trees recast from its own view's masters, :func:`~dsckpt.ds_writers.build_jobs`),
+    native MoE (each expert file's params, by name, from their masters), AutoEP ZeRO-3 targets (no expert files)."""
     if not precision.changed:
         return None
     what = f"cannot reshard '{src.tag_dir}' from {precision.source.value} to {precision.precision.value}"
@@ -142,9 +144,10 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
     if src.pipeline or pp_target:
         return (f"{what}: a pipeline run's layer files hold its 16-bit params, which dsckpt does not recast; "
                 "write --universal and load it with the precision you want")
-    if src.moe or src.autoep or experts:
-        return (f"{what}: Mixture-of-Experts expert files hold 16-bit params dsckpt does not recast; write "
-                "--universal and load it with the precision you want")
+    if src.autoep and stage != 3:
+        return (f"{what}: AutoEP's expert files (layer_L_expert_X_...) hold each expert-parallel rank's slice of "
+                "the fused expert tensors, which dsckpt does not recast from the masters yet; change the precision "
+                "at --zero-stage 3, or write --universal and load it with the precision you want")
     return None
 
 
@@ -187,16 +190,27 @@ def config_for(config: Any, precision: PrecisionTarget) -> Any:
     return out
 
 
-def retype_tree(tree: Any, precision: PrecisionTarget | None, ckpt: LogicalCheckpoint, cache: Any) -> Any:
+#: DeepSpeed's expert files (engine.py ``_get_expert_ckpt_name``), native MoE and AutoEP
+_EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$")
+
+
+def retype_tree(tree: Any, precision: PrecisionTarget | None, ckpt: LogicalCheckpoint, cache: Any,
+                name: str = "") -> Any:
     """``tree`` (a written file's) rewritten for ``precision``: module params cast from their masters (frozen ones
     from their stored copy; ZeRO-3's 0-element placeholders retyped), floating buffers fp32, ZeRO-2/3 frozen
     fragments cast, the optimizer's loss scaler started anew, the recorded ``ds_config``'s precision block. The tree
-    itself when the precision is kept."""
+    itself when the precision is kept. ``name``: the file's; an expert file (``layer_L_expert_E_...``) holds its
+    experts' params by name, each cast from its master."""
     if precision is None or not precision.changed or not isinstance(tree, Mapping):
         return tree
-    out = dict(tree)
     dtype = precision.bit16_dtype
     by_name = {e.name: e for e in ckpt.entries}
+    if _EXPERT_FILE.match(name):  # a MoE expert file: {param name: its 16-bit (or fp32) module copy}
+        done: dict[str, Any] = {}
+        for key, value in tree.items():
+            done[key] = _retyped(by_name.get(key), value, dtype, ckpt, cache, done) if isinstance(key, str) else value
+        return type(tree)(done.items()) if isinstance(tree, OrderedDict) else done
+    out = dict(tree)
     if isinstance(out.get("module"), Mapping):
         module: OrderedDict[str, Any] = OrderedDict()
         for key, value in out["module"].items():
