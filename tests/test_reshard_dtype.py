@@ -481,6 +481,30 @@ def test_deepspeed_resumes_tp_dtype_changes(ds_tp_dtype_run):
     assert "DTYPE-EVIDENCE autotp_z1_bf16_tp2_dp1:fp16: DeepSpeedZeroOptimizer, module torch.float16" in log
 
 
+# live, native MoE: tests/ds_moe_reshard_check.py builds each NAME:DTYPE pair's engine with the target's precision
+MOE_LIVE_CASES = [("moe_s2_bf16_w2_ep2", "fp32"), ("moe_s2_fp32_w2_ep1", "bf16"),
+                  ("moe_s1_bf16_w2_ep2_bf16opt", "fp32")]  # (fixture, target dtype); 2 ranks each
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_moe_dtype_changes(tmp_path):
+    """engine.load_checkpoint() of each native MoE --dtype output, the engine at the target's precision: fp32
+    masters and Adam moments exact (fragment API and the flat partitions), every param's module copy (experts
+    included) its master cast, counters; then one more step."""
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    pairs = []
+    for name, dtype in MOE_LIVE_CASES:
+        _reshard(name, tmp_path / f"{name}_{dtype}", 2, dtype)
+        pairs.append(f"{name}:{dtype}={tmp_path / f'{name}_{dtype}'}")
+    rc, results, log = run_check_script("ds_moe_reshard_check.py", pairs, world=2, cwd=tmp_path, timeout=900)
+    assert rc == 0 and [r["fixture"] for r in results] == [f"{n}:{d}" for n, d in MOE_LIVE_CASES], log
+    assert all(r["ok"] for r in results), log
+
+
 def test_cli_says_what_changed_and_what_to_resume_with(tmp_path):
     src = FIXTURES / "s1_bf16_w2_bf16opt" / "ckpt"
     r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "dry"), "-n", "2", "--dtype", "fp16",
