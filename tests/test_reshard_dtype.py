@@ -188,6 +188,57 @@ def test_moe_expert_files_recast(fixture, world, ep, dtype, tmp_path):
     assert n >= 8
 
 
+PP_CASES = [("pp2_bf16", 2, [], "fp32"), ("pp2_fp32", 2, [], "bf16"), ("pp2_dp2_bf16", 2, [], "fp16"),
+            ("pp2_dp2_fp32", 4, [], "bf16"), ("pp2_fp32_z0", 2, ["zero_stage=1"], "bf16")]
+
+
+@pytest.mark.parametrize("fixture,world,extra,dtype", PP_CASES, ids=[f"{f}-n{w}-{d}" for f, w, _, d in PP_CASES])
+def test_dtype_change_pipeline(fixture, world, extra, dtype, tmp_path):
+    """A pipeline run (ZeRO-1, no TP) in another precision: masters and moments the fixture's truth, every layer
+    file's params (the tied embedding's copies included) the masters cast, floating buffers fp32."""
+    from safetensors.torch import load_file
+
+    kw = dict(x.split("=") for x in extra)
+    cache = FileCache()
+    src = read_checkpoint(FIXTURES / fixture / "ckpt", cache=cache, tied_keys={0: "embed"} if "z0" in fixture else None)
+    plan = plan_reshard(src, world, zero_stage=int(kw["zero_stage"]) if kw else None,
+                        facts=read_source_facts(src, cache), dtype=dtype)
+    run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    truth = load_file(str(FIXTURES / fixture / "truth.safetensors"))
+    new_cache = FileCache()
+    new = read_checkpoint(tmp_path / "out", cache=new_cache)
+    assert (new.precision.value, new.zero_stage, new.optimizer_wrapper) == (dtype, 1, "DeepSpeedZeroOptimizer")
+    n = 0
+    for e in new.entries:
+        if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
+            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
+            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
+                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            n += 1
+    assert n >= 5
+    # every layer file, every key: a param its master cast (a tied param's every copy), a buffer as truth says, fp32
+    files = sorted((tmp_path / "out" / src.tag).glob("layer_*-model_states.pt"))
+    assert [f.name for f in files] == sorted(p.name for p in (FIXTURES / fixture / "ckpt" / src.tag).glob("layer_*"))
+    checked = 0
+    for f in files:
+        layer = int(f.name[6:8])
+        for key, value in safe_load.load(f).items():
+            value = value if isinstance(value, torch.Tensor) else value.load()
+            name = f"{layer}.{key}"
+            if f"buffer/{name}" in truth:
+                want = truth[f"buffer/{name}"]
+                want = want.float() if want.is_floating_point() else want
+            else:
+                # a layer's own param, or (layer 0, the tied head) the tied embedding's copy
+                want = truth[f"param/{name}" if f"param/{name}" in truth else f"param/tied_modules.embed.{key}"].to(
+                    TORCH[dtype])
+            assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (f.name, key)
+            checked += 1
+    assert checked >= 8
+
+
 # tensor parallelism (AutoTP and Megatron-style), ZeRO-1/2 targets: (fixture under autotp/, world, extra flags, dtype)
 TP_CASES = [
     ("autotp_z1_bf16_tp2_dp1", 2, [], "fp32"),
@@ -308,7 +359,8 @@ def test_bf16_optimizer_source_kept_under_bf16_unless_the_precision_changes():
 REFUSED = [
     ("s0_bf16_w2", ["-n", "2", "--dtype", "fp32"], 3, "without ZeRO: a stage-0 save keeps its precision wrapper"),
     ("s1_fp32_w2", ["-n", "2", "--dtype", "bf16", "--zero-stage", "0"], 3, "without ZeRO"),
-    ("pp2_bf16", ["-n", "2", "--dtype", "fp32"], 3, "a pipeline run's layer files hold its 16-bit params"),
+    ("tp_pipeline/megatron_pp2_tp2_z1_fp32", ["-n", "4", "--dtype", "bf16"], 3,
+     "a tensor-parallel pipeline run's layer files (layer_XX-model_YY-...) hold each TP rank's 16-bit slices"),
     ("autoep/autoep_mixtral_z2_bf16_ep2_dp1", ["-n", "2", "--dtype", "fp32"], 3,
      "AutoEP's expert files (layer_L_expert_X_...) hold each expert-parallel rank's slice"),
     ("s2_bf16_w2_2groups", ["-n", "2", "--dtype", "fp32", "--loss-scale", "128"], 2,
