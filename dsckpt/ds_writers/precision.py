@@ -206,15 +206,15 @@ def _retyped_layer_file(tree: Any, name: str, dtype: str, whole: LogicalCheckpoi
     from ..writers.torch_stream import dtype_name
 
     owner: dict[str, Any] = {}
-    for e in whole.entries:
-        for p in e.pieces:
+    for entry in whole.entries:
+        for p in entry.pieces:
             if p.role is Role.MODULE:
                 for f in p.fragments:
                     if f.file is not None and f.file.name == name and len(f.key) == 1:
-                        owner.setdefault(f.key[0], e)
+                        owner.setdefault(f.key[0], entry)
     out: OrderedDict[str, Any] = OrderedDict()
     for key, value in tree.items():
-        e = owner.get(key)
+        e: Any = owner.get(key)
         if e is None:
             if isinstance(value, torch.Tensor) or dtype_name(value) in ("float16", "bfloat16", "float32"):
                 raise CorruptCheckpointError(f"'{whole.tag_dir}': {name} key '{key}' is no param or buffer dsckpt "
