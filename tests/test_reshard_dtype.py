@@ -557,6 +557,30 @@ def test_deepspeed_resumes_moe_dtype_changes(tmp_path):
     assert all(r["ok"] for r in results), log
 
 
+# live, pipeline: tests/ds_pipeline_reshard_check.py builds each NAME@pp2@dtDTYPE pair's PipelineModule engine with
+# the target's precision (2 ranks: PP 2 x DP 1)
+PP_LIVE_CASES = [("pp2_bf16", "fp32"), ("pp2_fp32", "bf16"), ("pp2_dp2_bf16", "fp32")]  # the last: DP 2 -> 1
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_pipeline_dtype_changes(tmp_path):
+    """engine.load_checkpoint() of each pipeline --dtype output, a PipelineEngine at the target's precision: fp32
+    masters and Adam moments exact, every module weight its master cast (bit for bit), floating buffers fp32,
+    counters; then one more train_batch."""
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    pairs = []
+    for name, dtype in PP_LIVE_CASES:
+        _reshard(name, tmp_path / f"{name}_{dtype}", 2, dtype)
+        pairs.append(f"{name}@pp2@dt{dtype}={tmp_path / f'{name}_{dtype}'}")
+    rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=2, cwd=tmp_path, timeout=900)
+    assert rc == 0 and [r["fixture"] for r in results] == [f"{n}@pp2@dt{d}" for n, d in PP_LIVE_CASES], log
+    assert all(r["ok"] for r in results), log
+
+
 def test_cli_says_what_changed_and_what_to_resume_with(tmp_path):
     src = FIXTURES / "s1_bf16_w2_bf16opt" / "ckpt"
     r = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "dry"), "-n", "2", "--dtype", "fp16",
