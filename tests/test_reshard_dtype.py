@@ -189,7 +189,8 @@ def test_moe_expert_files_recast(fixture, world, ep, dtype, tmp_path):
 
 
 PP_CASES = [("pp2_bf16", 2, [], "fp32"), ("pp2_fp32", 2, [], "bf16"), ("pp2_dp2_bf16", 2, [], "fp16"),
-            ("pp2_dp2_fp32", 4, [], "bf16"), ("pp2_fp32_z0", 2, ["zero_stage=1"], "bf16")]
+            ("pp2_dp2_fp32", 4, [], "bf16"), ("pp2_fp32_z0", 2, ["zero_stage=1"], "bf16"),
+            ("pp2_dp2_bf16_z0", 2, [], "fp32")]  # a stage-0 BF16_Optimizer pipeline save as ZeRO-1 fp32
 
 
 @pytest.mark.parametrize("fixture,world,extra,dtype", PP_CASES, ids=[f"{f}-n{w}-{d}" for f, w, _, d in PP_CASES])
@@ -200,7 +201,7 @@ def test_dtype_change_pipeline(fixture, world, extra, dtype, tmp_path):
 
     kw = dict(x.split("=") for x in extra)
     cache = FileCache()
-    src = read_checkpoint(FIXTURES / fixture / "ckpt", cache=cache, tied_keys={0: "embed"} if "z0" in fixture else None)
+    src = read_checkpoint(FIXTURES / fixture / "ckpt", cache=cache, tied_keys={0: "embed"} if fixture == "pp2_fp32_z0" else None)
     plan = plan_reshard(src, world, zero_stage=int(kw["zero_stage"]) if kw else None,
                         facts=read_source_facts(src, cache), dtype=dtype)
     run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
