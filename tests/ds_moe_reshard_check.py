@@ -75,10 +75,14 @@ def saved_ep_size(ckpt_dir):
 
 def check_one(name, ckpt_dir):
     problems = []
+    name, _, dtype = name.partition(":")  # NAME:DTYPE: a `reshard --dtype DTYPE` output (fp32 or bf16 here)
     name, _, target_stage = name.partition("@")
     spec = dict(fm.FIXTURES[name])
     if target_stage:  # reshard --zero-stage: the fixture's run at another stage
         spec["stage"] = int(target_stage)
+    if dtype:  # the engine built with the target's precision (DeepSpeed's default wrapper: no data_types)
+        spec["dtype"] = dtype
+        spec.pop("extra", None)
     cfg = fm.ds_config(spec)
     if spec["stage"] == 0 and "grad_accum_dtype" in cfg.get("data_types", {}):
         # a BF16_Optimizer run resumed at stage 0, as reshard's hint says: bf16 with fp32 gradient accumulation and
@@ -139,6 +143,11 @@ def check_one(name, ckpt_dir):
                    "exp_avg_sq": safe_get_full_optimizer_state(q, "exp_avg_sq"), "lowp": q.data}
         for key, t in got.items():
             want = truth[f"{key}/{g}"]
+            if dtype and key == "lowp":  # the module copy is the master cast, bit for bit
+                want = truth[f"param/{g}"].to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+                if t.dtype != want.dtype or not torch.equal(t.detach().cpu(), want):
+                    problems.append(f"module weight '{n}' (global '{g}') is not its master cast to {want.dtype}")
+                continue
             if t is None or not torch.equal(t.detach().cpu().to(want.dtype), want):
                 problems.append(f"{key} of '{n}' (global '{g}') differs from the source (fragment API)")
     expected = {n for n in meta["params"] if not n.startswith(mm.EXPERT_PREFIX)

@@ -55,6 +55,9 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
         return check_megatron(name, pp, ckpt_dir, tp, stage0="z0" in opts)
     universal = "universal" in opts
     spec = fm.FIXTURES[name]
+    dtype = next((o[2:] for o in opts if o.startswith("dt")), None)  # @dtDTYPE: a `reshard --dtype DTYPE` output
+    if dtype:  # the engine built with the target's precision (fp32 or bf16 here; DeepSpeed's default wrapper)
+        spec = {**spec, "dtype": dtype}
     with open(os.path.join(HERE, "fixtures", name, "truth.json")) as fh:
         meta = json.load(fh)
     truth = load_file(os.path.join(HERE, "fixtures", name, "truth.safetensors"))
@@ -62,7 +65,7 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
     cfg.pop("train_batch_size", None)
     if "z1" in opts:  # a stage-0 run resharded as ZeRO-1 files (bf16: BF16_Optimizer, the same optimizer)
         cfg["zero_optimization"] = {"stage": 1}
-        if spec.get("dtype") == "bf16":
+        if spec.get("dtype") == "bf16" and not dtype:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if "z0" in opts:  # an fp32 pipeline written at stage 0 (a torch optimizer per stage, no ZeRO files)
         cfg["zero_optimization"] = {"stage": 0}
@@ -94,13 +97,24 @@ def check_one(label: str, ckpt_dir: str) -> list[str]:
                 if t is None or t.shape != want.shape or not torch.equal(t.float(), want):
                     problems.append(f"stage {stage}: {key} of {n} differs from the truth")
                 checked += 1
+            if dtype:  # the module copy is the master cast, bit for bit
+                want = truth[f"param/{n}"].to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+                if q.dtype != want.dtype or not torch.equal(q.detach(), want):
+                    problems.append(f"stage {stage}: module weight {n} is not its master cast to {want.dtype}")
+                checked += 1
         elif not universal:
             want = truth.get(f"lowp/{n}", truth[f"param/{n}"])
-            if not torch.equal(q.detach().to(want.dtype), want):
+            if dtype:  # a frozen param: its one stored copy cast to the target dtype
+                want = want.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+            if q.dtype != want.dtype and dtype or not torch.equal(q.detach().to(want.dtype), want):
                 problems.append(f"stage {stage}: frozen {n} differs from the saved value")
     if not universal:
         for n, b in engine.module.named_buffers():
             want = truth.get(f"buffer/{n}")
+            if dtype and want is not None and want.is_floating_point():  # floating buffers fp32
+                want = want.float()
+                if b.dtype != torch.float32:
+                    problems.append(f"stage {stage}: buffer {n} is {b.dtype}, not fp32")
             if want is not None and not torch.equal(b.to(want.dtype), want):
                 problems.append(f"stage {stage}: buffer {n} differs from the saved value")
     steps = {float(s["step"]) for s in base.state.values() if "step" in s}

@@ -92,13 +92,16 @@ def forced_cpu_fp16(on: bool):
         CPU_Accelerator.is_fp16_supported, CPU_Accelerator.supported_dtypes = saved
 
 
-def build(name, padded=False):
+def build(name, padded=False, dtype=None):
     """``(spec, engine, tp_rank, dp_rank)`` of the fixture's model at TP size ``TP`` (``padded``: a Megatron-style
     model whose vocabulary stays padded at TP 1)."""
     spec = dict(am.AUTOTP_FIXTURES.get(name) or am.AUTOTP_FAILED[name])  # a failed one: made with --out elsewhere
     spec["tp"] = TP
     if args.zero_stage is not None:
         spec["stage"] = args.zero_stage
+    if dtype:  # a `reshard --dtype` output: the engine built with the target's precision (DeepSpeed's defaults)
+        spec["dtype"] = dtype
+        spec["ds_extra"] = {k: v for k, v in spec.get("ds_extra", {}).items() if k != "data_types"}
     cfg = am.ds_config(spec)
     if TP == 1:
         cfg.pop("tensor_parallel", None)
@@ -169,17 +172,21 @@ def megatron_slice(full, n, tp_rank):
 def check_one(name, ckpt_dir):
     import json
 
+    name, _, dtype = name.partition(":")  # NAME:DTYPE: a `reshard --dtype DTYPE` output
     name, _, variant = name.partition("@")
     with open(os.path.join(args.fixtures, name, "truth.json")) as f:
         meta = json.load(f)
-    with forced_cpu_fp16(meta["dtype"] == "fp16"):
-        return _check_one(name, ckpt_dir, meta, padded=variant == "padded")
+    with forced_cpu_fp16("fp16" in (meta["dtype"], dtype)):
+        return _check_one(name, ckpt_dir, meta, padded=variant == "padded", dtype=dtype or None)
 
 
-def _check_one(name, ckpt_dir, meta, padded=False):
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _check_one(name, ckpt_dir, meta, padded=False, dtype=None):
     problems = []
     truth = load_file(os.path.join(args.fixtures, name, "truth.safetensors"))
-    spec, engine, tp_rank, dp_rank = build(name, padded)
+    spec, engine, tp_rank, dp_rank = build(name, padded, dtype)
     megatron = spec["arch"] == "megatron"
     same_tp = TP == meta["tp_size"]
     path, _ = engine.load_checkpoint(ckpt_dir)
@@ -213,6 +220,12 @@ def _check_one(name, ckpt_dir, meta, padded=False):
                 lowp = q.data.detach().cpu().clone()
         else:
             lowp = q.data.detach().cpu()
+        if dtype:  # the 16-bit copy is the master cast (a frozen param: its stored copy cast), bit for bit
+            want = expected(truth, "param" if q.requires_grad else "lowp", n, q, tp_rank, same_tp, megatron,
+                            padded).to(TORCH_DTYPES[dtype])
+            if lowp.dtype != want.dtype or tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp, want):
+                problems.append(f"module weight '{n}' is not its master cast to {want.dtype}")
+            continue
         want = expected(truth, "lowp", n, q, tp_rank, same_tp, megatron, padded)
         if tuple(lowp.shape) != tuple(want.shape) or not torch.equal(lowp.to(want.dtype), want):
             problems.append(f"module weight '{n}' differs from the source")
@@ -227,7 +240,16 @@ def _check_one(name, ckpt_dir, meta, padded=False):
                         f"{meta['global_steps']}/{meta['global_samples']}")
     if "skipped_steps" in meta and engine.skipped_steps != meta["skipped_steps"]:
         problems.append(f"skipped steps {engine.skipped_steps} != {meta['skipped_steps']}")
-    if meta.get("loss_scaler"):  # recorded by generate_autotp.py since the fp16 fixtures: the saved scaler's state
+    if dtype:  # the scaler DeepSpeed starts for the target (ds_writers/precision.py new_loss_scaler)
+        sc = getattr(opt, "loss_scaler", None)
+        got = (type(sc).__name__, float(sc.cur_scale), getattr(sc, "cur_iter", None)) if sc is not None else None
+        want = ("DynamicLossScaler", 65536.0, 0) if dtype == "fp16" else ("LossScaler", 1.0, None)
+        if got != want:
+            problems.append(f"loss scaler {got} != {want}")
+        if dist.get_rank() == 0:
+            print(f"DTYPE-EVIDENCE {name}:{dtype}: {type(engine.optimizer).__name__}, module "
+                  f"{next(engine.module.parameters()).dtype}, loss scaler {got}", flush=True)
+    elif meta.get("loss_scaler"):  # recorded by generate_autotp.py since the fp16 fixtures: the saved scaler's state
         sc = getattr(opt, "loss_scaler", None)
         got = {k: v for k, v in vars(sc).items() if k != "dtype"} if sc is not None else None
         want = {k: v for k, v in meta["loss_scaler"].items() if k not in ("class", "dtype")}
@@ -250,7 +272,10 @@ def _check_one(name, ckpt_dir, meta, padded=False):
     if not same_tp:
         recorded = meta["crosscheck"]["merged_fp32_logits"][f"max_abs_diff_{meta['dtype']}_model"]
         atol += args.logits_atol if args.logits_atol is not None else recorded
-    if not diff <= atol:
+    if dtype:  # another precision computes other logits: finite is what is asked of them
+        if not torch.isfinite(logits).all():
+            problems.append("logits are not finite")
+    elif not diff <= atol:
         problems.append(f"logits differ from the source engine's by {diff:.3g} > {atol:.3g}")
     engine.train()
     ids = am.make_batch(am.STEPS, dp_rank, vocab)

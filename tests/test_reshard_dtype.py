@@ -18,7 +18,7 @@ from dsckpt import safe_load
 from dsckpt.assemble import read_piece
 from dsckpt.cli import main
 from dsckpt.ds_writers.precision import PrecisionTarget, retype_tree
-from dsckpt.errors import UnsupportedCheckpointError, UsageError
+from dsckpt.errors import UsageError
 from dsckpt.model import Kind, Precision, Role
 from dsckpt.readers import FileCache, read_checkpoint
 from dsckpt.reshard import describe_plan, plan_reshard, read_source_facts, run_reshard
@@ -64,6 +64,15 @@ CASES = [
     ("ds0169_s0_bf16_w2", 2, None, "fp32"),
     # a DeepSpeed universal folder (ds_to_universal of s2_bf16_w2_2groups) written as native fp16 files
     ("universal/s2_bf16_w2_2groups", 3, None, "fp16"),
+    # native MoE: the expert files' params cast from their masters (test_moe_expert_files_recast checks each file)
+    ("moe_s2_bf16_w2_ep2", 2, None, "fp32"),
+    ("moe_s2_fp32_w2_ep1", 2, None, "bf16"),
+    ("moe_s1_bf16_w2_ep2_bf16opt", 2, None, "fp16"),
+    ("moe_s1_bf16_w4_ep2", 2, None, "fp32"),
+    ("moe_s0_fp32_w2_ep2", 2, 1, "bf16"),
+    # AutoEP at ZeRO-3 (no expert files; ZeRO-1/2 targets refused: their expert files hold fused slices)
+    ("autoep/autoep_qwen3_z3_fp32_ep2_dp2", 4, None, "bf16"),
+    ("autoep/autoep_qwen3_z3_bf16_ep2_dp1", 2, None, "fp32"),
 ]
 
 
@@ -151,6 +160,179 @@ def test_dtype_change_keeps_masters_and_moments_and_casts_16bit(fixture, world, 
     assert any(f"precision {src.precision.value} -> {dtype}" in line for line in lines)
 
 
+MOE_FILE_CASES = [("moe_s2_bf16_w2_ep2", 2, None, "fp32"), ("moe_s2_fp32_w2_ep1", 2, None, "bf16"),
+                  ("moe_s2_bf16_w2_ep2", 4, 4, "fp16")]  # the last: and expert-parallel size 2 -> 4
+
+
+@pytest.mark.parametrize("fixture,world,ep,dtype", MOE_FILE_CASES, ids=[f"{f}-n{w}-ep{e}-{d}" for f, w, e, d in MOE_FILE_CASES])
+def test_moe_expert_files_recast(fixture, world, ep, dtype, tmp_path):
+    """Every layer_L_expert_E file of a native MoE --dtype output holds its experts' params as the fixture's
+    recorded fp32 masters cast to the target dtype, bit for bit, and nothing else."""
+    from safetensors.torch import load_file
+
+    cache = FileCache()
+    src = read_checkpoint(FIXTURES / fixture / "ckpt", cache=cache)
+    plan = plan_reshard(src, world, ep_size=ep, facts=read_source_facts(src, cache), dtype=dtype)
+    run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    truth = load_file(str(FIXTURES / fixture / "truth.safetensors"))
+    src_files = sorted(p.name for p in (FIXTURES / fixture / "ckpt" / src.tag).glob("layer_*_expert_*"))
+    files = sorted((tmp_path / "out" / src.tag).glob("layer_*_expert_*"))
+    assert [p.name for p in files] == src_files and files
+    n = 0
+    for f in files:
+        for key, value in safe_load.load(f).items():
+            value = value if isinstance(value, torch.Tensor) else value.load()
+            want = truth[f"param/{key}"].to(TORCH[dtype])
+            assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (f.name, key)
+            n += 1
+    assert n >= 8
+
+
+PP_CASES = [("pp2_bf16", 2, [], "fp32"), ("pp2_fp32", 2, [], "bf16"), ("pp2_dp2_bf16", 2, [], "fp16"),
+            ("pp2_dp2_fp32", 4, [], "bf16"), ("pp2_fp32_z0", 2, ["zero_stage=1"], "bf16"),
+            ("pp2_dp2_bf16_z0", 2, [], "fp32")]  # a stage-0 BF16_Optimizer pipeline save as ZeRO-1 fp32
+
+
+@pytest.mark.parametrize("fixture,world,extra,dtype", PP_CASES, ids=[f"{f}-n{w}-{d}" for f, w, _, d in PP_CASES])
+def test_dtype_change_pipeline(fixture, world, extra, dtype, tmp_path):
+    """A pipeline run (ZeRO-1, no TP) in another precision: masters and moments the fixture's truth, every layer
+    file's params (the tied embedding's copies included) the masters cast, floating buffers fp32."""
+    from safetensors.torch import load_file
+
+    kw = dict(x.split("=") for x in extra)
+    cache = FileCache()
+    src = read_checkpoint(FIXTURES / fixture / "ckpt", cache=cache, tied_keys={0: "embed"} if fixture == "pp2_fp32_z0" else None)
+    plan = plan_reshard(src, world, zero_stage=int(kw["zero_stage"]) if kw else None,
+                        facts=read_source_facts(src, cache), dtype=dtype)
+    run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    truth = load_file(str(FIXTURES / fixture / "truth.safetensors"))
+    new_cache = FileCache()
+    new = read_checkpoint(tmp_path / "out", cache=new_cache)
+    assert (new.precision.value, new.zero_stage, new.optimizer_wrapper) == (dtype, 1, "DeepSpeedZeroOptimizer")
+    n = 0
+    for e in new.entries:
+        if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
+            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
+            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
+                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            n += 1
+    assert n >= 5
+    # every layer file, every key: a param its master cast (a tied param's every copy), a buffer as truth says, fp32
+    files = sorted((tmp_path / "out" / src.tag).glob("layer_*-model_states.pt"))
+    assert [f.name for f in files] == sorted(p.name for p in (FIXTURES / fixture / "ckpt" / src.tag).glob("layer_*"))
+    checked = 0
+    for f in files:
+        layer = int(f.name[6:8])
+        for key, value in safe_load.load(f).items():
+            value = value if isinstance(value, torch.Tensor) else value.load()
+            name = f"{layer}.{key}"
+            if f"buffer/{name}" in truth:
+                want = truth[f"buffer/{name}"]
+                want = want.float() if want.is_floating_point() else want
+            else:
+                # a layer's own param, or (layer 0, the tied head) the tied embedding's copy
+                want = truth[f"param/{name}" if f"param/{name}" in truth else f"param/tied_modules.embed.{key}"].to(
+                    TORCH[dtype])
+            assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (f.name, key)
+            checked += 1
+    assert checked >= 8
+
+
+# tensor parallelism (AutoTP and Megatron-style), ZeRO-1/2 targets: (fixture under autotp/, world, extra flags, dtype)
+TP_CASES = [
+    ("autotp_z1_bf16_tp2_dp1", 2, [], "fp32"),
+    ("autotp_z1_bf16_tp2_dp1", 4, [], "fp16"),  # and a world-size change: DP 1 -> 2
+    ("autotp_z2_fp32_tp2_dp2", 4, [], "bf16"),
+    ("autotp_z1_fp16_tp2_dp1_cpuforced", 2, [], "bf16"),
+    ("autotp_z1_bf16_tp2_dp1_frozen_buf", 2, [], "fp32"),  # frozen params and buffers
+    ("autotp_z0_fp32_tp2_dp2", 4, ["zero_stage=1"], "bf16"),  # a stage-0 TP source, ZeRO-1 target
+    ("megatron_z1_bf16_tp2_dp2_bf16opt", 4, [], "fp16"),  # BF16_Optimizer; vocabulary padding rows recast
+    ("megatron_z2_fp32_tp2_dp2", 2, [], "bf16"),
+    ("autotp_z1_bf16_tp4_dp1_kv6", 2, ["tp_size=2"], "fp32"),  # TP re-cut 4 -> 2 (per-file truth not compared)
+    ("autotp_z3_bf16_tp2_dp1", 2, [], "fp32"),
+    ("autotp_z3_fp16_tp2_dp1_cpuforced", 2, [], "bf16"),
+    ("autotp_z1_bf16_tp2_dp1", 2, ["zero_stage=3"], "fp16"),
+    ("autotp_z3_fp32_tp2_dp2", 4, ["zero_stage=2"], "bf16"),
+]
+
+
+@pytest.mark.parametrize("fixture,world,extra,dtype", TP_CASES, ids=[f"{f}-n{w}-{d}{''.join(x)}" for f, w, x, d in TP_CASES])
+def test_dtype_change_tensor_parallel(fixture, world, extra, dtype, tmp_path):
+    """Each TP rank's files recast from its own slices' masters: masters and moments the source's (the fixture's
+    truth, read back merged), every model-states file's module params its TP rank's recorded fp32 slice cast
+    (vocabulary padding rows included), frozen params their stored slice cast, floating buffers fp32."""
+    from safetensors.torch import load_file
+
+    kw = dict(x.split("=") for x in extra)
+    src_dir = FIXTURES / "autotp" / fixture / "ckpt"
+    before = tree_digest(src_dir)
+    cache = FileCache()
+    src = read_checkpoint(src_dir, cache=cache)
+    plan = plan_reshard(src, world, zero_stage=int(kw.get("zero_stage", 0)) or None,
+                        tp_size=int(kw["tp_size"]) if "tp_size" in kw else None,
+                        facts=read_source_facts(src, cache), dtype=dtype)
+    result = run_reshard(plan, tmp_path / "out", cache=cache, verify="full")
+    assert tree_digest(src_dir) == before and result.verified_tensors > 0
+    truth = load_file(str(FIXTURES / "autotp" / fixture / "truth.safetensors"))
+    new_cache = FileCache()
+    new = read_checkpoint(tmp_path / "out", cache=new_cache)
+    tp = int(kw.get("tp_size", src.tp_world_size))
+    assert (new.precision.value, new.tp_world_size, new.dp_world_size * tp) == (dtype, tp, world)
+    stage3 = new.zero_stage == 3
+    assert new.optimizer_wrapper == ("DeepSpeedZeroOptimizer_Stage3" if stage3 else "DeepSpeedZeroOptimizer")
+    compared = 0
+    for e in new.entries:
+        if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
+            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
+            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
+                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            compared += 1
+            if stage3:  # ZeRO-3 files keep no 16-bit copy of a trainable param (0-element placeholders)
+                assert e.piece(Role.MODULE) is None
+                continue
+            module = read_piece(e.piece(Role.MODULE), e.shape, new_cache, name=e.name)
+            assert _bytes(module) == _bytes(master.to(TORCH[dtype])), e.name
+    assert compared > 5
+    tag_dir = tmp_path / "out" / src.tag
+    prefix = "bf16_" if dtype == "bf16" else ""
+    for t in range(tp):
+        tree = safe_load.load(sorted(tag_dir.glob(f"*mp_rank_{t:02d}_model_states.pt"))[0])
+        src_tree = safe_load.load(sorted((src_dir / src.tag).glob(f"*mp_rank_{t:02d}_model_states.pt"))[0])
+        for name, value in tree["module"].items():
+            value = value if isinstance(value, torch.Tensor) else value.load()
+            if stage3 and value.numel() == 0:  # a ZeRO-3 placeholder, in the target's dtype
+                assert value.dtype == TORCH[dtype], name
+                continue
+            src_tree["module"][name] = stored = src_tree["module"][name]
+            if not isinstance(stored, torch.Tensor):
+                src_tree["module"][name] = stored.load()
+            if f"buffer/{name}" in truth or not src_tree["module"][name].is_floating_point() or (
+                    name not in {e.name for e in src.entries if e.kind is Kind.PARAM}):  # buffers: fp32 / as stored
+                stored = src_tree["module"][name]
+                want = stored.float() if stored.is_floating_point() else stored
+            elif tp == src.tp_world_size and f"tp{t}/param/{name}" in truth:  # TP rank t's fp32 slice, cast
+                want = truth[f"tp{t}/param/{name}"].to(TORCH[dtype])
+            elif tp == src.tp_world_size:  # frozen: its stored slice, cast
+                want = src_tree["module"][name].to(TORCH[dtype])
+            else:
+                assert value.dtype in (TORCH[dtype], torch.float32), name
+                continue
+            assert value.dtype == want.dtype and _bytes(value) == _bytes(want), (t, name)
+        optim = sorted(p.name for p in tag_dir.glob(f"*mp_rank_{t:02d}_optim_states.pt"))
+        if stage3:
+            assert optim == [f"{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt" for r in range(world // tp)]
+            continue
+        assert optim == [f"{prefix}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt" for r in range(world // tp)]
+        for f in optim:
+            osd = safe_load.load(tag_dir / f)["optimizer_state_dict"]
+            assert type(osd["loss_scaler"]).__name__ == ("DynamicLossScaler" if dtype == "fp16" else "LossScaler")
+            assert osd["dynamic_loss_scale"] is (dtype == "fp16")
+
+
 def test_loss_scale_sets_the_new_scaler(tmp_path):
     _, _, plan, _ = _reshard("s2_bf16_w2_2groups", tmp_path / "out", 2, "fp16", loss_scale=1024.0)
     for f in sorted((tmp_path / "out" / "global_step3").glob("*optim_states.pt")):
@@ -178,8 +360,10 @@ def test_bf16_optimizer_source_kept_under_bf16_unless_the_precision_changes():
 REFUSED = [
     ("s0_bf16_w2", ["-n", "2", "--dtype", "fp32"], 3, "without ZeRO: a stage-0 save keeps its precision wrapper"),
     ("s1_fp32_w2", ["-n", "2", "--dtype", "bf16", "--zero-stage", "0"], 3, "without ZeRO"),
-    ("pp2_bf16", ["-n", "2", "--dtype", "fp32"], 3, "a pipeline run's layer files hold its 16-bit params"),
-    ("moe_s2_bf16_w2_ep2", ["-n", "2", "--dtype", "fp32"], 3, "Mixture-of-Experts expert files"),
+    ("tp_pipeline/megatron_pp2_tp2_z1_fp32", ["-n", "4", "--dtype", "bf16"], 3,
+     "a tensor-parallel pipeline run's layer files (layer_XX-model_YY-...) hold each TP rank's 16-bit slices"),
+    ("autoep/autoep_mixtral_z2_bf16_ep2_dp1", ["-n", "2", "--dtype", "fp32"], 3,
+     "AutoEP's expert files (layer_L_expert_X_...) hold each expert-parallel rank's slice"),
     ("s2_bf16_w2_2groups", ["-n", "2", "--dtype", "fp32", "--loss-scale", "128"], 2,
      "--loss-scale starts the dynamic loss scaler of an fp16 target"),
     ("s2_fp16_w2_cpuforced", ["-n", "2", "--dtype", "fp16", "--loss-scale", "128"], 2,
@@ -199,16 +383,6 @@ def test_refused_by_name(fixture, args, code, message, tmp_path):
     assert r.exit_code == code, r.output
     assert message in r.output
     assert "Traceback" not in r.output and not (tmp_path / "out").exists() and tree_digest(ckpt) == before
-
-
-def test_tp_source_refused():
-    tp = sorted(p.parent for p in (FIXTURES / "autotp").rglob("latest"))
-    if not tp:
-        pytest.skip("no AutoTP fixture")
-    ckpt = read_checkpoint(tp[0])
-    with pytest.raises(UnsupportedCheckpointError, match="tensor-parallel module slices are not recast"):
-        plan_reshard(ckpt, max(1, ckpt.tp_world_size) * ckpt.dp_world_size, zero_stage=1, dtype="fp16" if
-                     ckpt.precision is not Precision.FP16 else "fp32")
 
 
 def test_loss_scale_usage_error_in_the_api():
@@ -313,6 +487,99 @@ def test_deepspeed_resumes_dtype_changes(ds_dtype_run):
         "'last_overflow_iter': -1, 'cur_hysteresis': 2}"}, control[0]["problems"]
     assert rc == 1, log
     assert "DTYPE-EVIDENCE s2_bf16_w2_2groups:fp16: DeepSpeedZeroOptimizer, loss scaler DynamicLossScaler" in log
+
+
+# live, tensor parallelism: tests/ds_tp_reshard_check.py builds each NAME:DTYPE pair's engine at TP 2 with the target's
+# precision (one launch, 2 ranks: TP 2 x DP 1); the control is an fp16 output whose scaler starts at 1024
+TP_LIVE_CASES = [  # (fixture under autotp/, target dtype)
+    ("autotp_z1_bf16_tp2_dp1", "fp32"),
+    ("autotp_z2_fp32_tp2_dp2", "bf16"),  # and DP 2 -> 1
+    ("autotp_z1_bf16_tp2_dp1", "fp16"),  # a new DynamicLossScaler at 2**16 (CPU fp16 forced)
+    ("megatron_z1_bf16_tp2_dp1", "fp32"),  # an mpu, vocabulary padding rows
+    ("autotp_z3_bf16_tp2_dp1", "fp32"),  # ZeRO-3 with AutoTP
+]
+
+
+@pytest.fixture(scope="module")
+def ds_tp_dtype_run(tmp_path_factory):
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    base = tmp_path_factory.mktemp("ds_tp_dtype")
+    pairs = []
+    for name, dtype in TP_LIVE_CASES:
+        _reshard(f"autotp/{name}", base / f"{name}_{dtype}", 2, dtype)
+        pairs.append(f"{name}:{dtype}={base / f'{name}_{dtype}'}")
+    _reshard("autotp/autotp_z1_bf16_tp2_dp1", base / "tampered", 2, "fp16", loss_scale=1024.0)
+    pairs.append(f"autotp_z1_bf16_tp2_dp1:fp16={base / 'tampered'}")
+    return run_check_script("ds_tp_reshard_check.py", pairs, args=["--tp-size", "2"], world=2, cwd=base, timeout=900)
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_tp_dtype_changes(ds_tp_dtype_run):
+    """Each TP rank's engine, built with the target's precision, loads its --dtype output: fp32 masters and Adam
+    moments its recorded TP slice exactly, module weights that slice cast (bit for bit), buffers, counters, the
+    loss scaler DeepSpeed starts for the target; one more step. The control (a scaler at 1024) fails on that."""
+    from ds_launch import passed_except_controls
+
+    rc, results, log = ds_tp_dtype_run
+    results, control = passed_except_controls(results, log)
+    assert [r["fixture"] for r in results] == [f"{n}:{d}" for n, d in TP_LIVE_CASES]
+    assert len(control) == 1 and not control[0]["ok"], log
+    assert {p.split(": ", 1)[1] for p in control[0]["problems"]} == {
+        "loss scaler ('DynamicLossScaler', 1024.0, 0) != ('DynamicLossScaler', 65536.0, 0)"}, control[0]["problems"]
+    assert rc == 1, log
+    assert "DTYPE-EVIDENCE autotp_z1_bf16_tp2_dp1:fp16: DeepSpeedZeroOptimizer, module torch.float16" in log
+
+
+# live, native MoE: tests/ds_moe_reshard_check.py builds each NAME:DTYPE pair's engine with the target's precision
+MOE_LIVE_CASES = [("moe_s2_bf16_w2_ep2", "fp32"), ("moe_s2_fp32_w2_ep1", "bf16"),
+                  ("moe_s1_bf16_w2_ep2_bf16opt", "fp32")]  # (fixture, target dtype); 2 ranks each
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_moe_dtype_changes(tmp_path):
+    """engine.load_checkpoint() of each native MoE --dtype output, the engine at the target's precision: fp32
+    masters and Adam moments exact (fragment API and the flat partitions), every param's module copy (experts
+    included) its master cast, counters; then one more step."""
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    pairs = []
+    for name, dtype in MOE_LIVE_CASES:
+        _reshard(name, tmp_path / f"{name}_{dtype}", 2, dtype)
+        pairs.append(f"{name}:{dtype}={tmp_path / f'{name}_{dtype}'}")
+    rc, results, log = run_check_script("ds_moe_reshard_check.py", pairs, world=2, cwd=tmp_path, timeout=900)
+    assert rc == 0 and [r["fixture"] for r in results] == [f"{n}:{d}" for n, d in MOE_LIVE_CASES], log
+    assert all(r["ok"] for r in results), log
+
+
+# live, pipeline: tests/ds_pipeline_reshard_check.py builds each NAME@pp2@dtDTYPE pair's PipelineModule engine with
+# the target's precision (2 ranks: PP 2 x DP 1)
+PP_LIVE_CASES = [("pp2_bf16", "fp32"), ("pp2_fp32", "bf16"), ("pp2_dp2_bf16", "fp32")]  # the last: DP 2 -> 1
+
+
+@pytest.mark.live
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_pipeline_dtype_changes(tmp_path):
+    """engine.load_checkpoint() of each pipeline --dtype output, a PipelineEngine at the target's precision: fp32
+    masters and Adam moments exact, every module weight its master cast (bit for bit), floating buffers fp32,
+    counters; then one more train_batch."""
+    from ds_launch import DEEPSPEED, run_check_script
+
+    if not DEEPSPEED.exists():
+        pytest.skip("deepspeed launcher not installed")
+    pairs = []
+    for name, dtype in PP_LIVE_CASES:
+        _reshard(name, tmp_path / f"{name}_{dtype}", 2, dtype)
+        pairs.append(f"{name}@pp2@dt{dtype}={tmp_path / f'{name}_{dtype}'}")
+    rc, results, log = run_check_script("ds_pipeline_reshard_check.py", pairs, world=2, cwd=tmp_path, timeout=900)
+    assert rc == 0 and [r["fixture"] for r in results] == [f"{n}@pp2@dt{d}" for n, d in PP_LIVE_CASES], log
+    assert all(r["ok"] for r in results), log
 
 
 def test_cli_says_what_changed_and_what_to_resume_with(tmp_path):

@@ -225,12 +225,13 @@ def build_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path, cache: 
     from .retarget import rank_view, retarget_tree
 
     facts = SourceFacts((), ())
-    jobs = [(path, retype_tree(retarget_tree(path.name, tree, part, ckpt.tensor_parallel), plan.precision_change,
-                               ckpt, cache))
-            for part in plan.parts()
-            for path, tree in _build_layout_jobs(
-                part, rank_view(ckpt, facts, plan.parallel, part.mp_rank)[0] if plan.mp_ranks else ckpt, tag_dir,
-                cache)]
+    jobs: list[tuple[Path, Any]] = []
+    for part in plan.parts():
+        # a model-parallel rank's trees are recast from its own view's masters (its TP slices, its stage's params)
+        view = rank_view(ckpt, facts, plan.parallel, part.mp_rank)[0] if plan.mp_ranks else ckpt
+        jobs += [(path, retype_tree(retarget_tree(path.name, tree, part, ckpt.tensor_parallel), plan.precision_change,
+                                    view, cache, path.name, ckpt))
+                 for path, tree in _build_layout_jobs(part, view, tag_dir, cache)]
     if plan.recut_layer_files:
         from ..tensor_parallel import rank_view as tp_rank_view
 

@@ -32,6 +32,7 @@ What DeepSpeed 0.19.8 does, which the target follows:
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -128,9 +129,11 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
                       experts: bool) -> str | None:
     """Why a precision change cannot be written for this target (None: it can). Refused by name: a target
     without ZeRO (the stage-0 wrappers' state dicts -- FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, the
-    torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); tensor or pipeline
-    parallelism and Mixture of Experts (their layer, expert and TP files hold 16-bit copies dsckpt does not recast
-    yet)."""
+    torch optimizer at fp32 -- differ in kind, and dsckpt does not rebuild one from another yet); pipeline
+    parallelism (its layer files hold 16-bit copies dsckpt does not recast yet); an AutoEP ZeRO-1/2 target (its
+    expert files hold each rank's slice of fused expert tensors, not recast yet). Written: tensor-parallel targets
+    (each model-parallel rank's trees recast from its own view's masters, :func:`~dsckpt.ds_writers.build_jobs`),
+    native MoE (each expert file's params, by name, from their masters), AutoEP ZeRO-3 targets (no expert files)."""
     if not precision.changed:
         return None
     what = f"cannot reshard '{src.tag_dir}' from {precision.source.value} to {precision.precision.value}"
@@ -138,15 +141,14 @@ def precision_refusal(src: SourceDescription, precision: PrecisionTarget, stage:
         return (f"{what} without ZeRO: a stage-0 save keeps its precision wrapper's own state dict "
                 "(FP16_Optimizer / FP16_UnfusedOptimizer / BF16_Optimizer / the torch optimizer at fp32), which dsckpt "
                 "does not rebuild for another precision; change the precision at --zero-stage 1, 2 or 3")
-    if src.pipeline or pp_target:
-        return (f"{what}: a pipeline run's layer files hold its 16-bit params, which dsckpt does not recast; "
-                "write --universal and load it with the precision you want")
-    if src.tensor_parallel or tp != 1:
-        return (f"{what}: tensor-parallel module slices are not recast by dsckpt; write --universal and load it "
+    if (src.pipeline or pp_target) and (src.tensor_parallel or tp != 1):
+        return (f"{what}: a tensor-parallel pipeline run's layer files (layer_XX-model_YY-...) hold each TP rank's "
+                "16-bit slices, which dsckpt does not recast from the masters yet; write --universal and load it "
                 "with the precision you want")
-    if src.moe or src.autoep or experts:
-        return (f"{what}: Mixture-of-Experts expert files hold 16-bit params dsckpt does not recast; write "
-                "--universal and load it with the precision you want")
+    if src.autoep and stage != 3:
+        return (f"{what}: AutoEP's expert files (layer_L_expert_X_...) hold each expert-parallel rank's slice of "
+                "the fused expert tensors, which dsckpt does not recast from the masters yet; change the precision "
+                "at --zero-stage 3, or write --universal and load it with the precision you want")
     return None
 
 
@@ -189,16 +191,63 @@ def config_for(config: Any, precision: PrecisionTarget) -> Any:
     return out
 
 
-def retype_tree(tree: Any, precision: PrecisionTarget | None, ckpt: LogicalCheckpoint, cache: Any) -> Any:
+#: DeepSpeed's expert files (engine.py ``_get_expert_ckpt_name``), native MoE and AutoEP
+_EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$")
+#: PipelineModule's layer files (module.py ``ckpt_layer_path``) without tensor parallelism
+_LAYER_FILE = re.compile(r"^layer_\d+-model_states\.pt$")
+
+
+def _retyped_layer_file(tree: Any, name: str, dtype: str, whole: LogicalCheckpoint, cache: Any) -> Any:
+    """Layer file ``name``'s ``tree`` recast: each key's entry is the one whose stored module copy (any replica: a
+    tied param's copies) the source keeps at that key of that file; a floating key found in no entry is refused
+    rather than guessed."""
+    import torch
+
+    from ..writers.torch_stream import dtype_name
+
+    owner: dict[str, Any] = {}
+    for entry in whole.entries:
+        for p in entry.pieces:
+            if p.role is Role.MODULE:
+                for f in p.fragments:
+                    if f.file is not None and f.file.name == name and len(f.key) == 1:
+                        owner.setdefault(f.key[0], entry)
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, value in tree.items():
+        e: Any = owner.get(key)
+        if e is None:
+            if isinstance(value, torch.Tensor) or dtype_name(value) in ("float16", "bfloat16", "float32"):
+                raise CorruptCheckpointError(f"'{whole.tag_dir}': {name} key '{key}' is no param or buffer dsckpt "
+                                             "read; it cannot be recast")
+            out[key] = value
+            continue
+        if e.tied_to is not None:
+            e = next(x for x in whole.entries if x.name == e.tied_to)
+        out[key] = _retyped(e, value, dtype, whole, cache, {})
+    return out if isinstance(tree, OrderedDict) else dict(out)
+
+
+def retype_tree(tree: Any, precision: PrecisionTarget | None, ckpt: LogicalCheckpoint, cache: Any,
+                name: str = "", whole: LogicalCheckpoint | None = None) -> Any:
     """``tree`` (a written file's) rewritten for ``precision``: module params cast from their masters (frozen ones
     from their stored copy; ZeRO-3's 0-element placeholders retyped), floating buffers fp32, ZeRO-2/3 frozen
     fragments cast, the optimizer's loss scaler started anew, the recorded ``ds_config``'s precision block. The tree
-    itself when the precision is kept."""
+    itself when the precision is kept. ``name``: the file's; an expert file (``layer_L_expert_E_...``) holds its
+    experts' params by name, each cast from its master; a pipeline layer file (``layer_XX-model_states.pt``, copied
+    from the source) its layer's, found through the source's fragments in ``whole`` (the whole source; ``ckpt`` is
+    the model-parallel rank's view)."""
     if precision is None or not precision.changed or not isinstance(tree, Mapping):
         return tree
-    out = dict(tree)
     dtype = precision.bit16_dtype
     by_name = {e.name: e for e in ckpt.entries}
+    if _EXPERT_FILE.match(name):  # a MoE expert file: {param name: its 16-bit (or fp32) module copy}
+        done: dict[str, Any] = {}
+        for key, value in tree.items():
+            done[key] = _retyped(by_name.get(key), value, dtype, ckpt, cache, done) if isinstance(key, str) else value
+        return type(tree)(done.items()) if isinstance(tree, OrderedDict) else done
+    if _LAYER_FILE.match(name):  # a pipeline layer file: {local key: the layer's param or buffer}, copied
+        return _retyped_layer_file(tree, name, dtype, whole if whole is not None else ckpt, cache)
+    out = dict(tree)
     if isinstance(out.get("module"), Mapping):
         module: OrderedDict[str, Any] = OrderedDict()
         for key, value in out["module"].items():
@@ -327,4 +376,28 @@ def module_copy_problem(e: Any, new_piece: Any, src_cache: Any, new_cache: Any,
     if got.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() != want.contiguous().reshape(-1).view(
             torch.uint8).numpy().tobytes():
         return f"'{e.name}' (module) is not its {'master' if e.trainable else 'stored copy'} cast to {want.dtype}"
+    return None
+
+
+def padding_copy_problem(e: Any, new_piece: Any, src_cache: Any, new_cache: Any,
+                         precision: PrecisionTarget) -> str | None:
+    """Why the output's module copy of ``e``'s vocabulary padding rows (``new_piece``) is not the source's master
+    padding rows cast (a trainable param: Megatron's vocab-parallel loss trains them) or its stored padding cast;
+    None when it is, every value bit for bit."""
+    import torch
+
+    from ..assemble import read_piece
+
+    src = e.padding_piece(Role.MASTER) if e.trainable else None
+    if src is None:
+        src = e.padding_piece(Role.MODULE)
+        if src is None:
+            return None
+    shape = (src.numel,)
+    want = _cast(read_piece(src, shape, src_cache, name=e.name), precision.bit16_dtype)
+    got = read_piece(new_piece, (new_piece.numel,), new_cache, name=e.name)
+    if got.dtype != want.dtype or got.numel() != want.numel():
+        return f"'{e.name}' (module padding rows) is {got.dtype}[{got.numel()}], expected {want.dtype}[{want.numel()}]"
+    if got.view(torch.uint8).numpy().tobytes() != want.view(torch.uint8).numpy().tobytes():
+        return f"'{e.name}' (module padding rows) are not the master's padding rows cast to {want.dtype}"
     return None

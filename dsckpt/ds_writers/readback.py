@@ -121,6 +121,14 @@ def compare_checkpoints(src: LogicalCheckpoint, src_cache: Any, new: LogicalChec
                     problems.append(problem)
                 checked += 1
                 continue
+            if recast is not None and role is Role.MODULE and b is not None:  # module padding rows, recast
+                from .precision import padding_copy_problem
+
+                problem = padding_copy_problem(e, b, src_cache, new_cache, recast)
+                if problem is not None:
+                    problems.append(problem)
+                checked += 1
+                continue
             if a is None or b is None:
                 if (a is None) != (b is None) and role is not Role.MODULE:
                     problems.append(f"'{name}' lost its {what} copy")

@@ -180,7 +180,8 @@ class _Decided:
             notes.append(autotp_note(layout, src.tp_size, self.autotp_meta))
         if stages is not None:
             notes.append(stages.note(layer_files_recut=bool(self.recut_layer_files)))
-        if stages is not None and src.ckpt.zero_stage == 0 and src.wrapper == BF16_WRAPPER:
+        if (stages is not None and src.ckpt.zero_stage == 0 and src.wrapper == BF16_WRAPPER
+                and not self.precision.changed):  # --dtype: DeepSpeedZeroOptimizer files, said by the precision row
             from .stage0 import STAGE0_BF16_PIPELINE_NOTE
 
             notes.append(STAGE0_BF16_PIPELINE_NOTE)

@@ -154,7 +154,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             tree["module"] = module_from_copies(ckpt, tree["module"], cache)
             _set_frozen(tree, plan, ckpt, tree["module"])
         if plan.changes_layout:  # another stage, or wrapper (a stage-0 BF16_Optimizer save's config says stage 0)
-            _set_frozen(tree, plan, ckpt, dict(tree["module"]))
+            _set_frozen(tree, plan, ckpt, dict(tree.get("module") or {}))  # a pipeline's: None (layer files)
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         if _stage0_pipeline(plan, tree):
             # its optimizer state is kept here too; in the ZeRO-1 layout it is in the optimizer files only
