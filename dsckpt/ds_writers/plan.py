@@ -30,6 +30,7 @@ __all__ = [
     "RankPlan",
     "SourceFacts",
     "Target",
+    "UniversalTarget",
     "coalesce",
     "element_nbytes",
     "model_file_name",
@@ -427,3 +428,25 @@ def source_model_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
 def source_optim_files(ckpt: LogicalCheckpoint) -> tuple[Path, ...]:
     """The source's per-rank optimizer files, in rank order."""
     return tuple(sorted((p for p in ckpt.files if "optim_states" in p.name), key=rank_of))
+
+
+@dataclass(frozen=True)
+class UniversalTarget:
+    """What a universal folder of the source is written as (:func:`.target.resolve_universal`; the folder is planned by
+    :func:`.universal.plan_universal`). ``source_stage``: the ZeRO stage whose layout the source's files use
+    (``zero3``: the ZeRO-3 form of the folder); ``from_zero1``: a stage-0 source (or a bf16 pipeline's
+    ``BF16_Optimizer`` files without ``param_shapes``), written as the folder of the ZeRO-1 files of the same run
+    planned at its own size (``zero1_world_size`` ranks); ``pipeline``: a pipeline run, whose model states hold no
+    module (no ``zero/<name>/fp32.pt`` of buffers and frozen params); ``autoep`` / ``expert_cuts``: AutoEP's stacked
+    expert params and their cuts (ds_to_universal's expert keys)."""
+
+    source_stage: int
+    from_zero1: bool
+    zero1_world_size: int
+    pipeline: bool
+    autoep: bool
+    expert_cuts: Any  # Mapping[str, ParamCut]: AutoEP's stacked expert params ({} without AutoEP)
+
+    @property
+    def zero3(self) -> bool:
+        return self.source_stage == 3

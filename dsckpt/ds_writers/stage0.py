@@ -14,7 +14,7 @@ from .moe import at_expert_cut, expp_rank_orders, moe_stage0_refusal, stage0_exp
 from .plan import LayoutPlan
 
 __all__ = ["PIPELINE_NOTE", "STAGE0_BF16_PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero",
-           "stage0_as_zero_source", "stage0_model_trees", "stage0_rebuild_refusal", "stage0_refusal",
+           "stage0_as_zero_source", "stage0_model_trees", "stage0_refusal",
            "stage0_trees_from_zero", "stage0_wrapper", "stage0_wrapper_refusal"]
 
 
@@ -141,27 +141,6 @@ def stage0_refusal(ckpt: LogicalCheckpoint, orders: list[list[str]], world: int)
     return moe_world_refusal(ckpt, world) or stage0_wrapper_refusal(ckpt)
 
 
-def stage0_rebuild_refusal(ckpt: LogicalCheckpoint, facts: Any, parallel: Any, world: int,
-                           moe_recut: bool) -> str | None:
-    """:func:`stage0_refusal` of every model-parallel rank's view of the target, as the planner will see them
-    (:func:`dsckpt.ds_writers.plan_layout`: native MoE at the target's expert cut, then
-    :func:`.retarget.rank_view` per model-parallel rank, then :func:`dsckpt.ds_writers.source_group_orders`): the
-    first refusal, in rank order. Asked by phase 2 (a row of :data:`.target.RULES`) for a rebuilt stage-0 target."""
-    from . import source_group_orders
-    from .moe import retarget_moe
-    from .retarget import rank_view
-
-    if moe_recut:
-        ckpt, facts = retarget_moe(ckpt, facts, parallel.ep_size, world)
-    for m in range(parallel.mp_size) if parallel.model_parallel else (None,):
-        view, view_facts = (ckpt, facts) if m is None else rank_view(ckpt, facts, parallel, m)
-        view, orders = source_group_orders(view, view_facts)
-        why = stage0_refusal(view, orders, world)
-        if why is not None:
-            return why
-    return None
-
-
 def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], common: Mapping[str, Any]) -> LayoutPlan:
     """ZeRO-1/2/3 -> stage 0: one ``mp_rank_00_model_states.pt`` holding the full module and the optimizer state
     DeepSpeed 0.19.8's stage-0 engine loads (engine.py ``_load_checkpoint``: ``optimizer.load_state_dict``), for the
@@ -178,7 +157,7 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     * fp16: the loss scale as those wrappers keep it (``cur_scale``, ``cur_iter`` and, dynamic, ``last_overflow_iter``,
       ``scale_factor``, ``scale_window``; :func:`~.common.stage0_scale_fields`). They have no hysteresis: the ZeRO
       scaler's ``cur_hysteresis`` has nowhere to go (a stage-0 run lowers the scale at the first overflow)."""
-    # what cannot be written was refused in phase 2 (.target.RULES: stage0_rebuild_refusal); a guard here
+    # what cannot be written was refused in phase 2 (.target.RULES: _stage0_rebuilt); a guard here
     why = stage0_refusal(ckpt, orders, common["world_size"])
     if why is not None:
         raise UnsupportedCheckpointError(why)

@@ -20,14 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import DsckptError, UnsupportedCheckpointError, UsageError
 from ..model import Kind, Precision
 from ..parallel_layout import AutoEpLayout, MoeLayout, ParallelTarget, StagePlan, TpLayout
 from ..partition import DEFAULT_SUB_GROUP_SIZE
 from .facts import elastic_target_refusal
-from .plan import BF16_WRAPPER, ZERO3_WRAPPER, ZERO_WRAPPER, PlanWording, Target
+from .plan import BF16_WRAPPER, ZERO3_WRAPPER, ZERO_WRAPPER, PlanWording, Target, UniversalTarget
 from .precision import PrecisionTarget, decide_precision, loss_scale_refusal, precision_refusal
 from .source import SourceDescription
 
@@ -379,12 +379,28 @@ def _precision(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | No
 
 def _stage0_rebuilt(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
     """A stage-0 target rebuilt from the logical checkpoint: what :func:`.stage0.plan_stage0_from_zero` cannot write
-    (:func:`.stage0.stage0_rebuild_refusal`, per model-parallel rank as the planner sees it)."""
+    (:func:`.stage0.stage0_refusal` of every model-parallel rank's view, as the planner will see them:
+    :func:`dsckpt.ds_writers.plan_layout` takes native MoE at the target's expert cut, then
+    :func:`.retarget.rank_view` per model-parallel rank, then :func:`dsckpt.ds_writers.source_group_orders`; the
+    first refusal, in rank order). Here, not in :mod:`.stage0`, so that the layout module needs nothing from the
+    package that imports it."""
     if d.stage != 0 or not d.stage0_rebuilt:
         return None
-    from .stage0 import stage0_rebuild_refusal
+    from . import source_group_orders
+    from .moe import retarget_moe
+    from .retarget import rank_view
+    from .stage0 import stage0_refusal
 
-    return stage0_rebuild_refusal(s.ckpt, s.facts, d.parallel, d.dp, d.moe_recut)
+    ckpt, facts, parallel = s.ckpt, s.facts, d.parallel
+    if d.moe_recut:
+        ckpt, facts = retarget_moe(ckpt, facts, cast(int, parallel.ep_size), d.dp)  # moe_recut: --ep-size given
+    for m in range(parallel.mp_size) if parallel.model_parallel else (None,):
+        view, view_facts = (ckpt, facts) if m is None else rank_view(ckpt, facts, parallel, m)
+        view, orders = source_group_orders(view, view_facts)
+        why = stage0_refusal(view, orders, d.dp)
+        if why is not None:
+            return why
+    return None
 
 
 def _moe_world(s: SourceDescription, r: ReshardRequest, d: _Decided) -> str | None:
@@ -407,28 +423,6 @@ def _positive(flag: str, value: Callable[[ReshardRequest, _Decided], Any], shown
 
 # --------------------------------------------------------------------------------------------
 # A universal folder as the target (reshard --universal): its own decisions and rows
-
-
-@dataclass(frozen=True)
-class UniversalTarget:
-    """What a universal folder of the source is written as (:func:`resolve_universal`; the folder is planned by
-    :func:`.universal.plan_universal`). ``source_stage``: the ZeRO stage whose layout the source's files use
-    (``zero3``: the ZeRO-3 form of the folder); ``from_zero1``: a stage-0 source (or a bf16 pipeline's
-    ``BF16_Optimizer`` files without ``param_shapes``), written as the folder of the ZeRO-1 files of the same run
-    planned at its own size (``zero1_world_size`` ranks); ``pipeline``: a pipeline run, whose model states hold no
-    module (no ``zero/<name>/fp32.pt`` of buffers and frozen params); ``autoep`` / ``expert_cuts``: AutoEP's stacked
-    expert params and their cuts (ds_to_universal's expert keys)."""
-
-    source_stage: int
-    from_zero1: bool
-    zero1_world_size: int
-    pipeline: bool
-    autoep: bool
-    expert_cuts: Any  # Mapping[str, ParamCut]: AutoEP's stacked expert params ({} without AutoEP)
-
-    @property
-    def zero3(self) -> bool:
-        return self.source_stage == 3
 
 
 def resolve_universal(src: SourceDescription) -> UniversalTarget:

@@ -40,17 +40,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..layout import OSD, UNIVERSAL_DIR, UNIVERSAL_OPTIMIZER_STATE
 from ..model import Kind, LogicalCheckpoint, Precision, Role
 from ..readers.common import lookup
 from ..tensor_ref import TensorRef
-from .plan import FlatSpec, LayoutPlan, coalesce, range_copies, rank_of
-
-if TYPE_CHECKING:
-    from .target import UniversalTarget
+from .plan import FlatSpec, LayoutPlan, UniversalTarget, coalesce, range_copies, rank_of
 
 __all__ = ["CastFile", "StateFile", "StepFile", "UniversalPlan", "plan_universal", "universal_tp_keys",
            "universal_trees"]
