@@ -69,10 +69,12 @@ from .plan import (
     FlatSpec,
     GroupPartition,
     LayoutPlan,
+    ModuleSource,
     RangeCopy,
     RankPlan,
     SourceFacts,
     Target,
+    module_source_of,
     source_layout_stage,
     source_model_files,
     source_optim_files,
@@ -153,10 +155,12 @@ def _plan_ranks(ckpt: LogicalCheckpoint, target: Target, facts: SourceFacts, com
         ckpt, orders = source_group_orders(ckpt, facts)
         return plan_stage0_from_zero(ckpt, orders, {
             **common, "zero_stage": 0, "optimizer_wrapper": "stage 0", "source_zero_stage": src_stage,
+            "module_source": module_source_of(src_stage), "pipeline_stage": ckpt.layout == "pipeline",
             "source_optimizer_wrapper": ckpt.optimizer_wrapper, "source_model_files": source_model_files(ckpt)[:1],
             "stage0_rebuilt": True})
     common = {**common, "zero_stage": target.zero_stage, "optimizer_wrapper": target.optimizer_wrapper,
-              "source_zero_stage": src_stage, "source_optimizer_wrapper": ckpt.optimizer_wrapper}
+              "source_zero_stage": src_stage, "source_optimizer_wrapper": ckpt.optimizer_wrapper,
+              "module_source": module_source_of(src_stage), "pipeline_stage": ckpt.layout == "pipeline"}
     if target.zero_stage == 0:
         from .stage0 import plan_stage0
 
@@ -263,7 +267,7 @@ def _build_layout_jobs(plan: LayoutPlan, ckpt: LogicalCheckpoint, tag_dir: Path,
         name, tree = zero12_model_tree(plan, ckpt, cache)
         jobs.append((tag_dir / name, tree))
         jobs += _copied(plan, tag_dir, cache)
-        if isinstance(plan.parallel.experts, AutoEpLayout) and plan.from_stage == 3:
+        if isinstance(plan.parallel.experts, AutoEpLayout) and plan.module_source is ModuleSource.MASTERS_CAST:
             from .autoep import expert_file_trees
 
             jobs += [(tag_dir / n, t) for n, t in expert_file_trees(plan, ckpt, cache)]

@@ -223,8 +223,8 @@ def expert_file_trees(plan: Any, ckpt: LogicalCheckpoint, cache: Any) -> list[tu
     from ..model import Precision, Role
 
     target = _target(plan)
-    dtype = torch.bfloat16 if ckpt.precision is Precision.BF16 else (
-        torch.float16 if ckpt.precision is Precision.FP16 else torch.float32)
+    # the module's dtype: the source's precision, handed down on the plan (the writer does not ask the checkpoint)
+    dtype = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(plan.precision, torch.float32)
     by_name = {e.name: e for e in ckpt.entries}
     out = []
     for layer in target.layers:

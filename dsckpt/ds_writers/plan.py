@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,23 @@ class Target:
 SCALARS_FROM = ("stage-0 model states", "universal", "optimizer file", "optimizer file, kept")
 
 
+class ModuleSource(Enum):
+    """Where a written file's 16-bit module copy (``module``) comes from, decided once from the source's layout
+    (:func:`module_source_of`) and handed to the writers, which do not ask what kind of source they have."""
+
+    FULL_MODULE = "full module"  # a stage-0 source: the whole module is in its model-states file already
+    FLAT_16BIT = "flat 16-bit"  # a ZeRO-1/2 source (or BF16_Optimizer's): the module's 16-bit copy in its files
+    MASTERS_CAST = "masters cast"  # a ZeRO-3 source: no 16-bit copy; the module is the fp32 masters cast
+
+
+def module_source_of(source_stage: int) -> ModuleSource:
+    """The :class:`ModuleSource` of a source whose files have the layout of ZeRO stage ``source_stage``
+    (:func:`source_layout_stage`)."""
+    if source_stage == 0:
+        return ModuleSource.FULL_MODULE
+    return ModuleSource.MASTERS_CAST if source_stage == 3 else ModuleSource.FLAT_16BIT
+
+
 @dataclass(frozen=True)
 class LayoutPlan:
     """Every file of the output save dir and every byte range in it (see the package docstring)."""
@@ -216,6 +234,11 @@ class LayoutPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     hf_files: HfFilesPlan | None = None  # the Trainer's files carried into OUT (see dsckpt.hf)
     source_zero_stage: int | None = None  # None: same as zero_stage
+    # where the written module copy comes from (decided by the planner from the source's layout; module_source_of)
+    module_source: ModuleSource | None = None
+    # the source (this part's view) is one stage of a pipeline: a stage-0 target names its trainable params only
+    # (stage0.PIPELINE_NOTE); decided by the planner from the view's layout
+    pipeline_stage: bool = False
     source_optimizer_wrapper: str | None = None  # None: same as optimizer_wrapper
     sub_group_size: int | None = None  # stage-3 target: the sub_group_size the sub-groups were formed with
     copied_model_files: tuple[Path, ...] = ()  # MoE expert (and stage-0 expp_rank_*) files, rewritten unchanged

@@ -11,11 +11,14 @@ from ..errors import UnsupportedCheckpointError
 from ..model import Kind, LogicalCheckpoint, Piece, Precision, Role
 from .autoep import autoep_stage0_refusal
 from .moe import at_expert_cut, expp_rank_orders, moe_stage0_refusal, stage0_expp_files, stage0_kept_files
-from .plan import LayoutPlan
+from .plan import LayoutPlan, ModuleSource
 
 __all__ = ["PIPELINE_NOTE", "STAGE0_BF16_PIPELINE_NOTE", "plan_stage0", "plan_stage0_from_zero",
            "stage0_as_zero_source", "stage0_model_trees", "stage0_refusal",
-           "stage0_trees_from_zero", "stage0_wrapper", "stage0_wrapper_refusal"]
+           "stage0_trees_from_zero", "stage0_wrapper", "stage0_wrapper_refusal", "STAGE0_TORCH_OPTIMIZER"]
+
+#: :func:`stage0_wrapper`'s answer at fp32: no wrapper, the torch optimizer's own state dict (the readers' name)
+STAGE0_TORCH_OPTIMIZER = "torch optimizer"
 
 
 def plan_stage0(ckpt: LogicalCheckpoint, common: Mapping[str, Any]) -> LayoutPlan:
@@ -104,7 +107,7 @@ def stage0_wrapper_refusal(ckpt: LogicalCheckpoint) -> str | None:
 
 def _stage0_wrapper(ckpt: LogicalCheckpoint) -> str | None:
     if ckpt.precision is Precision.FP32:
-        return "torch optimizer"
+        return STAGE0_TORCH_OPTIMIZER
     cfg = ckpt.ds_config or {}
     opt = cfg.get("optimizer") if isinstance(cfg, Mapping) else None
     if isinstance(opt, Mapping) and opt.get("type") is not None:
@@ -164,7 +167,7 @@ def plan_stage0_from_zero(ckpt: LogicalCheckpoint, orders: list[list[str]], comm
     by_name = {e.name: e for e in ckpt.entries}
     shapes = tuple(tuple((n, by_name[n].shape) for n in names) for names in orders)
     wrapper = stage0_wrapper(ckpt)
-    if ckpt.layout == "pipeline":  # one stage of a pipeline (ds_writers.retarget.rank_view): its trainable params only
+    if common["pipeline_stage"]:  # one stage of a pipeline (ds_writers.retarget.rank_view): its trainable params only
         notes = [PIPELINE_NOTE]
     else:
         notes = ["stage 0: the full module and the optimizer state in mp_rank_00_model_states.pt"
@@ -213,7 +216,7 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     ckpt = at_expert_cut(ckpt, plan.parallel)  # native MoE at --ep-size: the new expert cut
     src = dict(cache.tree(plan.source_model_files[0]))
     module: Mapping[str, Any]
-    if plan.from_stage == 3:
+    if plan.module_source is ModuleSource.MASTERS_CAST:
         module = full_module(ckpt, src["module"], cache)
     elif plan.tp_size != plan.source_tp_size and src["module"] is not None:  # another TP cut: the slices re-cut too
         module = module_from_copies(ckpt, src["module"], cache)
@@ -246,7 +249,10 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
 
     orders = [[n for n, _ in group] for group in plan.param_shapes]
     optimizer: dict[str, Any]
-    fp16 = ckpt.precision is Precision.FP16
+    # the planner's choices (plan_stage0_from_zero): the wrapper (stage0_wrapper: a torch optimizer at fp32), and the
+    # source's precision handed down on the plan (which of them scales the loss)
+    torch_optimizer = plan.optimizer_wrapper == STAGE0_TORCH_OPTIMIZER
+    fp16 = plan.precision is Precision.FP16
     scale = stage0_scale_fields(scalars.loss_scaler, fp16=fp16, cur_iter=ckpt.global_steps or 0)
     expp: list[tuple[str, dict[str, Any]]] = []
     ep_rank_orders = expp_rank_orders(ckpt, orders)  # native MoE: per expert-parallel rank, its optimizer's groups
@@ -258,18 +264,18 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
                 optimizer = {**(scale if fp16 else {}), **fused}
             else:
                 optimizer = torch_state_dict(groups, {n for names in groups for n in names})
-                if ckpt.precision is not Precision.FP32:
+                if not torch_optimizer:  # FP16_UnfusedOptimizer's
                     optimizer = {**scale, "optimizer_state_dict": optimizer,
                                  "fp32_groups": [[whole(n, Role.MASTER) for n in names] for names in groups]}
             expp.append((f"expp_rank_{r}_mp_rank_00_optim_states.pt", {"optimizer": optimizer}))
         optimizer = expp[0][1]["optimizer"]
-    elif ckpt.precision is Precision.FP32 and ckpt.layout == "pipeline":  # the stage's trainable params (PIPELINE_NOTE)
+    elif torch_optimizer and plan.pipeline_stage:  # the stage's trainable params (PIPELINE_NOTE)
         optimizer = torch_state_dict(orders, {n for names in orders for n in names})
-    elif ckpt.precision is Precision.FP32 and len(orders) == 1:
+    elif torch_optimizer and len(orders) == 1:
         # one group: every param the engine was given (model.parameters(), frozen ones too) in module order
         params = [e.name for e in ckpt.entries if e.kind is Kind.PARAM and e.tied_to is None]
         optimizer = torch_state_dict([params], set(orders[0]))
-    elif ckpt.precision is Precision.FP32:  # several groups and no frozen param (plan_stage0_from_zero)
+    elif torch_optimizer:  # several groups and no frozen param (plan_stage0_from_zero)
         optimizer = torch_state_dict(orders, {n for names in orders for n in names})
     elif plan.optimizer_wrapper == "FP16_Optimizer":
         optimizer, module = _fused_optimizer(plan, ckpt, scalars, module, orders, cache)
@@ -282,7 +288,7 @@ def stage0_trees_from_zero(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: A
     src.update(module=module, optimizer=optimizer, param_shapes=None, frozen_param_shapes=None,
                frozen_param_fragments=None, shared_params=None, dp_world_size=plan.world_size,
                ds_config=target_ds_config(src.get("ds_config"), 0, None))
-    if ckpt.layout == "pipeline":
+    if plan.pipeline_stage:
         src["param_shapes"] = shapes_tree(plan)  # names the optimizer's params (PIPELINE_NOTE)
     return [(f"mp_rank_{plan.mp_rank:02d}_model_states.pt", src), *expp]
 
@@ -305,7 +311,7 @@ def _fused_optimizer(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any, mo
     by_name = {e.name: e for e in ckpt.entries}
     out = dict(module)
     flats, inner_state, groups = [], {}, []
-    lowp = "float16" if ckpt.precision is Precision.FP16 else "bfloat16"
+    lowp = "float16" if plan.precision is Precision.FP16 else "bfloat16"
     for g, names in enumerate(orders):
         entries = [by_name[n] for n in names]
         copies = OptimizerCopies(ckpt, entries)
@@ -320,7 +326,8 @@ def _fused_optimizer(plan: LayoutPlan, ckpt: LogicalCheckpoint, scalars: Any, mo
                                           cache)
         groups.append({**scalars.param_groups[g], "params": [g]})
         base: Any
-        if plan.from_stage == 3:  # the 16-bit params exist only as the masters cast (full_module): one flat tensor
+        if plan.module_source is ModuleSource.MASTERS_CAST:  # the 16-bit params: only the masters cast (full_module),
+            # one flat tensor
             import torch
 
             base = torch.cat([module[n].reshape(-1) for n in names]) if names else torch.empty(0)

@@ -48,6 +48,7 @@ from .plan import (
     FlatSpec,
     GroupPartition,
     LayoutPlan,
+    ModuleSource,
     OptimizerCopies,
     RankPlan,
     coalesce,
@@ -144,7 +145,7 @@ def plan_zero12(ckpt: LogicalCheckpoint, world: int, group_orders: Sequence[Sequ
 def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> tuple[str, dict[str, Any]]:
     """The target's ``mp_rank_{mp_rank:02d}_model_states.pt``: its name and tree."""
     name = f"mp_rank_{plan.mp_rank:02d}_model_states.pt"
-    if plan.from_stage in (1, 2):
+    if plan.module_source is ModuleSource.FLAT_16BIT:
         assert len(plan.source_model_files) == 1
         tree = dict(cache.tree(plan.source_model_files[0]))
         tree["dp_world_size"] = plan.world_size
@@ -161,7 +162,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
             tree["optimizer"] = None
             tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
-    if plan.from_stage == 0:  # the full module is there already (16-bit, or fp32 = the master)
+    if plan.module_source is ModuleSource.FULL_MODULE:  # already there (16-bit, or fp32 = the master)
         from .common import zero_keys_from_stage0
 
         tree = dict(cache.tree(plan.source_model_files[0]))
@@ -173,7 +174,7 @@ def zero12_model_tree(plan: LayoutPlan, ckpt: LogicalCheckpoint, cache: Any) -> 
         _set_frozen(tree, plan, ckpt, dict(tree["module"] or {}))  # a pipeline's module is None (in layer files)
         tree["ds_config"] = target_ds_config(tree.get("ds_config"), plan.zero_stage, None)
         return name, tree
-    assert plan.from_stage == 3
+    assert plan.module_source is ModuleSource.MASTERS_CAST
     src = dict(cache.tree(plan.source_model_files[0]))  # source rank 0: its buffers and shared_params
     module = full_module(ckpt, src["module"], cache)
     tree = dict(src)

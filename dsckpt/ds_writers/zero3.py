@@ -36,6 +36,7 @@ from .plan import (
     FlatSpec,
     GroupPartition,
     LayoutPlan,
+    ModuleSource,
     OptimizerCopies,
     RankPlan,
     model_file_name,
@@ -134,11 +135,11 @@ def zero3_model_tree(plan: LayoutPlan, r: RankPlan, ckpt: LogicalCheckpoint, src
     tree = dict(src_models[source_rank])
     if r.rank > 0 and source_rank == 0:
         tree["shared_params"] = {}  # DeepSpeed computes shared_params on rank 0 only (engine.py:5490-5528)
-    if plan.from_stage == 0:
+    if plan.module_source is ModuleSource.FULL_MODULE:
         from .common import zero_keys_from_stage0
 
         zero_keys_from_stage0(tree, ckpt, r.rank)
-    if plan.from_stage != 3:
+    if plan.module_source is not ModuleSource.MASTERS_CAST:
         _partitioned_module(tree, ckpt)
     # every written file records the target's sub_group_size, as the optimizer files do (_template, zero3_optim_tree)
     tree["ds_config"] = target_ds_config(tree.get("ds_config"), 3, plan.sub_group_size)
