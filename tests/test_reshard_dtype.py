@@ -42,6 +42,18 @@ def _reshard(fixture: str, out: Path, world: int, dtype: str | None, stage: int 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
+def _assert_master_and_moments_are_truth(e, cache: FileCache, truth) -> torch.Tensor:
+    """``e``'s fp32 master and both Adam moments in the written checkpoint equal the fixture's recorded truth, bit
+    for bit (a precision change keeps them exactly). Returns the master."""
+    master = read_piece(e.piece(Role.MASTER), e.shape, cache, name=e.name)
+    assert master.dtype == torch.float32
+    assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
+    for key in ("exp_avg", "exp_avg_sq"):
+        got = read_piece(e.state_piece(key), e.shape, cache, name=e.name)
+        assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+    return master
+
+
 
 # (fixture, world size, target ZeRO stage or None, target dtype)
 CASES = [
@@ -100,12 +112,7 @@ def test_dtype_change_keeps_masters_and_moments_and_casts_16bit(fixture, world, 
         if e.tied_to is not None:
             continue
         if e.kind is Kind.PARAM and e.trainable:
-            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
-            assert master.dtype == torch.float32
-            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
-            for key in ("exp_avg", "exp_avg_sq"):
-                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
-                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            master = _assert_master_and_moments_are_truth(e, new_cache, truth)
             compared += 3
             if want_stage == 3:  # ZeRO-3 files keep no 16-bit copy of a trainable param (0-element placeholders)
                 assert e.piece(Role.MODULE) is None
@@ -212,11 +219,7 @@ def test_dtype_change_pipeline(fixture, world, extra, dtype, tmp_path):
     n = 0
     for e in new.entries:
         if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
-            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
-            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
-            for key in ("exp_avg", "exp_avg_sq"):
-                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
-                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            _assert_master_and_moments_are_truth(e, new_cache, truth)
             n += 1
     assert n >= 5
     # every layer file, every key: a param its master cast (a tied param's every copy), a buffer as truth says, fp32
@@ -285,11 +288,7 @@ def test_dtype_change_tensor_parallel(fixture, world, extra, dtype, tmp_path):
     compared = 0
     for e in new.entries:
         if e.kind is Kind.PARAM and e.trainable and e.tied_to is None:
-            master = read_piece(e.piece(Role.MASTER), e.shape, new_cache, name=e.name)
-            assert _bytes(master) == _bytes(truth[f"param/{e.name}"]), e.name
-            for key in ("exp_avg", "exp_avg_sq"):
-                got = read_piece(e.state_piece(key), e.shape, new_cache, name=e.name)
-                assert _bytes(got) == _bytes(truth[f"{key}/{e.name}"]), (e.name, key)
+            master = _assert_master_and_moments_are_truth(e, new_cache, truth)
             compared += 1
             if stage3:  # ZeRO-3 files keep no 16-bit copy of a trainable param (0-element placeholders)
                 assert e.piece(Role.MODULE) is None
