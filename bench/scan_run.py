@@ -27,10 +27,11 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from scan import measure as scan_measure  # bench/scan.py, beside this script
+from scan import warm
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -56,24 +57,9 @@ def files_of(run: Path) -> list[Path]:
     return sorted(p for p in run.rglob("*.pt"))
 
 
-def warm(files: list[Path]) -> None:
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.read(16 << 20):
-                pass
-
-
 def measure(argv: list[str]) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
-    _, status, ru = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    rc = os.waitstatus_to_exitcode(status)
-    if rc not in (0, 1):
-        raise SystemExit(f"{' '.join(argv)} exited {rc}:\n{err}")
-    return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_mb": ru.ru_maxrss / 1024, "rc": rc}
+    """``scan.measure`` with this checkout on ``PYTHONPATH`` (a ``cat`` that fails is an error there too)."""
+    return scan_measure(argv, {**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def main() -> None:
